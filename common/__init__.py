@@ -1,0 +1,1 @@
+"""Shared by every actorlearners script: environments (`common.atari`) and networks (`common.models`)."""
