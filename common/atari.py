@@ -76,7 +76,7 @@ def ale_game(env_id: str) -> str | None:
 def check_env_args(env_id: str, num_envs: int = 1, protocol: str = "deepmind", batch_size: int = 0) -> None:
     """Validate env flags before anything is spawned; raises EnvError with a one-line message."""
     if protocol not in PROTOCOLS:
-        raise EnvError(f"--env-protocol must be one of {', '.join(PROTOCOLS)}, got {protocol!r}")
+        raise EnvError(f"--atari-protocol must be one of {', '.join(PROTOCOLS)}, got {protocol!r}")
     if num_envs < 1:
         raise EnvError(f"the number of environments must be >= 1, got {num_envs}")
     game = ale_game(env_id)
@@ -93,8 +93,9 @@ class EpisodeStatistics(gym.vector.VectorWrapper):
     Works in ale-py's async mode too: `info["env_id"]` says which sub-environments a `recv` returned.
     """
 
-    def __init__(self, env: gym.vector.VectorEnv, *, life_loss: bool = False, clip_rewards: bool = False,
-                 seed: int | None = None):
+    def __init__(
+        self, env: gym.vector.VectorEnv, *, life_loss: bool = False, clip_rewards: bool = False, seed: int | None = None
+    ):
         super().__init__(env)
         self.life_loss, self.clip_rewards, self._seed = life_loss, clip_rewards, seed
         n = self.num_envs
@@ -267,9 +268,7 @@ def make_env(
     if ale_game(env_id) is not None:
         env = _SingleFromVector(make_vector_env(env_id, 1, seed, protocol=protocol, train=False, num_threads=1))
     else:
-        env = gym.wrappers.RecordEpisodeStatistics(
-            gym.make(env_id, render_mode="rgb_array" if capture_video else None)
-        )
+        env = gym.wrappers.RecordEpisodeStatistics(gym.make(env_id, render_mode="rgb_array" if capture_video else None))
         env.action_space.seed(seed)
     if capture_video:
         if not video_dir:

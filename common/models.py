@@ -108,8 +108,18 @@ class ActorCritic(nn.Module):
     [T, B, A], [T, B] and the state after step T-1. `model.initial_state(B)` gives zeros.
     """
 
-    def __init__(self, torso: nn.Module, torso_features: int, num_actions: int, *, head_hidden: tuple[int, ...] = (),
-                 use_lstm: bool = False, lstm_size: int = 256, image: bool = False, channels_last: bool = False):
+    def __init__(
+        self,
+        torso: nn.Module,
+        torso_features: int,
+        num_actions: int,
+        *,
+        head_hidden: tuple[int, ...] = (),
+        use_lstm: bool = False,
+        lstm_size: int = 256,
+        image: bool = False,
+        channels_last: bool = False,
+    ):
         super().__init__()
         self.torso, self.image, self.channels_last, self.num_actions = torso, image, channels_last, num_actions
         self.core = nn.LSTM(torso_features, lstm_size) if use_lstm else None
@@ -158,8 +168,14 @@ class ActorCritic(nn.Module):
         return self.policy(y).reshape(T, B, -1), self.value(y).reshape(T, B), (h, c)
 
 
-def make_model(observation_space: gym.Space, action_space: gym.Space, network: str = "auto", *,
-               use_lstm: bool = False, lstm_size: int = 256) -> ActorCritic:
+def make_model(
+    observation_space: gym.Space,
+    action_space: gym.Space,
+    network: str = "auto",
+    *,
+    use_lstm: bool = False,
+    lstm_size: int = 256,
+) -> ActorCritic:
     """Pick the network from the observation space: `auto` is `nature` for [C, H, W] frames, `mlp` for vectors."""
     if network not in NETWORKS:
         raise ValueError(f"--network must be one of {', '.join(NETWORKS)}, got {network!r}")
@@ -174,10 +190,18 @@ def make_model(observation_space: gym.Space, action_space: gym.Space, network: s
     num_actions = int(action_space.n)
     if network == "mlp":
         torso = nn.Flatten()
-        return ActorCritic(torso, math.prod(shape), num_actions, head_hidden=(64, 64), use_lstm=use_lstm,
-                           lstm_size=lstm_size)
+        return ActorCritic(
+            torso, math.prod(shape), num_actions, head_hidden=(64, 64), use_lstm=use_lstm, lstm_size=lstm_size
+        )
     torso = NatureCNN(shape) if network == "nature" else ImpalaResNet(shape)
     channels_last = network == "impala"
-    model = ActorCritic(torso, torso.out_features, num_actions, use_lstm=use_lstm, lstm_size=lstm_size, image=True,
-                        channels_last=channels_last)
+    model = ActorCritic(
+        torso,
+        torso.out_features,
+        num_actions,
+        use_lstm=use_lstm,
+        lstm_size=lstm_size,
+        image=True,
+        channels_last=channels_last,
+    )
     return model.to(memory_format=torch.channels_last) if channels_last else model

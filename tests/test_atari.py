@@ -9,12 +9,21 @@ from common.atari import EnvError, check_env_args, finished_episodes, make_env, 
 
 def raw_ale(game, num_envs, **kw):
     """The reference: ale-py's vector env with the deepmind frames but no clipping and no life-loss signal."""
-    return AtariVectorEnv(game, num_envs, num_threads=1, autoreset_mode="SameStep", reward_clipping=False,
-                          episodic_life=False, life_loss_info=False, **kw)
+    return AtariVectorEnv(
+        game,
+        num_envs,
+        num_threads=1,
+        autoreset_mode="SameStep",
+        reward_clipping=False,
+        episodic_life=False,
+        life_loss_info=False,
+        **kw,
+    )
 
 
 @pytest.mark.parametrize(
-    ("protocol", "num_actions"), [("deepmind", 6), ("machado", 18)]  # Space Invaders: minimal set 6, full set 18
+    ("protocol", "num_actions"),
+    [("deepmind", 6), ("machado", 18)],  # Space Invaders: minimal set 6, full set 18
 )
 def test_ale_observations_and_actions(protocol, num_actions):
     envs = make_vector_env("ALE/SpaceInvaders-v5", 3, seed=1, protocol=protocol, num_threads=1)
@@ -48,8 +57,7 @@ def play_against_reference(protocol, game="space_invaders", env_id="ALE/SpaceInv
     """Step the wrapped env and the raw reference with the same seed and actions until the first game over."""
     noop_max = 30 if protocol == "deepmind" else 1
     sticky = 0.0 if protocol == "deepmind" else 0.25
-    ref = raw_ale(game, 1, noop_max=noop_max, repeat_action_probability=sticky,
-                  full_action_space=protocol == "machado")
+    ref = raw_ale(game, 1, noop_max=noop_max, repeat_action_probability=sticky, full_action_space=protocol == "machado")
     ref.reset(seed=seed)
     envs = make_vector_env(env_id, 1, seed=seed, protocol=protocol, num_threads=1)
     envs.reset()

@@ -1,0 +1,142 @@
+"""common.models: shapes, parameter counts from the papers' layer tables, scaling, init, and the LSTM state API."""
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch
+
+from common.models import make_model
+
+FRAMES = gym.spaces.Box(0, 255, (4, 84, 84), np.uint8)
+FLAT = gym.spaces.Box(-np.inf, np.inf, (4,), np.float32)
+
+
+def conv(cin, cout, k):
+    return cin * cout * k * k + cout
+
+
+def linear(fin, fout):
+    return fin * fout + fout
+
+
+def expected_params(network, num_actions, obs_dim=4, lstm=0):
+    """Counted by hand from the layer tables (Mnih et al. 2015; Espeholt et al. 2018 Fig. 3; CleanRL's MLP agent)."""
+    if network == "nature":
+        # 84 -> 20 -> 9 -> 7 spatial; 64 * 7 * 7 = 3136 inputs to fc 512
+        torso = conv(4, 32, 8) + conv(32, 64, 4) + conv(64, 64, 3) + linear(3136, 512)
+        features = 512
+    elif network == "impala":
+        torso, cin = 0, 4
+        for c in (16, 32, 32):  # conv + 2 residual blocks of 2 convs each; 84 -> 42 -> 21 -> 11 spatial
+            torso += conv(cin, c, 3) + 4 * conv(c, c, 3)
+            cin = c
+        torso += linear(32 * 11 * 11, 256)
+        features = 256
+    else:  # separate 64-64 policy and value towers
+        return (linear(obs_dim, 64) + linear(64, 64)) * 2 + linear(64, num_actions) + linear(64, 1)
+    core = 0
+    if lstm:  # one layer: 4 gates, input and hidden weights, two bias vectors
+        core = 4 * lstm * (features + lstm) + 2 * 4 * lstm
+        features = lstm
+    return torso + core + linear(features, num_actions) + linear(features, 1)
+
+
+@pytest.mark.parametrize("network", ["nature", "impala"])
+@pytest.mark.parametrize("use_lstm", [False, True])
+def test_image_networks_shapes_and_parameter_counts(network, use_lstm):
+    model = make_model(FRAMES, gym.spaces.Discrete(6), network, use_lstm=use_lstm)
+    assert sum(p.numel() for p in model.parameters()) == expected_params(network, 6, lstm=256 if use_lstm else 0)
+    obs = torch.randint(0, 256, (5, 4, 84, 84), dtype=torch.uint8)
+    if use_lstm:
+        logits, value, (h, c) = model.recurrent(obs.view(1, 5, 4, 84, 84), torch.zeros(1, 5), model.initial_state(5))
+        assert logits.shape == (1, 5, 6) and value.shape == (1, 5) and h.shape == c.shape == (1, 5, 256)
+    else:
+        logits, value = model(obs)
+        assert logits.shape == (5, 6) and value.shape == (5,)
+
+
+def test_known_totals():
+    """Totals quoted elsewhere: Nature A2C with 4 actions, CleanRL's CartPole agent."""
+    assert sum(p.numel() for p in make_model(FRAMES, gym.spaces.Discrete(4), "nature").parameters()) == 1_686_693
+    assert sum(p.numel() for p in make_model(FLAT, gym.spaces.Discrete(2)).parameters()) == 9_155
+
+
+def test_auto_picks_network_from_observation_space():
+    assert type(make_model(FRAMES, gym.spaces.Discrete(4)).torso).__name__ == "NatureCNN"
+    mlp = make_model(FLAT, gym.spaces.Discrete(2))
+    assert sum(p.numel() for p in mlp.parameters()) == expected_params("mlp", 2)
+    logits, value = mlp(torch.zeros(3, 4))
+    assert logits.shape == (3, 2) and value.shape == (3,)
+
+
+@pytest.mark.parametrize("network", ["nature", "impala"])
+def test_uint8_frames_are_scaled_inside(network):
+    torch.manual_seed(0)
+    model = make_model(FRAMES, gym.spaces.Discrete(4), network)
+    obs = torch.randint(0, 256, (3, 4, 84, 84), dtype=torch.uint8)
+    logits, value = model(obs)
+    with torch.no_grad():
+        h = model.torso((obs.double() / 255.0).float())
+        np.testing.assert_allclose(logits.detach(), model.policy(h), rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(value.detach(), model.value(h).squeeze(-1), rtol=1e-4, atol=1e-5)
+
+
+def test_orthogonal_init_gains_and_zero_biases():
+    model = make_model(FRAMES, gym.spaces.Discrete(6), "nature")
+    head = model.policy[-1].weight.detach()  # [6, 512], rows orthogonal with norm 0.01
+    np.testing.assert_allclose(head @ head.T, 0.01**2 * torch.eye(6), atol=1e-7)
+    value = model.value[-1].weight.detach()
+    assert value.norm().item() == pytest.approx(1.0, rel=1e-5)
+    conv1 = model.torso.convs[0].weight.detach().reshape(32, -1)  # [32, 256]: rows orthogonal with norm sqrt(2)
+    np.testing.assert_allclose(conv1 @ conv1.T, 2 * torch.eye(32), atol=1e-4)
+    for name, p in model.named_parameters():
+        if name.endswith("bias"):
+            assert torch.count_nonzero(p) == 0, name
+
+
+def test_lstm_state_resets_where_episodes_start():
+    torch.manual_seed(0)
+    model = make_model(FRAMES, gym.spaces.Discrete(4), "nature", use_lstm=True, lstm_size=32)
+    T, B = 6, 2
+    obs = torch.randint(0, 256, (T, B, 4, 84, 84), dtype=torch.uint8)
+    done = torch.zeros(T, B)
+    done[3, 0] = 1  # obs[3, 0] begins a new episode
+    state = tuple(torch.randn_like(s) for s in model.initial_state(B))  # some state carried from earlier
+    with torch.no_grad():
+        logits, value, _ = model.recurrent(obs, done, state)
+        # Reference for env 0 after the reset: a fresh zero state fed steps 3..5 one at a time.
+        h = c = torch.zeros(1, 1, 32)
+        for t in range(3, T):
+            x = model.features(obs[t, :1])
+            out, (h, c) = model.core(x.unsqueeze(0), (h, c))
+            np.testing.assert_allclose(logits[t, 0], model.policy(out[0, 0]), rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(value[t, 0], model.value(out[0, 0])[0], rtol=1e-5, atol=1e-6)
+        # Env 1 never resets: its output depends on the carried state.
+        fresh, _, _ = model.recurrent(obs[:, 1:], done[:, 1:], model.initial_state(1))
+        assert not torch.allclose(fresh[-1, 0], logits[-1, 1])
+
+
+def test_lstm_unroll_equals_chained_single_steps():
+    torch.manual_seed(1)
+    model = make_model(FLAT, gym.spaces.Discrete(2), "mlp", use_lstm=True, lstm_size=16)
+    T, B = 5, 3
+    obs, done = torch.randn(T, B, 4), (torch.rand(T, B) < 0.3).float()
+    with torch.no_grad():
+        logits, value, final = model.recurrent(obs, done, model.initial_state(B))
+        state = model.initial_state(B)
+        for t in range(T):
+            step_logits, step_value, state = model.recurrent(obs[t : t + 1], done[t : t + 1], state)
+            np.testing.assert_allclose(step_logits[0], logits[t], rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(step_value[0], value[t], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(state[0], final[0], rtol=1e-5, atol=1e-6)
+    with pytest.raises(RuntimeError, match="recurrent"):
+        model(obs[0])
+
+
+def test_bad_network_choices():
+    with pytest.raises(ValueError, match="--network must be one of"):
+        make_model(FRAMES, gym.spaces.Discrete(4), "resnet50")
+    with pytest.raises(ValueError, match="image observations"):
+        make_model(FLAT, gym.spaces.Discrete(2), "impala")
+    with pytest.raises(ValueError, match="Discrete"):
+        make_model(FLAT, gym.spaces.Box(-1, 1, (2,)), "mlp")
