@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import importlib
 import os
 from typing import Any
 
@@ -59,9 +60,17 @@ def _registry() -> dict[str, Any]:
 def ale_game(env_id: str) -> str | None:
     """The ale-py ROM name (`breakout`) behind a registered ALE id, or None for any other gymnasium id.
 
-    Raises EnvError for an id gymnasium does not know, suggesting close matches.
+    Raises EnvError for an id gymnasium does not know, suggesting close matches. Like `gym.make`, it accepts
+    `module:EnvId` and imports `module` first (e.g. `benchmarks.straggler:Straggler-v0`), so a user's own
+    registered env needs no change here.
     """
     registry = _registry()
+    if ":" in env_id:
+        module, env_id = env_id.split(":", 1)
+        try:
+            importlib.import_module(module)
+        except ImportError as e:
+            raise EnvError(f"cannot import {module!r} for env id {env_id!r}: {e}") from None
     if env_id not in registry:
         close = difflib.get_close_matches(env_id, list(registry), n=3, cutoff=0.6)
         hint = f"; did you mean {' or '.join(close)}?" if close else "; see gymnasium.pprint_registry() for ids"

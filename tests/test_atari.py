@@ -186,3 +186,15 @@ def test_bad_ids_and_flags_give_one_line_errors():
 def test_v4_ids_name_the_same_game():
     envs = make_vector_env("BreakoutNoFrameskip-v4", 1, seed=0, num_threads=1)
     assert envs.single_action_space.n == 4 and envs.reset()[0].shape == (1, 4, 84, 84)
+
+
+def test_module_prefixed_ids_import_their_registration(tmp_path, monkeypatch):
+    (tmp_path / "my_envs.py").write_text(
+        "import gymnasium as gym\n"
+        "gym.register('MyCartPole-v0', entry_point='gymnasium.envs.classic_control:CartPoleEnv')\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    envs = make_vector_env("my_envs:MyCartPole-v0", 2, seed=0)
+    assert envs.reset()[0].shape == (2, 4)
+    with pytest.raises(EnvError, match="cannot import"):
+        check_env_args("no_such_module:Foo-v0")
