@@ -1,0 +1,23 @@
+"""Envs that fail on purpose, for the crash and non-finite-loss tests (`--env-id tests.faulty_env:NaNCartPole-v0`)."""
+
+import gymnasium as gym
+from gymnasium.envs.classic_control import CartPoleEnv
+
+
+class FaultyCartPole(CartPoleEnv):
+    def __init__(self, fault: str, after: int):
+        super().__init__()
+        self.fault, self.after, self.steps = fault, after, 0
+
+    def step(self, action):
+        self.steps += 1
+        obs, reward, terminated, truncated, info = super().step(action)
+        if self.steps > self.after:
+            if self.fault == "crash":
+                raise RuntimeError("injected env failure")
+            reward = float("nan")
+        return obs, reward, terminated, truncated, info
+
+
+gym.register("CrashingCartPole-v0", entry_point=FaultyCartPole, kwargs=dict(fault="crash", after=300))
+gym.register("NaNCartPole-v0", entry_point=FaultyCartPole, kwargs=dict(fault="nan", after=300))

@@ -1,0 +1,433 @@
+"""cleanba_ppo_impala.py: GAE and V-trace against slow loops from their definitions, the policy-lag and determinism
+promises of Cleanba's architecture, two ranks with torchrun, end-to-end runs, bad flags and shutdown."""
+
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from cleanba_ppo_impala import gae, ppo_loss, vtrace
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = "cleanba_ppo_impala.py"
+TINY_CARTPOLE = ["--env-id", "CartPole-v1", "--num-envs", "4", "--num-steps", "32", "--log-interval", "1"]
+
+
+# ------------------------------------------------------------------ references written from the definitions
+
+
+def gae_reference(rewards, values, dones, next_value, gamma, lam):
+    """A_t = sum_l (prod_{k=t}^{t+l-1} gamma lam (1 - d_k)) delta_{t+l} (Schulman et al. 2016, Eq. 16)."""
+    T, B = rewards.shape
+    v = np.concatenate([values, next_value[None]], axis=0)
+    delta = rewards + gamma * (1 - dones) * v[1:] - v[:-1]
+    adv = np.zeros((T, B))
+    for b in range(B):
+        for t in range(T):
+            weight = 1.0
+            for k in range(t, T):
+                adv[t, b] += weight * delta[k, b]
+                weight *= gamma * lam * (1 - dones[k, b])
+    return adv
+
+
+def vtrace_reference(mu_logp, pi_logp, rewards, values, dones, next_value, gamma, rho_bar, c_bar, pg_rho_bar):
+    """Espeholt et al. 2018, Eq. 1: v_s = V(x_s) + sum_{t>=s} (prod_{i=s}^{t-1} gamma_i c_i) rho_t delta_t, and the
+    policy-gradient advantage rho^pg_s (r_s + gamma_s v_{s+1} - V(x_s)), with gamma_i = gamma (1 - done_i)."""
+    T, B = rewards.shape
+    ratio = np.exp(pi_logp - mu_logp)
+    v = np.concatenate([values, next_value[None]], axis=0)
+    disc = gamma * (1 - dones)
+    vs = np.zeros((T + 1, B))
+    vs[T] = next_value
+    pg = np.zeros((T, B))
+    for b in range(B):
+        for s in range(T):
+            total, trace = 0.0, 1.0
+            for t in range(s, T):
+                delta = min(rho_bar, ratio[t, b]) * (rewards[t, b] + disc[t, b] * v[t + 1, b] - v[t, b])
+                total += trace * delta
+                trace *= disc[t, b] * min(c_bar, ratio[t, b])
+            vs[s, b] = v[s, b] + total
+        for s in range(T):
+            pg[s, b] = min(pg_rho_bar, ratio[s, b]) * (rewards[s, b] + disc[s, b] * vs[s + 1, b] - v[s, b])
+    return vs[:T], pg
+
+
+def random_rollout(T=7, B=3, seed=0):
+    rng = np.random.default_rng(seed)
+    dones = np.zeros((T, B))
+    dones[2, 0] = dones[5, 1] = dones[T - 1, 2] = 1.0  # episode ends mid-rollout and at the last step
+    return dict(
+        rewards=rng.normal(size=(T, B)),
+        values=rng.normal(size=(T, B)),
+        dones=dones,
+        next_value=rng.normal(size=B),
+        mu=rng.normal(size=(T, B)) - 1.5,
+        pi=rng.normal(size=(T, B)) - 1.5,
+    )
+
+
+def t(x):
+    return torch.tensor(x, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("lam", [0.0, 0.95, 1.0])
+def test_gae_matches_definition(lam):
+    r = random_rollout()
+    got = gae(t(r["rewards"]), t(r["values"]), t(r["dones"]), t(r["next_value"]), 0.99, lam)
+    want = gae_reference(r["rewards"], r["values"], r["dones"], r["next_value"], 0.99, lam)
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize(("rho_bar", "c_bar", "pg_rho_bar"), [(1.0, 1.0, 1.0), (0.7, 1.3, 0.9), (2.0, 0.5, 5.0)])
+def test_vtrace_matches_definition(rho_bar, c_bar, pg_rho_bar):
+    r = random_rollout(seed=1)
+    assert (np.exp(r["pi"] - r["mu"]) > 1.3).any() and (np.exp(r["pi"] - r["mu"]) < 0.5).any()  # clipping matters
+    vs, pg = vtrace(
+        t(r["mu"]),
+        t(r["pi"]),
+        t(r["rewards"]),
+        t(r["values"]),
+        t(r["dones"]),
+        t(r["next_value"]),
+        0.99,
+        rho_bar,
+        c_bar,
+        pg_rho_bar,
+    )
+    want_vs, want_pg = vtrace_reference(
+        r["mu"], r["pi"], r["rewards"], r["values"], r["dones"], r["next_value"], 0.99, rho_bar, c_bar, pg_rho_bar
+    )
+    np.testing.assert_allclose(vs.numpy(), want_vs, rtol=1e-10, atol=1e-10)
+    np.testing.assert_allclose(pg.numpy(), want_pg, rtol=1e-10, atol=1e-10)
+
+
+def test_vtrace_on_policy_is_the_n_step_return():
+    """Known values: with pi = mu and no truncation, v_s is the discounted return bootstrapped at the end."""
+    rewards = t([[1.0], [0.0], [2.0]])
+    values, dones, next_value = t([[0.5], [0.3], [-1.0]]), t([[0.0], [0.0], [0.0]]), t([4.0])
+    logp = torch.zeros(3, 1, dtype=torch.float64)
+    vs, _ = vtrace(logp, logp, rewards, values, dones, next_value, 0.9, 1.0, 1.0, 1.0)
+    assert vs[0, 0].item() == pytest.approx(1 + 0.9 * 0 + 0.81 * 2 + 0.729 * 4)
+    assert vs[2, 0].item() == pytest.approx(2 + 0.9 * 4)
+
+
+def test_ppo_loss_clips_the_ratio():
+    """One sample, advantage +1, ratio e^0.5 > 1 + clip: the clipped term (1.1) is the objective; no gradient."""
+    new_logp = torch.tensor([0.5], requires_grad=True)
+    out = ppo_loss(
+        new_logp,
+        torch.zeros(1),
+        torch.ones(1),
+        torch.zeros(1),
+        torch.zeros(1),
+        torch.zeros(1),
+        clip_coef=0.1,
+        ent_coef=0.0,
+        vf_coef=0.5,
+        norm_adv=False,
+    )
+    assert out["policy_loss"].item() == pytest.approx(-1.1)
+    out["total_loss"].backward()
+    assert new_logp.grad.item() == 0.0
+    out = ppo_loss(
+        torch.tensor([-0.05]),
+        torch.zeros(1),
+        torch.ones(1),
+        torch.tensor([1.0]),
+        torch.tensor([3.0]),
+        torch.tensor([0.7]),
+        clip_coef=0.1,
+        ent_coef=0.01,
+        vf_coef=0.5,
+        norm_adv=False,
+    )
+    assert out["policy_loss"].item() == pytest.approx(-math.exp(-0.05), rel=1e-6)
+    assert out["total_loss"].item() == pytest.approx(-math.exp(-0.05) - 0.01 * 0.7 + 0.5 * 0.5 * 4.0, rel=1e-5)
+
+
+# ------------------------------------------------------------------ running the script
+
+
+def run(args, tmp_path, timeout=240, env=None):
+    cmd = [sys.executable, SCRIPT, "--log-dir", str(tmp_path), *args]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def run_dir_of(tmp_path):
+    (run_dir,) = [p for p in Path(tmp_path).iterdir() if p.is_dir()]
+    return run_dir
+
+
+def scalars(run_dir):
+    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+REQUIRED_TAGS = [
+    "charts/episodic_return",
+    "charts/episodic_length",
+    "charts/SPS",
+    "charts/learning_rate",
+    "charts/policy_lag",
+    "losses/policy_loss",
+    "losses/value_loss",
+    "losses/entropy",
+    "losses/total_loss",
+    "losses/grad_norm",
+    "timing/rollout_queue_get",
+    "timing/param_queue_get",
+]
+
+
+@pytest.mark.parametrize("algo", ["ppo", "impala"])
+def test_cartpole_end_to_end_tags_and_policy_lag(algo, tmp_path):
+    proc = run(
+        [*TINY_CARTPOLE, "--algo", algo, "--total-timesteps", "1280", "--eval-episodes", "2", "--save-model"], tmp_path
+    )
+    assert proc.returncode == 0, proc.stderr
+    run_dir = run_dir_of(tmp_path)
+    logged = scalars(run_dir)
+    for tag in [*REQUIRED_TAGS, "eval/episodic_return"]:
+        assert tag in logged, tag
+        assert all(math.isfinite(v) for _, v in logged[tag]), tag
+    lags = [v for _, v in logged["charts/policy_lag"]]
+    assert len(lags) == 10 and lags == [0] + [1] * 9  # Table 1: second-latest policy from the 2nd update on
+    assert [s for s, _ in logged["charts/SPS"]] == [128 * i for i in range(1, 11)]
+    assert len(logged["eval/episodic_return"]) == 2
+    assert (run_dir / "model.pt").is_file()
+
+
+def test_sync_mode_has_no_policy_lag(tmp_path):
+    proc = run([*TINY_CARTPOLE, "--sync", "--total-timesteps", "640"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert [v for _, v in scalars(run_dir_of(tmp_path))["charts/policy_lag"]] == [0] * 5
+
+
+def final_state(tmp_path, args):
+    proc = run(
+        [*TINY_CARTPOLE, "--num-actor-threads", "2", "--total-timesteps", "1536", "--save-model", *args], tmp_path
+    )
+    assert proc.returncode == 0, proc.stderr
+    run_dir = run_dir_of(tmp_path)
+    returns = [v for _, v in scalars(run_dir)["charts/episodic_return"]]
+    return torch.load(run_dir / "model.pt"), returns
+
+
+@pytest.mark.parametrize("mode", [[], ["--sync"], ["--algo", "impala"]])
+def test_deterministic_even_when_the_learner_is_slowed(mode, tmp_path):
+    """The paper's Figure 2 experiment as a test: slowing the learner must not change what it learns."""
+    fast_params, fast_returns = final_state(tmp_path / "fast", mode)
+    slow_params, slow_returns = final_state(tmp_path / "slow", [*mode, "--learner-delay", "0.05"])
+    assert fast_returns and fast_returns == slow_returns
+    for name, value in fast_params.items():
+        assert torch.equal(value, slow_params[name]), name
+
+
+def test_different_seeds_differ(tmp_path):
+    a, _ = final_state(tmp_path / "a", [])
+    b, _ = final_state(tmp_path / "b", ["--seed", "2"])
+    assert not all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_two_ranks_with_torchrun_end_identical(tmp_path):
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        SCRIPT,
+        "--log-dir",
+        str(tmp_path),
+        *TINY_CARTPOLE,
+        "--total-timesteps",
+        "1024",
+    ]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    assert "max |parameter difference| across 2 ranks: 0" in proc.stdout
+    steps = [s for s, _ in scalars(run_dir_of(tmp_path))["charts/SPS"]]
+    assert steps == [256 * i for i in range(1, 5)]  # global steps count both ranks' envs
+
+
+def test_breakout_end_to_end(tmp_path):
+    proc = run(
+        [
+            "--env-id",
+            "ALE/Breakout-v5",
+            "--num-envs",
+            "4",
+            "--num-steps",
+            "64",
+            "--num-minibatches",
+            "2",
+            "--update-epochs",
+            "1",
+            "--total-timesteps",
+            "1024",
+            "--log-interval",
+            "1",
+        ],
+        tmp_path,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    logged = scalars(run_dir_of(tmp_path))
+    for tag in REQUIRED_TAGS:
+        assert tag in logged and all(math.isfinite(v) for _, v in logged[tag]), tag
+
+
+def test_impala_on_breakout_deepmind_protocol(tmp_path):
+    proc = run(
+        [
+            "--algo",
+            "impala",
+            "--env-id",
+            "ALE/Breakout-v5",
+            "--atari-protocol",
+            "deepmind",
+            "--num-envs",
+            "4",
+            "--total-timesteps",
+            "320",
+            "--log-interval",
+            "1",
+        ],
+        tmp_path,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    logged = scalars(run_dir_of(tmp_path))
+    assert len(logged["losses/total_loss"]) == 4 and all(math.isfinite(v) for _, v in logged["losses/total_loss"])
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--env-id", "ALE/Breakot-v5"], "did you mean ALE/Breakout-v5"),
+        (["--num-envs", "6", "--num-actor-threads", "4"], "multiple of --num-actor-threads"),
+        (["--atari-protocol", "atari57"], "--atari-protocol must be one of"),
+        (["--network", "resnet"], "--network must be one of"),
+        (["--learning-rate", "-1"], "--learning-rate must be > 0"),
+        (["--total-timesteps", "10"], "less than one rollout"),
+        (["--resume", "/nonexistent/checkpoint.pt"], "no such checkpoint"),
+        (["--algo", "impala", "--num-envs", "2"], "whole unrolls"),
+    ],
+)
+def test_bad_flags_one_line_error(args, message, tmp_path):
+    proc = run(args, tmp_path, timeout=60)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], proc.stderr
+    assert not any(Path(tmp_path).iterdir())  # nothing was created
+
+
+def test_crashing_actor_stops_the_run_with_its_traceback(tmp_path):
+    start = time.time()
+    proc = run(
+        [
+            "--env-id",
+            "tests.faulty_env:CrashingCartPole-v0",
+            "--num-envs",
+            "1",
+            "--num-steps",
+            "16",
+            "--total-timesteps",
+            "100000",
+        ],
+        tmp_path,
+        timeout=120,
+    )
+    assert proc.returncode == 1
+    assert "actor thread 0 died" in proc.stderr and "injected env failure" in proc.stderr
+    assert time.time() - start < 60
+
+
+def test_non_finite_loss_stops_and_keeps_last_checkpoint(tmp_path):
+    proc = run(
+        [
+            "--env-id",
+            "tests.faulty_env:NaNCartPole-v0",
+            "--num-envs",
+            "1",
+            "--num-steps",
+            "16",
+            "--num-minibatches",
+            "1",
+            "--total-timesteps",
+            "100000",
+            "--checkpoint-interval",
+            "0.000001",
+        ],
+        tmp_path,
+        timeout=120,
+    )
+    assert proc.returncode == 1
+    assert "non-finite loss" in proc.stderr
+    checkpoint = torch.load(run_dir_of(tmp_path) / "checkpoint.pt", weights_only=False)
+    assert 0 < checkpoint["update"] and all(torch.isfinite(v).all() for v in checkpoint["model"].values())
+
+
+def test_sigint_stops_cleanly_with_checkpoint_and_resume_continues(tmp_path):
+    cmd = [
+        sys.executable,
+        SCRIPT,
+        "--log-dir",
+        str(tmp_path),
+        *TINY_CARTPOLE,
+        "--total-timesteps",
+        "10000000",
+        "--checkpoint-interval",
+        "3600",
+    ]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in proc.stdout:  # wait for training to be under way
+        if line.startswith("step"):
+            break
+    proc.send_signal(signal.SIGINT)
+    start = time.time()
+    _, err = proc.communicate(timeout=30)
+    assert time.time() - start < 10 and proc.returncode == 130, err
+    assert "Traceback" not in err
+    run_dir = run_dir_of(tmp_path)
+    checkpoint = torch.load(run_dir / "checkpoint.pt", weights_only=False)
+    stopped_at = checkpoint["global_step"]
+    assert stopped_at > 0 and stopped_at == max(s for s, _ in scalars(run_dir)["charts/SPS"])
+
+    resumed = run(
+        [*TINY_CARTPOLE, "--total-timesteps", str(stopped_at + 256), "--resume", str(run_dir / "checkpoint.pt")],
+        tmp_path,
+    )
+    assert resumed.returncode == 0, resumed.stderr
+    steps = [s for s, _ in scalars(run_dir)["charts/SPS"]]
+    assert max(steps) == stopped_at + 256 and run_dir_of(tmp_path) == run_dir
+
+
+def test_sigterm_also_stops_cleanly(tmp_path):
+    cmd = [sys.executable, SCRIPT, "--log-dir", str(tmp_path), *TINY_CARTPOLE, "--total-timesteps", "10000000"]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    for line in proc.stdout:
+        if line.startswith("step"):
+            break
+    proc.terminate()
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130 and "Traceback" not in err
