@@ -137,8 +137,8 @@ class Args:
     """seconds between console lines"""
 
 
-PPO_DEFAULTS = dict(num_steps=128, learning_rate=2.5e-4, max_grad_norm=0.5)  # Cleanba cleanba_ppo.py Args
-IMPALA_DEFAULTS = dict(num_steps=20, learning_rate=6e-4, max_grad_norm=40.0)  # Cleanba cleanba_impala.py Args
+PPO_DEFAULTS = {"num_steps": 128, "learning_rate": 2.5e-4, "max_grad_norm": 0.5}  # Cleanba cleanba_ppo.py Args
+IMPALA_DEFAULTS = {"num_steps": 20, "learning_rate": 6e-4, "max_grad_norm": 40.0}  # Cleanba cleanba_impala.py Args
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -423,7 +423,7 @@ def stack_rollouts(rollouts: list[Rollout], device: torch.device) -> dict[str, t
     return {k: v.to(device, non_blocking=True) for k, v in data.items()}
 
 
-def ppo_update(model, optimizer, data, args: Args, generator: torch.Generator, world_size: int, stop) -> dict:
+def ppo_update(model, optimizer, data, args: Args, generator: torch.Generator, world_size: int, errors: list) -> dict:
     """Cleanba's PPO learner: values recomputed with the current parameters, GAE, epochs x shuffled minibatches."""
     T, N = data["rewards"].shape
     with torch.no_grad():  # values of the current learner parameters, as Cleanba's learner recomputes them
@@ -461,12 +461,14 @@ def ppo_update(model, optimizer, data, args: Args, generator: torch.Generator, w
             )
             losses["grad_norm"] = optimizer_step(model, optimizer, losses["total_loss"], args.max_grad_norm, world_size)
             metrics.append({k: v.detach() for k, v in losses.items()})
-            if stop.is_set():  # an actor died: do not finish a long update first
+            if errors:  # an actor died: do not finish a long update first
                 raise Stop
     return {k: torch.stack([m[k] for m in metrics]).mean().item() for k in metrics[0]}
 
 
-def impala_update(model, optimizer, data, args: Args, generator: torch.Generator, world_size: int, stop) -> dict:
+def impala_update(
+    model, optimizer, data, args: Args, generator: torch.Generator, world_size: int, errors: list
+) -> dict:
     """One pass over minibatches of whole unrolls (envs split in `num_minibatches`), V-trace at the current policy."""
     T, N = data["rewards"].shape
     envs_per_mb = N // args.num_minibatches
@@ -495,7 +497,7 @@ def impala_update(model, optimizer, data, args: Args, generator: torch.Generator
         losses = impala_loss(target_logprob, entropy, values, vs, pg_adv, args.ent_coef, args.vf_coef)
         losses["grad_norm"] = optimizer_step(model, optimizer, losses["total_loss"], args.max_grad_norm, world_size)
         metrics.append({k: v.detach() for k, v in losses.items()})
-        if stop.is_set():
+        if errors:
             raise Stop
     return {k: torch.stack([m[k] for m in metrics]).mean().item() for k in metrics[0]}
 
@@ -613,13 +615,21 @@ def evaluate(model: nn.Module, args: Args, run_dir: Path, device: torch.device) 
     return returns
 
 
-def install_sigterm_handler() -> None:
-    """SIGTERM behaves like Ctrl+C: the main thread unwinds through `finally` and shuts down cleanly."""
+def install_stop_handlers(stop: threading.Event, interrupt: threading.Event) -> None:
+    """Ctrl+C and SIGTERM ask every thread to stop; the learner finishes the update in progress (so a checkpoint
+    never holds half an update) and blocked queue calls give up within a second."""
 
     def handler(signum, frame):
-        raise KeyboardInterrupt
+        interrupt.set()
+        stop.set()
 
+    signal.signal(signal.SIGINT, handler)
     signal.signal(signal.SIGTERM, handler)
+
+
+def restore_default_handlers() -> None:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -752,15 +762,14 @@ def main(args: Args) -> None:
     recent_returns: deque[float] = deque(maxlen=20)
     last_checkpoint = last_print = time.time()
     start_time, start_step = time.time(), global_step
-    rollout_wait = param_wait = 0.0
-    install_sigterm_handler()
-    interrupted, failure = False, None
+    interrupt, failure = threading.Event(), None
+    install_stop_handlers(stop, interrupt)
 
     def checkpoint_state() -> dict:
         return dict(
             model=model.state_dict(),
             optimizer=optimizer.state_dict(),
-            update=update,
+            update=completed_updates,
             global_step=global_step,
             learner_rng=learner_gen.get_state(),
             actor_rngs=[g.get_state() for g in actor_gens],
@@ -768,7 +777,7 @@ def main(args: Args) -> None:
             args=asdict(args),
         )
 
-    update = start_update
+    update = completed_updates = start_update
     try:
         publish(start_update)  # pi_1 for the actors' first rollout
         for t in threads:
@@ -786,45 +795,43 @@ def main(args: Args) -> None:
             for group in optimizer.param_groups:
                 group["lr"] = lr
             t1 = time.perf_counter()
-            metrics = update_fn(model, optimizer, stack_rollouts(rollouts, device), args, learner_gen, world_size, stop)
+            data = stack_rollouts(rollouts, device)
+            metrics = update_fn(model, optimizer, data, args, learner_gen, world_size, errors)
             train_time = time.perf_counter() - t1
             global_step += steps_per_update
+            completed_updates = update
+            if writer is not None:
+                sps = (global_step - start_step) / (time.time() - start_time)
+                param_wait = max(r.param_wait for r in rollouts)
+                for ret, length in (ep for r in rollouts for ep in r.episodes):
+                    writer.add_scalar("charts/episodic_return", ret, global_step)
+                    writer.add_scalar("charts/episodic_length", length, global_step)
+                    recent_returns.append(ret)
+                writer.add_scalar("charts/policy_lag", (update - 1) - version, global_step)
+                writer.add_scalar("charts/SPS", sps, global_step)
+                writer.add_scalar("charts/learning_rate", lr, global_step)
+                for name, value in metrics.items():
+                    writer.add_scalar(f"losses/{name}", value, global_step)
+                writer.add_scalar("timing/rollout_queue_get", rollout_wait, global_step)
+                writer.add_scalar("timing/param_queue_get", param_wait, global_step)
+                writer.add_scalar("timing/train", train_time, global_step)
+                if time.time() - last_print >= args.log_interval or j == remaining:
+                    mean_ret = f"{np.mean(recent_returns):.2f}" if recent_returns else "n/a"
+                    print(
+                        f"step {global_step:>10,}  update {update}/{num_updates}  SPS {sps:,.0f}  "
+                        f"return(last {len(recent_returns)}) {mean_ret}  lag {(update - 1) - version}  "
+                        f"wait rollout {rollout_wait:.3f}s param {param_wait:.3f}s",
+                        flush=True,
+                    )
+                    last_print = time.time()
+                if args.checkpoint_interval and time.time() - last_checkpoint >= args.checkpoint_interval:
+                    save_checkpoint(run_dir / "checkpoint.pt", **checkpoint_state())
+                    last_checkpoint = time.time()
+            if stop.is_set():  # Ctrl+C / SIGTERM: stop at this update boundary
+                break
             # publish pi_{update} only if an actor iteration will read it (see actor_thread's skipped 2nd get)
             if j <= remaining - (1 if args.sync else 2):
                 publish(update)
-            if writer is None:
-                continue
-            episodes = [ep for r in rollouts for ep in r.episodes]
-            param_wait = max(r.param_wait for r in rollouts)
-            for ret, length in episodes:
-                writer.add_scalar("charts/episodic_return", ret, global_step)
-                writer.add_scalar("charts/episodic_length", length, global_step)
-                recent_returns.append(ret)
-            sps = (global_step - start_step) / (time.time() - start_time)
-            writer.add_scalar("charts/policy_lag", (update - 1) - version, global_step)
-            writer.add_scalar("charts/SPS", sps, global_step)
-            writer.add_scalar("charts/learning_rate", lr, global_step)
-            for name, value in metrics.items():
-                writer.add_scalar(f"losses/{name}", value, global_step)
-            writer.add_scalar("timing/rollout_queue_get", rollout_wait, global_step)
-            writer.add_scalar("timing/param_queue_get", param_wait, global_step)
-            writer.add_scalar("timing/train", train_time, global_step)
-            now = time.time()
-            if now - last_print >= args.log_interval or j == remaining:
-                mean_ret = f"{np.mean(recent_returns):.2f}" if recent_returns else "n/a"
-                print(
-                    f"step {global_step:>10,}  update {update}/{num_updates}  SPS {sps:,.0f}  "
-                    f"return(last {len(recent_returns)}) {mean_ret}  lag {(update - 1) - version}  "
-                    f"wait rollout {rollout_wait:.3f}s param {param_wait:.3f}s",
-                    flush=True,
-                )
-                last_print = now
-            if args.checkpoint_interval and now - last_checkpoint >= args.checkpoint_interval:
-                save_checkpoint(run_dir / "checkpoint.pt", **checkpoint_state())
-                last_checkpoint = now
-    except KeyboardInterrupt:
-        interrupted = True
-        print("interrupted: shutting down", file=sys.stderr)
     except Stop:
         pass
     except NonFiniteLoss as e:
@@ -833,8 +840,12 @@ def main(args: Args) -> None:
         stop.set()
         for t in threads:
             t.join(timeout=5.0)
+        restore_default_handlers()
     if errors:
         failure = errors[0]
+    interrupted = interrupt.is_set()
+    if interrupted:
+        print(f"interrupted at step {global_step}: shutting down", file=sys.stderr)
     finished = failure is None and not interrupted
     if finished and world_size > 1:  # every rank must hold the same parameters (identical averaged gradients)
         divergence = max_divergence_from_rank0(model)

@@ -14,6 +14,7 @@ Agent steps/s count one action in one env; frames/s = agent steps/s x 4 (frame s
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import platform
@@ -60,43 +61,34 @@ def time_steps(step, batch: int, seconds: float) -> float:
     return n * batch / elapsed
 
 
-def bench_vector(env_id, num_envs, threads, seconds, batch_size=0):
-    envs = make_vector_env(env_id, num_envs, seed=0, num_threads=threads, batch_size=batch_size)
-    batch = batch_size or num_envs
-    actions = np.random.default_rng(0).integers(0, envs.single_action_space.n, (64, batch))
-    envs.reset()
-    i = 0
+def bench_random_actions(envs, batch: int, seconds: float, async_batches: bool = False) -> float:
+    """Agent steps/s of a reset vector env stepped with random actions (send/recv in ale-py's async mode)."""
+    actions = itertools.cycle(np.random.default_rng(0).integers(0, envs.single_action_space.n, (64, batch)))
 
     def step():
-        nonlocal i
-        i += 1
-        if batch_size:
-            envs.send(actions[i % 64])
+        if async_batches:
+            envs.send(next(actions))
             envs.recv()
         else:
-            envs.step(actions[i % 64])
+            envs.step(next(actions))
 
     sps = time_steps(step, batch, seconds)
     envs.close()
     return sps
 
 
+def bench_vector(env_id, num_envs, threads, seconds, batch_size=0):
+    envs = make_vector_env(env_id, num_envs, seed=0, num_threads=threads, batch_size=batch_size)
+    envs.reset()
+    return bench_random_actions(envs, batch_size or num_envs, seconds, async_batches=bool(batch_size))
+
+
 def bench_raw_ale(game, num_envs, threads, seconds):
     from ale_py.vector_env import AtariVectorEnv
 
     envs = AtariVectorEnv(game, num_envs, num_threads=threads, autoreset_mode="SameStep")
-    actions = np.random.default_rng(0).integers(0, envs.single_action_space.n, (64, num_envs))
     envs.reset(seed=0)
-    i = 0
-
-    def step():
-        nonlocal i
-        i += 1
-        envs.step(actions[i % 64])
-
-    sps = time_steps(step, num_envs, seconds)
-    envs.close()
-    return sps
+    return bench_random_actions(envs, num_envs, seconds)
 
 
 def python_wrapped_env(env_id):
@@ -121,17 +113,7 @@ def bench_gym_async(env_id, num_envs, seconds):
         [lambda: python_wrapped_env(env_id)[0]] * num_envs, autoreset_mode=gym.vector.AutoresetMode.SAME_STEP
     )
     envs.reset(seed=0)
-    actions = np.random.default_rng(0).integers(0, envs.single_action_space.n, (64, num_envs))
-    i = 0
-
-    def step():
-        nonlocal i
-        i += 1
-        envs.step(actions[i % 64])
-
-    sps = time_steps(step, num_envs, seconds)
-    envs.close()
-    return sps, label
+    return bench_random_actions(envs, num_envs, seconds), label
 
 
 def bench_single(env_id, seconds):

@@ -380,27 +380,23 @@ def test_non_finite_loss_stops_and_keeps_last_checkpoint(tmp_path):
     assert 0 < checkpoint["update"] and all(torch.isfinite(v).all() for v in checkpoint["model"].values())
 
 
-def test_sigint_stops_cleanly_with_checkpoint_and_resume_continues(tmp_path):
-    cmd = [
-        sys.executable,
-        SCRIPT,
-        "--log-dir",
-        str(tmp_path),
-        *TINY_CARTPOLE,
-        "--total-timesteps",
-        "10000000",
-        "--checkpoint-interval",
-        "3600",
-    ]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    for line in proc.stdout:  # wait for training to be under way
+def interrupt_training(tmp_path, sig, extra=()):
+    """Start a long run, wait for its first console line, send `sig`; returns (seconds to exit, exit code, stderr)."""
+    cmd = [sys.executable, SCRIPT, "--log-dir", str(tmp_path), *TINY_CARTPOLE, "--total-timesteps", "10000000", *extra]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    for line in proc.stdout:  # training is under way
         if line.startswith("step"):
             break
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(sig)
     start = time.time()
     _, err = proc.communicate(timeout=30)
-    assert time.time() - start < 10 and proc.returncode == 130, err
-    assert "Traceback" not in err
+    return time.time() - start, proc.returncode, err
+
+
+def test_sigint_stops_cleanly_with_checkpoint_and_resume_continues(tmp_path):
+    seconds, code, err = interrupt_training(tmp_path, signal.SIGINT, ["--checkpoint-interval", "3600"])
+    assert seconds < 10 and code == 130 and "Traceback" not in err, err
     run_dir = run_dir_of(tmp_path)
     checkpoint = torch.load(run_dir / "checkpoint.pt", weights_only=False)
     stopped_at = checkpoint["global_step"]
@@ -416,18 +412,5 @@ def test_sigint_stops_cleanly_with_checkpoint_and_resume_continues(tmp_path):
 
 
 def test_sigterm_also_stops_cleanly(tmp_path):
-    cmd = [sys.executable, SCRIPT, "--log-dir", str(tmp_path), *TINY_CARTPOLE, "--total-timesteps", "10000000"]
-    proc = subprocess.Popen(
-        cmd,
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    for line in proc.stdout:
-        if line.startswith("step"):
-            break
-    proc.terminate()
-    _, err = proc.communicate(timeout=30)
-    assert proc.returncode == 130 and "Traceback" not in err
+    seconds, code, err = interrupt_training(tmp_path, signal.SIGTERM)
+    assert seconds < 10 and code == 130 and "Traceback" not in err, err
