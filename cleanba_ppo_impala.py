@@ -728,7 +728,11 @@ def main(args: Args) -> None:
         [Rollout.allocate(args.num_steps, envs_per_thread, obs_space.shape, obs_dtype) for _ in range(2)]
         for _ in range(args.num_actor_threads)
     ]
-    actor_models = [make_model(obs_space, act_space, network).to(device) for _ in range(args.num_actor_threads)]
+    # actor copies: the Nature network infers faster contiguous on CPU, trains faster channels_last (common.models)
+    actor_models = [
+        make_model(obs_space, act_space, network, channels_last=network != "nature").to(device)
+        for _ in range(args.num_actor_threads)
+    ]
     remaining = num_updates - start_update
     threads = [
         threading.Thread(

@@ -10,8 +10,9 @@
 uint8 frames are scaled to [0, 1] inside the model, so actors ship uint8 observations. Initialisation follows the
 reference A2C/PPO code (baselines, CleanRL): orthogonal weights with gain sqrt(2) for hidden layers, 0.01 for the
 policy head, 1 for the value head, zero biases; the IMPALA ResNet's convolutions keep PyTorch's default init, as in
-CleanRL's IMPALA-CNN. The IMPALA ResNet runs in `channels_last` memory format, which oneDNN executed about 2x
-faster on this project's 2-core CPU; the Nature network measured no faster that way, so it stays contiguous.
+CleanRL's IMPALA-CNN. Image networks run in `channels_last` memory format by default: on this project's 2-core CPU
+oneDNN trained the Nature network about 1.3x and the IMPALA ResNet about 2x faster that way (inference alone of the
+Nature network at batch 8 was about 10% slower, so an actor-only copy may pass `channels_last=False`).
 """
 
 from __future__ import annotations
@@ -175,6 +176,7 @@ def make_model(
     *,
     use_lstm: bool = False,
     lstm_size: int = 256,
+    channels_last: bool = True,
 ) -> ActorCritic:
     """Pick the network from the observation space: `auto` is `nature` for [C, H, W] frames, `mlp` for vectors."""
     if network not in NETWORKS:
@@ -194,7 +196,6 @@ def make_model(
             torso, math.prod(shape), num_actions, head_hidden=(64, 64), use_lstm=use_lstm, lstm_size=lstm_size
         )
     torso = NatureCNN(shape) if network == "nature" else ImpalaResNet(shape)
-    channels_last = network == "impala"
     model = ActorCritic(
         torso,
         torso.out_features,

@@ -140,3 +140,15 @@ def test_bad_network_choices():
         make_model(FLAT, gym.spaces.Discrete(2), "impala")
     with pytest.raises(ValueError, match="Discrete"):
         make_model(FLAT, gym.spaces.Box(-1, 1, (2,)), "mlp")
+
+
+@pytest.mark.parametrize("network", ["nature", "impala"])
+def test_memory_format_does_not_change_the_function(network):
+    torch.manual_seed(3)
+    fast = make_model(FRAMES, gym.spaces.Discrete(4), network)
+    plain = make_model(FRAMES, gym.spaces.Discrete(4), network, channels_last=False)
+    plain.load_state_dict(fast.state_dict())
+    obs = torch.randint(0, 256, (4, 4, 84, 84), dtype=torch.uint8)
+    with torch.no_grad():
+        for a, b in zip(fast(obs), plain(obs), strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
