@@ -668,11 +668,13 @@ def main(args: Args) -> None:
     # ---- envs, models, optimizer
     threads_per_env = args.env_threads or max(1, (os.cpu_count() or 1) // args.num_actor_threads)
     envs_per_thread = args.num_envs // args.num_actor_threads
-    all_envs = [  # env e of rank r has seed `seed + 10_000 r + e`, whichever thread steps it
+    # env e of rank r has seed `seed + 10_000 r + e` whichever thread steps it (shifted on resume: new episodes)
+    env_seed0 = args.seed + 10_000 * rank + (1_000_003 * checkpoint["update"] if checkpoint else 0)
+    all_envs = [
         make_vector_env(
             args.env_id,
             envs_per_thread,
-            args.seed + 10_000 * rank + envs_per_thread * i,
+            env_seed0 + envs_per_thread * i,
             protocol=args.atari_protocol,
             num_threads=threads_per_env,
         )
