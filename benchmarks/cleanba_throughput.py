@@ -10,7 +10,7 @@ after a warm-up share of the run), efficiency = SPS / ceiling, the share of the 
 `rollout_Q.get` and of the actor's on `param_Q.get` (Cleanba's bottleneck diagnosis), peak RSS and RSS growth.
 
     python benchmarks/cleanba_throughput.py                       # both algorithms, both modes
-    python benchmarks/cleanba_throughput.py --algos ppo --updates 40 --extra-args --torch-threads 1
+    python benchmarks/cleanba_throughput.py --algos ppo -- --torch-threads 1    # flags after -- go to the script
 """
 
 from __future__ import annotations
@@ -44,14 +44,14 @@ class Args:
     """ALE game"""
     algos: list[str] = field(default_factory=lambda: ["ppo", "impala"])
     """algorithms to measure"""
+    modes: list[str] = field(default_factory=lambda: ["sync", "cleanba"])
+    """architectures to run: `sync` (--sync) and/or `cleanba`"""
     updates: int = 30
     """learner updates per script run (the first `warmup` share is not counted)"""
     warmup: float = 0.25
     """share of the run's updates skipped before measuring steady-state steps/s"""
     component_seconds: float = 5.0
     """seconds spent measuring each ceiling component"""
-    extra_args: list[str] = field(default_factory=list)
-    """extra flags passed to the script runs (e.g. --num-envs 16 --torch-threads 1)"""
     out: str = "benchmarks/results/cleanba_throughput.json"
     """where the JSON results go"""
 
@@ -109,8 +109,7 @@ def ceiling_components(env_id: str, algo: str, extra: list[str], seconds: float)
     else:
         optimizer = torch.optim.RMSprop(model.parameters(), lr=args.learning_rate, eps=args.rmsprop_eps)
         update = cleanba.impala_update
-    stop = threading.Event()
-    train_sps = timed_rate(lambda: update(model, optimizer, data, args, gen, 1, stop), T * N, seconds)
+    train_sps = timed_rate(lambda: update(model, optimizer, data, args, gen, 1, []), T * N, seconds)
     envs.close()
     ceiling = 1.0 / (1.0 / env_sps + 1.0 / infer_sps + 1.0 / train_sps)
     return dict(
@@ -196,11 +195,11 @@ def run_script(env_id: str, algo: str, sync: bool, updates: int, warmup: float, 
     )
 
 
-def main(args: Args) -> None:
+def main(args: Args, extra: list[str]) -> None:
     rows, components = [], {}
-    print(f"{args.env_id}, {os.cpu_count()} CPUs, torch {torch.__version__}, extra flags: {args.extra_args}")
+    print(f"{args.env_id}, {os.cpu_count()} CPUs, torch {torch.__version__}, extra flags: {extra}")
     for algo in args.algos:
-        comp = ceiling_components(args.env_id, algo, args.extra_args, args.component_seconds)
+        comp = ceiling_components(args.env_id, algo, extra, args.component_seconds)
         components[algo] = comp
         print(
             f"[{algo}] {comp['num_envs']} envs x {comp['num_steps']} steps, {comp['network']} network: "
@@ -208,8 +207,8 @@ def main(args: Args) -> None:
             f"-> ceiling {comp['ceiling']:,.0f} agent steps/s",
             flush=True,
         )
-        for sync in (True, False):
-            row = run_script(args.env_id, algo, sync, args.updates, args.warmup, args.extra_args)
+        for sync in [mode == "sync" for mode in args.modes]:
+            row = run_script(args.env_id, algo, sync, args.updates, args.warmup, extra)
             row["ceiling"] = comp["ceiling"]
             row["efficiency"] = row["sps"] / comp["ceiling"]
             rows.append(row)
@@ -220,8 +219,8 @@ def main(args: Args) -> None:
                 f"peak RSS {row['peak_rss_mib']:,.0f} MiB  RSS growth {row['rss_growth']:+.1%}",
                 flush=True,
             )
-        sync_row, cleanba_row = rows[-2], rows[-1]
-        print(f"  cleanba / sync = {cleanba_row['sps'] / sync_row['sps']:.2f}x")
+        if len(args.modes) == 2:
+            print(f"  cleanba / sync = {rows[-1]['sps'] / rows[-2]['sps']:.2f}x")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = dict(
@@ -237,4 +236,6 @@ def main(args: Args) -> None:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    argv = sys.argv[1:]
+    split = argv.index("--") if "--" in argv else len(argv)
+    main(tyro.cli(Args, args=argv[:split]), extra=argv[split + 1 :])

@@ -414,3 +414,33 @@ def test_sigint_stops_cleanly_with_checkpoint_and_resume_continues(tmp_path):
 def test_sigterm_also_stops_cleanly(tmp_path):
     seconds, code, err = interrupt_training(tmp_path, signal.SIGTERM)
     assert seconds < 10 and code == 130 and "Traceback" not in err, err
+
+
+def test_throughput_benchmark_runs_and_reports(tmp_path):
+    out = tmp_path / "bench.json"
+    cmd = [
+        sys.executable,
+        "benchmarks/cleanba_throughput.py",
+        "--env-id",
+        "CartPole-v1",
+        "--algos",
+        "impala",
+        "--updates",
+        "6",
+        "--component-seconds",
+        "0.2",
+        "--out",
+        str(out),
+        "--",
+        "--num-steps",
+        "16",
+    ]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    import json
+
+    result = json.loads(out.read_text())
+    assert [(r["algo"], r["mode"]) for r in result["rows"]] == [("impala", "sync"), ("impala", "cleanba")]
+    for row in result["rows"]:
+        assert row["sps"] > 0 and row["ceiling"] > 0 and 0 <= row["actor_wait_param_share"] <= 1.5
+        assert row["peak_rss_mib"] > 50
