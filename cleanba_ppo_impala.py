@@ -18,7 +18,9 @@ Determinism: which data each update sees is fixed by the queue protocol, actions
   seed and flags give bitwise equal parameters, however slow either side is (`--learner-delay`).
 Algorithms: `--algo ppo` (clipped surrogate, GAE, epochs x minibatches) or `--algo impala` (V-trace, one pass over
   minibatches of whole unrolls). Defaults are Cleanba's (cleanba_ppo.py / cleanba_impala.py); the network defaults to
-  the Nature CNN for PPO (CleanRL's ppo_atari comparison) and the IMPALA ResNet for IMPALA.
+  the Nature CNN for PPO (CleanRL's ppo_atari comparison) and the IMPALA ResNet for IMPALA. The envs reset in the
+  same step an episode ends (common.atari), so no stored transition crosses an auto-reset: the (1 - done) discount
+  is the whole mask, and GAE / V-trace traces stop at every episode end.
 
 Examples:
   python cleanba_ppo_impala.py --env-id ALE/Breakout-v5
