@@ -32,6 +32,7 @@ Examples:
 
 from __future__ import annotations
 
+import copy
 import os
 import queue
 import signal
@@ -425,7 +426,9 @@ def stack_rollouts(rollouts: list[Rollout], device: torch.device) -> dict[str, t
     return {k: v.to(device, non_blocking=True) for k, v in data.items()}
 
 
-def ppo_update(model, optimizer, data, args: Args, generator: torch.Generator, world_size: int, errors: list) -> dict:
+def ppo_update(
+    model, optimizer, data, args: Args, generator: torch.Generator, world_size: int, stop: threading.Event
+) -> dict:
     """Cleanba's PPO learner: values recomputed with the current parameters, GAE, epochs x shuffled minibatches."""
     T, N = data["rewards"].shape
     with torch.no_grad():  # values of the current learner parameters, as Cleanba's learner recomputes them
@@ -463,13 +466,13 @@ def ppo_update(model, optimizer, data, args: Args, generator: torch.Generator, w
             )
             losses["grad_norm"] = optimizer_step(model, optimizer, losses["total_loss"], args.max_grad_norm, world_size)
             metrics.append({k: v.detach() for k, v in losses.items()})
-            if errors:  # an actor died: do not finish a long update first
+            if stop.is_set():  # an actor died or Ctrl+C: stop within a minibatch (the snapshot is consistent)
                 raise Stop
     return {k: torch.stack([m[k] for m in metrics]).mean().item() for k in metrics[0]}
 
 
 def impala_update(
-    model, optimizer, data, args: Args, generator: torch.Generator, world_size: int, errors: list
+    model, optimizer, data, args: Args, generator: torch.Generator, world_size: int, stop: threading.Event
 ) -> dict:
     """One pass over minibatches of whole unrolls (envs split in `num_minibatches`), V-trace at the current policy."""
     T, N = data["rewards"].shape
@@ -499,7 +502,7 @@ def impala_update(
         losses = impala_loss(target_logprob, entropy, values, vs, pg_adv, args.ent_coef, args.vf_coef)
         losses["grad_norm"] = optimizer_step(model, optimizer, losses["total_loss"], args.max_grad_norm, world_size)
         metrics.append({k: v.detach() for k, v in losses.items()})
-        if errors:
+        if stop.is_set():
             raise Stop
     return {k: torch.stack([m[k] for m in metrics]).mean().item() for k in metrics[0]}
 
@@ -618,8 +621,8 @@ def evaluate(model: nn.Module, args: Args, run_dir: Path, device: torch.device) 
 
 
 def install_stop_handlers(stop: threading.Event, interrupt: threading.Event) -> None:
-    """Ctrl+C and SIGTERM ask every thread to stop; the learner finishes the update in progress (so a checkpoint
-    never holds half an update) and blocked queue calls give up within a second."""
+    """Ctrl+C and SIGTERM ask every thread to stop: the learner leaves the update in progress at the next minibatch
+    and blocked queue calls give up within a second."""
 
     def handler(signum, frame):
         interrupt.set()
@@ -773,19 +776,23 @@ def main(args: Args) -> None:
     interrupt, failure = threading.Event(), None
     install_stop_handlers(stop, interrupt)
 
-    def checkpoint_state() -> dict:
-        return dict(
+    def snapshot() -> dict:
+        """A copy of everything a checkpoint holds, taken at an update boundary: a stop may interrupt the next
+        update half way, and the final checkpoint must not hold half an update."""
+        state = dict(
             model=model.state_dict(),
             optimizer=optimizer.state_dict(),
-            update=completed_updates,
+            update=update,
             global_step=global_step,
             learner_rng=learner_gen.get_state(),
             actor_rngs=[g.get_state() for g in actor_gens],
             torch_rng=torch.get_rng_state(),
             args=asdict(args),
         )
+        return copy.deepcopy(state)
 
-    update = completed_updates = start_update
+    update = start_update
+    last_state = snapshot() if args.checkpoint_interval else None
     try:
         publish(start_update)  # pi_1 for the actors' first rollout
         for t in threads:
@@ -804,10 +811,9 @@ def main(args: Args) -> None:
                 group["lr"] = lr
             t1 = time.perf_counter()
             data = stack_rollouts(rollouts, device)
-            metrics = update_fn(model, optimizer, data, args, learner_gen, world_size, errors)
+            metrics = update_fn(model, optimizer, data, args, learner_gen, world_size, stop)
             train_time = time.perf_counter() - t1
             global_step += steps_per_update
-            completed_updates = update
             if writer is not None:
                 sps = (global_step - start_step) / (time.time() - start_time)
                 param_wait = max(r.param_wait for r in rollouts)
@@ -832,10 +838,12 @@ def main(args: Args) -> None:
                         flush=True,
                     )
                     last_print = time.time()
-                if args.checkpoint_interval and time.time() - last_checkpoint >= args.checkpoint_interval:
-                    save_checkpoint(run_dir / "checkpoint.pt", **checkpoint_state())
+            if args.checkpoint_interval:
+                last_state = snapshot()
+                if writer is not None and time.time() - last_checkpoint >= args.checkpoint_interval:
+                    save_checkpoint(run_dir / "checkpoint.pt", **last_state)
                     last_checkpoint = time.time()
-            if stop.is_set():  # Ctrl+C / SIGTERM: stop at this update boundary
+            if stop.is_set():
                 break
             # publish pi_{update} only if an actor iteration will read it (see actor_thread's skipped 2nd get)
             if j <= remaining - (1 if args.sync else 2):
@@ -865,7 +873,7 @@ def main(args: Args) -> None:
 
     if writer is not None:
         if failure is None and args.checkpoint_interval:
-            save_checkpoint(run_dir / "checkpoint.pt", **checkpoint_state())
+            save_checkpoint(run_dir / "checkpoint.pt", **last_state)
         if finished and failure is None:
             if args.save_model:
                 torch.save(model.state_dict(), run_dir / "model.pt")

@@ -109,7 +109,7 @@ def ceiling_components(env_id: str, algo: str, extra: list[str], seconds: float)
     else:
         optimizer = torch.optim.RMSprop(model.parameters(), lr=args.learning_rate, eps=args.rmsprop_eps)
         update = cleanba.impala_update
-    train_sps = timed_rate(lambda: update(model, optimizer, data, args, gen, 1, []), T * N, seconds)
+    train_sps = timed_rate(lambda: update(model, optimizer, data, args, gen, 1, threading.Event()), T * N, seconds)
     envs.close()
     ceiling = 1.0 / (1.0 / env_sps + 1.0 / infer_sps + 1.0 / train_sps)
     return dict(
