@@ -1,0 +1,420 @@
+"""a3c_large_batch.py: n-step returns, the A3C loss and the shared RMSprop against independent references; Hogwild and
+gradient-server pushes from two processes; end-to-end runs in both update modes; a killed or crashing worker;
+SIGINT / SIGTERM shutdown with checkpoint and resume; bad flags."""
+
+import math
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch import nn
+
+from a3c_large_batch import (
+    Args,
+    Shared,
+    SharedRMSprop,
+    a2c_loss,
+    flatten,
+    gradient_server,
+    main,
+    n_step_returns,
+    push_hogwild,
+    push_server,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = "a3c_large_batch.py"
+TINY_CARTPOLE = ["--env-id", "CartPole-v1", "--num-workers", "2", "--num-envs-per-worker", "4", "--log-interval", "1"]
+CTX = multiprocessing.get_context("fork")
+
+
+# ------------------------------------------------------------------ references written from the definitions
+
+
+def n_step_reference(rewards, dones, bootstrap, gamma):
+    """R_t = sum_{k=t}^{T-1} gamma^{k-t} r_k [no episode end in t..k-1] + gamma^{T-t} V(s_T) [no end in t..T-1]."""
+    T, B = rewards.shape
+    out = np.zeros((T, B))
+    for b in range(B):
+        for t in range(T):
+            total, alive = 0.0, True
+            for k in range(t, T):
+                total += gamma ** (k - t) * rewards[k, b]
+                if dones[k, b]:
+                    alive = False
+                    break
+            if alive:
+                total += gamma ** (T - t) * bootstrap[b]
+            out[t, b] = total
+    return out
+
+
+def test_n_step_returns_match_definition_with_dones_mid_rollout():
+    rng = np.random.default_rng(0)
+    T, B = 5, 4
+    rewards, bootstrap = rng.normal(size=(T, B)), rng.normal(size=B)
+    dones = np.zeros((T, B))
+    dones[1, 0] = dones[3, 1] = dones[4, 2] = dones[0, 3] = dones[2, 3] = 1.0  # mid-rollout, last step, twice
+    got = n_step_returns(*(torch.tensor(x) for x in (rewards, dones, bootstrap)), 0.99)
+    np.testing.assert_allclose(got.numpy(), n_step_reference(rewards, dones, bootstrap, 0.99), rtol=1e-12)
+
+
+def test_n_step_returns_known_values():
+    got = n_step_returns(torch.tensor([[1.0], [0.0], [2.0]]), torch.zeros(3, 1), torch.tensor([4.0]), 0.5)
+    assert got[:, 0].tolist() == [1 + 0.25 * 2 + 0.125 * 4, 0.5 * 2 + 0.25 * 4, 2 + 0.5 * 4]
+
+
+def test_a2c_loss_known_values():
+    """Two actions with equal logits: log pi = log 1/2, entropy log 2; the policy gradient pushes up the advantage."""
+    logits = torch.zeros(2, 2, requires_grad=True)
+    values, returns = torch.tensor([1.0, 0.0]), torch.tensor([3.0, -1.0])
+    out = a2c_loss(logits, values, torch.tensor([0, 1]), returns, ent_coef=0.01, vf_coef=0.5)
+    assert out["policy_loss"].item() == pytest.approx(-math.log(0.5) * (2.0 - 1.0) / 2)
+    assert out["value_loss"].item() == pytest.approx((4.0 + 1.0) / 2)
+    assert out["entropy"].item() == pytest.approx(math.log(2))
+    assert out["total_loss"].item() == pytest.approx(out["policy_loss"].item() - 0.01 * math.log(2) + 0.5 * 2.5)
+    out["policy_loss"].backward()
+    assert logits.grad[0, 0] < 0 < logits.grad[1, 1]  # raise a_0 (advantage +2), lower a_1 (advantage -1)
+
+
+def test_shared_rmsprop_matches_torch_rmsprop():
+    """Same rule as torch.optim.RMSprop (eps outside the square root, no momentum) step for step."""
+    torch.manual_seed(0)
+    mine = torch.randn(5, 3)
+    ref = mine.clone().requires_grad_(True)
+    opt_mine = SharedRMSprop([mine], alpha=0.99, eps=0.01).share_memory()
+    opt_ref = torch.optim.RMSprop([ref], lr=7e-4, alpha=0.99, eps=0.01)
+    for _ in range(4):
+        g = torch.randn(5, 3)
+        opt_mine.step([g], 7e-4)
+        ref.grad = g.clone()
+        opt_ref.step()
+    torch.testing.assert_close(mine, ref.detach(), rtol=1e-6, atol=1e-7)
+
+
+# ------------------------------------------------------------------ pushes from two processes
+
+
+def shared_for_test(**kw) -> Shared:
+    return Shared(
+        stop=CTX.Event(), log_q=CTX.Queue(), error_q=CTX.Queue(), steps_claimed=CTX.Value("q", 0),
+        parent_pid=os.getpid(), **kw,
+    )  # fmt: skip
+
+
+def known_grads(worker: int, k: int) -> list[torch.Tensor]:
+    """Distinct, exactly representable gradients per (worker, push), so sums are exact in float32."""
+    return [torch.full((3, 2), float(2**worker * (k + 1))), torch.arange(2.0) * (worker + 1) + k]
+
+
+def hogwild_pusher(worker: int, shared: Shared, lock, pushes: int) -> None:
+    for k in range(pushes):
+        with lock:  # the check serialises writes: lock-free Hogwild may lose an update when two collide
+            push_hogwild(shared, known_grads(worker, k), 0.5)
+
+
+def test_hogwild_two_workers_change_shared_parameters_by_their_sum():
+    params = [torch.zeros(3, 2).share_memory_(), torch.ones(2).share_memory_()]
+    shared = shared_for_test(params=params, optimizer=SharedRMSprop(params, "sgd"), updates=CTX.Value("q", 0))
+    lock, pushes = CTX.Lock(), 5
+    procs = [CTX.Process(target=hogwild_pusher, args=(w, shared, lock, pushes)) for w in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=30)
+        assert p.exitcode == 0
+    total = [sum(known_grads(w, k)[i] for w in range(2) for k in range(pushes)) for i in range(2)]
+    torch.testing.assert_close(params[0], torch.zeros(3, 2) - 0.5 * total[0], rtol=0, atol=0)
+    torch.testing.assert_close(params[1], torch.ones(2) - 0.5 * total[1], rtol=0, atol=0)
+    assert shared.updates.value == 2 * pushes
+
+
+class Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Parameter(torch.zeros(3, 2))
+        self.b = nn.Parameter(torch.ones(2))
+
+
+def server_pusher(worker: int, shared: Shared, pushes: int) -> None:
+    for k in range(pushes):  # pulled version -1: only the arrival order matters here
+        push_server(shared, worker, known_grads(worker, k), (-1, 1, 0.5, (worker, k), [], (0.0, 0.0, 0.0)))
+
+
+def test_server_applies_every_gradient_exactly_once_and_versions_count_them():
+    model, pushes = Tiny(), 6
+    num_params = sum(p.numel() for p in model.parameters())
+    shared = shared_for_test(
+        grad_q=CTX.Queue(),
+        grad_slots=torch.zeros((2, 2, num_params)).share_memory_(),
+        free_slots=[CTX.Queue() for _ in range(2)],
+        published=flatten(list(model.parameters())).share_memory_(),
+        version=CTX.Value("q", 0, lock=False),
+        param_lock=CTX.Lock(),
+    )
+    for q in shared.free_slots:
+        q.put(0)
+        q.put(1)
+    args = Args(optimizer="sgd", torch_threads=1)
+    server = CTX.Process(target=gradient_server, args=(model, args, shared, "cpu", None))
+    server.start()
+    workers = [CTX.Process(target=server_pusher, args=(w, shared, pushes)) for w in range(2)]
+    for p in workers:
+        p.start()
+    for p in workers:
+        p.join(timeout=30)
+        assert p.exitcode == 0
+    shared.grad_q.put(("stop", None, None))
+    records = []
+    while True:
+        message = shared.log_q.get(timeout=30)
+        if message[0] == "server_done":
+            break
+        records.append(message)
+    server.join(timeout=30)
+    assert server.exitcode == 0
+    assert [r[3] for r in records] == list(range(1, 2 * pushes + 1))  # version + 1 per applied gradient
+    applied = sorted(r[6] for r in records)  # (worker, push index) of each applied gradient
+    assert applied == [(w, k) for w in range(2) for k in range(pushes)]  # each exactly once
+    for w in range(2):  # a worker's own gradients arrive in the order it pushed them
+        assert [r[6][1] for r in records if r[6][0] == w] == list(range(pushes))
+    total = [sum(known_grads(w, k)[i] for w in range(2) for k in range(pushes)) for i in range(2)]
+    want = torch.cat([(torch.zeros(3, 2) - 0.5 * total[0]).reshape(-1), torch.ones(2) - 0.5 * total[1]])
+    torch.testing.assert_close(shared.published, want, rtol=0, atol=0)
+    assert shared.version.value == 2 * pushes
+
+
+# ------------------------------------------------------------------ running the script
+
+
+def run(args, tmp_path, timeout=180):
+    cmd = [sys.executable, SCRIPT, "--log-dir", str(tmp_path), *args]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def run_dir_of(tmp_path):
+    (run_dir,) = [p for p in Path(tmp_path).iterdir() if p.is_dir()]
+    return run_dir
+
+
+def scalars(run_dir):
+    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+REQUIRED_TAGS = [
+    "charts/episodic_return",
+    "charts/episodic_length",
+    "charts/SPS",
+    "charts/learning_rate",
+    "charts/policy_lag",
+    "losses/policy_loss",
+    "losses/value_loss",
+    "losses/entropy",
+    "losses/total_loss",
+    "losses/grad_norm",
+    "timing/pull",
+    "timing/rollout",
+    "timing/train",
+]
+
+
+def check_tags(logged, extra=(), skip=()):
+    for tag in [t for t in [*REQUIRED_TAGS, *extra] if t not in skip]:
+        assert tag in logged, tag
+        assert all(math.isfinite(v) for _, v in logged[tag]), tag
+
+
+@pytest.mark.parametrize("update", ["hogwild", "server"])
+def test_cartpole_end_to_end(update, tmp_path):
+    total = 4000  # 100 pushes of 2 workers x 4 envs x 5 steps
+    proc = run(
+        [*TINY_CARTPOLE, "--update", update, "--total-timesteps", str(total), "--eval-episodes", "2", "--save-model",
+         "--checkpoint-interval", "3600"],
+        tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    run_dir = run_dir_of(tmp_path)
+    logged = scalars(run_dir)
+    check_tags(logged, ["eval/episodic_return", "timing/push" if update == "hogwild" else "timing/server_apply"])
+    assert max(s for s, _ in logged["charts/SPS"]) == total  # every agent step counted once
+    assert all(v >= 0 for _, v in logged["charts/policy_lag"])
+    assert len(logged["eval/episodic_return"]) == 2
+    assert (run_dir / "model.pt").is_file()
+    checkpoint = torch.load(run_dir / "checkpoint.pt", weights_only=False)
+    assert checkpoint["global_step"] == total and checkpoint["version"] == total // 20  # one version per gradient
+    final = torch.load(run_dir / "model.pt")
+    for name, value in final.items():  # the final checkpoint holds the final model
+        assert torch.equal(value, checkpoint["model"][name]), name
+
+
+@pytest.mark.parametrize("update", ["hogwild", "server"])
+def test_original_a3c_one_env_per_worker(update, tmp_path):
+    workers = "1" if update == "hogwild" else "2"
+    proc = run(
+        ["--env-id", "CartPole-v1", "--num-envs-per-worker", "1", "--num-workers", workers, "--update", update,
+         "--total-timesteps", "1500", "--log-frequency", "1"],
+        tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    logged = scalars(run_dir_of(tmp_path))
+    check_tags(logged)
+    assert len(logged["losses/total_loss"]) == 300  # 1500 steps / (1 env x 5 steps), one point per update
+    if update == "hogwild":  # a single Hogwild worker pulls what it pushed: no other update can land in between
+        assert all(v == 0 for _, v in logged["charts/policy_lag"])
+
+
+@pytest.mark.parametrize(("update", "envs"), [("hogwild", "4"), ("server", "1")])
+def test_breakout_end_to_end(update, envs, tmp_path):
+    total = 20 * int(envs) * 2 * 5  # 20 pushes per worker
+    proc = run(
+        ["--env-id", "ALE/Breakout-v5", "--update", update, "--num-workers", "2", "--num-envs-per-worker", envs,
+         "--total-timesteps", str(total), "--log-frequency", "5"],
+        tmp_path,
+        timeout=240,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    logged = scalars(run_dir_of(tmp_path))
+    check_tags(logged, skip=("charts/episodic_return", "charts/episodic_length"))  # no game ends this soon
+    assert max(s for s, _ in logged["charts/SPS"]) == total
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (dict(env_id="ALE/Breakot-v5"), "did you mean ALE/Breakout-v5"),
+        (dict(update="allreduce"), "--update must be one of hogwild, server"),
+        (dict(num_workers=0), "--num-workers must be >= 1"),
+        (dict(num_envs_per_worker=0), "--num-envs-per-worker must be >= 1"),
+        (dict(learning_rate=-1.0), "--learning-rate must be > 0"),
+        (dict(rmsprop_alpha=1.0), "--rmsprop-alpha must be in [0, 1)"),
+        (dict(total_timesteps=10), "less than one rollout"),
+        (dict(resume="/nonexistent/checkpoint.pt"), "no such checkpoint"),
+        (dict(atari_protocol="atari57"), "--atari-protocol must be one of"),
+    ],
+)
+def test_bad_flags_one_line_error(args, message, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(Args(log_dir=str(tmp_path), **args))
+    assert exit_info.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
+    assert not any(Path(tmp_path).iterdir())  # nothing was created
+
+
+def test_bad_flag_from_the_command_line(tmp_path):
+    proc = run(["--num-workers", "0"], tmp_path, timeout=60)
+    assert proc.returncode == 2 and proc.stderr.strip() == "error: --num-workers must be >= 1, got 0", proc.stderr
+    assert not any(Path(tmp_path).iterdir())
+
+
+# ------------------------------------------------------------------ failures and shutdown
+
+
+def children(pid: int) -> list[int]:
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except FileNotFoundError:
+        return []
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except FileNotFoundError:
+        return ""
+
+
+def alive(pid: int) -> bool:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+    return "State:\tZ" not in status
+
+
+def start_long_run(tmp_path, extra):
+    cmd = [sys.executable, SCRIPT, "--log-dir", str(tmp_path), *TINY_CARTPOLE, "--total-timesteps", "100000000", *extra]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    for line in proc.stdout:  # wait until training is under way
+        if line.startswith("step") and not line.startswith("step          0"):
+            break
+    workers = [c for c in children(proc.pid) if SCRIPT in cmdline(c)]
+    return proc, workers
+
+
+def shm_segments(pids) -> list[str]:
+    return [p.name for p in Path("/dev/shm").iterdir() if any(f"_{pid}_" in p.name for pid in pids)]
+
+
+@pytest.mark.parametrize("update", ["hogwild", "server"])
+def test_killed_worker_stops_the_run_naming_it(update, tmp_path):
+    proc, workers = start_long_run(tmp_path, ["--update", update])
+    assert len(workers) == (2 if update == "hogwild" else 3)  # the workers (and the gradient server)
+    victim = workers[-1]  # the last started: worker 1
+    os.kill(victim, signal.SIGKILL)
+    start = time.time()
+    _, err = proc.communicate(timeout=60)
+    assert time.time() - start < 10, err
+    assert proc.returncode == 1 and "error: worker 1 died (killed by signal 9)" in err, err
+    assert not any(alive(pid) for pid in workers)
+
+
+def test_crashing_worker_stops_the_run_with_its_traceback(tmp_path):
+    proc = run(
+        ["--env-id", "tests.faulty_env:CrashingCartPole-v0", "--num-workers", "2", "--num-envs-per-worker", "1",
+         "--total-timesteps", "100000000"],
+        tmp_path,
+        timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 1
+    assert "error: worker" in proc.stderr and "died" in proc.stderr and "injected env failure" in proc.stderr
+
+
+def test_non_finite_loss_stops_with_a_clear_message(tmp_path):
+    proc = run(
+        ["--env-id", "tests.faulty_env:NaNCartPole-v0", "--num-workers", "1", "--num-envs-per-worker", "1",
+         "--total-timesteps", "100000000", "--checkpoint-interval", "0.000001"],
+        tmp_path,
+        timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 1 and "non-finite loss" in proc.stderr and "Traceback" not in proc.stderr
+    checkpoint = torch.load(run_dir_of(tmp_path) / "checkpoint.pt", weights_only=False)
+    assert all(torch.isfinite(v).all() for v in checkpoint["model"].values())  # the last good one, kept
+
+
+@pytest.mark.parametrize(("update", "sig"), [("hogwild", signal.SIGINT), ("server", signal.SIGTERM)])
+def test_signal_stops_cleanly_with_checkpoint_and_resume_continues(update, sig, tmp_path):
+    proc, workers = start_long_run(tmp_path, ["--update", update, "--checkpoint-interval", "3600"])
+    pids = [proc.pid, *workers]
+    proc.send_signal(sig)
+    start = time.time()
+    _, err = proc.communicate(timeout=60)
+    assert time.time() - start < 10 and proc.returncode == 130, err
+    assert "Traceback" not in err
+    assert not any(alive(pid) for pid in workers)  # no orphans
+    assert not shm_segments(pids)  # no leaked shared memory
+    run_dir = run_dir_of(tmp_path)
+    checkpoint = torch.load(run_dir / "checkpoint.pt", weights_only=False)
+    stopped_at = checkpoint["global_step"]
+    assert stopped_at > 0 and stopped_at == max(s for s, _ in scalars(run_dir)["charts/SPS"])  # TensorBoard flushed
+    assert checkpoint["version"] == stopped_at // 20
+
+    resumed = run(
+        [*TINY_CARTPOLE, "--update", update, "--total-timesteps", str(stopped_at + 400), "--resume",
+         str(run_dir / "checkpoint.pt")],
+        tmp_path,
+    )  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr
+    assert run_dir_of(tmp_path) == run_dir
+    assert max(s for s, _ in scalars(run_dir)["charts/SPS"]) == stopped_at + 400
