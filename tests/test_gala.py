@@ -1,0 +1,355 @@
+"""gala_a2c.py: gossip mixing against mixing matrices written by hand, non-blocking gossip and the staleness bound,
+Proposition 2's epsilon-ball, two learners over gloo in both modes, end-to-end runs, bad flags and shutdown."""
+
+import math
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from gala_a2c import SharedMemoryGossip, epsilon_ball_radius, mixing_matrix, n_step_returns, peer_offsets
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = "gala_a2c.py"
+TINY_CARTPOLE = ["--env-id", "CartPole-v1", "--num-learners", "2", "--num-envs", "4", "--log-interval", "1"]
+CTX = multiprocessing.get_context("fork")
+
+
+class NeverStop:
+    def is_set(self):
+        return False
+
+
+def ring(n, num_peers=1, tau=0, time_varying=False, numel=6):
+    shared = SharedMemoryGossip(CTX, n, numel, torch.device("cpu"))
+    return [shared.endpoint(i, num_peers, time_varying, tau) for i in range(n)]
+
+
+def gossip_round(endpoints, X, iteration=0):
+    """Every learner publishes, then every learner mixes: X <- P X (Algorithm 1, lines 5-8, all agents in step)."""
+    for e, x in zip(endpoints, X, strict=True):
+        e.publish(x)
+    mixed = [e.step(x, iteration, NeverStop())[0] for e, x in zip(endpoints, X, strict=True)]
+    assert all(mixed)
+
+
+def hand_ring_matrix(n, in_offsets):
+    """p_ij = 1/(1+k) for j = i and the k in-peers j = i - s (mod n), written out entry by entry."""
+    P = np.zeros((n, n))
+    for i in range(n):
+        P[i, i] = 1 / (1 + len(in_offsets))
+        for s in in_offsets:
+            P[i, (i - s) % n] = 1 / (1 + len(in_offsets))
+    return P
+
+
+# ------------------------------------------------------------------ pure functions and the gossip endpoints
+
+
+def test_n_step_returns_known_values():
+    rewards = torch.tensor([[1.0], [0.0], [2.0]])
+    dones = torch.tensor([[0.0], [1.0], [0.0]])
+    got = n_step_returns(rewards, dones, torch.tensor([4.0]), 0.9)
+    assert got[:, 0].tolist() == pytest.approx([1 + 0.9 * 0, 0.0, 2 + 0.9 * 4])
+
+
+def test_mixing_matrix_is_the_hand_written_ring_and_doubly_stochastic():
+    P = mixing_matrix(4, peer_offsets(4, 1)).numpy()
+    np.testing.assert_allclose(P, [[0.5, 0, 0, 0.5], [0.5, 0.5, 0, 0], [0, 0.5, 0.5, 0], [0, 0, 0.5, 0.5]])
+    for n, k, t in [(5, 2, 0), (6, 2, 3), (4, 1, 1)]:
+        P = mixing_matrix(n, peer_offsets(n, k, t, time_varying=True)).numpy()
+        np.testing.assert_allclose(P.sum(0), 1)
+        np.testing.assert_allclose(P.sum(1), 1)
+    assert peer_offsets(4, 1, 0, True) != peer_offsets(4, 1, 1, True)  # the time-varying ring rotates
+
+
+@pytest.mark.parametrize(("n", "num_peers"), [(4, 1), (5, 2)])
+def test_one_gossip_step_is_the_mixing_matrix_product(n, num_peers):
+    X = torch.randn(n, 6, dtype=torch.float32)
+    want = hand_ring_matrix(n, range(1, num_peers + 1)) @ X.double().numpy()
+    gossip_round(ring(n, num_peers), X)
+    np.testing.assert_allclose(X.numpy(), want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("time_varying", [False, True])
+def test_repeated_gossip_converges_to_the_initial_average(time_varying):
+    X = torch.randn(4, 6) * 10
+    average = X.mean(0).clone()
+    endpoints = ring(4, time_varying=time_varying)
+    for t in range(60):
+        gossip_round(endpoints, X, iteration=t)
+    torch.testing.assert_close(X, average.expand_as(X), rtol=0, atol=1e-4)
+
+
+def test_learner_keeps_stepping_until_max_staleness_then_waits_for_its_in_peer():
+    tau = 3
+    a, b = ring(2, tau=tau)  # b is a's only in-peer; b is "stopped": it publishes nothing
+    x = torch.ones(6)
+    for k in range(1, tau + 1):  # tau iterations without mixing: none blocks
+        assert a.step(x, k, NeverStop()) == (False, 0.0) and a.staleness == k
+    result = {}
+    waiter = threading.Thread(target=lambda: result.update(out=a.step(x, tau + 1, NeverStop())), daemon=True)
+    waiter.start()
+    waiter.join(timeout=1.5)
+    assert waiter.is_alive()  # iteration tau + 1: blocked for the in-peer
+    b.publish(torch.full((6,), 3.0))
+    waiter.join(timeout=10)
+    assert not waiter.is_alive() and result["out"][0] is True and a.staleness == 0
+    torch.testing.assert_close(x, torch.full((6,), 2.0))  # (1 + 3) / 2
+
+
+def test_blocked_learner_wakes_on_stop():
+    class Stopped:
+        def is_set(self):
+            return True
+
+    from gala_a2c import Stop
+
+    a, _ = ring(2, tau=0)
+    with pytest.raises(Stop):
+        a.step(torch.ones(6), 0, Stopped())
+
+
+def test_newer_message_overwrites_an_unread_older_one():
+    a, b = ring(2, tau=10)
+    b.publish(torch.full((6,), 5.0))
+    b.publish(torch.full((6,), 7.0))  # a has not read the 5s: they are gone
+    x = torch.ones(6)
+    assert a.step(x, 0, NeverStop())[0] is True
+    torch.testing.assert_close(x, torch.full((6,), 4.0))  # (1 + 7) / 2: one message, the newest
+    assert a.step(x, 1, NeverStop()) == (False, 0.0)  # nothing new from b: no second mix
+
+
+def test_epsilon_ball_of_proposition_2_holds_for_bounded_updates():
+    """Synchronous gossip with updates ||G|| = L exactly (worst-case size, random directions): the measured
+    ||X - X_bar|| stays within alpha beta~ L / (1 - beta), beta from the 4-ring's mixing matrix (1/sqrt(2))."""
+    n, d, alpha, L = 4, 50, 0.1, 1.0
+    P = torch.tensor(hand_ring_matrix(n, [1]))
+    radius = epsilon_ball_radius(P, alpha, L)
+    assert radius == pytest.approx(alpha * L / (1 - 1 / math.sqrt(2)), rel=1e-9)  # known beta of the 4-ring
+    generator = torch.Generator().manual_seed(0)
+    X = torch.zeros(n, d)  # identical initial parameters
+    endpoints = ring(n, numel=d)
+    distances = []
+    for t in range(300):
+        G = torch.randn(n, d, generator=generator)
+        if t % 50 < 25:  # stretches of one persistent direction per learner push the learners apart hardest
+            G = torch.randn(n, d, generator=torch.Generator().manual_seed(t // 50))
+        X -= alpha * G * (L / torch.linalg.matrix_norm(G))
+        gossip_round(endpoints, X, t)
+        distances.append(torch.linalg.matrix_norm(X.double() - X.double().mean(0)).item())
+    assert max(distances) <= radius
+    assert max(distances) > 0.2 * radius  # the bound is not vacuous for this problem
+
+
+# ------------------------------------------------------------------ running the script
+
+
+def run(args, tmp_path, timeout=180):
+    cmd = [sys.executable, SCRIPT, "--log-dir", str(tmp_path), *args]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def run_dir_of(tmp_path):
+    (run_dir,) = [p for p in Path(tmp_path).iterdir() if p.is_dir()]
+    return run_dir
+
+
+def scalars(run_dir):
+    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+REQUIRED_TAGS = [
+    "charts/episodic_return",
+    "charts/episodic_length",
+    "charts/SPS",
+    "charts/learning_rate",
+    "charts/policy_lag",
+    "losses/policy_loss",
+    "losses/value_loss",
+    "losses/entropy",
+    "losses/total_loss",
+    "losses/grad_norm",
+    "timing/rollout",
+    "timing/gossip",
+    "timing/iteration",
+    "per_learner/SPS_0",
+    "per_learner/SPS_1",
+]
+GOSSIP_TAGS = ["gossip/consensus_distance", "gossip/staleness", "per_learner/consensus_distance_1"]
+
+
+def assert_finite_tags(logged, tags):
+    for tag in tags:
+        assert tag in logged, tag
+        assert all(math.isfinite(v) for _, v in logged[tag]), tag
+
+
+def test_cartpole_gossip_end_to_end(tmp_path):
+    proc = run(
+        [*TINY_CARTPOLE, "--total-timesteps", "2400", "--sync-interval", "5", "--eval-episodes", "1", "--save-model"],
+        tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    run_dir = run_dir_of(tmp_path)
+    logged = scalars(run_dir)
+    assert_finite_tags(logged, [*REQUIRED_TAGS, *GOSSIP_TAGS, "eval/episodic_return"])
+    assert max(s for s, _ in logged["charts/SPS"]) == 2400  # global step: both learners' agent steps
+    assert (run_dir / "model.pt").is_file()
+    lr = logged["charts/learning_rate"][0][1]
+    assert lr == pytest.approx(7e-4 * math.sqrt(2))  # Table 2: scaled by sqrt(learners)
+
+
+def test_cartpole_allreduce_keeps_learners_identical(tmp_path):
+    proc = run(
+        [*TINY_CARTPOLE, "--mode", "allreduce", "--total-timesteps", "1600", "--checkpoint-interval", "3600"], tmp_path
+    )
+    assert proc.returncode == 0, proc.stderr
+    run_dir = run_dir_of(tmp_path)
+    assert_finite_tags(scalars(run_dir), REQUIRED_TAGS)
+    checkpoint = torch.load(run_dir / "checkpoint.pt", weights_only=False)
+    a, b = (s["model"] for s in checkpoint["learners"])
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert checkpoint["global_step"] == 1600 and [s["iteration"] for s in checkpoint["learners"]] == [40, 40]
+
+
+@pytest.mark.parametrize("mode", ["gossip", "allreduce"])
+def test_two_learners_in_two_processes_over_gloo(mode, tmp_path):
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        SCRIPT,
+        "--log-dir",
+        str(tmp_path),
+        *TINY_CARTPOLE,
+        "--mode",
+        mode,
+        "--total-timesteps",
+        "1600",
+        "--sync-interval",
+        "10",
+        "--save-model",
+    ]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr
+    run_dir = run_dir_of(tmp_path)
+    logged = scalars(run_dir)
+    assert [s for s, _ in logged["charts/SPS"]] == [400, 800, 1200, 1600]  # sync points: both ranks' steps
+    assert (run_dir / "model.pt").is_file() and (run_dir / "learner1").is_dir()
+    if mode == "allreduce":
+        assert "max |parameter difference| across 2 learners: 0" in proc.stdout
+    else:
+        assert_finite_tags(logged, ["gossip/consensus_distance", "gossip/staleness"])
+
+
+def test_breakout_end_to_end(tmp_path):
+    proc = run(
+        ["--env-id", "ALE/Breakout-v5", "--num-learners", "2", "--num-envs", "2", "--total-timesteps", "200"],
+        tmp_path,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr
+    logged = scalars(run_dir_of(tmp_path))
+    assert_finite_tags(logged, [t for t in REQUIRED_TAGS if "episodic" not in t])
+    assert max(s for s, _ in logged["charts/SPS"]) == 200
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--env-id", "ALE/Breakot-v5"], "did you mean ALE/Breakout-v5"),
+        (["--num-learners", "1"], "gossip needs at least 2 learners"),
+        (["--num-learners", "2", "--num-peers", "2"], "--num-peers (2) must be at most"),
+        (["--max-staleness", "-1"], "--max-staleness must be >= 0"),
+        (["--learning-rate", "0"], "--learning-rate must be > 0"),
+        (["--total-timesteps", "10"], "less than one iteration"),
+        (["--resume", "/nonexistent/checkpoint.pt"], "no such checkpoint"),
+    ],
+)
+def test_bad_flags_one_line_error(args, message, tmp_path):
+    proc = run(args, tmp_path, timeout=60)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], proc.stderr
+    assert not any(Path(tmp_path).iterdir())
+
+
+def processes_with(text):
+    """pids whose command line mentions `text` (this test's unique log directory)."""
+    pids = []
+    for pid in os.listdir("/proc"):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="ignore")
+        except OSError:
+            continue
+        if pid.isdigit() and text in cmdline:
+            pids.append(int(pid))
+    return pids
+
+
+def start_long_run(tmp_path, extra=()):
+    cmd = [sys.executable, SCRIPT, "--log-dir", str(tmp_path), *TINY_CARTPOLE, "--total-timesteps", "10000000", *extra]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    for line in proc.stdout:  # training is under way
+        if line.startswith("step") and not line.startswith("step          0"):
+            break
+    return proc
+
+
+def test_sigint_stops_everything_with_checkpoint_and_resume_continues(tmp_path):
+    proc = start_long_run(tmp_path, ["--checkpoint-interval", "3600"])
+    proc.send_signal(signal.SIGINT)
+    start = time.time()
+    _, err = proc.communicate(timeout=30)
+    assert time.time() - start < 10 and proc.returncode == 130 and "Traceback" not in err, err
+    time.sleep(0.5)
+    assert processes_with(str(tmp_path)) == []  # no orphan learners
+    run_dir = run_dir_of(tmp_path)
+    checkpoint = torch.load(run_dir / "checkpoint.pt", weights_only=False)
+    stopped_at = checkpoint["global_step"]
+    assert stopped_at > 0 and len(checkpoint["learners"]) == 2
+
+    resumed = run(
+        [*TINY_CARTPOLE, "--total-timesteps", str(stopped_at + 800), "--resume", str(run_dir / "checkpoint.pt")],
+        tmp_path,
+    )
+    assert resumed.returncode == 0, resumed.stderr
+    assert run_dir_of(tmp_path) == run_dir
+    assert max(s for s, _ in scalars(run_dir)["charts/SPS"]) > stopped_at
+
+
+def test_killed_learner_stops_the_run_naming_it(tmp_path):
+    proc = start_long_run(tmp_path)
+    children = [p for p in processes_with(str(tmp_path)) if p != proc.pid]
+    assert children
+    os.kill(children[-1], signal.SIGKILL)
+    start = time.time()
+    _, err = proc.communicate(timeout=30)
+    assert time.time() - start < 10 and proc.returncode == 1
+    assert "learner" in err and "killed by signal 9" in err, err
+    time.sleep(0.5)
+    assert processes_with(str(tmp_path)) == []
+
+
+def test_crashing_learner_stops_the_run_with_its_traceback(tmp_path):
+    start = time.time()
+    proc = run(["--env-id", "tests.faulty_env:CrashingCartPole-v0", "--num-learners", "2", "--num-envs", "1"], tmp_path)
+    assert proc.returncode == 1
+    assert "learner" in proc.stderr and "died" in proc.stderr and "injected env failure" in proc.stderr
+    assert time.time() - start < 60
