@@ -1,0 +1,517 @@
+"""hts_a2c.py and hts_ppo.py: pure functions against slow loops written from the definitions, then the scripts end to
+end on tiny budgets (TensorBoard tags, policy lag, determinism, storage role swap, resume, bad flags, shutdown)."""
+
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch
+from gymnasium.envs.classic_control.cartpole import CartPoleEnv
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch import nn
+
+import hts_a2c
+import hts_ppo
+from common.models import make_model
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = ["hts_a2c.py", "hts_ppo.py"]
+REQUIRED_TAGS = [
+    "charts/episodic_return",
+    "charts/episodic_length",
+    "charts/SPS",
+    "charts/learning_rate",
+    "charts/policy_lag",
+    "losses/policy_loss",
+    "losses/value_loss",
+    "losses/entropy",
+    "losses/total_loss",
+    "losses/grad_norm",
+    "timing/learner_wait_executors",
+    "timing/executor_wait_actors",
+    "timing/executor_wait_learner",
+    "timing/actor_wait_requests",
+    "timing/executor_wait_lockstep",
+    "eval/episodic_return",
+]
+# Tiny CartPole runs: 4 envs, one per executor (so 4 actors all get work); A2C 8-step rollouts (30 updates), PPO
+# 16-step rollouts with 2 minibatches (15 updates).
+TOTAL = 960
+TINY = {
+    "hts_a2c.py": ["--sync-interval", "8", "--total-timesteps", str(TOTAL)],
+    "hts_ppo.py": ["--sync-interval", "16", "--num-minibatches", "2", "--total-timesteps", str(TOTAL)],
+}
+COMMON = ["--env-id", "CartPole-v1", "--num-envs", "4", "--num-executors", "4", "--log-interval", "1"]
+
+
+class FaultyCartPole(CartPoleEnv):
+    """Raises in its 30th step: a worker that fails mid-run (used as --env-id tests.test_hts:FaultyCartPole-v0)."""
+
+    steps = 0
+
+    def step(self, action):
+        self.steps += 1
+        if self.steps == 30:
+            raise RuntimeError("injected env failure")
+        return super().step(action)
+
+
+if "FaultyCartPole-v0" not in gym.registry:
+    gym.register("FaultyCartPole-v0", entry_point=FaultyCartPole, max_episode_steps=500)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Pure functions
+
+
+def random_rollout(T=7, B=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    rewards = torch.randn(T, B, generator=g, dtype=torch.float64)
+    dones = (torch.rand(T, B, generator=g) < 0.3).double()
+    values = torch.randn(T + 1, B, generator=g, dtype=torch.float64)
+    return rewards, dones, values
+
+
+def test_nstep_returns_match_discounted_sums():
+    rewards, dones, values = random_rollout()
+    returns = hts_a2c.nstep_returns(rewards, dones, values[-1], 0.9)
+    T, B = rewards.shape
+    for b in range(B):
+        for t in range(T):  # R_t = sum_k gamma^k r_{t+k} up to the episode end, + gamma^{T-t} V(s_T) if none
+            total, discount = 0.0, 1.0
+            for k in range(t, T):
+                total += discount * rewards[k, b].item()
+                discount *= 0.9
+                if dones[k, b]:
+                    break
+            else:
+                total += discount * values[-1, b].item()
+            assert returns[t, b].item() == pytest.approx(total, abs=1e-10)
+
+
+def test_gae_matches_sum_of_discounted_td_errors():
+    rewards, dones, values = random_rollout(seed=1)
+    gamma, lam = 0.99, 0.9
+    advantages, returns = hts_ppo.gae(rewards, dones, values, gamma, lam)
+    T, B = rewards.shape
+    for b in range(B):
+        for t in range(T):  # A_t = sum_l (gamma lam)^l delta_{t+l}, cut at the episode end (GAE paper, Eq. 16)
+            total = 0.0
+            for k in range(t, T):
+                delta = rewards[k, b] + gamma * (1 - dones[k, b]) * values[k + 1, b] - values[k, b]
+                total += (gamma * lam) ** (k - t) * delta.item()
+                if dones[k, b]:
+                    break
+            assert advantages[t, b].item() == pytest.approx(total, abs=1e-10)
+            assert returns[t, b].item() == pytest.approx(total + values[t, b].item(), abs=1e-10)
+    # lambda = 1 gives the n-step returns of A2C
+    _, returns_1 = hts_ppo.gae(rewards, dones, values, gamma, 1.0)
+    torch.testing.assert_close(returns_1, hts_a2c.nstep_returns(rewards, dones, values[-1], gamma))
+
+
+def softmax_rows(logits):
+    out = []
+    for row in logits.tolist():
+        m = max(row)
+        e = [math.exp(x - m) for x in row]
+        out.append([x / sum(e) for x in e])
+    return out
+
+
+def test_a2c_loss_matches_per_sample_formula():
+    g = torch.Generator().manual_seed(2)
+    logits, values = torch.randn(6, 4, generator=g, dtype=torch.float64), torch.randn(6, generator=g).double()
+    actions, returns = torch.randint(0, 4, (6,), generator=g), torch.randn(6, generator=g).double()
+    out = hts_a2c.a2c_loss(logits, values, actions, returns, vf_coef=0.5, ent_coef=0.01)
+    probs = softmax_rows(logits)
+    pl = vl = ent = 0.0
+    for i in range(6):
+        adv = returns[i].item() - values[i].item()
+        pl += -adv * math.log(probs[i][actions[i]]) / 6
+        vl += adv**2 / 6
+        ent += -sum(p * math.log(p) for p in probs[i]) / 6
+    assert out["policy_loss"].item() == pytest.approx(pl)
+    assert out["value_loss"].item() == pytest.approx(vl)
+    assert out["entropy"].item() == pytest.approx(ent)
+    assert out["total_loss"].item() == pytest.approx(pl + 0.5 * vl - 0.01 * ent)
+
+
+def test_ppo_loss_matches_per_sample_formula():
+    g = torch.Generator().manual_seed(3)
+    M = 8
+    logits, values = torch.randn(M, 3, generator=g, dtype=torch.float64), torch.randn(M, generator=g).double()
+    actions = torch.randint(0, 3, (M,), generator=g)
+    old_log_probs = torch.log(torch.rand(M, generator=g).double() * 0.8 + 0.1)
+    advantages, returns = torch.randn(M, generator=g).double(), torch.randn(M, generator=g).double()
+    out = hts_ppo.ppo_loss(logits, values, actions, old_log_probs, advantages, returns, 0.1, 0.5, 0.003)
+    probs = softmax_rows(logits)
+    adv = advantages.numpy()
+    norm = (adv - adv.mean()) / (adv.std() + 1e-8)
+    pl = vl = ent = 0.0
+    for i in range(M):
+        ratio = probs[i][actions[i]] / math.exp(old_log_probs[i].item())
+        pl += -min(ratio * norm[i], min(max(ratio, 0.9), 1.1) * norm[i]) / M
+        vl += 0.5 * (returns[i].item() - values[i].item()) ** 2 / M
+        ent += -sum(p * math.log(p) for p in probs[i]) / M
+    assert out["policy_loss"].item() == pytest.approx(pl)
+    assert out["value_loss"].item() == pytest.approx(vl)
+    assert out["entropy"].item() == pytest.approx(ent)
+    assert out["total_loss"].item() == pytest.approx(pl + 0.5 * vl - 0.003 * ent)
+
+
+def test_sample_actions_is_the_inverse_cdf():
+    logits = torch.tensor([[0.0, 1.0, -1.0], [2.0, 0.0, 0.0]])
+    probs = softmax_rows(logits)
+    for u in np.linspace(0.0, 0.999, 37):
+        actions = hts_a2c.sample_actions(logits, torch.tensor([u, u]))
+        for b in range(2):  # smallest a with P(A <= a) > u
+            cumulative, expected = 0.0, None
+            for a, p in enumerate(probs[b]):
+                cumulative += p
+                if cumulative > u:
+                    expected = a
+                    break
+            assert actions[b].item() == expected
+    # a uniform grid of u reproduces the softmax probabilities
+    u = (torch.arange(10_000) + 0.5) / 10_000
+    counts = torch.bincount(hts_a2c.sample_actions(logits[:1].expand(10_000, 3), u), minlength=3) / 10_000
+    np.testing.assert_allclose(counts.numpy(), probs[0], atol=2e-4)
+
+
+@pytest.mark.parametrize("module", [hts_a2c, hts_ppo])
+def test_delayed_update_applies_the_behavior_gradient_to_the_target(module):
+    """Eq. 6 with SGD: theta_{j+1} = theta_j - lr * grad L(theta_{j-1}); L = 0.5 ||W x - y||^2, grad = (W x - y) x^T."""
+    torch.manual_seed(0)
+    target, behavior = nn.Linear(3, 2, bias=False).double(), nn.Linear(3, 2, bias=False).double()
+    x, y = torch.randn(3, dtype=torch.float64), torch.randn(2, dtype=torch.float64)
+    w_target, w_behavior = target.weight.detach().numpy().copy(), behavior.weight.detach().numpy().copy()
+    optimizer = torch.optim.SGD(behavior.parameters(), lr=0.1)
+
+    def step():
+        optimizer.zero_grad()
+        (0.5 * (behavior(x) - y).pow(2).sum()).backward()
+        optimizer.step()
+        return {"done": True}
+
+    assert module.delayed_update(target, behavior, step) == {"done": True}
+    grad = np.outer(w_behavior @ x.numpy() - y.numpy(), x.numpy())
+    np.testing.assert_allclose(target.weight.detach().numpy(), w_target - 0.1 * grad, rtol=1e-12)
+
+
+@pytest.mark.parametrize("module", [hts_a2c, hts_ppo])
+def test_non_finite_loss_stops_before_any_parameter_changes(module):
+    torch.manual_seed(0)
+    obs_space, act_space = gym.spaces.Box(-1, 1, (4,), np.float32), gym.spaces.Discrete(2)
+    model = make_model(obs_space, act_space)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    args = module.Args(env_id="CartPole-v1", num_envs=2, sync_interval=4, num_minibatches=1) if module is hts_ppo else (
+        module.Args(env_id="CartPole-v1", num_envs=2, sync_interval=4))  # fmt: skip
+    batch = {"obs": torch.randn(5, 2, 4), "actions": torch.zeros(4, 2, dtype=torch.int64),
+             "rewards": torch.tensor([[1.0, float("nan")]] * 4), "dones": torch.zeros(4, 2)}  # fmt: skip
+    with pytest.raises(FloatingPointError, match="non-finite loss"):
+        module.learn(model, module.make_optimizer(model, args), batch, args)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The scripts end to end
+
+
+def run_script(script, *args, log_dir, timeout=180):
+    return subprocess.run(
+        [sys.executable, script, *args, "--log-dir", str(log_dir)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def scalars(run_dir):
+    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}, acc
+
+
+def only_run_dir(log_dir):
+    dirs = list(Path(log_dir).iterdir())
+    assert len(dirs) == 1, dirs
+    return dirs[0]
+
+
+def tiny_flags(script, mode, num_actors):
+    return [*COMMON, *TINY[script], *(["--sync"] if mode == "sync" else []), "--num-actors", str(num_actors)]
+
+
+@pytest.fixture(scope="module", params=[(script, mode) for script in SCRIPTS for mode in ("hts", "sync")],
+                ids=lambda p: f"{p[0][:-3]}-{p[1]}")  # fmt: skip
+def tiny_run(request, tmp_path_factory):
+    """One tiny CartPole run per script and mode (HTS-RL, --sync) with 2 actors, evaluation and a saved model."""
+    script, mode = request.param
+    log_dir = tmp_path_factory.mktemp(f"{script[:-3]}_{mode}")
+    extra = ["--eval-episodes", "2", "--save-model", "--checkpoint-interval", "3600"]
+    proc = run_script(script, *tiny_flags(script, mode, 2), *extra, log_dir=log_dir)
+    assert proc.returncode == 0, proc.stderr
+    return script, mode, only_run_dir(log_dir), proc
+
+
+def test_tensorboard_tags_are_logged_and_finite(tiny_run):
+    script, _, run_dir, proc = tiny_run
+    data, acc = scalars(run_dir)
+    for tag in REQUIRED_TAGS:
+        assert tag in data, f"{script}: {tag} missing"
+        assert all(math.isfinite(v) for _, v in data[tag]), tag
+    assert any(tag.startswith("hyperparameters") for tag in acc.Tags()["tensors"])
+    assert max(step for step, _ in data["charts/SPS"]) == TOTAL - TOTAL % (4 * int(TINY[script][1]))
+    assert re.search(r"global_step=\d+ SPS=\d+ mean_return=", proc.stdout)
+    assert (run_dir / "model.pt").is_file() and (run_dir / "checkpoint.pt").is_file()
+    checkpoint = torch.load(run_dir / "checkpoint.pt", weights_only=False)
+    assert {"model", "optimizer", "global_step", "update", "rng", "args"} <= set(checkpoint)
+    assert not list(run_dir.glob("*.tmp"))
+
+
+def test_policy_lag_is_one_update_and_zero_with_sync(tiny_run):
+    """HTS-RL: the first update learns from data of the initial policy (lag 0), every later one with a lag of exactly
+    1. --sync: every update learns from data of the parameters it updates (lag 0)."""
+    script, mode, run_dir, _ = tiny_run
+    data = scalars(run_dir)[0]
+    lags = [v for _, v in data["charts/policy_lag"]]
+    assert len(lags) == TOTAL // (4 * int(TINY[script][1]))
+    if mode == "sync":
+        assert set(lags) == {0.0}
+    else:
+        assert lags[0] == 0 and set(lags[1:]) == {1.0}
+        assert all(v == 0 for _, v in data["timing/executor_wait_lockstep"])  # no per-step barrier in HTS-RL
+
+
+def final_model_and_returns(run_dir):
+    returns = [(s, v) for s, v in scalars(run_dir)[0]["charts/episodic_return"]]
+    return torch.load(run_dir / "model.pt"), returns
+
+
+def test_runs_are_deterministic_whatever_the_number_of_actors(tiny_run, tmp_path):
+    """Same seed with 1, 2 and 4 actors: bitwise the same final parameters and the same training episodes (step and
+    return) after 15-30 synchronizations, in both modes (actors sample with executor-drawn uniforms and forward one
+    executor's observations at a time). Another seed gives other parameters."""
+    script, mode, run_dir, _ = tiny_run
+    runs = {"1": ["--num-actors", "1"], "4": ["--num-actors", "4"]}
+    if mode == "hts":
+        runs["seed2"] = ["--seed", "2"]
+    procs = {}  # the runs at once: most of their time is start-up and waiting, and the machine has 2 cores
+    for name, flags in runs.items():
+        log_dir = str(tmp_path / name)
+        cmd = [sys.executable, script, *tiny_flags(script, mode, 2), *flags, "--save-model", "--log-dir", log_dir]
+        procs[name] = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    for proc in procs.values():
+        assert proc.wait(timeout=180) == 0, proc.stderr.read()
+    model, returns = final_model_and_returns(run_dir)
+    assert len(returns) >= 20  # CartPole episodes of a random-ish policy: tens of them in 960 steps
+    for name in ("1", "4"):
+        other_model, other_returns = final_model_and_returns(only_run_dir(tmp_path / name))
+        assert model.keys() == other_model.keys()
+        assert all(torch.equal(model[k], other_model[k]) for k in model), f"{name} actors: other parameters"
+        assert returns == other_returns, f"{name} actors: other episodes"
+    if mode == "hts":
+        other, _ = final_model_and_returns(only_run_dir(tmp_path / "seed2"))
+        assert not all(torch.equal(model[k], other[k]) for k in model)
+
+
+def test_storages_swap_roles_and_rollout_overlaps_learning(monkeypatch, tmp_path):
+    """In process: at update j the learner reads storage j % 2 while executors fill the other one (collection j+1
+    overwrites its bootstrap observations during the update; waited for as a condition, not timed)."""
+    seen = []
+    learn = hts_a2c.learn
+
+    def watching_learn(behavior, optimizer, batch, args):
+        obs = batch["obs"]
+        storages = obs._base  # [2, T+1, N, ...]: the shared storages the learner's batch is a view of
+        s = (obs.data_ptr() - storages.data_ptr()) // storages[0].nbytes
+        other_last = storages[1 - s, -1].clone()
+        seen.append(s)
+        if len(seen) < 6:  # all but the last update have a collection running concurrently
+            deadline = time.time() + 60
+            while torch.equal(storages[1 - s, -1], other_last) and time.time() < deadline:
+                time.sleep(0.01)
+            assert not torch.equal(storages[1 - s, -1], other_last), "executors did not fill the other storage"
+        return learn(behavior, optimizer, batch, args)
+
+    monkeypatch.setattr(hts_a2c, "learn", watching_learn)
+    args = hts_a2c.Args(env_id="CartPole-v1", num_envs=2, num_executors=2, num_actors=1, sync_interval=4,
+                        total_timesteps=6 * 8, log_dir=str(tmp_path), console_interval=100.0)  # fmt: skip
+    hts_a2c.main(args)
+    assert seen == [0, 1, 0, 1, 0, 1]
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_resume_continues_the_run_directory_and_step_count(script, tmp_path):
+    args = [*COMMON, *TINY[script][:2], "--checkpoint-interval", "3600", "--num-actors", "1"]
+    proc = run_script(script, *args, "--total-timesteps", "640", log_dir=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    run_dir = only_run_dir(tmp_path)
+    assert torch.load(run_dir / "checkpoint.pt", weights_only=False)["global_step"] == 640
+    proc = run_script(script, *args, "--total-timesteps", "1280", "--resume", str(run_dir / "checkpoint.pt"),
+                      log_dir=tmp_path)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert only_run_dir(tmp_path) == run_dir
+    checkpoint = torch.load(run_dir / "checkpoint.pt", weights_only=False)
+    assert checkpoint["global_step"] == 1280 and checkpoint["update"] == 1280 // (4 * int(TINY[script][1]))
+    lags = scalars(run_dir)[0]["charts/policy_lag"]
+    steps = [s for s, _ in lags]
+    assert max(steps) == 1280 and min(steps) > 0
+    after = [v for s, v in lags if s > 640]
+    assert after[0] == 0 and set(after[1:]) == {1.0}  # the pipeline restarts like a new run
+
+
+@pytest.mark.parametrize("module", [hts_a2c, hts_ppo])
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        ({"num_executors": 3}, "--num-executors must divide --num-envs"),
+        ({"env_id": "CartPol-v1"}, "did you mean CartPole-v1"),
+        ({"network": "nature"}, "needs [C, H, W] image observations"),
+        ({"network": "resnet"}, "--network must be one of"),
+        ({"atari_protocol": "openai"}, "--atari-protocol must be one of"),
+        ({"total_timesteps": 3}, "--total-timesteps must be >="),
+        ({"resume": "/nonexistent/checkpoint.pt"}, "no such file"),
+        ({"capture_video": True}, "--eval-episodes"),
+        ({"gamma": 1.5}, "--gamma must be in [0, 1]"),
+    ],
+)
+def test_bad_flags_give_one_error_line_and_status_2(module, flags, message, capsys):
+    flags = dict(flags)  # parametrize shares the dict between the two modules
+    args = module.Args(env_id=flags.pop("env_id", "CartPole-v1"), num_envs=4, **flags)
+    with pytest.raises(SystemExit) as exc:
+        module.validate(args)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err
+
+
+def test_bad_flag_on_the_command_line_has_no_traceback(tmp_path):
+    proc = run_script("hts_ppo.py", "--env-id", "ALE/Breakout-v5", "--num-minibatches", "7", log_dir=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("error: --num-minibatches must divide") and "Traceback" not in proc.stderr
+    assert not Path(tmp_path).exists() or not any(Path(tmp_path).iterdir())
+
+
+def test_atari_tiny_run(tmp_path):
+    """The frame path: Breakout through common.atari's C++ vector env, the nature network, uint8 storages."""
+    proc = run_script("hts_a2c.py", "--num-envs", "2", "--num-executors", "2", "--num-actors", "1",
+                      "--total-timesteps", "400", "--log-interval", "1", log_dir=tmp_path)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    data, _ = scalars(only_run_dir(tmp_path))
+    assert max(s for s, _ in data["losses/total_loss"]) == 400
+    assert all(math.isfinite(v) for _, v in data["losses/total_loss"])
+
+
+def children_of(pid):
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    out.append(int(d.name))
+            except (OSError, IndexError, ValueError):
+                pass
+    return out
+
+
+def alive(pid):
+    try:
+        state = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def start_long_run(script, log_dir, *extra):
+    flags = [*COMMON, "--sync-interval", "8", "--total-timesteps", "100000000", "--console-interval", "0.2"]
+    if script == "hts_ppo.py":
+        flags += ["--num-minibatches", "1"]
+    proc = subprocess.Popen(
+        [sys.executable, script, *flags, "--log-dir", str(log_dir), *extra],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    line = proc.stdout.readline()  # training is under way once the first console line is out
+    assert line.startswith("global_step="), proc.stderr.read() if proc.poll() is not None else line
+    return proc
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_signal_stops_everything_and_writes_a_final_checkpoint(sig, tmp_path):
+    script = "hts_a2c.py" if sig == signal.SIGINT else "hts_ppo.py"
+    proc = start_long_run(script, tmp_path, "--checkpoint-interval", "3600")
+    workers = children_of(proc.pid)
+    assert len(workers) >= 4  # 2 executors + 4 actors (+ the queue's feeder thread is not a process)
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + sig, err
+    assert f"stopped by {sig.name}" in err and "Traceback" not in err
+    assert not [w for w in workers if alive(w)]
+    run_dir = only_run_dir(tmp_path)
+    assert torch.load(run_dir / "checkpoint.pt", weights_only=False)["global_step"] > 0
+    data, _ = scalars(run_dir)
+    assert data["charts/SPS"]
+
+
+def test_killed_worker_stops_the_run(tmp_path):
+    proc = start_long_run("hts_a2c.py", tmp_path)
+    workers = children_of(proc.pid)
+    os.kill(workers[-1], signal.SIGKILL)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1
+    assert re.search(r"error: (executor|actor) \d+ died \(exit code -9\)", err), err
+    assert not [w for w in workers if alive(w)]
+
+
+def test_worker_exception_is_reported_with_its_traceback(tmp_path):
+    proc = run_script("hts_ppo.py", *COMMON[2:], "--env-id", "tests.test_hts:FaultyCartPole-v0",
+                      "--total-timesteps", "100000", log_dir=tmp_path)  # fmt: skip
+    assert proc.returncode == 1
+    assert re.search(r"error: executor \d failed:\nTraceback", proc.stderr), proc.stderr
+    assert "RuntimeError: injected env failure" in proc.stderr
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The straggler env and benchmark
+
+
+def test_straggler_step_times_have_the_requested_mean_and_std(monkeypatch):
+    from benchmarks.straggler import StragglerEnv
+
+    env = gym.make("benchmarks.straggler:Straggler-v0", mean_ms=5.0, std_ms=10.0).unwrapped
+    env.reset(seed=0)
+    draws = np.array([env.step_time() for _ in range(20_000)])  # drawn, not slept: no timing in the assertion
+    assert draws.mean() == pytest.approx(0.005, rel=0.05) and draws.std() == pytest.approx(0.010, rel=0.1)
+    assert StragglerEnv(mean_ms=3.0, std_ms=0.0).step_time() == 0.003
+    monkeypatch.setenv("STRAGGLER_MEAN_MS", "7")
+    monkeypatch.setenv("STRAGGLER_STD_MS", "1")
+    env = StragglerEnv()
+    assert (env.mean_s, env.std_s) == (0.007, 0.001)
+
+
+def test_straggler_benchmark_writes_json_and_table(tmp_path):
+    """benchmarks/hts_straggler.py compares HTS-RL with the script's own --sync mode (tiny settings here)."""
+    out = tmp_path / "straggler.json"
+    cmd = [sys.executable, "benchmarks/hts_straggler.py", "--num-envs", "2", "--mean-ms", "1", "--stds-ms", "1",
+           "--alpha", "16", "--hts-rollouts", "1", "--sync-rollout", "8", "--sync-rollouts", "1", "--num-actors", "1",
+           "--out", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out.read_text())
+    (row,) = result["rows"]
+    assert row["hts_sps"] > 0 and row["sync_sps"] > 0 and row["eq7_speedup"] > 1 and row["eq7_async_sps"] > 0
+    assert {"speedup_target_5x_met", "runtime_within_1.25x_async_met"} <= set(result["verdict"])
+    assert "speedup" in proc.stdout and "vs async" in proc.stdout
