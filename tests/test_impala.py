@@ -1,0 +1,364 @@
+"""impala_monobeast.py: V-trace against a slow loop from its definition, the buffer protocol (ownership ledger, distinct
+rollouts, row 0 carried over) with real actor processes, both inference modes end-to-end on CartPole and Breakout, the
+LSTM core, policy lag growing with the number of actors, bad flags, a crashing or killed actor, and clean shutdown."""
+
+import math
+import multiprocessing as mp
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+import impala_monobeast as im
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = "impala_monobeast.py"
+TINY_CARTPOLE = ["--env-id", "CartPole-v1", "--unroll-length", "16", "--batch-size", "2", "--num-actors", "2",
+                 "--log-interval", "1"]  # fmt: skip
+
+
+# ------------------------------------------------------------------ V-trace against the paper's definition
+
+
+def vtrace_reference(mu_logp, pi_logp, rewards, values, dones, next_value, gamma, rho_bar, c_bar, pg_rho_bar):
+    """Espeholt et al. 2018, Eq. 1, one scalar sequence at a time: v_s = V(x_s) + sum_{t>=s} (prod_{i=s}^{t-1} gamma_i
+    c_i) rho_t delta_t V with rho_t = min(rho_bar, pi/mu), c_i = min(c_bar, pi/mu), gamma_i = gamma (1 - done_i); the
+    policy-gradient advantage is min(pg_rho_bar, pi/mu) (r_s + gamma_s v_{s+1} - V(x_s)). Inputs [T, ...]."""
+    T = rewards.shape[0]
+    flat = [np.asarray(x, dtype=np.float64).reshape(T, -1) for x in (mu_logp, pi_logp, rewards, values, dones)]
+    mu, pi, r, v, d = flat
+    nv = np.asarray(next_value, dtype=np.float64).reshape(-1)
+    vs, pg = np.zeros_like(r), np.zeros_like(r)
+    for b in range(r.shape[1]):
+        ratio = [math.exp(pi[t, b] - mu[t, b]) for t in range(T)]
+        V = [*v[:, b], nv[b]]
+        disc = [gamma * (1 - d[t, b]) for t in range(T)]
+        col = []
+        for s in range(T):
+            total, trace = 0.0, 1.0
+            for t in range(s, T):
+                total += trace * min(rho_bar, ratio[t]) * (r[t, b] + disc[t] * V[t + 1] - V[t])
+                trace *= disc[t] * min(c_bar, ratio[t])
+            col.append(V[s] + total)
+        col.append(nv[b])
+        for s in range(T):
+            vs[s, b] = col[s]
+            pg[s, b] = min(pg_rho_bar, ratio[s]) * (r[s, b] + disc[s] * col[s + 1] - V[s])
+    return vs.reshape(rewards.shape), pg.reshape(rewards.shape)
+
+
+@pytest.mark.parametrize(
+    ("rho_bar", "c_bar", "pg_rho_bar"), [(1.0, 1.0, 1.0), (0.7, 1.3, 0.9), (2.0, 0.5, 5.0), (0.3, 0.8, 1.0)]
+)
+@pytest.mark.parametrize("shape", [(9, 4), (9, 3, 2)])  # time-major, with and without an extra trailing dimension
+def test_vtrace_matches_definition(rho_bar, c_bar, pg_rho_bar, shape):
+    rng = np.random.default_rng(hash((rho_bar, shape)) % 2**32)
+    mu, pi = rng.normal(size=shape) - 1.0, rng.normal(size=shape) - 1.0
+    ratio = np.exp(pi - mu)
+    assert (ratio > 1.3).any() and (ratio < 0.5).any()  # the truncations matter
+    rewards, values = rng.normal(size=shape), rng.normal(size=shape)
+    dones = (rng.random(size=shape) < 0.2).astype(np.float64)
+    dones[-1].flat[0] = 1.0
+    next_value = rng.normal(size=shape[1:])
+    t = lambda x: torch.tensor(x, dtype=torch.float64)  # noqa: E731
+    vs, pg = im.vtrace(t(mu), t(pi), t(rewards), t(values), t(dones), t(next_value), 0.99, rho_bar, c_bar, pg_rho_bar)
+    want_vs, want_pg = vtrace_reference(mu, pi, rewards, values, dones, next_value, 0.99, rho_bar, c_bar, pg_rho_bar)
+    np.testing.assert_allclose(vs.numpy(), want_vs, rtol=1e-10, atol=1e-10)
+    np.testing.assert_allclose(pg.numpy(), want_pg, rtol=1e-10, atol=1e-10)
+
+
+def test_vtrace_on_policy_is_the_n_step_return():
+    rewards, values = torch.tensor([[1.0], [0.0], [2.0]]), torch.tensor([[0.5], [0.3], [-1.0]])
+    logp, dones = torch.zeros(3, 1), torch.zeros(3, 1)
+    vs, _ = im.vtrace(logp, logp, rewards, values, dones, torch.tensor([4.0]), 0.9, 1.0, 1.0, 1.0)
+    assert vs[0, 0].item() == pytest.approx(1 + 0.81 * 2 + 0.729 * 4)
+
+
+def test_loss_is_summed_and_lr_decays_linearly_to_zero():
+    out = im.impala_loss(torch.tensor([[-1.0, -2.0]]), torch.tensor([[0.5, 1.5]]), torch.tensor([[1.0, 0.0]]),
+                         torch.tensor([[2.0, 2.0]]), torch.tensor([[1.0, -1.0]]), 0.5, 0.01)  # fmt: skip
+    assert out["policy_loss"].item() == pytest.approx(-1.0)  # -(-1 * 1 + -2 * -1)
+    assert out["value_loss"].item() == pytest.approx(0.5 * (1 + 4))
+    assert out["total_loss"].item() == pytest.approx(-1.0 + 0.5 * 2.5 - 0.01 * 2.0)
+    assert im.linear_lr(1.0, 0, 100) == 1.0 and im.linear_lr(1.0, 25, 100) == 0.75 and im.linear_lr(1.0, 200, 100) == 0
+
+
+# ------------------------------------------------------------------ the buffer protocol with real actor processes
+
+
+@pytest.mark.parametrize("inference", ["actor", "batched"])
+def test_buffer_protocol_with_real_actors(inference):
+    """Real actor processes and the script's get_batch / inference thread; this test is the learner. Every index is
+    in exactly one place at all times (the ledger, sampled continuously, and the queues drained at the end); a batch
+    holds batch_size distinct rollouts; row 0 of a rollout equals the last row of that actor's previous rollout."""
+    args = im.Args(env_id="CartPole-v1", unroll_length=6, num_actors=3, batch_size=2, inference=inference)
+    M, K, T, B = args.num_actors, 5, args.unroll_length, args.batch_size
+    from common.atari import make_vector_env
+    from common.models import make_model
+
+    probe = make_vector_env(args.env_id, 1, 0)
+    model = make_model(probe.single_observation_space, probe.single_action_space)
+    probe.close()
+    buffers = im.Buffers.allocate(K, T, 1, (4,), torch.float32, 2, (1, 1))
+    ctx = mp.get_context("fork")
+    stop, free_q, full_q, error_q = ctx.Event(), ctx.Queue(), ctx.Queue(), ctx.Queue()
+    buffers.ledger.fill_(im.FREE_QUEUE)
+    for i in range(K):
+        free_q.put(i)
+    version = torch.zeros(1, dtype=torch.int64).share_memory_()
+    threads, errors = [], []
+    if inference == "actor":
+        model.share_memory()
+        policies = [im.ActorPolicy(i, args, model=model, version=version) for i in range(M)]
+    else:
+        slots = im.InferenceSlots.allocate(M, 1, (4,), torch.float32, 2, (1, 1))
+        requests, sems = im.RequestPipe(), [ctx.Semaphore(0) for _ in range(M)]
+        policies = [im.ActorPolicy(i, args, slots=slots, requests=requests, sem=sems[i]) for i in range(M)]
+    actors = [ctx.Process(target=im.actor_process, args=(i, args, 10 + i, buffers, free_q, full_q, policies[i], stop,
+                                                         error_q), daemon=True) for i in range(M)]  # fmt: skip
+    for p in actors:
+        p.start()
+    if inference == "batched":
+        stats = dict(batches=0, envs=0)
+        threads.append(threading.Thread(target=im.inference_thread, args=(model, threading.Lock(), [0], slots,
+                       requests, sems, M, torch.device("cpu"), stop, errors, stats), daemon=True))  # fmt: skip
+        threads[0].start()
+
+    valid = set(range(M)) | {im.FREE_QUEUE, im.FULL_QUEUE, im.learner_owner(0)}
+    violations, watching = [], threading.Event()
+
+    def watch():  # the ledger at many instants: one owner per index, an actor holds at most one index
+        while not watching.is_set():
+            snapshot = buffers.ledger.tolist()
+            held = [o for o in snapshot if o >= 0]
+            if not set(snapshot) <= valid or len(held) != len(set(held)):
+                violations.append(snapshot)
+            time.sleep(0.0005)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    last_row, counts, batch_lock = {}, {}, threading.Lock()
+    try:
+        for _ in range(25):
+            batch, indices = im.get_batch(0, buffers, free_q, full_q, B, batch_lock, stop)
+            assert len(set(indices)) == B
+            pairs = [(int(a), int(c)) for a, c in batch["meta"][:, :2].tolist()]
+            assert len(set(pairs)) == B  # distinct rollouts
+            for col, (actor, count) in enumerate(pairs):
+                rows = {k: batch[k][:, col] for k in im.Buffers.ROW_KEYS}
+                if actor in last_row:
+                    assert count == counts[actor] + 1  # an actor's rollouts arrive in order
+                    for k, v in rows.items():
+                        assert torch.equal(v[0], last_row[actor][k]), k
+                else:
+                    assert count == 1 and bool(rows["done"][0].all())  # the first rollout starts an episode
+                last_row[actor], counts[actor] = {k: v[-1].clone() for k, v in rows.items()}, count
+            version += 1
+        assert len(last_row) >= 2  # rollouts of several actors were checked
+    finally:
+        stop.set()
+        for p in actors:
+            p.join(timeout=10)
+        if inference == "batched":
+            requests.put(im.RequestPipe.WAKE)
+        for t in threads:
+            t.join(timeout=10)
+        watching.set()
+        watcher.join()
+        if inference == "batched":
+            requests.close()
+    assert all(p.exitcode == 0 for p in actors) and not errors and error_q.empty()
+    assert not violations, violations[:3]
+    drained = {"free": [], "full": []}
+    for name, q in (("free", free_q), ("full", full_q)):
+        while True:
+            try:
+                drained[name].append(q.get(timeout=0.5))
+            except Exception:
+                break
+    held = [i for i, o in enumerate(buffers.ledger.tolist()) if o >= 0]
+    everywhere = drained["free"] + drained["full"] + held
+    assert sorted(everywhere) == list(range(K)), drained  # each index in exactly one place
+    assert all(buffers.ledger[i] == im.FREE_QUEUE for i in drained["free"])
+    assert all(buffers.ledger[i] == im.FULL_QUEUE for i in drained["full"])
+
+
+# ------------------------------------------------------------------ running the script
+
+
+def run(args, tmp_path, timeout=120):
+    cmd = [sys.executable, SCRIPT, "--log-dir", str(tmp_path), *args]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def run_dir_of(tmp_path):
+    (run_dir,) = [p for p in Path(tmp_path).iterdir() if p.is_dir()]
+    return run_dir
+
+
+def scalars(run_dir):
+    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+REQUIRED_TAGS = ["charts/episodic_return", "charts/episodic_length", "charts/SPS", "charts/learning_rate",
+                 "charts/policy_lag", "losses/policy_loss", "losses/value_loss", "losses/entropy",
+                 "losses/total_loss", "losses/grad_norm", "timing/full_queue_get", "timing/free_queue_get",
+                 "timing/train"]  # fmt: skip
+
+
+def assert_tags(logged, tags):
+    for tag in tags:
+        assert tag in logged, tag
+        assert all(math.isfinite(v) for _, v in logged[tag]), tag
+
+
+@pytest.mark.parametrize("inference", ["batched", "actor"])
+def test_cartpole_end_to_end(inference, tmp_path):
+    proc = run([*TINY_CARTPOLE, "--inference", inference, "--total-timesteps", "640", "--eval-episodes", "2",
+                "--save-model"], tmp_path)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    run_dir = run_dir_of(tmp_path)
+    logged = scalars(run_dir)
+    extra = ["timing/inference_wait", "timing/inference_batch_size"] if inference == "batched" else []
+    assert_tags(logged, [*REQUIRED_TAGS, *extra, "eval/episodic_return"])
+    assert [s for s, _ in logged["charts/SPS"]] == [32 * i for i in range(1, 21)]
+    lrs = [v for _, v in logged["charts/learning_rate"]]
+    assert lrs[0] == pytest.approx(0.00048) and lrs[-1] == pytest.approx(0.00048 * 32 / 640)
+    assert all(v >= 0 for _, v in logged["charts/policy_lag"])
+    assert len(logged["eval/episodic_return"]) == 2 and (run_dir / "model.pt").is_file()
+
+
+def test_lstm_runs_with_batched_inference(tmp_path):  # the actor-mode LSTM runs in test_breakout_end_to_end
+    proc = run([*TINY_CARTPOLE, "--use-lstm", "--total-timesteps", "256", "--save-model"],
+               tmp_path)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    run_dir = run_dir_of(tmp_path)
+    assert_tags(scalars(run_dir), REQUIRED_TAGS)
+    assert any("core" in k for k in torch.load(run_dir / "model.pt"))
+
+
+@pytest.mark.parametrize("mode", [["--inference", "batched"], ["--inference", "actor", "--use-lstm"]])
+def test_breakout_end_to_end(mode, tmp_path):
+    proc = run(["--env-id", "ALE/Breakout-v5", *mode, "--num-actors", "2", "--unroll-length", "20",
+                "--batch-size", "2", "--total-timesteps", "160", "--log-interval", "1"], tmp_path)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    logged = scalars(run_dir_of(tmp_path))
+    assert_tags(logged, [t for t in REQUIRED_TAGS if not t.startswith("charts/episodic")])  # no game ends in 160 steps
+    assert len(logged["losses/total_loss"]) == 4
+
+
+def mean_lag(tmp_path, actors):
+    proc = run(["--env-id", "CartPole-v1", "--inference", "actor", "--num-actors", str(actors), "--unroll-length", "8",
+                "--batch-size", "1", "--num-learner-threads", "1", "--total-timesteps", "320"], tmp_path)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    lags = [v for _, v in scalars(run_dir_of(tmp_path))["charts/policy_lag"]]
+    return float(np.mean(lags[len(lags) // 3 :]))  # after the start-up, when every actor has buffers in flight
+
+
+def test_policy_lag_grows_with_the_number_of_actors(tmp_path):
+    """IMPALA Section 3: with more actors, more rollouts wait in the full queue while the learner trains."""
+    one, six = mean_lag(tmp_path / "one", 1), mean_lag(tmp_path / "six", 6)
+    assert one <= 3.0 and six > 2 * one + 2.0, (one, six)
+
+
+def test_bad_flags_one_line_error(tmp_path, capsys):
+    cases = [
+        (dict(env_id="ALE/Breakot-v5"), "did you mean ALE/Breakout-v5"),
+        (dict(num_buffers=3), "--num-buffers (3) must be >="),
+        (dict(atari_protocol="atari57"), "--atari-protocol must be one of"),
+        (dict(network="resnet"), "--network must be one of"),
+        (dict(learning_rate=-1.0), "--learning-rate must be > 0"),
+        (dict(total_timesteps=10), "less than one learner batch"),
+        (dict(resume="/nonexistent/checkpoint.pt"), "no such checkpoint"),
+        (dict(num_envs_per_actor=4, max_inference_batch=2), "--max-inference-batch (2)"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(SystemExit) as e:
+            im.main(im.Args(log_dir=str(tmp_path), **kwargs))
+        assert e.value.code == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
+    assert not any(Path(tmp_path).iterdir())  # nothing was created
+
+
+def test_crashing_actor_stops_the_run_with_its_traceback(tmp_path):
+    start = time.time()
+    proc = run(["--env-id", "tests.faulty_env:CrashingCartPole-v0", "--num-actors", "2", "--unroll-length", "16",
+                "--batch-size", "2", "--total-timesteps", "10000000"], tmp_path)  # fmt: skip
+    assert proc.returncode == 1
+    assert "actor" in proc.stderr and "died" in proc.stderr and "injected env failure" in proc.stderr, proc.stderr
+    assert time.time() - start < 60
+
+
+def children_of(pid: int) -> list[int]:
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    out.append(int(d.name))
+            except (OSError, ValueError, IndexError):
+                pass
+    return out
+
+
+def start_training(tmp_path, extra=()):
+    cmd = [sys.executable, SCRIPT, "--log-dir", str(tmp_path), *TINY_CARTPOLE, "--total-timesteps", "100000000",
+           *extra]  # fmt: skip
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    for line in proc.stdout:  # training is under way
+        if line.startswith("step"):
+            break
+    return proc
+
+
+def test_killed_actor_stops_the_run(tmp_path):
+    proc = start_training(tmp_path, ["--inference", "batched"])
+    actors = children_of(proc.pid)
+    assert len(actors) >= 2
+    os.kill(actors[0], signal.SIGKILL)
+    start = time.time()
+    _, err = proc.communicate(timeout=30)
+    assert time.time() - start < 10 and proc.returncode == 1, err
+    assert "error: actor" in err and "killed by signal 9" in err, err
+    assert not [p for p in actors if Path(f"/proc/{p}").exists() and "Z" not in Path(f"/proc/{p}/stat").read_text()]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_signal_stops_everything_with_checkpoint_and_resume_continues(sig, tmp_path):
+    proc = start_training(tmp_path, ["--checkpoint-interval", "3600", "--inference", "actor"])
+    actors = children_of(proc.pid)
+    proc.send_signal(sig)
+    start = time.time()
+    _, err = proc.communicate(timeout=30)
+    assert time.time() - start < 10 and proc.returncode == 130 and "Traceback" not in err, err
+    assert not any(Path(f"/proc/{p}").exists() for p in actors)  # no process left
+    run_dir = run_dir_of(tmp_path)
+    stopped_at = torch.load(run_dir / "checkpoint.pt", weights_only=False)["global_step"]
+    assert stopped_at > 0 and stopped_at == max(s for s, _ in scalars(run_dir)["charts/SPS"])
+    if sig == signal.SIGINT:
+        resumed = run([*TINY_CARTPOLE, "--total-timesteps", str(stopped_at + 64), "--resume",
+                       str(run_dir / "checkpoint.pt")], tmp_path)  # fmt: skip
+        assert resumed.returncode == 0, resumed.stderr
+        assert max(s for s, _ in scalars(run_dir)["charts/SPS"]) == stopped_at + 64 and run_dir_of(tmp_path) == run_dir
+
+
+def test_non_finite_loss_stops_and_keeps_last_checkpoint(tmp_path):
+    proc = run(["--env-id", "tests.faulty_env:NaNCartPole-v0", "--num-actors", "1", "--unroll-length", "16",
+                "--batch-size", "1", "--num-learner-threads", "1", "--total-timesteps", "10000000",
+                "--checkpoint-interval", "0.000001", "--no-clip-rewards"], tmp_path)  # fmt: skip
+    assert proc.returncode == 1
+    assert "non-finite loss" in proc.stderr, proc.stderr
+    checkpoint = torch.load(run_dir_of(tmp_path) / "checkpoint.pt", weights_only=False)
+    assert 0 < checkpoint["update"] and all(torch.isfinite(v).all() for v in checkpoint["model"].values())
