@@ -139,7 +139,8 @@ class Args:
 
 
 # ledger values: who owns a buffer index (actor i owns it while ledger == i)
-FREE_QUEUE, FULL_QUEUE = -1, -2
+FREE_QUEUE = -1  # ledger owner codes; actors are >= 0, learner threads below FULL_QUEUE
+FULL_QUEUE = -2
 
 
 def learner_owner(thread_id: int) -> int:
