@@ -24,6 +24,7 @@ import numpy as np
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # the Breakout ceiling imports the script's own loss functions
 
 
 def scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:

@@ -67,6 +67,8 @@ def eq7_time(n: int, K: float, alpha: float, mean_s: float, std_s: float, c: flo
     if std_s == 0:
         return K / n * mean_s + K * c / n
     k = (mean_s / std_s) ** 2
+    if alpha * k < 1:  # the approximation (derived for exponential steps, shape >= 1) breaks down below shape 1
+        return float("nan")
     beta = k / mean_s
     f_inv = gamma_dist.ppf(1.0 - 1.0 / n, alpha * k, scale=1.0 / beta)
     expected_max = np.euler_gamma / beta * (1 + (alpha * k - 1) / (beta * f_inv)) + f_inv
