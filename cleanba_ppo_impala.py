@@ -330,6 +330,9 @@ def actor_thread(
     errors: list,
 ) -> None:
     """Figure 1 (right), `actor()`: get params (not at iteration 2), roll out, put the rollout."""
+    # One intra-op thread for this actor's small inference batches (the setting is per thread): a second OpenMP
+    # team spinning beside the learner's cost the learner about 20% on a 2-core CPU.
+    torch.set_num_threads(1)
     try:
         next_obs, _ = envs.reset()
         T = buffers[0].obs.shape[0]
@@ -660,6 +663,9 @@ def main(args: Args) -> None:
     torch.manual_seed(args.seed)  # identical initial parameters on every rank
     torch.backends.cudnn.deterministic = args.torch_deterministic
     torch.use_deterministic_algorithms(args.torch_deterministic, warn_only=True)
+    # Deterministic mode would also fill every new tensor with NaN; nothing here reads uninitialised memory, and the
+    # fill cost about 15% of the learner's time on CPU.
+    torch.utils.deterministic.fill_uninitialized_memory = False
 
     # ---- run directory and checkpoint
     checkpoint = torch.load(args.resume, map_location="cpu", weights_only=False) if args.resume else None
