@@ -131,7 +131,7 @@ def breakout_ceiling(num_envs: int, num_steps: int, threads: int) -> dict:
     train_sps = 20 * num_steps * num_envs / (time.perf_counter() - start)
     envs.close()
     ceiling = 1 / (1 / env_sps + 1 / infer_sps + 1 / train_sps)
-    return dict(env=env_sps, infer=infer_sps, train=train_sps, ceiling_per_learner=ceiling)
+    return dict(env_sps=env_sps, infer_sps=infer_sps, train_sps=train_sps, ceiling_per_learner=ceiling)
 
 
 def breakout(args) -> list[dict]:
@@ -147,8 +147,9 @@ def breakout(args) -> list[dict]:
         rows.append(dict(env="ALE/Breakout-v5", learners=n, mode=mode, **result, **pieces, ceiling=ceiling,
                          efficiency=result["sps"] / ceiling))  # fmt: skip
         print(
-            f"Breakout 2 learners {mode:<9} SPS {result['sps']:,.0f}  ceiling {ceiling:,.0f} (env {pieces['env']:,.0f} "
-            f"infer {pieces['infer']:,.0f} train {pieces['train']:,.0f} per learner x{n})  "
+            f"Breakout 2 learners {mode:<9} SPS {result['sps']:,.0f}  ceiling {ceiling:,.0f} "
+            f"(env {pieces['env_sps']:,.0f} infer {pieces['infer_sps']:,.0f} train {pieces['train_sps']:,.0f} "
+            f"per learner x{n})  "
             f"efficiency {result['sps'] / ceiling:.2f}  gossip {100 * result['gossip_share']:.2f}% of iteration",
             flush=True,
         )
