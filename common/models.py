@@ -10,9 +10,9 @@
 uint8 frames are scaled to [0, 1] inside the model, so actors ship uint8 observations. Initialisation follows the
 reference A2C/PPO code (baselines, CleanRL): orthogonal weights with gain sqrt(2) for hidden layers, 0.01 for the
 policy head, 1 for the value head, zero biases; the IMPALA ResNet's convolutions keep PyTorch's default init, as in
-CleanRL's IMPALA-CNN. Image networks run in `channels_last` memory format by default: on this project's 2-core CPU
-oneDNN trained the Nature network about 1.3x and the IMPALA ResNet about 2x faster that way (inference alone of the
-Nature network at batch 8 was about 10% slower, so an actor-only copy may pass `channels_last=False`).
+CleanRL's IMPALA-CNN. Image networks run in `channels_last` memory format by default: oneDNN trained both faster
+that way on this project's CPU (interleaved A/B runs during development; the IMPALA ResNet gains most), while the
+Nature network's small-batch inference was slightly slower, so an actor-only copy may pass `channels_last=False`.
 """
 
 from __future__ import annotations
