@@ -51,7 +51,7 @@ import torch.distributed as dist
 import tyro
 from torch import nn
 
-from common.atari import PROTOCOLS, EnvError, check_env_args, finished_episodes, make_env, make_vector_env
+from common.atari import EnvError, check_env_args, finished_episodes, make_env, make_vector_env
 from common.models import NETWORKS, make_model
 
 
@@ -560,8 +560,6 @@ def validate(args: Args, world_size: int) -> str | None:
         )
     if args.network not in NETWORKS:
         return f"--network must be one of {', '.join(NETWORKS)}, got {args.network!r}"
-    if args.atari_protocol not in PROTOCOLS:
-        return f"--atari-protocol must be one of {', '.join(PROTOCOLS)}, got {args.atari_protocol!r}"
     for name in (
         "learning_rate",
         "max_grad_norm",

@@ -28,7 +28,6 @@ from __future__ import annotations
 import difflib
 import functools
 import importlib
-import os
 from typing import Any
 
 import gymnasium as gym
@@ -297,8 +296,3 @@ def finished_episodes(info: dict) -> list[tuple[float, int]]:
         return []
     returns, lengths = info["episode"]["r"][done], info["episode"]["l"][done]
     return [(float(r), int(n)) for r, n in zip(returns, lengths, strict=True)]
-
-
-def default_num_threads(num_processes: int = 1) -> int:
-    """Stepping threads per ALE vector env when `num_processes` processes each own one: the cores, shared."""
-    return max(1, (os.cpu_count() or 1) // max(1, num_processes))
