@@ -1,0 +1,223 @@
+"""Learning benchmark: run every script on a suite with several seeds, then plot and tabulate the results.
+
+Suites
+- `cartpole`: CartPole-v1 for every script and mode. The bar: mean episodic return >= 475 over the last 20 episodes
+  within the step budget stated per entry below (budgets are equal where the algorithms allow).
+- `atari-smoke`: Pong (deepmind protocol) for the PPO/A2C-family scripts, a few million frames on a CPU machine:
+  the curve must rise clearly from -21.
+- `atari-paper`: the seeds' papers' Atari settings (GALA's six games, HTS-RL's Atari table, Cleanba's 200M-frame
+  protocol) as commands for a GPU machine, read from `benchmarks/atari_paper.json` with the papers' numbers beside
+  them. Printed by default (`--run` runs them).
+
+Each run is `python SCRIPT --env-id ENV --seed S --total-timesteps N --exp-name LABEL --log-dir OUT ARGS`, so its
+TensorBoard directory is `OUT/{env}__{label}__{seed}__{time}`; `OUT/logs/` holds the console output, and
+`OUT/manifest.json` every command with its exit status and wall time. Runs go `--jobs` at a time (the scripts are
+themselves multi-process, so on a 2-core machine one job at a time gives the honest wall-clock curve). At the end
+`benchmarks/plot.py` draws the curves and prints the table.
+
+Examples:
+  python benchmarks/learn.py --suite cartpole --seeds 1 2 3 --out runs/learn/cartpole
+  python benchmarks/learn.py --suite cartpole --only hts_a2c cleanba_ppo --seeds 1      # a subset
+  python benchmarks/learn.py --suite atari-smoke --seeds 1 --out runs/learn/pong
+  python benchmarks/learn.py --suite atari-paper                                      # print the GPU commands
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class Entry:
+    label: str  # becomes --exp-name: one colour per label in the plots
+    script: str
+    env_id: str
+    total_timesteps: int  # agent steps (frames / 4 on Atari)
+    args: list[str] = field(default_factory=list)
+    tag: str = "charts/episodic_return"  # the return the bar is checked on
+    note: str = ""
+
+
+# CartPole: one budget for the on-policy family; hyperparameters are the scripts' defaults except where the
+# classic-control setting differs from the Atari table (noted per entry).
+CARTPOLE = [
+    Entry("cleanba_ppo", "cleanba_ppo_impala.py", "CartPole-v1", 500_000, ["--num-envs", "4"]),
+    Entry("cleanba_impala", "cleanba_ppo_impala.py", "CartPole-v1", 500_000, ["--algo", "impala", "--num-envs", "8"]),
+    Entry(
+        "hts_a2c",
+        "hts_a2c.py",
+        "CartPole-v1",
+        500_000,
+        ["--num-envs", "8", "--num-executors", "8", "--num-actors", "2"],
+    ),
+    Entry(
+        "hts_ppo",
+        "hts_ppo.py",
+        "CartPole-v1",
+        500_000,
+        ["--num-envs", "8", "--num-executors", "8", "--num-actors", "2"],
+    ),
+    Entry(
+        "impala_batched",
+        "impala_monobeast.py",
+        "CartPole-v1",
+        500_000,
+        ["--num-actors", "4", "--unroll-length", "20"],
+        note="IMPALA paper's unroll 20 (TorchBeast's 80 is for Atari)",
+    ),
+    Entry("gala_gossip", "gala_a2c.py", "CartPole-v1", 500_000, ["--num-learners", "2"]),
+    Entry("gala_allreduce", "gala_a2c.py", "CartPole-v1", 500_000, ["--num-learners", "2", "--mode", "allreduce"]),
+    Entry("a3c_hogwild", "a3c_large_batch.py", "CartPole-v1", 500_000, ["--num-workers", "2"]),
+    Entry("a3c_server", "a3c_large_batch.py", "CartPole-v1", 500_000, ["--num-workers", "2", "--update", "server"]),
+]
+
+# Pong, deepmind protocol, 2M frames: the PPO/A2C family at its Atari defaults (Nature CNN), sized for 2 cores.
+PONG_STEPS = 500_000
+DEEPMIND = ["--atari-protocol", "deepmind"]
+ATARI_SMOKE = [
+    Entry("cleanba_ppo", "cleanba_ppo_impala.py", "ALE/Pong-v5", PONG_STEPS, [*DEEPMIND, "--num-envs", "8"]),
+    Entry("hts_a2c", "hts_a2c.py", "ALE/Pong-v5", PONG_STEPS, DEEPMIND),
+    Entry("hts_ppo", "hts_ppo.py", "ALE/Pong-v5", PONG_STEPS, DEEPMIND),
+    Entry("gala_gossip", "gala_a2c.py", "ALE/Pong-v5", PONG_STEPS, [*DEEPMIND, "--num-learners", "2"]),
+    Entry("a3c_hogwild", "a3c_large_batch.py", "ALE/Pong-v5", PONG_STEPS, [*DEEPMIND, "--num-workers", "2"]),
+]
+
+THRESHOLDS = {"cartpole": 475.0, "atari-smoke": None, "atari-paper": None}
+
+
+def atari_paper() -> list[Entry]:
+    data = json.loads((ROOT / "benchmarks" / "atari_paper.json").read_text())
+    entries = []
+    for g in data["games"]:
+        st = data["settings"][g["label"]]
+        score = "no per-game number" if g["paper_score"] is None else f"{g['paper_score']}"
+        if g.get("paper_score_error") is not None:
+            score += f" +- {g['paper_score_error']}"
+        note = f"{st['paper']}: {score} ({st['paper_score_note']})"
+        entries.append(Entry(g["label"], st["script"], g["game"], st["frames"] // 4, st["args"], note=note))
+    return entries
+
+
+def suite(name: str) -> list[Entry]:
+    return {"cartpole": lambda: CARTPOLE, "atari-smoke": lambda: ATARI_SMOKE, "atari-paper": atari_paper}[name]()
+
+
+def command(e: Entry, seed: int, out: Path) -> list[str]:
+    return [
+        sys.executable,
+        e.script,
+        "--env-id",
+        e.env_id,
+        "--seed",
+        str(seed),
+        "--total-timesteps",
+        str(e.total_timesteps),
+        "--exp-name",
+        e.label,
+        "--log-dir",
+        str(out),
+        *e.args,
+    ]
+
+
+def run_all(jobs: list[tuple[Entry, int]], out: Path, parallel: int) -> list[dict]:
+    """Run (entry, seed) pairs `parallel` at a time; Ctrl+C interrupts the running ones (each script then shuts
+    down cleanly and flushes TensorBoard) and stops the queue."""
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    pending, running, done = list(jobs), [], []
+    try:
+        while pending or running:
+            while pending and len(running) < parallel:
+                e, seed = pending.pop(0)
+                cmd = command(e, seed, out)
+                log = out / "logs" / f"{e.env_id.replace('/', '-')}__{e.label}__{seed}.log"
+                print(f"[learn] start {e.label} seed {seed}: {' '.join(cmd[1:])}", flush=True)
+                proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT)
+                running.append((proc, e, seed, cmd, log, time.time()))
+            time.sleep(1.0)
+            for item in [r for r in running if r[0].poll() is not None]:
+                running.remove(item)
+                proc, e, seed, cmd, log, t0 = item
+                rec = dict(label=e.label, seed=seed, env_id=e.env_id, command=cmd[1:], log=str(log))
+                rec.update(returncode=proc.returncode, wall_seconds=round(time.time() - t0, 1))
+                done.append(rec)
+                print(f"[learn] done  {e.label} seed {seed}: exit {proc.returncode} in {rec['wall_seconds']} s")
+    except KeyboardInterrupt:
+        print("[learn] interrupted: stopping the running scripts", flush=True)
+        for proc, *_ in running:
+            proc.send_signal(signal.SIGINT)
+        for proc, *_ in running:
+            proc.wait(timeout=30)
+        raise
+    return done
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--suite", choices=sorted(THRESHOLDS), default="cartpole")
+    p.add_argument("--only", nargs="*", default=None, help="labels to run (default: the whole suite)")
+    p.add_argument("--games", nargs="*", default=None, help="env ids to keep, e.g. ALE/Pong-v5 (default: all)")
+    p.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3])
+    p.add_argument("--out", default=None, help="run directory root (default runs/learn/<suite>)")
+    p.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 2) // 2), help="runs at the same time")
+    p.add_argument("--steps-scale", type=float, default=1.0, help="multiply every budget (quick checks)")
+    p.add_argument("--dry-run", action="store_true", help="print the commands and stop")
+    p.add_argument("--run", action="store_true", help="atari-paper: run the commands instead of printing them")
+    a = p.parse_args(argv)
+
+    entries = suite(a.suite)
+    labels = {e.label for e in entries}
+    if a.only is not None:
+        unknown = sorted(set(a.only) - labels)
+        if unknown:
+            print(f"error: unknown label(s) {unknown}; the suite has {sorted(labels)}", file=sys.stderr)
+            return 2
+        entries = [e for e in entries if e.label in a.only]
+    if a.games is not None:
+        entries = [e for e in entries if e.env_id in a.games]
+    if a.steps_scale != 1.0:
+        for e in entries:
+            e.total_timesteps = max(1, int(e.total_timesteps * a.steps_scale))
+    out = Path(a.out or f"runs/learn/{a.suite}")
+    jobs = [(e, s) for e in entries for s in a.seeds]
+    if a.dry_run or (a.suite == "atari-paper" and not a.run):
+        for e, s in jobs:
+            print(" ".join(["python", *command(e, s, out)[1:]]) + (f"    # {e.note}" if e.note else ""))
+        return 0
+    out = out.resolve()  # the scripts run from the repository root
+
+    t0 = time.time()
+    records = run_all(jobs, out, a.jobs)
+    manifest = out / "manifest.json"
+    old = json.loads(manifest.read_text())["runs"] if manifest.exists() else []
+    info = dict(suite=a.suite, machine=f"{os.cpu_count()} CPU cores", wall_seconds=round(time.time() - t0, 1))
+    manifest.write_text(json.dumps(dict(info, runs=old + records), indent=1))
+    failed = [r for r in records if r["returncode"] != 0]
+    for r in failed:
+        print(f"[learn] FAILED {r['label']} seed {r['seed']} (exit {r['returncode']}), see {r['log']}")
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import plot
+
+    plot_args = [str(out), "--out", str(out / "learning")]
+    if THRESHOLDS[a.suite] is not None:
+        plot_args += ["--threshold", str(THRESHOLDS[a.suite])]
+    for e in entries:
+        if e.tag != "charts/episodic_return":
+            plot_args += ["--tag-for", f"{e.label}={e.tag}"]
+    plot.main(plot_args)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,272 @@
+"""Learning curves and a results table from TensorBoard runs made by any script in this repository.
+
+Every script writes `runs/{env_id}__{exp_name}__{seed}__{unix_time}/events.out.tfevents.*` with
+`charts/episodic_return` and `charts/SPS` against global agent steps (CONVENTIONS.md). This tool finds every run
+directory under the paths it is given, groups runs by (env id, exp name) — one colour per script/mode, seeds pooled —
+and draws, per env, episodic return against agent steps and against wall-clock time: the mean over seeds and a 95%
+bootstrap confidence band (seeds resampled with replacement). Next to the figure it writes a JSON file and prints a
+Markdown table: final return (mean of each seed's last `--window` episodes), steps/s, and time to threshold (first
+agent step / second at which the mean of the last `--window` episodes reaches `--threshold`).
+
+Examples:
+  python benchmarks/plot.py runs/                                        # every run under runs/
+  python benchmarks/plot.py runs/learn/cartpole --threshold 475 --out benchmarks/results/cartpole
+  python benchmarks/plot.py runs/learn/cartpole --tag eval/episodic_return   # e.g. Ape-X's greedy evaluation
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+import warnings
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+RUN_NAME = re.compile(r"^(?P<env>.+?)__(?P<exp>.+)__(?P<seed>-?\d+)__(?P<time>\d+)$")
+
+
+@dataclass
+class Run:
+    path: Path
+    env: str
+    exp: str
+    seed: int
+    steps: np.ndarray  # [E] global agent step at which each episode ended
+    walls: np.ndarray  # [E] seconds since the run's first event
+    returns: np.ndarray  # [E]
+    sps: float  # agent steps per second over the whole run
+    final_step: int
+
+
+@dataclass
+class Group:
+    env: str
+    exp: str
+    runs: list[Run] = field(default_factory=list)
+
+
+def find_run_dirs(paths: list[str]) -> list[Path]:
+    dirs = set()
+    for p in map(Path, paths):
+        if not p.exists():
+            raise FileNotFoundError(f"{p} does not exist")
+        files = [p] if p.is_file() else p.rglob("events.out.tfevents.*")
+        dirs.update(f.parent for f in files)
+    return sorted(dirs)
+
+
+def load_run(run_dir: Path, tag: str) -> Run | None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})  # 0 = keep every event
+    acc.Reload()
+    tags = acc.Tags()["scalars"]
+    if tag not in tags:
+        return None
+    events = acc.Scalars(tag)
+    all_events = [e for t in tags for e in acc.Scalars(t)]
+    t0 = min(e.wall_time for e in all_events)
+    final_step = max(e.step for e in all_events)
+    duration = max(e.wall_time for e in all_events) - t0
+    # one rate for every script: last step over the time from the first event to the last (includes warm-up)
+    sps = final_step / duration if duration > 0 else float("nan")
+    m = RUN_NAME.match(run_dir.name)
+    env, exp, seed = (m["env"], m["exp"], int(m["seed"])) if m else ("?", run_dir.name, 0)
+    return Run(
+        path=run_dir,
+        env=env,
+        exp=exp,
+        seed=seed,
+        steps=np.array([e.step for e in events], dtype=np.float64),
+        walls=np.array([e.wall_time - t0 for e in events], dtype=np.float64),
+        returns=np.array([e.value for e in events], dtype=np.float64),
+        sps=sps,
+        final_step=final_step,
+    )
+
+
+def trailing_mean(x: np.ndarray, window: int) -> np.ndarray:
+    """Mean of the last `window` values at every index (fewer at the start)."""
+    c = np.concatenate([[0.0], np.cumsum(x)])
+    idx = np.arange(1, len(x) + 1)
+    lo = np.maximum(idx - window, 0)
+    return (c[idx] - c[lo]) / (idx - lo)
+
+
+def first_crossing(x: np.ndarray, curve: np.ndarray, threshold: float) -> float:
+    hit = np.nonzero(curve >= threshold)[0]
+    return float(x[hit[0]]) if len(hit) else math.nan
+
+
+def on_grid(x: np.ndarray, curve: np.ndarray, grid: np.ndarray) -> np.ndarray:
+    """The step function `curve` (value after the last episode at or before each grid point); NaN before the first
+    episode and after the run's last episode."""
+    idx = np.searchsorted(x, grid, side="right") - 1
+    out = np.where(idx >= 0, curve[np.clip(idx, 0, None)], np.nan)
+    out[grid > x[-1]] = np.nan
+    return out
+
+
+def bootstrap_band(values: np.ndarray, reps: int = 1000, seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """values [S, G] (NaN where a seed has no data): mean over seeds and the 95% percentile bootstrap interval."""
+    rng = np.random.default_rng(seed)
+    s = values.shape[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        mean = np.nanmean(values, axis=0)
+    if s == 1:
+        return mean, mean.copy(), mean.copy()
+    picks = rng.integers(0, s, size=(reps, s))  # resample seeds with replacement
+    with warnings.catch_warnings():  # all-NaN grid points (past every seed's end) stay NaN, silently
+        warnings.simplefilter("ignore", RuntimeWarning)
+        boot = np.nanmean(values[picks], axis=1)  # [reps, G]
+        lo, hi = np.nanpercentile(boot, [2.5, 97.5], axis=0)
+    return mean, lo, hi
+
+
+def summarise(group: Group, window: int, threshold: float | None) -> dict:
+    finals, sps, t_steps, t_secs = [], [], [], []
+    for r in group.runs:
+        finals.append(float(np.mean(r.returns[-window:])))
+        sps.append(r.sps)
+        if threshold is not None:
+            curve = trailing_mean(r.returns, window)
+            t_steps.append(first_crossing(r.steps, curve, threshold))
+            t_secs.append(first_crossing(r.walls, curve, threshold))
+    out = {
+        "env": group.env,
+        "exp": group.exp,
+        "seeds": sorted(r.seed for r in group.runs),
+        "agent_steps": [r.final_step for r in group.runs],
+        "episodes": [len(r.returns) for r in group.runs],
+        "final_return_per_seed": finals,
+        "final_return_mean": float(np.mean(finals)),
+        "final_return_min": float(np.min(finals)),
+        "sps_mean": float(np.nanmean(sps)) if not all(math.isnan(v) for v in sps) else math.nan,
+    }
+    if threshold is not None:
+        reached = [t for t in t_steps if not math.isnan(t)]
+        out.update(
+            threshold=threshold,
+            seeds_reaching_threshold=len(reached),
+            steps_to_threshold_per_seed=t_steps,
+            seconds_to_threshold_per_seed=t_secs,
+        )
+    return out
+
+
+def draw(env: str, groups: list[Group], window: int, threshold: float | None, tag: str, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, g in enumerate(groups):
+        color = colors[i % len(colors)]
+        for ax, axis in zip(axes, ("steps", "walls"), strict=True):
+            xs = [getattr(r, axis) for r in g.runs]
+            grid = np.linspace(0.0, max(float(x[-1]) for x in xs), 200)
+            curves = [on_grid(x, trailing_mean(r.returns, window), grid) for x, r in zip(xs, g.runs, strict=True)]
+            values = np.stack(curves)
+            mean, lo, hi = bootstrap_band(values)
+            ax.plot(grid, mean, color=color, label=f"{g.exp} ({len(g.runs)} seeds)")
+            ax.fill_between(grid, lo, hi, color=color, alpha=0.2, linewidth=0)
+    for ax, xlabel in zip(axes, ("agent steps", "wall-clock time (s)"), strict=True):
+        if threshold is not None:
+            ax.axhline(threshold, color="grey", linestyle=":", linewidth=1)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(f"{tag} (mean of last {window})")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8, loc="best")
+    fig.suptitle(f"{env}: mean over seeds, 95% bootstrap CI")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def markdown_table(rows: list[dict]) -> str:
+    has_threshold = any("threshold" in r for r in rows)
+    head = "| env | run | seeds | agent steps | final return (mean, min over seeds) | steps/s |"
+    sep = "|---|---|---|---|---|---|"
+    if has_threshold:
+        head += " steps to threshold (median) | seconds to threshold (median) | seeds reaching |"
+        sep += "---|---|---|"
+    lines = [head, sep]
+    for r in rows:
+        line = (
+            f"| {r['env']} | {r['exp']} | {len(r['seeds'])} | {int(np.median(r['agent_steps'])):,} "
+            f"| {r['final_return_mean']:.1f} ({r['final_return_min']:.1f}) | {r['sps_mean']:,.0f} |"
+        )
+        if has_threshold:
+            if "threshold" in r and r["seeds_reaching_threshold"]:
+                steps = np.nanmedian(r["steps_to_threshold_per_seed"])
+                secs = np.nanmedian(r["seconds_to_threshold_per_seed"])
+                line += f" {steps:,.0f} | {secs:,.0f} | {r['seeds_reaching_threshold']}/{len(r['seeds'])} |"
+            else:
+                line += f" — | — | 0/{len(r['seeds'])} |"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("paths", nargs="+", help="run directories, or directories to search for them")
+    p.add_argument("--tag", default="charts/episodic_return", help="scalar to plot (default: %(default)s)")
+    p.add_argument(
+        "--tag-for", action="append", default=[], metavar="EXP=TAG", help="another tag for runs of one exp name"
+    )
+    p.add_argument("--window", type=int, default=20, help="episodes averaged for curves and the final return")
+    p.add_argument("--threshold", type=float, default=None, help="return for the time-to-threshold columns")
+    p.add_argument("--out", default="plots/learning", help="output prefix: writes {out}_{env}.png and {out}.json")
+    p.add_argument("--title", default=None, help="heading printed above the table")
+    a = p.parse_args(argv)
+    try:
+        run_dirs = find_run_dirs(a.paths)
+    except FileNotFoundError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    tag_for = dict(item.split("=", 1) for item in a.tag_for)
+    runs = []
+    for d in run_dirs:
+        m = RUN_NAME.match(d.name)
+        tag = tag_for.get(m["exp"] if m else d.name, a.tag)
+        r = load_run(d, tag)
+        if r is not None and len(r.returns):
+            runs.append(r)
+    if not runs:
+        print(f"error: no run under {' '.join(a.paths)} has `{a.tag}` events", file=sys.stderr)
+        return 2
+    groups: dict[tuple[str, str], Group] = {}
+    for r in runs:
+        groups.setdefault((r.env, r.exp), Group(r.env, r.exp)).runs.append(r)
+    by_env: dict[str, list[Group]] = defaultdict(list)
+    for key in sorted(groups):
+        by_env[key[0]].append(groups[key])
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for env, env_groups in by_env.items():
+        png = out.parent / f"{out.name}_{env}.png"
+        draw(env, env_groups, a.window, a.threshold, a.tag, png)
+        print(f"wrote {png}")
+        rows += [summarise(g, a.window, a.threshold) for g in env_groups]
+    json_path = out.parent / f"{out.name}.json"
+    summary = {"tag": a.tag, "tag_for": tag_for, "window": a.window, "runs": rows}
+    json_path.write_text(json.dumps(summary, indent=1, allow_nan=True))
+    print(f"wrote {json_path}\n")
+    if a.title:
+        print(f"### {a.title}\n")
+    print(markdown_table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

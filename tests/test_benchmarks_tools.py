@@ -1,0 +1,104 @@
+"""benchmarks/plot.py against hand-computed statistics on synthetic TensorBoard runs; benchmarks/learn.py suites
+against the scripts' real flag parsers."""
+
+import importlib
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tyro
+from torch.utils.tensorboard import SummaryWriter
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import learn  # noqa: E402
+import plot  # noqa: E402
+
+
+def write_run(root: Path, env: str, exp: str, seed: int, returns: list[float], steps: list[int], extra_tag=None):
+    run_dir = root / f"{env}__{exp}__{seed}__{1700000000 + seed}"
+    w = SummaryWriter(str(run_dir))
+    for i, (r, s) in enumerate(zip(returns, steps, strict=True)):
+        w.add_scalar("charts/episodic_return", r, s, walltime=1000.0 + i)
+        w.add_scalar("charts/SPS", 100.0, s, walltime=1000.0 + i)
+        if extra_tag:
+            w.add_scalar(extra_tag, 10 * r, s, walltime=1000.0 + i)
+    w.close()
+    return run_dir
+
+
+def test_plot_table_matches_hand_computation(tmp_path):
+    rng = np.random.default_rng(0)
+    runs = {}
+    for exp in ("algo_a", "algo_b"):
+        for seed in (1, 2, 3):
+            n = 30 + seed
+            returns = list(np.round(rng.uniform(0, 500, size=n), 1))
+            steps = [100 * (i + 1) for i in range(n)]
+            write_run(tmp_path / "runs", "CartPole-v1", exp, seed, returns, steps, extra_tag="eval/episodic_return")
+            runs[exp, seed] = (np.array(returns), np.array(steps))
+    threshold = 300.0
+    assert plot.main([str(tmp_path / "runs"), "--threshold", str(threshold), "--out", str(tmp_path / "out")]) == 0
+    assert (tmp_path / "out_CartPole-v1.png").stat().st_size > 10_000
+    table = json.loads((tmp_path / "out.json").read_text())
+    assert len(table["runs"]) == 2
+    for row in table["runs"]:
+        finals, t_steps, t_secs = [], [], []
+        for seed in (1, 2, 3):
+            returns, steps = runs[row["exp"], seed]
+            finals.append(returns[-20:].mean())
+            # slow reference: the first episode at which the mean of the last 20 episodes reaches the threshold
+            hit = next((i for i in range(len(returns)) if returns[max(0, i - 19) : i + 1].mean() >= threshold), None)
+            t_steps.append(np.nan if hit is None else steps[hit])
+            t_secs.append(np.nan if hit is None else float(hit))  # one event per second from the first event
+        assert row["seeds"] == [1, 2, 3]
+        np.testing.assert_allclose(row["final_return_per_seed"], finals, rtol=1e-5)
+        np.testing.assert_allclose(row["final_return_mean"], np.mean(finals), rtol=1e-5)
+        np.testing.assert_allclose(row["steps_to_threshold_per_seed"], t_steps)
+        np.testing.assert_allclose(row["seconds_to_threshold_per_seed"], t_secs)
+        # 100 steps per second of event time
+        np.testing.assert_allclose(row["sps_mean"], np.mean([100 * (30 + s) / (30 + s - 1) for s in (1, 2, 3)]))
+    # another tag for one exp name
+    args = [str(tmp_path / "runs"), "--out", str(tmp_path / "tagged"), "--tag-for", "algo_b=eval/episodic_return"]
+    assert plot.main(args) == 0
+    rows = {r["exp"]: r for r in json.loads((tmp_path / "tagged.json").read_text())["runs"]}
+    np.testing.assert_allclose(rows["algo_b"]["final_return_per_seed"][0], 10 * runs["algo_b", 1][0][-20:].mean())
+    np.testing.assert_allclose(rows["algo_a"]["final_return_per_seed"][0], runs["algo_a", 1][0][-20:].mean())
+
+
+def test_bootstrap_band_brackets_the_mean_and_collapses_for_identical_seeds():
+    same = np.tile(np.linspace(0, 1, 50), (4, 1))
+    mean, lo, hi = plot.bootstrap_band(same)
+    np.testing.assert_allclose(lo, mean)
+    np.testing.assert_allclose(hi, mean)
+    noisy = np.random.default_rng(1).normal(size=(5, 50))
+    mean, lo, hi = plot.bootstrap_band(noisy)
+    np.testing.assert_allclose(mean, noisy.mean(0))
+    assert np.all(lo <= mean + 1e-12) and np.all(mean <= hi + 1e-12) and np.all(hi - lo > 0)
+
+
+def test_plot_reports_missing_runs(tmp_path, capsys):
+    assert plot.main([str(tmp_path / "nothing")]) == 2
+    assert capsys.readouterr().err.startswith("error:")
+    (tmp_path / "empty").mkdir()
+    assert plot.main([str(tmp_path / "empty")]) == 2
+
+
+@pytest.mark.parametrize("suite", ["cartpole", "atari-smoke", "atari-paper"])
+def test_every_suite_entry_parses_with_its_script(suite, tmp_path):
+    entries = learn.suite(suite)
+    assert entries
+    distinct = {(e.script, tuple(e.args)): e for e in entries}  # atari-paper: hundreds of games, a dozen settings
+    for e in distinct.values():
+        module = importlib.import_module(Path(e.script).stem)
+        cmd = learn.command(e, seed=3, out=tmp_path)
+        args = tyro.cli(module.Args, args=cmd[2:])  # the script's own parser: every flag must exist
+        assert (args.env_id, args.seed, args.total_timesteps, args.exp_name) == (
+            e.env_id,
+            3,
+            e.total_timesteps,
+            e.label,
+        )
