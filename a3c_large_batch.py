@@ -570,19 +570,23 @@ class Aggregate:
         self.sums, self.count, self.lag_max = {}, 0, 0
 
 
-def shutdown(procs: dict, shared: Shared, drain, grace: float) -> None:
+def shutdown(procs: dict, shared: Shared, drain, grace: float) -> list[str]:
     """Stop processes within `grace` seconds: set `stop`, keep draining the log queue while they exit (a process
-    waits for its queued messages to reach the pipe before exiting), kill what is left. After a death the grace is
-    short: a process killed while writing to a queue leaves its lock held, and the others' exits would hang on it."""
+    waits for its queued messages to reach the pipe before exiting), kill what is left and return their names. After
+    a death the grace is short: a process killed while writing to a queue leaves its lock held, and the others' exits
+    would hang on it."""
     shared.stop.set()
     deadline = time.time() + grace
     while any(p.is_alive() for p in procs.values()) and time.time() < deadline:
         drain(0.2)
-    for p in procs.values():
+    killed = []
+    for name, p in procs.items():
         if p.is_alive():
             p.kill()
+            killed.append(name)
         p.join(timeout=2.0)
     drain(0.0)
+    return killed
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -719,9 +723,9 @@ def main(args: Args) -> None:
         except queue.Empty:
             pass
 
-    def check_processes() -> str | None:
+    def check_processes(ignore: tuple[str, ...] = ()) -> str | None:
         for name, p in procs.items():
-            if p.exitcode is not None and p.exitcode != 0:
+            if name not in ignore and p.exitcode is not None and p.exitcode != 0:
                 try:  # its traceback, if it lived to send one
                     return shared.error_q.get(timeout=2.0)
                 except queue.Empty:
@@ -776,7 +780,7 @@ def main(args: Args) -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl+C must not cut the shutdown short
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         server = procs.pop("gradient server", None)
-        shutdown(procs, shared, drain, grace=4.0 if failure is None else 1.0)  # the workers
+        killed = shutdown(procs, shared, drain, grace=4.0 if failure is None else 1.0)  # the workers
         if server is not None:  # then the server: queued gradients, the final checkpoint, stop
             if failure is None and server.is_alive():
                 if not stop_sent:
@@ -784,11 +788,13 @@ def main(args: Args) -> None:
                 deadline = time.time() + 4.0
                 while not server_done and server.is_alive() and time.time() < deadline:
                     drain(0.2)
-            shutdown({"gradient server": server}, shared, drain, grace=1.0)
+            killed += shutdown({"gradient server": server}, shared, drain, grace=1.0)
             if failure is None and not server_done:
                 failure = check_processes() or "error: the gradient server did not finish; stopping"
+        if interrupted and killed:  # e.g. Ctrl+C while a worker was still starting up: not a crash
+            print(f"{', '.join(killed)} did not stop in time after the interrupt: killed", file=sys.stderr)
         if failure is None:
-            failure = check_processes()
+            failure = check_processes(ignore=tuple(killed) if interrupted else ())
     if args.update == "server":  # main's view of the shared model: the latest published version
         with torch.no_grad():
             copy_flat_into(params, shared.published)
