@@ -48,10 +48,10 @@ class Entry:
     note: str = ""
 
 
-# CartPole: one budget for every script (500k agent steps, as CleanRL). Hyperparameters are the scripts' defaults except the
-# Atari-specific ones, replaced by the classic-control values CleanRL and OpenAI baselines use: RMSprop eps 1e-5
-# (Atari's 0.01 all but freezes learning at CartPole's gradient scale), PPO clip 0.2, 4-8 envs. One torch thread:
-# for an MLP, intra-op threads only add OpenMP hand-offs (and stall badly when the machine is oversubscribed).
+# CartPole: one budget for every script (500k agent steps, as CleanRL). Hyperparameters are the scripts' defaults
+# except the Atari-specific ones, replaced by the classic-control values CleanRL and OpenAI baselines use: RMSprop
+# eps 1e-5 (Atari's 0.01 all but freezes learning at CartPole's gradient scale), PPO clip 0.2, 4-8 envs. One torch
+# thread: for an MLP, intra-op threads only add OpenMP hand-offs (and stall badly on an oversubscribed machine).
 # Mode variants (all-reduce, gradient server) come last in each seed's round.
 CARTPOLE_STEPS = 500_000
 EPS = ["--rmsprop-eps", "1e-5"]
