@@ -1,4 +1,4 @@
-"""The networks of the seed papers, each an actor-critic returning policy logits and a state value.
+"""The networks of the seed papers: actor-critics returning policy logits and a state value, and Q-networks.
 
 - `nature`: the "shallow" Nature/A2C network, conv 32x8x8/4, 64x4x4/2, 64x3x3/1, fc 512 (Mnih et al. 2015;
   GALA Table 2; HTS-RL Appendix F.1; TorchBeast's shallow net).
@@ -6,6 +6,8 @@
   16/32/32 channels, then fc 256 (Espeholt et al. 2018, Figure 3; Cleanba's default network).
 - `mlp`: for flat observations, separate policy and value towers of 2x64 tanh (CleanRL's classic-control agent).
 - Optional LSTM core (`use_lstm`) between torso and heads, with an explicit recurrent-state API (IMPALA, TorchBeast).
+- Ape-X (`make_q_network`, `make_ddpg_model`): a dueling Q-network on the same torsos, and a deterministic actor with
+  a Q(s, a) critic for continuous actions (DDPG).
 
 uint8 frames are scaled to [0, 1] inside the model, so actors ship uint8 observations. Initialisation follows the
 reference A2C/PPO code (baselines, CleanRL): orthogonal weights with gain sqrt(2) for hidden layers, 0.01 for the
@@ -20,6 +22,7 @@ from __future__ import annotations
 import math
 
 import gymnasium as gym
+import numpy as np
 import torch
 from torch import nn
 
@@ -100,6 +103,16 @@ def _mlp(in_features: int, hidden: tuple[int, ...], out_features: int, out_std: 
     return nn.Sequential(*layers, layer_init(nn.Linear(size, out_features), std=out_std))
 
 
+def _torso_input(obs: torch.Tensor, image: bool, channels_last: bool) -> torch.Tensor:
+    """Observations as the torso takes them: floats, frames scaled to [0, 1], optionally channels_last."""
+    if channels_last:
+        obs = obs.contiguous(memory_format=torch.channels_last)  # cheaper on uint8 than on floats
+    x = obs.float()
+    if image:
+        x = x.div_(255.0) if x is not obs else x / 255.0
+    return x
+
+
 class ActorCritic(nn.Module):
     """torso -> (optional LSTM core) -> policy logits and value.
 
@@ -136,12 +149,7 @@ class ActorCritic(nn.Module):
 
     def features(self, obs: torch.Tensor) -> torch.Tensor:
         """[B, ...] observations (uint8 frames or floats) -> [B, F] torso features."""
-        if self.channels_last:
-            obs = obs.contiguous(memory_format=torch.channels_last)  # cheaper on uint8 than on floats
-        x = obs.float()
-        if self.image:
-            x = x.div_(255.0) if x is not obs else x / 255.0
-        return self.torso(x)
+        return self.torso(_torso_input(obs, self.image, self.channels_last))
 
     def forward(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.core is not None:
@@ -169,6 +177,23 @@ class ActorCritic(nn.Module):
         return self.policy(y).reshape(T, B, -1), self.value(y).reshape(T, B), (h, c)
 
 
+def _pick_network(network: str, observation_space: gym.Space, action_space: gym.Space, what: str):
+    """Check the choice against the spaces; `auto` is `nature` for [C, H, W] frames, `mlp` for vectors."""
+    if network not in NETWORKS:
+        raise ValueError(f"--network must be one of {', '.join(NETWORKS)}, got {network!r}")
+    if not isinstance(action_space, gym.spaces.Discrete):
+        raise ValueError(
+            f"{what} need{'s' if what.startswith('a ') else ''} a Discrete action space, got {action_space}"
+        )
+    shape = tuple(observation_space.shape)
+    is_image = len(shape) == 3
+    if network == "auto":
+        network = "nature" if is_image else "mlp"
+    if network in ("nature", "impala") and not is_image:
+        raise ValueError(f"--network {network} needs [C, H, W] image observations, got shape {shape}")
+    return network, shape
+
+
 def make_model(
     observation_space: gym.Space,
     action_space: gym.Space,
@@ -179,16 +204,7 @@ def make_model(
     channels_last: bool = True,
 ) -> ActorCritic:
     """Pick the network from the observation space: `auto` is `nature` for [C, H, W] frames, `mlp` for vectors."""
-    if network not in NETWORKS:
-        raise ValueError(f"--network must be one of {', '.join(NETWORKS)}, got {network!r}")
-    if not isinstance(action_space, gym.spaces.Discrete):
-        raise ValueError(f"these actor-critics need a Discrete action space, got {action_space}")
-    shape = tuple(observation_space.shape)
-    is_image = len(shape) == 3
-    if network == "auto":
-        network = "nature" if is_image else "mlp"
-    if network in ("nature", "impala") and not is_image:
-        raise ValueError(f"--network {network} needs [C, H, W] image observations, got shape {shape}")
+    network, shape = _pick_network(network, observation_space, action_space, "these actor-critics")
     num_actions = int(action_space.n)
     if network == "mlp":
         torso = nn.Flatten()
@@ -206,3 +222,106 @@ def make_model(
         channels_last=channels_last,
     )
     return model.to(memory_format=torch.channels_last) if channels_last else model
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Value-based and deterministic-policy networks (Ape-X DQN and Ape-X DDPG)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _relu_mlp(in_features: int, hidden: tuple[int, ...], out_features: int, out_std: float = 1.0) -> nn.Sequential:
+    layers, size = [], in_features
+    for h in hidden:
+        layers += [layer_init(nn.Linear(size, h)), nn.ReLU()]
+        size = h
+    return nn.Sequential(*layers, layer_init(nn.Linear(size, out_features), std=out_std))
+
+
+class DuelingQNetwork(nn.Module):
+    """Dueling Q-network (Wang et al. 2016, Eq. 9; the network of Ape-X DQN): a shared torso, then a value stream and
+    an advantage stream, Q(s, a) = V(s) + A(s, a) - mean_a' A(s, a'). `q = model(obs)`: [B, ...] -> [B, A].
+
+    Frames: the torso is the convolutions of the Nature (or IMPALA) network and each stream has its own hidden fc
+    layer (512 for Nature, as in Wang et al.); vectors: an MLP torso of ReLU layers and linear streams."""
+
+    def __init__(
+        self,
+        torso: nn.Module,
+        torso_features: int,
+        num_actions: int,
+        stream_hidden: tuple[int, ...],
+        *,
+        image: bool = False,
+        channels_last: bool = False,
+    ):
+        super().__init__()
+        self.torso, self.image, self.channels_last, self.num_actions = torso, image, channels_last, num_actions
+        self.value = _relu_mlp(torso_features, stream_hidden, 1)
+        self.advantage = _relu_mlp(torso_features, stream_hidden, num_actions)
+
+    def features(self, obs: torch.Tensor) -> torch.Tensor:
+        return self.torso(_torso_input(obs, self.image, self.channels_last))
+
+    def forward(self, obs: torch.Tensor) -> torch.Tensor:
+        h = self.features(obs)
+        advantage = self.advantage(h)  # [B, A]
+        return self.value(h) + advantage - advantage.mean(dim=1, keepdim=True)  # [B, 1] + [B, A] -> [B, A]
+
+
+def make_q_network(
+    observation_space: gym.Space,
+    action_space: gym.Space,
+    network: str = "auto",
+    *,
+    hidden: tuple[int, ...] = (256, 256),
+    channels_last: bool = True,
+) -> DuelingQNetwork:
+    """A dueling Q-network for a Discrete action space: `nature`/`impala` convolutions for [C, H, W] frames (`auto`
+    picks `nature`), or an MLP torso with `hidden` ReLU layers for flat observations (`mlp`)."""
+    network, shape = _pick_network(network, observation_space, action_space, "a Q-network")
+    num_actions = int(action_space.n)
+    if network == "mlp":
+        torso = nn.Sequential(nn.Flatten(), _relu_mlp(math.prod(shape), hidden[:-1], hidden[-1]), nn.ReLU())
+        return DuelingQNetwork(torso, hidden[-1], num_actions, ())
+    convs = (NatureCNN(shape) if network == "nature" else ImpalaResNet(shape)).convs
+    stream = 512 if network == "nature" else 256
+    model = DuelingQNetwork(
+        convs, _conv_out(convs, shape), num_actions, (stream,), image=True, channels_last=channels_last
+    )
+    return model.to(memory_format=torch.channels_last) if channels_last else model
+
+
+class DeterministicActorCritic(nn.Module):
+    """DDPG's two networks (Lillicrap et al. 2016, Section 7): a deterministic actor mu(s), tanh-squashed and scaled
+    to the Box bounds, and a critic Q(s, a) on the concatenated observation and action, both ReLU MLPs.
+    `action = model(obs)` is the actor: [B, obs_dim] -> [B, act_dim]; `model.q(obs, action)` -> [B]."""
+
+    def __init__(self, obs_dim: int, action_low, action_high, hidden: tuple[int, ...] = (256, 256)):
+        super().__init__()
+        low = torch.as_tensor(action_low, dtype=torch.float32)
+        high = torch.as_tensor(action_high, dtype=torch.float32)
+        act_dim = low.numel()
+        # last layers small (Lillicrap et al. use U[-3e-3, 3e-3]): initial actions near the middle, Q near 0
+        self.actor = _relu_mlp(obs_dim, hidden, act_dim, out_std=0.01)
+        self.critic = _relu_mlp(obs_dim + act_dim, hidden, 1, out_std=0.01)
+        self.register_buffer("action_scale", (high - low) / 2)
+        self.register_buffer("action_bias", (high + low) / 2)
+
+    def forward(self, obs: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.actor(obs.float())) * self.action_scale + self.action_bias
+
+    def q(self, obs: torch.Tensor, action: torch.Tensor) -> torch.Tensor:
+        return self.critic(torch.cat([obs.float(), action], dim=-1)).squeeze(-1)
+
+
+def make_ddpg_model(
+    observation_space: gym.Space, action_space: gym.Space, hidden: tuple[int, ...] = (256, 256)
+) -> DeterministicActorCritic:
+    """Actor and critic for flat observations and a bounded Box action space."""
+    if not isinstance(action_space, gym.spaces.Box) or len(action_space.shape) != 1:
+        raise ValueError(f"DDPG needs a 1-D Box action space, got {action_space}")
+    if not (np.isfinite(action_space.low).all() and np.isfinite(action_space.high).all()):
+        raise ValueError(f"DDPG needs finite action bounds, got {action_space}")
+    if len(observation_space.shape) != 1:
+        raise ValueError(f"DDPG here needs flat observations, got shape {observation_space.shape}")
+    return DeterministicActorCritic(int(observation_space.shape[0]), action_space.low, action_space.high, hidden)

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from common.models import make_model
+from common.models import make_ddpg_model, make_model, make_q_network
 
 FRAMES = gym.spaces.Box(0, 255, (4, 84, 84), np.uint8)
 FLAT = gym.spaces.Box(-np.inf, np.inf, (4,), np.float32)
@@ -152,3 +152,59 @@ def test_memory_format_does_not_change_the_function(network):
     with torch.no_grad():
         for a, b in zip(fast(obs), plain(obs), strict=True):
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+# ------------------------------------------------------------------ Ape-X networks: dueling Q and DDPG
+
+
+@pytest.mark.parametrize(("network", "space"), [("nature", FRAMES), ("impala", FRAMES), ("mlp", FLAT)])
+def test_dueling_q_network_shapes_and_aggregation(network, space):
+    """Q = V + A - mean_a A (Wang et al. 2016, Eq. 9), checked against the two streams computed by hand."""
+    torch.manual_seed(0)
+    model = make_q_network(space, gym.spaces.Discrete(5), network)
+    obs = torch.randint(0, 256, (3, *space.shape), dtype=torch.uint8) if network != "mlp" else torch.randn(3, 4)
+    with torch.no_grad():
+        q = model(obs)
+        h = model.features(obs)
+        value, advantage = model.value(h), model.advantage(h)  # [3, 1], [3, 5]
+    assert q.shape == (3, 5) and value.shape == (3, 1) and advantage.shape == (3, 5)
+    by_hand = [[value[b, 0] + advantage[b, a] - sum(advantage[b]) / 5 for a in range(5)] for b in range(3)]
+    np.testing.assert_allclose(q, torch.tensor(by_hand), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(q.mean(1), value[:, 0], rtol=1e-5, atol=1e-5)  # advantages average to 0
+
+
+def test_dueling_nature_parameter_count():
+    """Nature convolutions, then value and advantage streams of fc 512 each (Wang et al. 2016, Section 4.2)."""
+    model = make_q_network(FRAMES, gym.spaces.Discrete(6), "nature")
+    convs = conv(4, 32, 8) + conv(32, 64, 4) + conv(64, 64, 3)
+    streams = linear(3136, 512) + linear(512, 1) + linear(3136, 512) + linear(512, 6)
+    assert sum(p.numel() for p in model.parameters()) == convs + streams
+    mlp = make_q_network(FLAT, gym.spaces.Discrete(2), "mlp", hidden=(64, 32))
+    assert sum(p.numel() for p in mlp.parameters()) == linear(4, 64) + linear(64, 32) + linear(32, 1) + linear(32, 2)
+
+
+def test_ddpg_actor_respects_bounds_and_critic_takes_actions():
+    torch.manual_seed(0)
+    actions = gym.spaces.Box(np.array([-2.0, 0.0], np.float32), np.array([2.0, 1.0], np.float32))
+    model = make_ddpg_model(gym.spaces.Box(-np.inf, np.inf, (3,), np.float32), actions, hidden=(16, 16))
+    obs = torch.randn(7, 3) * 100  # large inputs saturate the tanh: actions at the bounds, never past them
+    with torch.no_grad():
+        a = model(obs)
+        assert a.shape == (7, 2)
+        assert (a[:, 0] >= -2).all() and (a[:, 0] <= 2).all() and (a[:, 1] >= 0).all() and (a[:, 1] <= 1).all()
+        pre = torch.tanh(model.actor(obs))  # the scaling by hand: low + (tanh + 1) (high - low) / 2
+        np.testing.assert_allclose(a, torch.stack([pre[:, 0] * 2, (pre[:, 1] + 1) / 2], 1), rtol=1e-5, atol=1e-6)
+        q = model.q(obs, a)
+        assert q.shape == (7,)
+        np.testing.assert_allclose(q, model.critic(torch.cat([obs, a], 1))[:, 0], rtol=1e-6)
+
+
+def test_ape_x_networks_reject_wrong_spaces():
+    with pytest.raises(ValueError, match="Discrete"):
+        make_q_network(FLAT, gym.spaces.Box(-1, 1, (2,)))
+    with pytest.raises(ValueError, match="image observations"):
+        make_q_network(FLAT, gym.spaces.Discrete(2), "nature")
+    with pytest.raises(ValueError, match="Box action space"):
+        make_ddpg_model(FLAT, gym.spaces.Discrete(2))
+    with pytest.raises(ValueError, match="finite action bounds"):
+        make_ddpg_model(FLAT, gym.spaces.Box(-np.inf, np.inf, (2,)))
