@@ -3,6 +3,7 @@
 Suites
 - `cartpole`: CartPole-v1 for every script and mode. The bar: mean episodic return >= 475 over the last 20 episodes
   within the step budget stated per entry below (budgets are equal where the algorithms allow).
+- `pendulum`: Pendulum-v1 for the continuous-control script (Ape-X DDPG); the bar: mean greedy return >= -200.
 - `atari-smoke`: Pong (deepmind protocol) for the PPO/A2C-family scripts, a few million frames on a CPU machine:
   the curve must rise clearly from -21.
 - `atari-paper`: the seeds' papers' Atari settings (GALA's six games, HTS-RL's Atari table, Cleanba's 200M-frame
@@ -55,6 +56,9 @@ class Entry:
 # Mode variants (all-reduce, gradient server) come last in each seed's round.
 CARTPOLE_STEPS = 500_000
 EPS = ["--rmsprop-eps", "1e-5"]
+APEX_CARTPOLE = ["--num-actors", "2", "--buffer-size", "100000", "--learning-starts", "1000", "--batch-size", "64",
+                 "--optimizer", "adam", "--learning-rate", "1e-3", "--target-network-frequency", "100",
+                 "--actor-update-interval", "50", "--replay-ratio", "8", "--eval-interval", "5000"]  # fmt: skip
 CARTPOLE = [
     Entry(
         "cleanba_ppo",
@@ -102,6 +106,17 @@ CARTPOLE = [
         CARTPOLE_STEPS,
         ["--num-workers", "2", "--num-envs-per-worker", "8", *EPS],
     ),
+    # Ape-X's exploring actors (eps up to 0.4) never score 500: its bar is checked on the greedy evaluator's returns.
+    # Off-policy with replay: 100k steps (the learner replays each transition about 8 times, `--replay-ratio 8`).
+    Entry(
+        "apex_dqn",
+        "apex.py",
+        "CartPole-v1",
+        100_000,
+        [*APEX_CARTPOLE],
+        tag="eval/episodic_return",
+        note="greedy evaluation every 5k agent steps",
+    ),
     # mode variants
     Entry(
         "gala_allreduce",
@@ -136,7 +151,13 @@ ATARI_SMOKE = [
     Entry("hts_ppo", "hts_ppo.py", "ALE/Pong-v5", PONG_STEPS, DEEPMIND),
 ]
 
-THRESHOLDS = {"cartpole": 475.0, "atari-smoke": None, "atari-paper": None}
+# Pendulum-v1 (continuous actions): Ape-X DDPG, greedy evaluation; the bar is a mean return of -200.
+APEX_PENDULUM = ["--algo", "ddpg", "--num-actors", "2", "--buffer-size", "40000", "--learning-starts", "2000",
+                 "--batch-size", "128", "--learning-rate", "1e-3", "--actor-learning-rate", "1e-3",
+                 "--actor-update-interval", "50", "--replay-ratio", "64", "--eval-interval", "4000"]  # fmt: skip
+PENDULUM = [Entry("apex_ddpg", "apex.py", "Pendulum-v1", 40_000, APEX_PENDULUM, tag="eval/episodic_return")]
+
+THRESHOLDS = {"cartpole": 475.0, "pendulum": -200.0, "atari-smoke": None, "atari-paper": None}
 
 
 def atari_paper() -> list[Entry]:
@@ -153,7 +174,8 @@ def atari_paper() -> list[Entry]:
 
 
 def suite(name: str) -> list[Entry]:
-    return {"cartpole": lambda: CARTPOLE, "atari-smoke": lambda: ATARI_SMOKE, "atari-paper": atari_paper}[name]()
+    suites = {"cartpole": lambda: CARTPOLE, "pendulum": lambda: PENDULUM, "atari-smoke": lambda: ATARI_SMOKE}
+    return {**suites, "atari-paper": atari_paper}[name]()
 
 
 def command(e: Entry, seed: int, out: Path) -> list[str]:
