@@ -48,6 +48,7 @@ class Run:
 class Group:
     env: str
     exp: str
+    tag: str
     runs: list[Run] = field(default_factory=list)
 
 
@@ -177,7 +178,8 @@ def draw(env: str, groups: list[Group], window: int, threshold: float | None, ta
             curves = [on_grid(x, trailing_mean(r.returns, window), grid) for x, r in zip(xs, g.runs, strict=True)]
             values = np.stack(curves)
             mean, lo, hi = bootstrap_band(values)
-            ax.plot(grid, mean, color=color, label=f"{g.exp} ({len(g.runs)} seeds)")
+            tag_note = "" if g.tag == tag else f", {g.tag}"
+            ax.plot(grid, mean, color=color, label=f"{g.exp} ({len(g.runs)} seeds{tag_note})")
             ax.fill_between(grid, lo, hi, color=color, alpha=0.2, linewidth=0)
     for ax, xlabel in zip(axes, ("agent steps", "wall-clock time (s)"), strict=True):
         if threshold is not None:
@@ -246,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     groups: dict[tuple[str, str], Group] = {}
     for r in runs:
-        groups.setdefault((r.env, r.exp), Group(r.env, r.exp)).runs.append(r)
+        groups.setdefault((r.env, r.exp), Group(r.env, r.exp, tag_for.get(r.exp, a.tag))).runs.append(r)
     by_env: dict[str, list[Group]] = defaultdict(list)
     for key in sorted(groups):
         by_env[key[0]].append(groups[key])
