@@ -12,3 +12,5 @@ run python benchmarks/hts_straggler.py
 run python benchmarks/a3c_throughput.py
 run python benchmarks/gala_throughput.py --breakout
 run python benchmarks/impala_throughput.py
+run python benchmarks/apex_throughput.py
+run python benchmarks/throughput.py --seconds 40 --stds-ms 0 20 --straggler-seconds 20
