@@ -58,6 +58,22 @@ CONFIGS: dict[str, tuple[str, list[str]]] = {
         "a3c_large_batch.py",
         ["--num-workers", "2", "--num-envs-per-worker", "{half}", "--update", "server"],
     ),
+    # Ape-X: actor-side agent steps/s (the learner samples the replay at its own pace); a small replay for a short run
+    "apex_dqn": (
+        "apex.py",
+        [
+            "--num-actors",
+            "2",
+            "--num-envs-per-actor",
+            "{half}",
+            "--buffer-size",
+            "20000",
+            "--learning-starts",
+            "2000",
+            "--eval-interval",
+            "0",
+        ],
+    ),
 }
 
 
@@ -71,8 +87,10 @@ class Args:
     """fraction of the logged span dropped before the steady rate is taken"""
     num_envs: int = 16
     """environments in total for the Breakout table"""
+    breakout: bool = True
+    """run the Breakout table"""
     straggler: bool = True
-    """also run the straggler sweep"""
+    """run the straggler sweep"""
     straggler_envs: int = 8
     """environments in total for the straggler sweep"""
     mean_ms: float = 10.0
@@ -151,7 +169,7 @@ def main(args: Args) -> None:
     print(f"env ceiling (make_vector_env, {args.num_envs} envs, random actions): {ceiling:,.0f} agent steps/s")
     breakout = []
     nature = ["--atari-protocol", "deepmind", "--network", "nature"]
-    for label in args.only:
+    for label in args.only if args.breakout else []:
         r = run_script(label, "ALE/Breakout-v5", args.num_envs, nature, args.seconds, args.warmup)
         r["fraction_of_env_ceiling"] = r["sps"] / ceiling
         breakout.append(r)
