@@ -32,6 +32,7 @@ import os
 import queue
 import signal
 import sys
+import threading
 import time
 import traceback
 from collections import deque
@@ -538,13 +539,21 @@ def evaluate(model: nn.Module, args: Args, run_dir: Path) -> list[float]:
     return returns
 
 
-def install_sigterm_handler() -> None:
-    """SIGTERM behaves like Ctrl+C: the main process unwinds through `finally` and shuts down cleanly."""
+class StopSignals:
+    """Ctrl+C and SIGTERM. Until `armed`, they raise KeyboardInterrupt (start-up can be cut anywhere); once the main
+    loop runs they only set `requested`, which the loop checks at the top of every iteration before unwinding through
+    `finally`. Raised inside a `log_q.get`, the exception could leave half a message in the pipe, and the next read
+    during shutdown would fail (`EOFError: Ran out of input`)."""
 
-    def handler(signum, frame):
-        raise KeyboardInterrupt
+    def __init__(self):
+        self.requested, self.armed = threading.Event(), False
+        signal.signal(signal.SIGINT, self.handler)
+        signal.signal(signal.SIGTERM, self.handler)
 
-    signal.signal(signal.SIGTERM, handler)
+    def handler(self, signum, frame) -> None:
+        if not self.armed:
+            raise KeyboardInterrupt
+        self.requested.set()
 
 
 class Aggregate:
@@ -668,7 +677,7 @@ def main(args: Args) -> None:
         f"{args.num_steps}-step rollouts of {batch} agent steps, {device})",
         flush=True,
     )
-    install_sigterm_handler()
+    signals = StopSignals()
     # children start with SIGINT/SIGTERM blocked, then ignore them: Ctrl+C reaches the whole process group
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
     try:
@@ -750,8 +759,11 @@ def main(args: Args) -> None:
         else:
             shared.grad_q.put(("save", str(checkpoint_path), extra()))
 
+    signals.armed = True
     try:
         while len(workers_done) < W or not server_done:
+            if signals.requested.is_set():
+                raise KeyboardInterrupt
             if len(workers_done) == W and not server_done and not stop_sent:
                 # every worker finished: the server applies what is queued, writes the final checkpoint, stops
                 shared.grad_q.put(("stop", str(checkpoint_path) if args.checkpoint_interval else None, extra()))

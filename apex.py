@@ -897,11 +897,14 @@ def run_actor_host(args: Args, rank: int, world_size: int) -> None:
         rng_lock=threading.Lock(),
         stop_requested=threading.Event(),
     )
-    install_sigterm_handler()
+    signals = StopSignals()
     rpc.init_rpc(f"rank{rank}", rank=rank, world_size=world_size)
     known, last_pull, status = -1, 0.0, 0
+    signals.armed = True
     try:
         while not _HOST["stop_requested"].is_set():
+            if signals.requested.is_set():
+                raise KeyboardInterrupt
             messages = []
             drain_into(shared.log_q, messages.append, 0.1)
             if failure := dead_process(procs, shared):
@@ -1117,13 +1120,21 @@ def save_checkpoint(path: Path, **state) -> None:
     os.replace(tmp, path)
 
 
-def install_sigterm_handler() -> None:
-    """SIGTERM behaves like Ctrl+C: the main process unwinds through `finally` and shuts down cleanly."""
+class StopSignals:
+    """Ctrl+C and SIGTERM. Until `armed`, they raise KeyboardInterrupt (start-up can be cut anywhere); once the main
+    loop runs they only set `requested`, which the loop checks at the top of every iteration before unwinding through
+    `finally`. Raised inside a `log_q.get`, the exception could leave half a message in the pipe, and the next read
+    during shutdown would fail (`EOFError: Ran out of input`)."""
 
-    def handler(signum, frame):
-        raise KeyboardInterrupt
+    def __init__(self):
+        self.requested, self.armed = threading.Event(), False
+        signal.signal(signal.SIGINT, self.handler)
+        signal.signal(signal.SIGTERM, self.handler)
 
-    signal.signal(signal.SIGTERM, handler)
+    def handler(self, signum, frame) -> None:
+        if not self.armed:
+            raise KeyboardInterrupt
+        self.requested.set()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -1200,7 +1211,7 @@ def run_learner(args: Args, world_size: int) -> None:
         f"{f', {world_size - 1} actor ranks over rpc' if distributed else ''})",
         flush=True,
     )
-    install_sigterm_handler()
+    signals = StopSignals()
     start_processes(procs)
     if distributed:
         rpc.init_rpc("rank0", rank=0, world_size=world_size)
@@ -1261,8 +1272,11 @@ def run_learner(args: Args, world_size: int) -> None:
         writer.add_scalar("replay/stale_updates", stale_total, global_step)
         writer.add_scalar("timing/replay_wait", wait_time, global_step)
 
+    signals.armed = True
     try:
         while len(actors_done) < num_total and failure is None:
+            if signals.requested.is_set():
+                raise KeyboardInterrupt
             stats = replay.stats()
             size = stats[:, 2].sum()
             ratio_ok = (
