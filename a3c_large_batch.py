@@ -179,7 +179,7 @@ class SharedRMSprop:
     @torch.no_grad()
     def step(self, grads: list[torch.Tensor], lr: float) -> None:
         for i, (p, g) in enumerate(zip(self.params, grads, strict=True)):
-            g = g.to(p.device, non_blocking=True)
+            g = g.to(p.device)  # blocking: a non_blocking copy to the CPU may still be in flight when read below
             if self.kind == "sgd":
                 p.add_(g, alpha=-lr)
                 continue
@@ -204,7 +204,7 @@ def copy_into_flat(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
     """`flat.copy_(flatten(tensors))` without the temporary."""
     offset = 0
     for t in tensors:
-        flat[offset : offset + t.numel()].view(t.shape).copy_(t, non_blocking=True)
+        flat[offset : offset + t.numel()].view(t.shape).copy_(t)  # blocking: the reader is another process
         offset += t.numel()
 
 

@@ -196,9 +196,13 @@ def command(e: Entry, seed: int, out: Path) -> list[str]:
     ]
 
 
-def run_all(jobs: list[tuple[Entry, int]], out: Path, parallel: int, done: list[dict]) -> None:
+def run_all(
+    jobs: list[tuple[Entry, int]], out: Path, parallel: int, done: list[dict], time_limit: float | None = None
+) -> None:
     """Run (entry, seed) pairs `parallel` at a time, appending a record to `done` as each ends. Ctrl+C / SIGTERM
-    interrupt the running ones (each script then shuts down cleanly and flushes TensorBoard) and stop the queue."""
+    interrupt the running ones (each script then shuts down cleanly and flushes TensorBoard) and stop the queue.
+    A run still going after `time_limit` seconds gets SIGINT: it stops as after Ctrl+C (exit 130) and counts as done,
+    its curve cut at the wall-clock budget."""
     (out / "logs").mkdir(parents=True, exist_ok=True)
     pending, running = list(jobs), []
     try:
@@ -209,13 +213,19 @@ def run_all(jobs: list[tuple[Entry, int]], out: Path, parallel: int, done: list[
                 log = out / "logs" / f"{e.env_id.replace('/', '-')}__{e.label}__{seed}.log"
                 print(f"[learn] start {e.label} seed {seed}: {' '.join(cmd[1:])}", flush=True)
                 proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT)
+                proc.stopped = False  # set once the time limit sent SIGINT
                 running.append((proc, e, seed, cmd, log, time.time()))
             time.sleep(1.0)
+            for proc, *_, t0 in running:
+                if time_limit and time.time() - t0 > time_limit and proc.poll() is None and not proc.stopped:
+                    proc.send_signal(signal.SIGINT)
+                    proc.stopped = True
             for item in [r for r in running if r[0].poll() is not None]:
                 running.remove(item)
                 proc, e, seed, cmd, log, t0 = item
                 rec = dict(label=e.label, seed=seed, env_id=e.env_id, command=cmd[1:], log=str(log))
                 rec.update(returncode=proc.returncode, wall_seconds=round(time.time() - t0, 1))
+                rec.update(stopped_at_time_limit=proc.stopped)
                 done.append(rec)
                 print(f"[learn] done  {e.label} seed {seed}: exit {proc.returncode} in {rec['wall_seconds']} s")
     except KeyboardInterrupt:
@@ -236,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="run directory root (default runs/learn/<suite>)")
     p.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 2) // 2), help="runs at the same time")
     p.add_argument("--steps-scale", type=float, default=1.0, help="multiply every budget (quick checks)")
+    p.add_argument("--time-limit", type=float, default=None, help="stop each run (SIGINT) after this many seconds")
     p.add_argument("--dry-run", action="store_true", help="print the commands and stop")
     p.add_argument("--run", action="store_true", help="atari-paper: run the commands instead of printing them")
     a = p.parse_args(argv)
@@ -266,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     t0, records = time.time(), []
     try:
-        run_all(jobs, out, a.jobs, records)
+        run_all(jobs, out, a.jobs, records, a.time_limit)
     except KeyboardInterrupt:
         return 130
     finally:  # the finished runs are recorded even when the queue is interrupted (interrupted ones: exit 130)
@@ -274,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         old = json.loads(manifest.read_text())["runs"] if manifest.exists() else []
         info = dict(suite=a.suite, machine=f"{os.cpu_count()} CPU cores", wall_seconds=round(time.time() - t0, 1))
         manifest.write_text(json.dumps(dict(info, runs=old + records), indent=1))
-    failed = [r for r in records if r["returncode"] != 0]
+    failed = [r for r in records if r["returncode"] not in (0, 130 if r["stopped_at_time_limit"] else 0)]
     for r in failed:
         print(f"[learn] FAILED {r['label']} seed {r['seed']} (exit {r['returncode']}), see {r['log']}")
 
