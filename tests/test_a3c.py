@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from helpers import CORE_TAGS, ROOT, assert_finite_tags, only_run_dir, run_script, scalars
 from torch import nn
 
 from a3c_large_batch import (
@@ -30,7 +30,6 @@ from a3c_large_batch import (
     push_server,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = "a3c_large_batch.py"
 TINY_CARTPOLE = ["--env-id", "CartPole-v1", "--num-workers", "2", "--num-envs-per-worker", "4", "--log-interval", "1"]
 CTX = multiprocessing.get_context("fork")
@@ -196,42 +195,14 @@ def test_server_applies_every_gradient_exactly_once_and_versions_count_them():
 
 
 def run(args, tmp_path, timeout=180):
-    cmd = [sys.executable, SCRIPT, "--log-dir", str(tmp_path), *args]
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    return run_script(SCRIPT, args, tmp_path, timeout)
 
 
-def run_dir_of(tmp_path):
-    (run_dir,) = [p for p in Path(tmp_path).iterdir() if p.is_dir()]
-    return run_dir
-
-
-def scalars(run_dir):
-    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
-    acc.Reload()
-    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
-
-
-REQUIRED_TAGS = [
-    "charts/episodic_return",
-    "charts/episodic_length",
-    "charts/SPS",
-    "charts/learning_rate",
-    "charts/policy_lag",
-    "losses/policy_loss",
-    "losses/value_loss",
-    "losses/entropy",
-    "losses/total_loss",
-    "losses/grad_norm",
-    "timing/pull",
-    "timing/rollout",
-    "timing/train",
-]
+REQUIRED_TAGS = [*CORE_TAGS, "timing/pull", "timing/rollout", "timing/train"]
 
 
 def check_tags(logged, extra=(), skip=()):
-    for tag in [t for t in [*REQUIRED_TAGS, *extra] if t not in skip]:
-        assert tag in logged, tag
-        assert all(math.isfinite(v) for _, v in logged[tag]), tag
+    assert_finite_tags(logged, [t for t in [*REQUIRED_TAGS, *extra] if t not in skip])
 
 
 @pytest.mark.parametrize("update", ["hogwild", "server"])
@@ -243,7 +214,7 @@ def test_cartpole_end_to_end(update, tmp_path):
         tmp_path,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
-    run_dir = run_dir_of(tmp_path)
+    run_dir = only_run_dir(tmp_path)
     logged = scalars(run_dir)
     check_tags(logged, ["eval/episodic_return", "timing/push" if update == "hogwild" else "timing/server_apply"])
     assert max(s for s, _ in logged["charts/SPS"]) == total  # every agent step counted once
@@ -266,7 +237,7 @@ def test_original_a3c_one_env_per_worker(update, tmp_path):
         tmp_path,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
-    logged = scalars(run_dir_of(tmp_path))
+    logged = scalars(only_run_dir(tmp_path))
     check_tags(logged)
     assert len(logged["losses/total_loss"]) == 300  # 1500 steps / (1 env x 5 steps), one point per update
     if update == "hogwild":  # a single Hogwild worker pulls what it pushed: no other update can land in between
@@ -283,7 +254,7 @@ def test_breakout_end_to_end(update, envs, tmp_path):
         timeout=240,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
-    logged = scalars(run_dir_of(tmp_path))
+    logged = scalars(only_run_dir(tmp_path))
     check_tags(logged, skip=("charts/episodic_return", "charts/episodic_length"))  # no game ends this soon
     assert max(s for s, _ in logged["charts/SPS"]) == total
 
@@ -389,7 +360,7 @@ def test_non_finite_loss_stops_with_a_clear_message(tmp_path):
         timeout=120,
     )  # fmt: skip
     assert proc.returncode == 1 and "non-finite loss" in proc.stderr and "Traceback" not in proc.stderr
-    checkpoint = torch.load(run_dir_of(tmp_path) / "checkpoint.pt", weights_only=False)
+    checkpoint = torch.load(only_run_dir(tmp_path) / "checkpoint.pt", weights_only=False)
     assert all(torch.isfinite(v).all() for v in checkpoint["model"].values())  # the last good one, kept
 
 
@@ -404,7 +375,7 @@ def test_signal_stops_cleanly_with_checkpoint_and_resume_continues(update, sig, 
     assert "Traceback" not in err
     assert not any(alive(pid) for pid in workers)  # no orphans
     assert not shm_segments(pids)  # no leaked shared memory
-    run_dir = run_dir_of(tmp_path)
+    run_dir = only_run_dir(tmp_path)
     checkpoint = torch.load(run_dir / "checkpoint.pt", weights_only=False)
     stopped_at = checkpoint["global_step"]
     assert stopped_at > 0 and stopped_at == max(s for s, _ in scalars(run_dir)["charts/SPS"])  # TensorBoard flushed
@@ -416,5 +387,5 @@ def test_signal_stops_cleanly_with_checkpoint_and_resume_continues(update, sig, 
         tmp_path,
     )  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr
-    assert run_dir_of(tmp_path) == run_dir
+    assert only_run_dir(tmp_path) == run_dir
     assert max(s for s, _ in scalars(run_dir)["charts/SPS"]) == stopped_at + 400

@@ -12,11 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from helpers import CORE_TAGS, ROOT, only_run_dir, run_script, scalars
 
 from cleanba_ppo_impala import gae, ppo_loss, vtrace
 
-ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = "cleanba_ppo_impala.py"
 TINY_CARTPOLE = ["--env-id", "CartPole-v1", "--num-envs", "4", "--num-steps", "32", "--log-interval", "1"]
 
@@ -158,36 +157,11 @@ def test_ppo_loss_clips_the_ratio():
 # ------------------------------------------------------------------ running the script
 
 
-def run(args, tmp_path, timeout=240, env=None):
-    cmd = [sys.executable, SCRIPT, "--log-dir", str(tmp_path), *args]
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+def run(args, tmp_path, timeout=240):
+    return run_script(SCRIPT, args, tmp_path, timeout)
 
 
-def run_dir_of(tmp_path):
-    (run_dir,) = [p for p in Path(tmp_path).iterdir() if p.is_dir()]
-    return run_dir
-
-
-def scalars(run_dir):
-    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
-    acc.Reload()
-    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
-
-
-REQUIRED_TAGS = [
-    "charts/episodic_return",
-    "charts/episodic_length",
-    "charts/SPS",
-    "charts/learning_rate",
-    "charts/policy_lag",
-    "losses/policy_loss",
-    "losses/value_loss",
-    "losses/entropy",
-    "losses/total_loss",
-    "losses/grad_norm",
-    "timing/rollout_queue_get",
-    "timing/param_queue_get",
-]
+REQUIRED_TAGS = [*CORE_TAGS, "timing/rollout_queue_get", "timing/param_queue_get"]
 
 
 @pytest.mark.parametrize("algo", ["ppo", "impala"])
@@ -196,7 +170,7 @@ def test_cartpole_end_to_end_tags_and_policy_lag(algo, tmp_path):
         [*TINY_CARTPOLE, "--algo", algo, "--total-timesteps", "1280", "--eval-episodes", "2", "--save-model"], tmp_path
     )
     assert proc.returncode == 0, proc.stderr
-    run_dir = run_dir_of(tmp_path)
+    run_dir = only_run_dir(tmp_path)
     logged = scalars(run_dir)
     for tag in [*REQUIRED_TAGS, "eval/episodic_return"]:
         assert tag in logged, tag
@@ -211,7 +185,7 @@ def test_cartpole_end_to_end_tags_and_policy_lag(algo, tmp_path):
 def test_sync_mode_has_no_policy_lag(tmp_path):
     proc = run([*TINY_CARTPOLE, "--sync", "--total-timesteps", "640"], tmp_path)
     assert proc.returncode == 0, proc.stderr
-    assert [v for _, v in scalars(run_dir_of(tmp_path))["charts/policy_lag"]] == [0] * 5
+    assert [v for _, v in scalars(only_run_dir(tmp_path))["charts/policy_lag"]] == [0] * 5
 
 
 def final_state(tmp_path, args):
@@ -219,7 +193,7 @@ def final_state(tmp_path, args):
         [*TINY_CARTPOLE, "--num-actor-threads", "2", "--total-timesteps", "1536", "--save-model", *args], tmp_path
     )
     assert proc.returncode == 0, proc.stderr
-    run_dir = run_dir_of(tmp_path)
+    run_dir = only_run_dir(tmp_path)
     returns = [v for _, v in scalars(run_dir)["charts/episodic_return"]]
     return torch.load(run_dir / "model.pt"), returns
 
@@ -264,7 +238,7 @@ def test_two_ranks_with_torchrun_end_identical(tmp_path):
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr
     assert "max |parameter difference| across 2 ranks: 0" in proc.stdout
-    steps = [s for s, _ in scalars(run_dir_of(tmp_path))["charts/SPS"]]
+    steps = [s for s, _ in scalars(only_run_dir(tmp_path))["charts/SPS"]]
     assert steps == [256 * i for i in range(1, 5)]  # global steps count both ranks' envs
 
 
@@ -290,7 +264,7 @@ def test_breakout_end_to_end(tmp_path):
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr
-    logged = scalars(run_dir_of(tmp_path))
+    logged = scalars(only_run_dir(tmp_path))
     for tag in REQUIRED_TAGS:
         assert tag in logged and all(math.isfinite(v) for _, v in logged[tag]), tag
 
@@ -315,7 +289,7 @@ def test_impala_on_breakout_deepmind_protocol(tmp_path):
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr
-    logged = scalars(run_dir_of(tmp_path))
+    logged = scalars(only_run_dir(tmp_path))
     assert len(logged["losses/total_loss"]) == 4 and all(math.isfinite(v) for _, v in logged["losses/total_loss"])
 
 
@@ -382,7 +356,7 @@ def test_non_finite_loss_stops_and_keeps_last_checkpoint(tmp_path):
     )
     assert proc.returncode == 1
     assert "non-finite loss" in proc.stderr
-    checkpoint = torch.load(run_dir_of(tmp_path) / "checkpoint.pt", weights_only=False)
+    checkpoint = torch.load(only_run_dir(tmp_path) / "checkpoint.pt", weights_only=False)
     assert 0 < checkpoint["update"] and all(torch.isfinite(v).all() for v in checkpoint["model"].values())
 
 
@@ -403,7 +377,7 @@ def interrupt_training(tmp_path, sig, extra=()):
 def test_sigint_stops_cleanly_with_checkpoint_and_resume_continues(tmp_path):
     seconds, code, err = interrupt_training(tmp_path, signal.SIGINT, ["--checkpoint-interval", "3600"])
     assert seconds < 10 and code == 130 and "Traceback" not in err, err
-    run_dir = run_dir_of(tmp_path)
+    run_dir = only_run_dir(tmp_path)
     checkpoint = torch.load(run_dir / "checkpoint.pt", weights_only=False)
     stopped_at = checkpoint["global_step"]
     assert stopped_at > 0 and stopped_at == max(s for s, _ in scalars(run_dir)["charts/SPS"])
@@ -414,7 +388,7 @@ def test_sigint_stops_cleanly_with_checkpoint_and_resume_continues(tmp_path):
     )
     assert resumed.returncode == 0, resumed.stderr
     steps = [s for s, _ in scalars(run_dir)["charts/SPS"]]
-    assert max(steps) == stopped_at + 256 and run_dir_of(tmp_path) == run_dir
+    assert max(steps) == stopped_at + 256 and only_run_dir(tmp_path) == run_dir
 
 
 def test_sigterm_also_stops_cleanly(tmp_path):

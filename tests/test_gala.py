@@ -14,11 +14,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from helpers import CORE_TAGS, ROOT, assert_finite_tags, only_run_dir, run_script, scalars
 
 from gala_a2c import SharedMemoryGossip, epsilon_ball_radius, mixing_matrix, n_step_returns, peer_offsets
 
-ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = "gala_a2c.py"
 TINY_CARTPOLE = ["--env-id", "CartPole-v1", "--num-learners", "2", "--num-envs", "4", "--log-interval", "1"]
 CTX = multiprocessing.get_context("fork")
@@ -155,32 +154,11 @@ def test_epsilon_ball_of_proposition_2_holds_for_bounded_updates():
 
 
 def run(args, tmp_path, timeout=180):
-    cmd = [sys.executable, SCRIPT, "--log-dir", str(tmp_path), *args]
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-
-
-def run_dir_of(tmp_path):
-    (run_dir,) = [p for p in Path(tmp_path).iterdir() if p.is_dir()]
-    return run_dir
-
-
-def scalars(run_dir):
-    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
-    acc.Reload()
-    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+    return run_script(SCRIPT, args, tmp_path, timeout)
 
 
 REQUIRED_TAGS = [
-    "charts/episodic_return",
-    "charts/episodic_length",
-    "charts/SPS",
-    "charts/learning_rate",
-    "charts/policy_lag",
-    "losses/policy_loss",
-    "losses/value_loss",
-    "losses/entropy",
-    "losses/total_loss",
-    "losses/grad_norm",
+    *CORE_TAGS,
     "timing/rollout",
     "timing/gossip",
     "timing/iteration",
@@ -190,19 +168,13 @@ REQUIRED_TAGS = [
 GOSSIP_TAGS = ["gossip/consensus_distance", "gossip/staleness", "per_learner/consensus_distance_1"]
 
 
-def assert_finite_tags(logged, tags):
-    for tag in tags:
-        assert tag in logged, tag
-        assert all(math.isfinite(v) for _, v in logged[tag]), tag
-
-
 def test_cartpole_gossip_end_to_end(tmp_path):
     proc = run(
         [*TINY_CARTPOLE, "--total-timesteps", "2400", "--sync-interval", "5", "--eval-episodes", "1", "--save-model"],
         tmp_path,
     )
     assert proc.returncode == 0, proc.stderr
-    run_dir = run_dir_of(tmp_path)
+    run_dir = only_run_dir(tmp_path)
     logged = scalars(run_dir)
     assert_finite_tags(logged, [*REQUIRED_TAGS, *GOSSIP_TAGS, "eval/episodic_return"])
     assert max(s for s, _ in logged["charts/SPS"]) == 2400  # global step: both learners' agent steps
@@ -216,7 +188,7 @@ def test_cartpole_allreduce_keeps_learners_identical(tmp_path):
         [*TINY_CARTPOLE, "--mode", "allreduce", "--total-timesteps", "1600", "--checkpoint-interval", "3600"], tmp_path
     )
     assert proc.returncode == 0, proc.stderr
-    run_dir = run_dir_of(tmp_path)
+    run_dir = only_run_dir(tmp_path)
     assert_finite_tags(scalars(run_dir), REQUIRED_TAGS)
     checkpoint = torch.load(run_dir / "checkpoint.pt", weights_only=False)
     a, b = (s["model"] for s in checkpoint["learners"])
@@ -226,28 +198,11 @@ def test_cartpole_allreduce_keeps_learners_identical(tmp_path):
 
 @pytest.mark.parametrize("mode", ["gossip", "allreduce"])
 def test_two_learners_in_two_processes_over_gloo(mode, tmp_path):
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        SCRIPT,
-        "--log-dir",
-        str(tmp_path),
-        *TINY_CARTPOLE,
-        "--mode",
-        mode,
-        "--total-timesteps",
-        "1600",
-        "--sync-interval",
-        "10",
-        "--save-model",
-    ]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=180)
+    launcher = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2")
+    args = [*TINY_CARTPOLE, "--mode", mode, "--total-timesteps", "1600", "--sync-interval", "10", "--save-model"]
+    proc = run_script(SCRIPT, args, tmp_path, timeout=180, launcher=launcher)
     assert proc.returncode == 0, proc.stderr
-    run_dir = run_dir_of(tmp_path)
+    run_dir = only_run_dir(tmp_path)
     logged = scalars(run_dir)
     assert [s for s, _ in logged["charts/SPS"]] == [400, 800, 1200, 1600]  # sync points: both ranks' steps
     assert (run_dir / "model.pt").is_file() and (run_dir / "learner1").is_dir()
@@ -264,7 +219,7 @@ def test_breakout_end_to_end(tmp_path):
         timeout=240,
     )
     assert proc.returncode == 0, proc.stderr
-    logged = scalars(run_dir_of(tmp_path))
+    logged = scalars(only_run_dir(tmp_path))
     assert_finite_tags(logged, [t for t in REQUIRED_TAGS if "episodic" not in t])
     assert max(s for s, _ in logged["charts/SPS"]) == 200
 
@@ -320,7 +275,7 @@ def test_sigint_stops_everything_with_checkpoint_and_resume_continues(tmp_path):
     assert time.time() - start < 10 and proc.returncode == 130 and "Traceback" not in err, err
     time.sleep(0.5)
     assert processes_with(str(tmp_path)) == []  # no orphan learners
-    run_dir = run_dir_of(tmp_path)
+    run_dir = only_run_dir(tmp_path)
     checkpoint = torch.load(run_dir / "checkpoint.pt", weights_only=False)
     stopped_at = checkpoint["global_step"]
     assert stopped_at > 0 and len(checkpoint["learners"]) == 2
@@ -330,7 +285,7 @@ def test_sigint_stops_everything_with_checkpoint_and_resume_continues(tmp_path):
         tmp_path,
     )
     assert resumed.returncode == 0, resumed.stderr
-    assert run_dir_of(tmp_path) == run_dir
+    assert only_run_dir(tmp_path) == run_dir
     assert max(s for s, _ in scalars(run_dir)["charts/SPS"]) > stopped_at
 
 

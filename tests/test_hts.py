@@ -16,26 +16,20 @@ import numpy as np
 import pytest
 import torch
 from gymnasium.envs.classic_control.cartpole import CartPoleEnv
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import nn
 
 import hts_a2c
 import hts_ppo
 from common.models import make_model
 
-ROOT = Path(__file__).resolve().parents[1]
+try:
+    from helpers import CORE_TAGS, ROOT, children_of, event_accumulator, only_run_dir, run_script, scalars
+except ModuleNotFoundError:  # imported as tests.test_hts by a script run with --env-id tests.test_hts:FaultyCartPole-v0
+    from tests.helpers import CORE_TAGS, ROOT, children_of, event_accumulator, only_run_dir, run_script, scalars
+
 SCRIPTS = ["hts_a2c.py", "hts_ppo.py"]
 REQUIRED_TAGS = [
-    "charts/episodic_return",
-    "charts/episodic_length",
-    "charts/SPS",
-    "charts/learning_rate",
-    "charts/policy_lag",
-    "losses/policy_loss",
-    "losses/value_loss",
-    "losses/entropy",
-    "losses/total_loss",
-    "losses/grad_norm",
+    *CORE_TAGS,
     "timing/learner_wait_executors",
     "timing/executor_wait_actors",
     "timing/executor_wait_learner",
@@ -226,28 +220,6 @@ def test_non_finite_loss_stops_before_any_parameter_changes(module):
 # The scripts end to end
 
 
-def run_script(script, *args, log_dir, timeout=180):
-    return subprocess.run(
-        [sys.executable, script, *args, "--log-dir", str(log_dir)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-
-
-def scalars(run_dir):
-    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
-    acc.Reload()
-    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}, acc
-
-
-def only_run_dir(log_dir):
-    dirs = list(Path(log_dir).iterdir())
-    assert len(dirs) == 1, dirs
-    return dirs[0]
-
-
 def tiny_flags(script, mode, num_actors):
     return [*COMMON, *TINY[script], *(["--sync"] if mode == "sync" else []), "--num-actors", str(num_actors)]
 
@@ -259,14 +231,14 @@ def tiny_run(request, tmp_path_factory):
     script, mode = request.param
     log_dir = tmp_path_factory.mktemp(f"{script[:-3]}_{mode}")
     extra = ["--eval-episodes", "2", "--save-model", "--checkpoint-interval", "3600"]
-    proc = run_script(script, *tiny_flags(script, mode, 2), *extra, log_dir=log_dir)
+    proc = run_script(script, [*tiny_flags(script, mode, 2), *extra], log_dir)
     assert proc.returncode == 0, proc.stderr
     return script, mode, only_run_dir(log_dir), proc
 
 
 def test_tensorboard_tags_are_logged_and_finite(tiny_run):
     script, _, run_dir, proc = tiny_run
-    data, acc = scalars(run_dir)
+    data, acc = scalars(run_dir), event_accumulator(run_dir)
     for tag in REQUIRED_TAGS:
         assert tag in data, f"{script}: {tag} missing"
         assert all(math.isfinite(v) for _, v in data[tag]), tag
@@ -283,7 +255,7 @@ def test_policy_lag_is_one_update_and_zero_with_sync(tiny_run):
     """HTS-RL: the first update learns from data of the initial policy (lag 0), every later one with a lag of exactly
     1. --sync: every update learns from data of the parameters it updates (lag 0)."""
     script, mode, run_dir, _ = tiny_run
-    data = scalars(run_dir)[0]
+    data = scalars(run_dir)
     lags = [v for _, v in data["charts/policy_lag"]]
     assert len(lags) == TOTAL // (4 * int(TINY[script][1]))
     if mode == "sync":
@@ -294,7 +266,7 @@ def test_policy_lag_is_one_update_and_zero_with_sync(tiny_run):
 
 
 def final_model_and_returns(run_dir):
-    returns = [(s, v) for s, v in scalars(run_dir)[0]["charts/episodic_return"]]
+    returns = [(s, v) for s, v in scalars(run_dir)["charts/episodic_return"]]
     return torch.load(run_dir / "model.pt"), returns
 
 
@@ -354,17 +326,17 @@ def test_storages_swap_roles_and_rollout_overlaps_learning(monkeypatch, tmp_path
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_resume_continues_the_run_directory_and_step_count(script, tmp_path):
     args = [*COMMON, *TINY[script][:2], "--checkpoint-interval", "3600", "--num-actors", "1"]
-    proc = run_script(script, *args, "--total-timesteps", "640", log_dir=tmp_path)
+    proc = run_script(script, [*args, "--total-timesteps", "640"], tmp_path)
     assert proc.returncode == 0, proc.stderr
     run_dir = only_run_dir(tmp_path)
     assert torch.load(run_dir / "checkpoint.pt", weights_only=False)["global_step"] == 640
-    proc = run_script(script, *args, "--total-timesteps", "1280", "--resume", str(run_dir / "checkpoint.pt"),
-                      log_dir=tmp_path)  # fmt: skip
+    proc = run_script(script, [*args, "--total-timesteps", "1280", "--resume", str(run_dir / "checkpoint.pt")],
+                      tmp_path)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert only_run_dir(tmp_path) == run_dir
     checkpoint = torch.load(run_dir / "checkpoint.pt", weights_only=False)
     assert checkpoint["global_step"] == 1280 and checkpoint["update"] == 1280 // (4 * int(TINY[script][1]))
-    lags = scalars(run_dir)[0]["charts/policy_lag"]
+    lags = scalars(run_dir)["charts/policy_lag"]
     steps = [s for s, _ in lags]
     assert max(steps) == 1280 and min(steps) > 0
     after = [v for s, v in lags if s > 640]
@@ -397,7 +369,7 @@ def test_bad_flags_give_one_error_line_and_status_2(module, flags, message, caps
 
 
 def test_bad_flag_on_the_command_line_has_no_traceback(tmp_path):
-    proc = run_script("hts_ppo.py", "--env-id", "ALE/Breakout-v5", "--num-minibatches", "7", log_dir=tmp_path)
+    proc = run_script("hts_ppo.py", ["--env-id", "ALE/Breakout-v5", "--num-minibatches", "7"], tmp_path)
     assert proc.returncode == 2
     assert proc.stderr.startswith("error: --num-minibatches must divide") and "Traceback" not in proc.stderr
     assert not Path(tmp_path).exists() or not any(Path(tmp_path).iterdir())
@@ -405,24 +377,12 @@ def test_bad_flag_on_the_command_line_has_no_traceback(tmp_path):
 
 def test_atari_tiny_run(tmp_path):
     """The frame path: Breakout through common.atari's C++ vector env, the nature network, uint8 storages."""
-    proc = run_script("hts_a2c.py", "--num-envs", "2", "--num-executors", "2", "--num-actors", "1",
-                      "--total-timesteps", "400", "--log-interval", "1", log_dir=tmp_path)  # fmt: skip
+    proc = run_script("hts_a2c.py", ["--num-envs", "2", "--num-executors", "2", "--num-actors", "1",
+                      "--total-timesteps", "400", "--log-interval", "1"], tmp_path)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
-    data, _ = scalars(only_run_dir(tmp_path))
+    data = scalars(only_run_dir(tmp_path))
     assert max(s for s, _ in data["losses/total_loss"]) == 400
     assert all(math.isfinite(v) for _, v in data["losses/total_loss"])
-
-
-def children_of(pid):
-    out = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                if int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                    out.append(int(d.name))
-            except (OSError, IndexError, ValueError):
-                pass
-    return out
 
 
 def alive(pid):
@@ -462,7 +422,7 @@ def test_signal_stops_everything_and_writes_a_final_checkpoint(sig, tmp_path):
     assert not [w for w in workers if alive(w)]
     run_dir = only_run_dir(tmp_path)
     assert torch.load(run_dir / "checkpoint.pt", weights_only=False)["global_step"] > 0
-    data, _ = scalars(run_dir)
+    data = scalars(run_dir)
     assert data["charts/SPS"]
 
 
@@ -477,8 +437,8 @@ def test_killed_worker_stops_the_run(tmp_path):
 
 
 def test_worker_exception_is_reported_with_its_traceback(tmp_path):
-    proc = run_script("hts_ppo.py", *COMMON[2:], "--env-id", "tests.test_hts:FaultyCartPole-v0",
-                      "--total-timesteps", "100000", log_dir=tmp_path)  # fmt: skip
+    proc = run_script("hts_ppo.py", [*COMMON[2:], "--env-id", "tests.test_hts:FaultyCartPole-v0",
+                      "--total-timesteps", "100000"], tmp_path)  # fmt: skip
     assert proc.returncode == 1
     assert re.search(r"error: executor \d failed:\nTraceback", proc.stderr), proc.stderr
     assert "RuntimeError: injected env failure" in proc.stderr

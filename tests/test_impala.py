@@ -15,11 +15,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from helpers import CORE_TAGS, ROOT, assert_finite_tags, children_of, only_run_dir, run_script, scalars
 
 import impala_monobeast as im
 
-ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = "impala_monobeast.py"
 TINY_CARTPOLE = ["--env-id", "CartPole-v1", "--unroll-length", "16", "--batch-size", "2", "--num-actors", "2",
                  "--log-interval", "1"]  # fmt: skip
@@ -195,31 +194,10 @@ def test_buffer_protocol_with_real_actors(inference):
 
 
 def run(args, tmp_path, timeout=120):
-    cmd = [sys.executable, SCRIPT, "--log-dir", str(tmp_path), *args]
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    return run_script(SCRIPT, args, tmp_path, timeout)
 
 
-def run_dir_of(tmp_path):
-    (run_dir,) = [p for p in Path(tmp_path).iterdir() if p.is_dir()]
-    return run_dir
-
-
-def scalars(run_dir):
-    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
-    acc.Reload()
-    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
-
-
-REQUIRED_TAGS = ["charts/episodic_return", "charts/episodic_length", "charts/SPS", "charts/learning_rate",
-                 "charts/policy_lag", "losses/policy_loss", "losses/value_loss", "losses/entropy",
-                 "losses/total_loss", "losses/grad_norm", "timing/full_queue_get", "timing/free_queue_get",
-                 "timing/train"]  # fmt: skip
-
-
-def assert_tags(logged, tags):
-    for tag in tags:
-        assert tag in logged, tag
-        assert all(math.isfinite(v) for _, v in logged[tag]), tag
+REQUIRED_TAGS = [*CORE_TAGS, "timing/full_queue_get", "timing/free_queue_get", "timing/train"]
 
 
 @pytest.mark.parametrize("inference", ["batched", "actor"])
@@ -227,10 +205,10 @@ def test_cartpole_end_to_end(inference, tmp_path):
     proc = run([*TINY_CARTPOLE, "--inference", inference, "--total-timesteps", "640", "--eval-episodes", "2",
                 "--save-model"], tmp_path)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
-    run_dir = run_dir_of(tmp_path)
+    run_dir = only_run_dir(tmp_path)
     logged = scalars(run_dir)
     extra = ["timing/inference_wait", "timing/inference_batch_size"] if inference == "batched" else []
-    assert_tags(logged, [*REQUIRED_TAGS, *extra, "eval/episodic_return"])
+    assert_finite_tags(logged, [*REQUIRED_TAGS, *extra, "eval/episodic_return"])
     assert [s for s, _ in logged["charts/SPS"]] == [32 * i for i in range(1, 21)]
     lrs = [v for _, v in logged["charts/learning_rate"]]
     assert lrs[0] == pytest.approx(0.00048) and lrs[-1] == pytest.approx(0.00048 * 32 / 640)
@@ -242,8 +220,8 @@ def test_lstm_runs_with_batched_inference(tmp_path):  # the actor-mode LSTM runs
     proc = run([*TINY_CARTPOLE, "--use-lstm", "--total-timesteps", "256", "--save-model"],
                tmp_path)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
-    run_dir = run_dir_of(tmp_path)
-    assert_tags(scalars(run_dir), REQUIRED_TAGS)
+    run_dir = only_run_dir(tmp_path)
+    assert_finite_tags(scalars(run_dir), REQUIRED_TAGS)
     assert any("core" in k for k in torch.load(run_dir / "model.pt"))
 
 
@@ -252,8 +230,9 @@ def test_breakout_end_to_end(mode, tmp_path):
     proc = run(["--env-id", "ALE/Breakout-v5", *mode, "--num-actors", "2", "--unroll-length", "20",
                 "--batch-size", "2", "--total-timesteps", "160", "--log-interval", "1"], tmp_path)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
-    logged = scalars(run_dir_of(tmp_path))
-    assert_tags(logged, [t for t in REQUIRED_TAGS if not t.startswith("charts/episodic")])  # no game ends in 160 steps
+    logged = scalars(only_run_dir(tmp_path))
+    # no game ends in 160 steps
+    assert_finite_tags(logged, [t for t in REQUIRED_TAGS if not t.startswith("charts/episodic")])
     assert len(logged["losses/total_loss"]) == 4
 
 
@@ -261,7 +240,7 @@ def mean_lag(tmp_path, actors):
     proc = run(["--env-id", "CartPole-v1", "--inference", "actor", "--num-actors", str(actors), "--unroll-length", "8",
                 "--batch-size", "1", "--num-learner-threads", "1", "--total-timesteps", "320"], tmp_path)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
-    lags = [v for _, v in scalars(run_dir_of(tmp_path))["charts/policy_lag"]]
+    lags = [v for _, v in scalars(only_run_dir(tmp_path))["charts/policy_lag"]]
     return float(np.mean(lags[len(lags) // 3 :]))  # after the start-up, when every actor has buffers in flight
 
 
@@ -300,18 +279,6 @@ def test_crashing_actor_stops_the_run_with_its_traceback(tmp_path):
     assert time.time() - start < 60
 
 
-def children_of(pid: int) -> list[int]:
-    out = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                if int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                    out.append(int(d.name))
-            except (OSError, ValueError, IndexError):
-                pass
-    return out
-
-
 def start_training(tmp_path, extra=()):
     cmd = [sys.executable, SCRIPT, "--log-dir", str(tmp_path), *TINY_CARTPOLE, "--total-timesteps", "100000000",
            *extra]  # fmt: skip
@@ -344,14 +311,15 @@ def test_signal_stops_everything_with_checkpoint_and_resume_continues(sig, tmp_p
     _, err = proc.communicate(timeout=30)
     assert time.time() - start < 10 and proc.returncode == 130 and "Traceback" not in err, err
     assert not any(Path(f"/proc/{p}").exists() for p in actors)  # no process left
-    run_dir = run_dir_of(tmp_path)
+    run_dir = only_run_dir(tmp_path)
     stopped_at = torch.load(run_dir / "checkpoint.pt", weights_only=False)["global_step"]
     assert stopped_at > 0 and stopped_at == max(s for s, _ in scalars(run_dir)["charts/SPS"])
     if sig == signal.SIGINT:
         resumed = run([*TINY_CARTPOLE, "--total-timesteps", str(stopped_at + 64), "--resume",
                        str(run_dir / "checkpoint.pt")], tmp_path)  # fmt: skip
         assert resumed.returncode == 0, resumed.stderr
-        assert max(s for s, _ in scalars(run_dir)["charts/SPS"]) == stopped_at + 64 and run_dir_of(tmp_path) == run_dir
+        assert max(s for s, _ in scalars(run_dir)["charts/SPS"]) == stopped_at + 64
+        assert only_run_dir(tmp_path) == run_dir
 
 
 def test_non_finite_loss_stops_and_keeps_last_checkpoint(tmp_path):
@@ -360,5 +328,5 @@ def test_non_finite_loss_stops_and_keeps_last_checkpoint(tmp_path):
                 "--checkpoint-interval", "0.000001", "--no-clip-rewards"], tmp_path)  # fmt: skip
     assert proc.returncode == 1
     assert "non-finite loss" in proc.stderr, proc.stderr
-    checkpoint = torch.load(run_dir_of(tmp_path) / "checkpoint.pt", weights_only=False)
+    checkpoint = torch.load(only_run_dir(tmp_path) / "checkpoint.pt", weights_only=False)
     assert 0 < checkpoint["update"] and all(torch.isfinite(v).all() for v in checkpoint["model"].values())

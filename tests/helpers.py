@@ -1,0 +1,74 @@
+"""What the script tests share: running a script in a subprocess, finding its run directory, reading what it wrote
+to TensorBoard, the tags every script must write, and finding a process's children.
+
+The test files import it as `from helpers import ...` (tests/ has no __init__.py, so pytest puts tests/ on sys.path)."""
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# the tags every script must write (the conventions every script follows); each test file adds its script's own
+CORE_TAGS = [
+    "charts/episodic_return",
+    "charts/episodic_length",
+    "charts/SPS",
+    "charts/learning_rate",
+    "charts/policy_lag",
+    "losses/policy_loss",
+    "losses/value_loss",
+    "losses/entropy",
+    "losses/total_loss",
+    "losses/grad_norm",
+]
+
+
+def run_script(script, args, log_dir, timeout=180, env=None, launcher=()):
+    """Run `script` from the repository root with `--log-dir log_dir` and `args`, output captured as text.
+    `launcher`: interpreter arguments before the script, such as ("-m", "torch.distributed.run", ...)."""
+    cmd = [sys.executable, *launcher, script, "--log-dir", str(log_dir), *args]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def only_run_dir(log_dir):
+    """The run directory a script made under `log_dir`: there must be exactly one."""
+    dirs = [p for p in Path(log_dir).iterdir() if p.is_dir()]
+    assert len(dirs) == 1, dirs
+    return dirs[0]
+
+
+def event_accumulator(run_dir):
+    """The run's TensorBoard events, loaded, every scalar kept."""
+    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
+    acc.Reload()
+    return acc
+
+
+def scalars(run_dir):
+    """{tag: [(step, value), ...]} of every scalar the run logged."""
+    acc = event_accumulator(run_dir)
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def assert_finite_tags(logged, tags):
+    """Every tag in `tags` was logged (`logged` from scalars()), and all its values are finite."""
+    for tag in tags:
+        assert tag in logged, (tag, sorted(logged))
+        assert all(math.isfinite(v) for _, v in logged[tag]), tag
+
+
+def children_of(pid):
+    """The pids whose parent is `pid` (from /proc/*/stat, whichever thread started them)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    out.append(int(d.name))
+            except (OSError, ValueError, IndexError):
+                pass
+    return out
