@@ -180,14 +180,15 @@ def main() -> None:
     parser.add_argument("--num-envs", type=int, default=4)
     parser.add_argument("--iterations", type=int, default=60, help="iterations per learner per run")
     parser.add_argument("--breakout", action="store_true")
+    parser.add_argument("--no-straggler", action="store_true", help="skip the straggler sweep (with --breakout)")
     parser.add_argument("--breakout-iterations", type=int, default=400)
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "gala_throughput.json"))
     args = parser.parse_args()
-    rows = straggler_sweep(args)
+    rows = [] if args.no_straggler else straggler_sweep(args)
     if args.breakout:
         rows += breakout(args)
     summary = []
-    for std in args.stds:
+    for std in [] if args.no_straggler else args.stds:
         for n in args.learners:
             g, a = (next(r for r in rows if r["env"] == "straggler" and r["std_ms"] == std and r["learners"] == n
                          and r["mode"] == m) for m in ("gossip", "allreduce"))  # fmt: skip
