@@ -28,7 +28,6 @@ Examples:
 
 from __future__ import annotations
 
-import ctypes
 import os
 import queue
 import signal
@@ -306,23 +305,11 @@ def push_server(shared: Shared, worker: int, grads: list[torch.Tensor], message:
     shared.grad_q.put(("grad", worker, slot, *message))
 
 
-def fixed_mmap_threshold(nbytes: int = 4 << 20) -> None:
-    """Serve allocations >= nbytes with mmap, returned to the OS when freed. glibc's default threshold grows up to 32
-    MiB after such frees, and a worker's per-update float frames and activations (about 11 MB of input alone at 16
-    envs x 6 frames) then come from the heap, where fragmentation made the run's memory creep (benchmarks/)."""
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL("libc.so.6").mallopt(-3, nbytes)  # M_MMAP_THRESHOLD; also turns off the dynamic threshold
-        except (OSError, AttributeError):  # not glibc
-            pass
-
-
 def worker_process(worker: int, args: Args, shared: Shared, device_name: str) -> None:
     """Run `worker_loop`, reporting any exception with its traceback to the main process."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the main process coordinates Ctrl+C / SIGTERM
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})  # blocked by main around start()
-    fixed_mmap_threshold()  # again: a spawned (CUDA) worker does not inherit the main process's setting
     try:
         worker_loop(worker, args, shared, torch.device(device_name))
     except Stop:
@@ -419,7 +406,6 @@ def gradient_server(model: nn.Module, args: Args, shared: Shared, device_name: s
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
-    fixed_mmap_threshold()
     try:
         torch.set_num_threads(args.torch_threads)
         server_loop(model, args, shared, torch.device(device_name), state or {})
