@@ -731,6 +731,21 @@ def install_stop_handlers(stop, interrupt: threading.Event) -> None:
     signal.signal(signal.SIGTERM, handler)
 
 
+def leave(code: int, threads: list[threading.Thread]) -> None:
+    """Exit with `code`. A thread still inside torch when the interpreter tears down makes C++ static destructors
+    abort the process ("terminate called without an active exception", SIGABRT; reproduced with a daemon thread
+    running backward passes at exit), so if a worker thread outlived its join, skip the teardown: TensorBoard is
+    closed and checkpoints are written by now."""
+    alive = [t.name for t in threads if t.is_alive()]
+    if alive:
+        print(f"warning: {', '.join(alive)} still running at exit; leaving without interpreter teardown",
+              file=sys.stderr, flush=True)  # fmt: skip
+        sys.stdout.flush()
+        os._exit(code)
+    if code:
+        raise SystemExit(code)
+
+
 def restore_default_handlers() -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -996,8 +1011,9 @@ def main(args: Args) -> None:
             requests.put(RequestPipe.WAKE)
         for _ in learners:
             full_q.put(None)
+        deadline = time.time() + 8.0  # queue waits wake within a second; an update ends within seconds
         for t in threads:
-            t.join(timeout=5.0)
+            t.join(timeout=max(0.0, deadline - time.time()))
         for _ in actors:
             free_q.put(None)
         for sem in sems:
@@ -1039,9 +1055,7 @@ def main(args: Args) -> None:
     writer.close()
     if failure:
         print(failure, file=sys.stderr)
-        raise SystemExit(1)
-    if interrupted:
-        raise SystemExit(130)
+    leave(1 if failure else 130 if interrupted else 0, threads)
 
 
 if __name__ == "__main__":
