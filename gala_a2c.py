@@ -995,10 +995,9 @@ def main_single_machine(args: Args, n: int, checkpoint: dict | None) -> None:
 
     def dead_learner() -> str | None:
         ready = wait_sentinels([p.sentinel for p in procs], timeout=0)
-        for p in procs:
-            if p.sentinel in ready:
-                p.join(timeout=5.0)  # the sentinel can fire before the exit status is set (seen with CUDA learners)
-            if p.sentinel in ready and p.exitcode != 0:
+        for p in (p for p in procs if p.sentinel in ready):
+            p.join(timeout=5.0)  # the sentinel can fire before the exit status is set (seen with CUDA learners)
+            if p.exitcode != 0:
                 try:  # its traceback, if it lived to send one
                     return error_q.get(timeout=2.0)
                 except queue.Empty:

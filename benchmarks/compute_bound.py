@@ -41,12 +41,13 @@ sys.path.insert(0, str(ROOT))
 from common.atari import make_vector_env  # noqa: E402
 from common.models import make_model  # noqa: E402
 
-# algorithm -> (network, learner minibatch, forward/backward passes per sample, extra learner forwards per sample)
+# algorithm -> (network, learner minibatch, forward/backward passes per sample, extra learner forwards per sample,
+#               observations the learner's forward/backward takes per sample)
 ALGOS = {
-    "ppo": ("nature", 256, 4, 1),  # CleanRL/Cleanba PPO: 8 envs x 128 steps, 4 minibatches, 4 epochs, value pass
-    "impala": ("nature", 640, 1, 0),  # TorchBeast MonoBeast: batch 8 x unroll 80, shallow (Nature-like) network
-    "a2c": ("nature", 96, 1, 0),  # GALA/A3C/HTS A2C: 16 envs x (5 + 1 bootstrap) observations, 5 of 6 are samples
-    "impala_resnet": ("impala", 160, 1, 0),  # Cleanba IMPALA: 8 envs x 20 steps, IMPALA ResNet
+    "ppo": ("nature", 256, 4, 1, 1.0),  # CleanRL/Cleanba PPO: 8 envs x 128 steps, 4 minibatches, 4 epochs, value pass
+    "impala": ("nature", 640, 1, 0, 1.0),  # TorchBeast MonoBeast: batch 8 x unroll 80, shallow (Nature-like) network
+    "a2c": ("nature", 96, 1, 0, 6 / 5),  # GALA/A3C/HTS A2C: 16 envs x (5 + 1 bootstrap) observations per 5 samples
+    "impala_resnet": ("impala", 160, 1, 0, 1.0),  # Cleanba IMPALA: 8 envs x 20 steps, IMPALA ResNet
 }
 
 
@@ -105,7 +106,7 @@ def main(args: Args) -> None:
 
     rows = []
     for algo in args.algos:
-        network, batch, fwd_bwd, extra_fwd = ALGOS[algo]
+        network, batch, fwd_bwd, extra_fwd, obs_per_sample = ALGOS[algo]
         model = make_model(obs_space, act_space, network)
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
         x = torch.randint(0, 255, (batch, 4, 84, 84), dtype=torch.uint8)
@@ -126,8 +127,7 @@ def main(args: Args) -> None:
             (logits.sum() + values.sum()).backward()
 
         f_fwd, f_fwd_bwd = flops(forward1), flops(fwd_bwd1)
-        samples_per_step = 5 / 6 if algo == "a2c" else 1.0  # A2C forwards 6 observations per 5 samples
-        per_step = f_fwd * (1 + extra_fwd) + f_fwd_bwd * fwd_bwd / samples_per_step
+        per_step = f_fwd * (1 + extra_fwd) + f_fwd_bwd * fwd_bwd * obs_per_sample
         calls, cpu_per_call = rate(train_step, args.seconds)
         learner_gflops = f_fwd_bwd * batch * calls / 1e9  # per wall second, all threads
         flop_per_cpu_s = f_fwd_bwd * batch / cpu_per_call

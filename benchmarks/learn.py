@@ -209,7 +209,7 @@ def run_all(
     A run still going after `time_limit` seconds gets SIGINT: it stops as after Ctrl+C (exit 130) and counts as done,
     its curve cut at the wall-clock budget."""
     (out / "logs").mkdir(parents=True, exist_ok=True)
-    pending, running = list(jobs), []
+    pending, running, stopped = list(jobs), [], set()  # stopped: pids that the time limit sent SIGINT
     try:
         while pending or running:
             while pending and len(running) < parallel:
@@ -218,19 +218,18 @@ def run_all(
                 log = out / "logs" / f"{e.env_id.replace('/', '-')}__{e.label}__{seed}.log"
                 print(f"[learn] start {e.label} seed {seed}: {' '.join(cmd[1:])}", flush=True)
                 proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT)
-                proc.stopped = False  # set once the time limit sent SIGINT
                 running.append((proc, e, seed, cmd, log, time.time()))
             time.sleep(1.0)
             for proc, *_, t0 in running:
-                if time_limit and time.time() - t0 > time_limit and proc.poll() is None and not proc.stopped:
+                if time_limit and time.time() - t0 > time_limit and proc.pid not in stopped:
                     proc.send_signal(signal.SIGINT)
-                    proc.stopped = True
+                    stopped.add(proc.pid)
             for item in [r for r in running if r[0].poll() is not None]:
                 running.remove(item)
                 proc, e, seed, cmd, log, t0 = item
                 rec = dict(label=e.label, seed=seed, env_id=e.env_id, command=cmd[1:], log=str(log))
                 rec.update(returncode=proc.returncode, wall_seconds=round(time.time() - t0, 1))
-                rec.update(stopped_at_time_limit=proc.stopped)
+                rec.update(stopped_at_time_limit=proc.pid in stopped)
                 done.append(rec)
                 print(f"[learn] done  {e.label} seed {seed}: exit {proc.returncode} in {rec['wall_seconds']} s")
     except KeyboardInterrupt:
@@ -290,7 +289,9 @@ def main(argv: list[str] | None = None) -> int:
         old = json.loads(manifest.read_text())["runs"] if manifest.exists() else []
         info = dict(suite=a.suite, machine=f"{os.cpu_count()} CPU cores", wall_seconds=round(time.time() - t0, 1))
         manifest.write_text(json.dumps(dict(info, runs=old + records), indent=1))
-    failed = [r for r in records if r["returncode"] not in (0, 130 if r["stopped_at_time_limit"] else 0)]
+    # a run cut by --time-limit exits 130 like any interrupted run: that is its normal end
+    cut = [r for r in records if r["stopped_at_time_limit"] and r["returncode"] == 130]
+    failed = [r for r in records if r["returncode"] != 0 and r not in cut]
     for r in failed:
         print(f"[learn] FAILED {r['label']} seed {r['seed']} (exit {r['returncode']}), see {r['log']}")
 

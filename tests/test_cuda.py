@@ -17,7 +17,7 @@ from helpers import only_run_dir, run_script, scalars
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 BREAKOUT = ["--env-id", "ALE/Breakout-v5"]
-CORE_TAGS = ["charts/SPS", "charts/learning_rate", "losses/policy_loss", "losses/value_loss", "losses/total_loss",
+GPU_TAGS = ["charts/SPS", "charts/learning_rate", "losses/policy_loss", "losses/value_loss", "losses/total_loss",
              "losses/grad_norm"]  # fmt: skip
 APEX_TAGS = ["charts/SPS", "charts/learning_rate", "losses/total_loss", "losses/grad_norm"]
 
@@ -26,27 +26,27 @@ APEX_TAGS = ["charts/SPS", "charts/learning_rate", "losses/total_loss", "losses/
 # fmt: off
 CASES = {
     "cleanba_ppo": ("cleanba_ppo_impala.py", ["--num-envs", "8", "--num-steps", "32", "--num-minibatches", "2",
-                    "--update-epochs", "2", "--total-timesteps", "1024"], CORE_TAGS, "cuda"),
+                    "--update-epochs", "2", "--total-timesteps", "1024"], GPU_TAGS, "cuda"),
     "cleanba_ppo_sync": ("cleanba_ppo_impala.py", ["--sync", "--num-envs", "8", "--num-steps", "32",
-                         "--num-minibatches", "2", "--total-timesteps", "512"], CORE_TAGS, "cuda"),
+                         "--num-minibatches", "2", "--total-timesteps", "512"], GPU_TAGS, "cuda"),
     "cleanba_impala": ("cleanba_ppo_impala.py", ["--algo", "impala", "--num-envs", "8", "--total-timesteps", "640"],
-                       CORE_TAGS, "cuda"),
+                       GPU_TAGS, "cuda"),
     "impala_batched": ("impala_monobeast.py", ["--num-actors", "2", "--unroll-length", "20", "--batch-size", "2",
-                       "--total-timesteps", "400"], CORE_TAGS, "cuda"),
+                       "--total-timesteps", "400"], GPU_TAGS, "cuda"),
     "impala_actor_lstm": ("impala_monobeast.py", ["--inference", "actor", "--use-lstm", "--num-actors", "2",
-                          "--unroll-length", "20", "--batch-size", "2", "--total-timesteps", "400"], CORE_TAGS, "cuda"),
+                          "--unroll-length", "20", "--batch-size", "2", "--total-timesteps", "400"], GPU_TAGS, "cuda"),
     "gala_gossip": ("gala_a2c.py", ["--num-learners", "2", "--num-envs", "4", "--total-timesteps", "800"],
-                    [*CORE_TAGS, "gossip/consensus_distance"], None),
+                    [*GPU_TAGS, "gossip/consensus_distance"], None),
     "gala_allreduce": ("gala_a2c.py", ["--mode", "allreduce", "--num-learners", "2", "--num-envs", "4",
-                       "--total-timesteps", "800"], CORE_TAGS, None),
+                       "--total-timesteps", "800"], GPU_TAGS, None),
     "hts_a2c": ("hts_a2c.py", ["--num-envs", "4", "--num-executors", "2", "--num-actors", "2", "--total-timesteps",
-                "800", "--log-interval", "1"], CORE_TAGS, "cuda"),
+                "800", "--log-interval", "1"], GPU_TAGS, "cuda"),
     "hts_ppo": ("hts_ppo.py", ["--num-envs", "4", "--num-executors", "2", "--num-actors", "2", "--sync-interval", "32",
-                "--num-minibatches", "2", "--total-timesteps", "512", "--log-interval", "1"], CORE_TAGS, "cuda"),
+                "--num-minibatches", "2", "--total-timesteps", "512", "--log-interval", "1"], GPU_TAGS, "cuda"),
     "a3c_hogwild": ("a3c_large_batch.py", ["--num-workers", "2", "--num-envs-per-worker", "4", "--total-timesteps",
-                    "800", "--log-frequency", "5"], CORE_TAGS, None),
+                    "800", "--log-frequency", "5"], GPU_TAGS, None),
     "a3c_server": ("a3c_large_batch.py", ["--update", "server", "--num-workers", "2", "--num-envs-per-worker", "4",
-                   "--total-timesteps", "800", "--log-frequency", "5"], CORE_TAGS, None),
+                   "--total-timesteps", "800", "--log-frequency", "5"], GPU_TAGS, None),
     "apex_dqn": ("apex.py", ["--num-actors", "2", "--total-timesteps", "600", "--buffer-size", "600",
                  "--learning-starts", "200", "--eval-interval", "0", "--batch-size", "16", "--log-frequency", "5"],
                  APEX_TAGS, "cuda"),
