@@ -281,14 +281,14 @@ class GossipEndpoint:
     def in_peers(self, iteration: int) -> list[int]:
         return in_peers(self.learner, self.n, peer_offsets(self.n, self.num_peers, iteration, self.time_varying))
 
-    def step(self, x: torch.Tensor, iteration: int, stop) -> tuple[bool, float]:
-        """Gossip after local update `iteration` on the flat parameters `x` (mixed in place).
-        Returns (mixed, seconds blocked waiting for in-peers)."""
-        self.publish(x)
+    def step(self, x: torch.Tensor, iteration: int, stop, at_sync: bool = False) -> tuple[bool, float]:
+        """Gossip after local update `iteration` on the flat parameters `x` (mixed in place); `at_sync`: this learner
+        meets the other ranks (torchrun) right after. Returns (mixed, seconds blocked waiting for in-peers)."""
+        self.publish(x, at_sync)
         peers = self.in_peers(iteration)
         waited = 0.0
         if not self.ready(peers):
-            if self.staleness < self.tau or self.any_finished(peers):
+            if self.staleness < self.tau or self.any_silent(peers):
                 self.staleness += 1
                 return False, 0.0
             start = time.perf_counter()
@@ -331,7 +331,7 @@ class SharedMemoryEndpoint(GossipEndpoint):
         if self.shared.device.type == "cuda":  # another process reads the buffer: the copy must have landed
             torch.cuda.current_stream(self.shared.device).synchronize()
 
-    def publish(self, x: torch.Tensor) -> None:
+    def publish(self, x: torch.Tensor, at_sync: bool = False) -> None:  # one machine: no learner waits at a sync
         s, i = self.shared, self.learner
         with s.locks[i]:
             s.buffers[i].copy_(x)
@@ -343,12 +343,13 @@ class SharedMemoryEndpoint(GossipEndpoint):
     def ready(self, peers: list[int]) -> bool:
         return all(self.shared.versions[j] > self.last_read[j] for j in peers)
 
-    def any_finished(self, peers: list[int]) -> bool:
+    def any_silent(self, peers: list[int]) -> bool:
+        """An in-peer will send nothing new: it finished its run."""
         return any(self.shared.finished[j] for j in peers)
 
     def wait_ready(self, peers: list[int], stop) -> None:
         with self.shared.arrived:
-            while not self.ready(peers) and not self.any_finished(peers):
+            while not self.ready(peers) and not self.any_silent(peers):
                 if stop.is_set():
                     raise Stop
                 self.shared.arrived.wait(timeout=1.0)
@@ -378,19 +379,27 @@ class SharedMemoryEndpoint(GossipEndpoint):
             self.shared.arrived.notify_all()
 
 
+SENT_AT_SYNC, SENT_LAST = 1.0, 2.0  # flags a torchrun gossip message carries after its parameters
+
+
 class DistributedEndpoint(GossipEndpoint):
-    """torchrun: messages are [P + 1] tensors (parameters, then a last-message flag). A sender thread sends the newest
+    """torchrun: messages are [P + 1] tensors (parameters, then a flag: SENT_AT_SYNC, SENT_LAST or 0). A sender thread
+    sends the newest
     snapshot to every out-peer with blocking `dist.send` (a newer snapshot replaces one still waiting), one receiver
     thread per in-peer `dist.recv`s and keeps only the newest message. gloo's isend/irecv handles cannot be polled
-    (`is_completed` stays False until `wait`), so the threads are what makes the learner's side non-blocking."""
+    (`is_completed` stays False until `wait`), so the threads are what makes the learner's side non-blocking.
+    The messages travel on their own process group (`group`): point-to-point traffic from these threads on the group
+    that the learners' sync-point all-reduces use deadlocked gloo (a rank waited in `all_reduce` while its peer waited
+    for a gossip message that had been sent), and NCCL too wants one thread per communicator at a time."""
 
-    def __init__(self, learner: int, n: int, num_peers: int, tau: int, numel: int, device: torch.device):
+    def __init__(self, learner: int, n: int, num_peers: int, tau: int, numel: int, device: torch.device, group):
         super().__init__(learner, n, num_peers, False, tau)
-        self.numel, self.device = numel, device
+        self.numel, self.device, self.group = numel, device, group
         self.peers_in = self.in_peers(0)
         self.cond = threading.Condition()
         self.latest = torch.zeros(num_peers, numel, device=device)  # newest message per in-peer, allocated once
         self.fresh, self.done = [False] * num_peers, [False] * num_peers
+        self.parked = [False] * num_peers  # the in-peer's newest message came from a sync point, where it now waits
         self.snapshot = torch.zeros(numel + 1, device=device)
         self.pending = False
         self.errors: list[str] = []
@@ -412,8 +421,8 @@ class DistributedEndpoint(GossipEndpoint):
                     out.copy_(self.snapshot)
                     self.pending = False
                 for dst in out_peers(self.learner, self.n, peer_offsets(self.n, self.num_peers)):
-                    dist.send(out, dst=dst)
-                if out[-1].item() > 0:
+                    dist.send(out, dst=dst, group=self.group)
+                if out[-1].item() == SENT_LAST:
                     return
         except BaseException:
             self.errors.append(traceback.format_exc())
@@ -422,33 +431,35 @@ class DistributedEndpoint(GossipEndpoint):
         buf = torch.zeros(self.numel + 1, device=self.device)
         try:
             while True:
-                dist.recv(buf, src=src)
+                dist.recv(buf, src=src, group=self.group)
                 with self.cond:
                     self.latest[k].copy_(buf[: self.numel])
                     self.fresh[k] = True
-                    self.done[k] = buf[-1].item() > 0
+                    self.done[k], self.parked[k] = buf[-1].item() == SENT_LAST, buf[-1].item() == SENT_AT_SYNC
                     self.cond.notify_all()
                 if self.done[k]:
                     return
         except BaseException:
             self.errors.append(traceback.format_exc())
 
-    def publish(self, x: torch.Tensor, last: bool = False) -> None:
+    def publish(self, x: torch.Tensor, at_sync: bool = False, last: bool = False) -> None:
         with self.cond:
             self.snapshot[: self.numel].copy_(x)
-            self.snapshot[-1] = float(last)
+            self.snapshot[-1] = SENT_LAST if last else SENT_AT_SYNC if at_sync else 0.0
             self.pending = True
             self.cond.notify_all()
 
     def ready(self, peers: list[int]) -> bool:
         return all(self.fresh)
 
-    def any_finished(self, peers: list[int]) -> bool:
-        return any(d and not f for d, f in zip(self.done, self.fresh, strict=True))
+    def any_silent(self, peers: list[int]) -> bool:
+        """An in-peer will send nothing new before this learner moves on, and its newest message is read: it finished,
+        or it waits at the next sync point for this learner (waiting for it here would deadlock the ranks)."""
+        return any((d or p) and not f for d, p, f in zip(self.done, self.parked, self.fresh, strict=True))
 
     def wait_ready(self, peers: list[int], stop) -> None:
         with self.cond:
-            while not self.ready(peers) and not self.any_finished(peers):
+            while not self.ready(peers) and not self.any_silent(peers):
                 if self.errors:
                     raise RuntimeError(f"gossip thread died:\n{self.errors[0]}")
                 self.cond.wait(timeout=1.0)  # no Stop here: ranks stop together at sync points
@@ -606,10 +617,11 @@ def learner_loop(
             obs_buf[0].copy_(obs_buf[T])
             t4 = time.perf_counter()
             waited, mixed = 0.0, False
+            at_sync = (iteration + 1) % args.sync_interval == 0 or iteration + 1 == num_iterations
             if gossip is not None:  # lines 5-8
                 flatten_into(x, params)
                 try:
-                    mixed, waited = gossip.step(x, iteration, control.stop)
+                    mixed, waited = gossip.step(x, iteration, control.stop, at_sync=distributed and at_sync)
                 except Stop:  # stopped while blocked for in-peers: this iteration's update stands
                     stop_all = True
                 if mixed:
@@ -627,7 +639,6 @@ def learner_loop(
             sums["mixed"] += float(mixed)
             count += 1
 
-            at_sync = iteration % args.sync_interval == 0 or iteration == num_iterations
             if distributed and at_sync:  # torchrun: meet the other ranks (matched collectives)
                 if gossip is not None:
                     avg = x.clone() if mixed else flatten_into(x, params).clone()
@@ -704,7 +715,7 @@ class Logger:
         self.global_step, self.start_step, self.start_time = global_step, global_step, time.time()
         self.recent: deque[float] = deque(maxlen=20)
         self.last_print = time.time()
-        self.learner_sps = [0.0] * n
+        self.learner_sps: list[float | None] = [None] * n  # under torchrun a rank sees only its own records
         self.staleness = 0.0
 
     def sps(self) -> float:
@@ -741,7 +752,7 @@ class Logger:
     def maybe_print(self, force: bool = False) -> None:
         if force or time.time() - self.last_print >= self.args.log_interval:
             mean_ret = f"{np.mean(self.recent):.2f}" if self.recent else "n/a"
-            per = " ".join(f"{s:,.0f}" for s in self.learner_sps)
+            per = " ".join("-" if s is None else f"{s:,.0f}" for s in self.learner_sps)
             print(
                 f"step {self.global_step:>10,}  SPS {self.sps():,.0f} (learners {per})  "
                 f"return(last {len(self.recent)}) {mean_ret}  staleness {self.staleness:.2f}",
@@ -1096,7 +1107,8 @@ def main_distributed(args: Args, n: int, checkpoint: dict | None) -> None:
     gossip = None
     if args.mode == "gossip":
         numel = sum(p.numel() for p in make_model(obs_space, act_space, args.network).parameters())
-        gossip = DistributedEndpoint(rank, n, args.num_peers, args.max_staleness, numel, device)
+        group = dist.new_group(backend="nccl" if use_cuda else "gloo")  # every rank makes it, in the same order
+        gossip = DistributedEndpoint(rank, n, args.num_peers, args.max_staleness, numel, device, group)
     failure = None
     try:
         final = learner_loop(
@@ -1104,10 +1116,15 @@ def main_distributed(args: Args, n: int, checkpoint: dict | None) -> None:
         )
     except NonFiniteLoss as e:
         failure = f"error: learner {rank}: {e}; stopping (the last checkpoint, if any, is kept)"
-        final = None
+    except Exception:
+        failure = f"error: learner {rank} died:\n{traceback.format_exc()}"
     if failure:  # the other ranks would wait forever on this one: torchrun stops them when this rank exits non-zero
-        print(failure, file=sys.stderr)
-        raise SystemExit(1)
+        print(failure, file=sys.stderr, flush=True)
+        writer.close()
+        sys.stdout.flush()
+        # The gossip receivers are blocked inside `dist.recv`: tearing the interpreter down around a thread inside
+        # torch aborts ("terminate called without an active exception", SIGABRT) or hangs, so skip the teardown.
+        os._exit(1)
     states = [None] * n if rank == 0 else None
     dist.gather_object(final, states, dst=0)
     if args.mode == "allreduce":  # every learner must hold the same parameters (identical averaged gradients)

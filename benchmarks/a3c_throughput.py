@@ -10,8 +10,13 @@ For every (workers, envs per worker) configuration it measures, in the same benc
   (from its console lines), policy lag (mean and max of `charts/policy_lag` in TensorBoard), peak PSS of all its
   processes, and PSS growth from the end of the warm-up to the end of the run.
 
+This 2-core VM's speed drifts by 10-20% from one minute to the next (single-thread sgemm: 71-83 GFLOP/s over 24 s
+idle), which is as large as the effect measured. So pieces and runs alternate for `--rounds` rounds, each run's
+efficiency is taken against the ceiling measured just before it, and the table gives the median over rounds (the
+JSON keeps every round).
+
     python benchmarks/a3c_throughput.py                        # Breakout, 2 and 4 workers, 1 and 16 envs, both modes
-    python benchmarks/a3c_throughput.py --workers 2 --envs 16 --updates hogwild --seconds 600   # the memory run
+    python benchmarks/a3c_throughput.py --workers 2 --envs 16 --updates hogwild --seconds 600 --rounds 1   # memory
 """
 
 from __future__ import annotations
@@ -59,6 +64,8 @@ class Args:
     """measuring time of each ceiling piece"""
     num_steps: int = 5
     """horizon N (GALA Table 2)"""
+    rounds: int = 3
+    """pieces-then-runs rounds per configuration (the table reports medians)"""
     out: str = "benchmarks/results/a3c_throughput.json"
     """where the JSON results go"""
 
@@ -207,6 +214,11 @@ def run_script(args: Args, update: str, workers: int, num_envs: int, log_dir: st
     acc.Reload()
     lags = [e.value for e in acc.Scalars("charts/policy_lag")]
     lag_max = max(e.value for e in acc.Scalars("charts/policy_lag_max"))
+    timing = {  # a worker's seconds per update in each phase, over the last half of the run (past the warm-up)
+        tag.split("/")[1]: round(float(np.mean([e.value for e in events[len(events) // 2 :]])), 4)
+        for tag in acc.Tags()["scalars"]
+        if tag.startswith("timing/") and (events := acc.Scalars(tag))
+    }
     return dict(
         agent_steps_per_s=round(sps, 1),
         measured_seconds=round(measured[-1][0] - measured[0][0], 1),
@@ -214,21 +226,43 @@ def run_script(args: Args, update: str, workers: int, num_envs: int, log_dir: st
         policy_lag_max=int(lag_max),
         peak_pss_mb=round(max(kb for _, kb in memory) / 1024, 1),
         pss_growth_pct=round(100 * (np.mean(end) - np.mean(base)) / np.mean(base), 2),
+        seconds_per_update=timing,
     )
+
+
+def measure(args: Args, workers: int, num_envs: int) -> list[dict]:
+    """`args.rounds` rounds of (ceiling pieces, then a run of each update mode); one row per mode, medians of rounds."""
+    rounds = {update: [] for update in args.updates}
+    for _ in range(args.rounds):
+        pieces = ceiling_pieces(args.env_id, workers, num_envs, args.num_steps, args.piece_seconds)
+        for update in args.updates:
+            with tempfile.TemporaryDirectory() as log_dir:
+                result = run_script(args, update, workers, num_envs, log_dir)
+            result["efficiency"] = round(result["agent_steps_per_s"] / pieces["ceiling"], 3)
+            rounds[update].append({**pieces, **result})
+            print(json.dumps(dict(update=update, workers=workers, envs_per_worker=num_envs, **rounds[update][-1])))
+    rows = []
+    for update, rs in rounds.items():
+        median = lambda key, rs=rs: round(float(np.median([r[key] for r in rs])), 3)  # noqa: E731
+        row = dict(update=update, workers=workers, envs_per_worker=num_envs)
+        row.update({k: median(k) for k in ("env", "infer", "train", "ceiling", "agent_steps_per_s", "efficiency")})
+        row.update(
+            policy_lag_mean=median("policy_lag_mean"),
+            policy_lag_max=max(r["policy_lag_max"] for r in rs),
+            peak_pss_mb=max(r["peak_pss_mb"] for r in rs),
+            pss_growth_pct=median("pss_growth_pct"),
+            efficiency_per_round=[r["efficiency"] for r in rs],
+            rounds=rs,
+        )
+        rows.append(row)
+    return rows
 
 
 def main(args: Args) -> None:
     rows = []
     for workers in args.workers:
         for num_envs in args.envs:
-            pieces = ceiling_pieces(args.env_id, workers, num_envs, args.num_steps, args.piece_seconds)
-            for update in args.updates:
-                with tempfile.TemporaryDirectory() as log_dir:
-                    result = run_script(args, update, workers, num_envs, log_dir)
-                row = dict(update=update, workers=workers, envs_per_worker=num_envs, **pieces, **result)
-                row["efficiency"] = round(row["agent_steps_per_s"] / row["ceiling"], 3)
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+            rows += measure(args, workers, num_envs)
     meta = dict(
         cpus=os.cpu_count(),
         machine=platform.machine(),
@@ -242,7 +276,7 @@ def main(args: Args) -> None:
     Path(args.out).write_text(json.dumps(dict(meta=meta, rows=rows), indent=2) + "\n")
     header = (
         f"{'update':8} {'W':>2} {'envs':>4} {'env/s':>8} {'infer/s':>8} {'train/s':>8} {'ceiling':>8} "
-        f"{'steps/s':>8} {'eff':>6} {'lag':>6} {'lagmax':>6} {'PSS MB':>7} {'growth%':>7}"
+        f"{'steps/s':>8} {'eff':>6} {'lag':>6} {'lagmax':>6} {'PSS MB':>7} {'growth%':>7}  efficiency per round"
     )
     print(header)
     for r in rows:
@@ -250,7 +284,7 @@ def main(args: Args) -> None:
             f"{r['update']:8} {r['workers']:>2} {r['envs_per_worker']:>4} {r['env']:>8.0f} {r['infer']:>8.0f} "
             f"{r['train']:>8.0f} {r['ceiling']:>8.0f} {r['agent_steps_per_s']:>8.0f} {r['efficiency']:>6.2f} "
             f"{r['policy_lag_mean']:>6.2f} {r['policy_lag_max']:>6} {r['peak_pss_mb']:>7.0f} "
-            f"{r['pss_growth_pct']:>7.2f}"
+            f"{r['pss_growth_pct']:>7.2f}  {' '.join(f'{e:.2f}' for e in r['efficiency_per_round'])}"
         )
     print(f"wrote {args.out}")
 

@@ -308,3 +308,15 @@ def test_crashing_learner_stops_the_run_with_its_traceback(tmp_path):
     assert proc.returncode == 1
     assert "learner" in proc.stderr and "died" in proc.stderr and "injected env failure" in proc.stderr
     assert time.time() - start < 60
+
+
+def test_torchrun_rank_that_fails_exits_with_its_error_not_an_abort(tmp_path):
+    """Under torchrun the gossip receiver threads sit inside `dist.recv` when a rank fails; tearing the interpreter
+    down around them aborts the process ("terminate called without an active exception"). The rank must print its
+    error and exit 1."""
+    launcher = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2")
+    args = ["--env-id", "tests.faulty_env:CrashingCartPole-v0", "--num-learners", "2", "--num-envs", "1"]
+    proc = run_script(SCRIPT, args, tmp_path, timeout=180, launcher=launcher)
+    assert proc.returncode == 1, proc.stderr
+    assert "injected env failure" in proc.stderr and "learner" in proc.stderr
+    assert "terminate called" not in proc.stderr and "SIGABRT" not in proc.stderr, proc.stderr
