@@ -4,6 +4,8 @@ to TensorBoard, the tags every script must write, and finding a process's childr
 The test files import it as `from helpers import ...` (tests/ has no __init__.py, so pytest puts tests/ on sys.path)."""
 
 import math
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -29,9 +31,20 @@ CORE_TAGS = [
 
 def run_script(script, args, log_dir, timeout=180, env=None, launcher=()):
     """Run `script` from the repository root with `--log-dir log_dir` and `args`, output captured as text.
-    `launcher`: interpreter arguments before the script, such as ("-m", "torch.distributed.run", ...)."""
+    `launcher`: interpreter arguments before the script, such as ("-m", "torch.distributed.run", ...).
+    On a timeout the whole process group is killed, not only the direct child: a torchrun launcher's ranks or a
+    script's workers left behind would slow every later test."""
     cmd = [sys.executable, *launcher, script, "--log-dir", str(log_dir), *args]
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+    with subprocess.Popen(
+        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
+    ) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
 def only_run_dir(log_dir):
