@@ -379,7 +379,9 @@ class SharedMemoryEndpoint(GossipEndpoint):
             self.shared.arrived.notify_all()
 
 
-SENT_AT_SYNC, SENT_LAST = 1.0, 2.0  # flags a torchrun gossip message carries after its parameters
+# the flag a torchrun gossip message carries after its parameters (0: an ordinary message)
+SENT_AT_SYNC = 1.0  # sent right before a sync point, where the sender now waits for the other ranks
+SENT_LAST = 2.0  # the sender's last message: it finished its run
 
 
 class DistributedEndpoint(GossipEndpoint):
