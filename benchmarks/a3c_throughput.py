@@ -21,6 +21,7 @@ JSON keeps every round).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing
 import os
@@ -184,9 +185,10 @@ def run_script(args: Args, update: str, workers: int, num_envs: int, log_dir: st
     points, memory = [], []  # (time, global step) from the console lines, (time, PSS kB)
 
     def read_steps():
-        for line in proc.stdout:
-            if m := re.match(r"step\s+([\d,]+)", line):
-                points.append((time.time(), int(m.group(1).replace(",", ""))))
+        with contextlib.suppress(ValueError):  # `communicate` below closes stdout under this thread at the end
+            for line in proc.stdout:
+                if m := re.match(r"step\s+([\d,]+)", line):
+                    points.append((time.time(), int(m.group(1).replace(",", ""))))
 
     threading.Thread(target=read_steps, daemon=True).start()
     start = time.time()
