@@ -155,7 +155,7 @@ ATARI_SMOKE = [
         "cleanba_ppo_impala.py",
         "ALE/Pong-v5",
         PONG_STEPS,
-        [*DEEPMIND, "--num-envs", "8", "--torch-threads", "1"],
+        [*DEEPMIND, "--num-envs", "8"],  # the H100 runs pinned --torch-threads 1 (5 jobs side by side; manifest)
     ),
     Entry("hts_a2c", "hts_a2c.py", "ALE/Pong-v5", PONG_STEPS, DEEPMIND),
     Entry("gala_gossip", "gala_a2c.py", "ALE/Pong-v5", PONG_STEPS, [*DEEPMIND, "--num-learners", "2", *A2C_EPS]),
