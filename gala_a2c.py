@@ -386,13 +386,12 @@ SENT_LAST = 2.0  # the sender's last message: it finished its run
 
 class DistributedEndpoint(GossipEndpoint):
     """torchrun: messages are [P + 1] tensors (parameters, then a flag: SENT_AT_SYNC, SENT_LAST or 0). A sender thread
-    sends the newest
-    snapshot to every out-peer with blocking `dist.send` (a newer snapshot replaces one still waiting), one receiver
-    thread per in-peer `dist.recv`s and keeps only the newest message. gloo's isend/irecv handles cannot be polled
-    (`is_completed` stays False until `wait`), so the threads are what makes the learner's side non-blocking.
-    The messages travel on their own process group (`group`): point-to-point traffic from these threads on the group
-    that the learners' sync-point all-reduces use deadlocked gloo (a rank waited in `all_reduce` while its peer waited
-    for a gossip message that had been sent), and NCCL too wants one thread per communicator at a time."""
+    sends the newest snapshot to every out-peer with blocking `dist.send` (a newer snapshot replaces one still
+    waiting), one receiver thread per in-peer `dist.recv`s and keeps only the newest message. gloo's isend/irecv
+    handles cannot be polled (`is_completed` stays False until `wait`), so the threads are what makes the learner's
+    side non-blocking. The messages travel on a process group of their own (`group`), so these threads never issue
+    operations on the communicator that the main thread's sync-point all-reduces use (NCCL and gloo expect one
+    thread's order of operations per communicator)."""
 
     def __init__(self, learner: int, n: int, num_peers: int, tau: int, numel: int, device: torch.device, group):
         super().__init__(learner, n, num_peers, False, tau)
@@ -434,10 +433,11 @@ class DistributedEndpoint(GossipEndpoint):
         try:
             while True:
                 dist.recv(buf, src=src, group=self.group)
+                flag = buf[-1].item()
                 with self.cond:
                     self.latest[k].copy_(buf[: self.numel])
                     self.fresh[k] = True
-                    self.done[k], self.parked[k] = buf[-1].item() == SENT_LAST, buf[-1].item() == SENT_AT_SYNC
+                    self.done[k], self.parked[k] = flag == SENT_LAST, flag == SENT_AT_SYNC
                     self.cond.notify_all()
                 if self.done[k]:
                     return

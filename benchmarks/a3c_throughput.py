@@ -10,10 +10,10 @@ For every (workers, envs per worker) configuration it measures, in the same benc
   (from its console lines), policy lag (mean and max of `charts/policy_lag` in TensorBoard), peak PSS of all its
   processes, and PSS growth from the end of the warm-up to the end of the run.
 
-This 2-core VM's speed drifts by 10-20% from one minute to the next (single-thread sgemm: 71-83 GFLOP/s over 24 s
-idle), which is as large as the effect measured. So pieces and runs alternate for `--rounds` rounds, each run's
-efficiency is taken against the ceiling measured just before it, and the table gives the median over rounds (the
-JSON keeps every round).
+A shared VM's speed drifts from one minute to the next by as much as the effect measured (on the 2-core development
+VM the env piece alone moved 36% between rounds, `benchmarks/results/a3c_throughput_rounds.json`). So pieces and runs
+alternate for `--rounds` rounds, each run's efficiency is taken against the ceiling measured just before it, and the
+table gives the median over rounds (the JSON keeps every round).
 
     python benchmarks/a3c_throughput.py                        # Breakout, 2 and 4 workers, 1 and 16 envs, both modes
     python benchmarks/a3c_throughput.py --workers 2 --envs 16 --updates hogwild --seconds 600 --rounds 1   # memory
@@ -245,14 +245,12 @@ def measure(args: Args, workers: int, num_envs: int) -> list[dict]:
             print(json.dumps(dict(update=update, workers=workers, envs_per_worker=num_envs, **rounds[update][-1])))
     rows = []
     for update, rs in rounds.items():
-        median = lambda key, rs=rs: round(float(np.median([r[key] for r in rs])), 3)  # noqa: E731
+        medians = ("env", "infer", "train", "ceiling", "agent_steps_per_s", "efficiency", "policy_lag_mean")
         row = dict(update=update, workers=workers, envs_per_worker=num_envs)
-        row.update({k: median(k) for k in ("env", "infer", "train", "ceiling", "agent_steps_per_s", "efficiency")})
+        row.update({k: round(float(np.median([r[k] for r in rs])), 3) for k in (*medians, "pss_growth_pct")})
         row.update(
-            policy_lag_mean=median("policy_lag_mean"),
             policy_lag_max=max(r["policy_lag_max"] for r in rs),
             peak_pss_mb=max(r["peak_pss_mb"] for r in rs),
-            pss_growth_pct=median("pss_growth_pct"),
             efficiency_per_round=[r["efficiency"] for r in rs],
             rounds=rs,
         )
