@@ -14,18 +14,22 @@ Each run is `python SCRIPT --env-id ENV --seed S --total-timesteps N --exp-name 
 TensorBoard directory is `OUT/{env}__{label}__{seed}__{time}`; `OUT/logs/` holds the console output, and
 `OUT/manifest.json` every command with its exit status and wall time. Runs go `--jobs` at a time (the scripts are
 themselves multi-process, so on a 2-core machine one job at a time gives the honest wall-clock curve). At the end
-`benchmarks/plot.py` draws the curves and prints the table.
+`benchmarks/plot.py` draws the curves and prints the table. The atari-smoke runs write a checkpoint every 10 minutes
+(and on a stop), so a long CPU run can be taken in pieces: `--resume` continues each from its newest checkpoint, and
+plot.py leaves the time between the pieces out of the wall-clock axis.
 
 Examples:
   python benchmarks/learn.py --suite cartpole --seeds 1 2 3 --out runs/learn/cartpole
   python benchmarks/learn.py --suite cartpole --only hts_a2c cleanba_ppo --seeds 1      # a subset
   python benchmarks/learn.py --suite atari-smoke --seeds 1 --out runs/learn/pong
+  python benchmarks/learn.py --suite atari-smoke --seeds 1 --out runs/learn/pong --resume  # continue it later
   python benchmarks/learn.py --suite atari-paper                                      # print the GPU commands
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import signal
@@ -146,7 +150,7 @@ CARTPOLE = [
 # gradients clipped to norm 0.5, sqrt(v) is far below 0.01, so 0.01 turns RMSprop into small plain-SGD steps, and
 # gala_gossip at 0.01 stayed at -20.5 over 5.7M frames (README, Results).
 PONG_STEPS = 2_500_000
-DEEPMIND = ["--atari-protocol", "deepmind"]
+DEEPMIND = ["--atari-protocol", "deepmind", "--checkpoint-interval", "600"]  # resumable: `learn.py ... --resume`
 A2C_EPS = ["--rmsprop-eps", "1e-5"]
 ATARI_SMOKE = [
     Entry("a3c_hogwild", "a3c_large_batch.py", "ALE/Pong-v5", PONG_STEPS, [*DEEPMIND, "--num-workers", "2", *A2C_EPS]),
@@ -189,7 +193,14 @@ def suite(name: str) -> list[Entry]:
     return {**suites, "atari-paper": atari_paper}[name]()
 
 
-def command(e: Entry, seed: int, out: Path) -> list[str]:
+def latest_checkpoint(e: Entry, seed: int, out: Path) -> Path | None:
+    """The newest `checkpoint.pt` of an earlier run of (entry, seed) under `out`: what `--resume` continues."""
+    pattern = f"{glob.escape(e.env_id.replace('/', '_'))}__{glob.escape(e.label)}__{seed}__*/checkpoint.pt"
+    found = sorted(out.glob(pattern), key=lambda p: p.stat().st_mtime)
+    return found[-1] if found else None
+
+
+def command(e: Entry, seed: int, out: Path, resume: Path | None = None) -> list[str]:
     return [
         sys.executable,
         e.script,
@@ -204,26 +215,35 @@ def command(e: Entry, seed: int, out: Path) -> list[str]:
         "--log-dir",
         str(out),
         *e.args,
+        *(["--resume", str(resume)] if resume else []),
     ]
 
 
 def run_all(
-    jobs: list[tuple[Entry, int]], out: Path, parallel: int, done: list[dict], time_limit: float | None = None
+    jobs: list[tuple[Entry, int]],
+    out: Path,
+    parallel: int,
+    done: list[dict],
+    time_limit: float | None = None,
+    resume: bool = False,
 ) -> None:
     """Run (entry, seed) pairs `parallel` at a time, appending a record to `done` as each ends. Ctrl+C / SIGTERM
     interrupt the running ones (each script then shuts down cleanly and flushes TensorBoard) and stop the queue.
     A run still going after `time_limit` seconds gets SIGINT: it stops as after Ctrl+C (exit 130) and counts as done,
-    its curve cut at the wall-clock budget."""
+    its curve cut at the wall-clock budget. With `resume`, a pair whose earlier run left a checkpoint continues it
+    (same run directory and step count; its console log is appended to)."""
     (out / "logs").mkdir(parents=True, exist_ok=True)
     pending, running, stopped = list(jobs), [], set()  # stopped: pids that the time limit sent SIGINT
     try:
         while pending or running:
             while pending and len(running) < parallel:
                 e, seed = pending.pop(0)
-                cmd = command(e, seed, out)
+                checkpoint = latest_checkpoint(e, seed, out) if resume else None
+                cmd = command(e, seed, out, checkpoint)
                 log = out / "logs" / f"{e.env_id.replace('/', '-')}__{e.label}__{seed}.log"
                 print(f"[learn] start {e.label} seed {seed}: {' '.join(cmd[1:])}", flush=True)
-                proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT)
+                stdout = log.open("a" if checkpoint else "w")
+                proc = subprocess.Popen(cmd, cwd=ROOT, stdout=stdout, stderr=subprocess.STDOUT)
                 running.append((proc, e, seed, cmd, log, time.time()))
             time.sleep(1.0)
             for proc, *_, t0 in running:
@@ -257,6 +277,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 2) // 2), help="runs at the same time")
     p.add_argument("--steps-scale", type=float, default=1.0, help="multiply every budget (quick checks)")
     p.add_argument("--time-limit", type=float, default=None, help="stop each run (SIGINT) after this many seconds")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue each run from the newest checkpoint.pt of an earlier run of it under --out (runs made with "
+        "--checkpoint-interval, as the atari-smoke suite's); a run without one starts afresh",
+    )
     p.add_argument("--dry-run", action="store_true", help="print the commands and stop")
     p.add_argument("--run", action="store_true", help="atari-paper: run the commands instead of printing them")
     a = p.parse_args(argv)
@@ -278,7 +304,8 @@ def main(argv: list[str] | None = None) -> int:
     jobs = [(e, s) for s in a.seeds for e in entries]  # seed-major: a cut-short run still covers every label
     if a.dry_run or (a.suite == "atari-paper" and not a.run):
         for e, s in jobs:
-            print(" ".join(["python", *command(e, s, out)[1:]]) + (f"    # {e.note}" if e.note else ""))
+            cmd = command(e, s, out, latest_checkpoint(e, s, out) if a.resume else None)
+            print(" ".join(["python", *cmd[1:]]) + (f"    # {e.note}" if e.note else ""))
         return 0
     out = out.resolve()  # the scripts run from the repository root
 
@@ -287,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     t0, records = time.time(), []
     try:
-        run_all(jobs, out, a.jobs, records, a.time_limit)
+        run_all(jobs, out, a.jobs, records, a.time_limit, a.resume)
     except KeyboardInterrupt:
         return 130
     finally:  # the finished runs are recorded even when the queue is interrupted (interrupted ones: exit 130)

@@ -6,7 +6,9 @@ directory under the paths it is given, groups runs by (env id, exp name) — one
 and draws, per env, episodic return against agent steps and against wall-clock time: the mean over seeds and a 95%
 bootstrap confidence band (seeds resampled with replacement). Next to the figure it writes a JSON file and prints a
 Markdown table: final return (mean of each seed's last `--window` episodes), steps/s, and time to threshold (first
-agent step / second at which the mean of the last `--window` episodes reaches `--threshold`).
+agent step / second at which the mean of the last `--window` episodes reaches `--threshold`). A run taken in pieces
+(`--resume`) is timed by its running time (the downtime between its pieces is left out), and the episodes that a
+later piece redid from its checkpoint count once.
 
 Examples:
   python benchmarks/plot.py runs/                                        # every run under runs/
@@ -17,6 +19,7 @@ Examples:
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import re
@@ -38,7 +41,7 @@ class Run:
     exp: str
     seed: int
     steps: np.ndarray  # [E] global agent step at which each episode ended
-    walls: np.ndarray  # [E] seconds since the run's first event
+    walls: np.ndarray  # [E] seconds since the run's first event, less the downtime of a resumed run
     returns: np.ndarray  # [E]
     sps: float  # agent steps per second over the whole run
     final_step: int
@@ -62,6 +65,34 @@ def find_run_dirs(paths: list[str]) -> list[Path]:
     return sorted(dirs)
 
 
+def pieces(run_dir: Path) -> list[tuple[float, float, int]]:
+    """(first wall time, last wall time, first step) of each event file of a run, in time order. A run resumed from a
+    checkpoint (`--resume`) writes one more file into the same directory per piece."""
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    out = []
+    for f in run_dir.glob("events.out.tfevents.*"):
+        events = [(e.wall_time, e.step) for e in EventFileLoader(str(f)).Load() if e.HasField("summary")]
+        if events:
+            walls, steps = zip(*events, strict=True)
+            out.append((min(walls), max(walls), min(steps)))
+    return sorted(out)
+
+
+def running_seconds(walls: np.ndarray, t0: float, parts: list[tuple[float, float, int]]) -> np.ndarray:
+    """Seconds since `t0` at each wall time, less the downtime between the pieces before it. The work lost between a
+    piece's last checkpoint and its end stays counted: the machine spent that time."""
+    out = walls - t0
+    for (_, end, _), (start, _, _) in itertools.pairwise(parts):
+        out -= np.clip(walls - end, 0.0, max(0.0, start - end))
+    return out
+
+
+def superseded(wall: float, step: int, parts: list[tuple[float, float, int]]) -> bool:
+    """True for an event that a later piece redid: the later piece restarted from a checkpoint at or before its step."""
+    return any(start > wall and step >= first_step for start, _, first_step in parts)
+
+
 def load_run(run_dir: Path, tag: str) -> Run | None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -70,12 +101,13 @@ def load_run(run_dir: Path, tag: str) -> Run | None:
     tags = acc.Tags()["scalars"]
     if tag not in tags:
         return None
-    events = acc.Scalars(tag)
+    parts = pieces(run_dir)
+    events = [e for e in acc.Scalars(tag) if not superseded(e.wall_time, e.step, parts)]
     all_events = [e for t in tags for e in acc.Scalars(t)]
     t0 = min(e.wall_time for e in all_events)
     final_step = max(e.step for e in all_events)
-    duration = max(e.wall_time for e in all_events) - t0
-    # one rate for every script: last step over the time from the first event to the last (includes warm-up)
+    duration = running_seconds(np.array([max(e.wall_time for e in all_events)]), t0, parts)[0]
+    # one rate for every script: last step over the running time from the first event to the last (includes warm-up)
     sps = final_step / duration if duration > 0 else float("nan")
     m = RUN_NAME.match(run_dir.name)
     env, exp, seed = (m["env"], m["exp"], int(m["seed"])) if m else ("?", run_dir.name, 0)
@@ -85,7 +117,7 @@ def load_run(run_dir: Path, tag: str) -> Run | None:
         exp=exp,
         seed=seed,
         steps=np.array([e.step for e in events], dtype=np.float64),
-        walls=np.array([e.wall_time - t0 for e in events], dtype=np.float64),
+        walls=running_seconds(np.array([e.wall_time for e in events], dtype=np.float64), t0, parts),
         returns=np.array([e.value for e in events], dtype=np.float64),
         sps=sps,
         final_step=final_step,

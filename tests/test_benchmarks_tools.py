@@ -3,6 +3,7 @@ against the scripts' real flag parsers."""
 
 import importlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -102,3 +103,39 @@ def test_every_suite_entry_parses_with_its_script(suite, tmp_path):
             e.total_timesteps,
             e.label,
         )
+
+
+def test_resumed_run_is_timed_without_its_downtime(tmp_path):
+    """A run resumed from a checkpoint writes a second event file in the same directory; plot.py times it by its
+    running time. Piece 1: steps 100..1000 at t = 1000..1009 s; the machine is off for an hour; piece 2 restarts from
+    the step-500 checkpoint: steps 600..1500 at t = 4609..4618 s."""
+    run_dir = tmp_path / "runs" / "CartPole-v1__algo__1__1700000001"
+    for start_step, t_start in ((100, 1000.0), (600, 4609.0)):
+        w = SummaryWriter(str(run_dir), filename_suffix=f".{int(t_start)}")  # one file per piece
+        for i in range(10):
+            w.add_scalar("charts/episodic_return", float(i), start_step + 100 * i, walltime=t_start + i)
+        w.close()
+    assert len(list(run_dir.glob("events.out.tfevents.*"))) == 2
+    assert plot.pieces(run_dir) == [(1000.0, 1009.0, 100), (4609.0, 4618.0, 600)]
+    run = plot.load_run(run_dir, "charts/episodic_return")
+    # running time: 9 s in piece 1, then piece 2 continues at 9 s (the step-500..1000 events it repeats are purged)
+    np.testing.assert_allclose(run.steps, [100, 200, 300, 400, 500, *range(600, 1501, 100)])
+    np.testing.assert_allclose(run.walls, [0, 1, 2, 3, 4, *range(9, 19)])
+    np.testing.assert_allclose(run.sps, 1500 / 18)
+
+
+def test_learn_resume_continues_each_run_from_its_newest_checkpoint(tmp_path, capsys):
+    out = tmp_path / "out"
+    names = {"ALE_Pong-v5__hts_a2c__1__100": 3, "ALE_Pong-v5__hts_a2c__1__200": 2, "ALE_Pong-v5__hts_a2c_x__2__300": 4}
+    for name, mtime in names.items():  # the newest checkpoint by time written, not by directory name
+        (out / name).mkdir(parents=True)
+        (out / name / "checkpoint.pt").write_bytes(b"")
+        os.utime(out / name / "checkpoint.pt", (mtime, mtime))
+    newest = out / "ALE_Pong-v5__hts_a2c__1__100" / "checkpoint.pt"
+    argv = ["--suite", "atari-smoke", "--only", "hts_a2c", "--seeds", "1", "2", "--out", str(out), "--dry-run"]
+    assert learn.main([*argv, "--resume"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].endswith(f"--resume {newest}")  # seed 1: its newest checkpoint
+    assert "--resume" not in lines[1]  # seed 2 has none (hts_a2c_x is another label)
+    assert learn.main(argv) == 0
+    assert "--resume" not in capsys.readouterr().out  # without --resume, fresh runs
