@@ -66,13 +66,18 @@ def find_run_dirs(paths: list[str]) -> list[Path]:
 
 
 def pieces(run_dir: Path) -> list[tuple[float, float, int]]:
-    """(first wall time, last wall time, first step) of each event file of a run, in time order. A run resumed from a
-    checkpoint (`--resume`) writes one more file into the same directory per piece."""
+    """(first wall time, last wall time, first step) of the scalars in each event file of a run, in time order. A run
+    resumed from a checkpoint (`--resume`) writes one more file into the same directory per piece (and its text
+    summary of the hyperparameters at step 0 again, hence scalars only)."""
     from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 
     out = []
     for f in run_dir.glob("events.out.tfevents.*"):
-        events = [(e.wall_time, e.step) for e in EventFileLoader(str(f)).Load() if e.HasField("summary")]
+        events = [
+            (e.wall_time, e.step)
+            for e in EventFileLoader(str(f)).Load()  # scalars arrive migrated to tensors of the "scalars" plugin
+            if any(v.metadata.plugin_data.plugin_name == "scalars" for v in e.summary.value)
+        ]
         if events:
             walls, steps = zip(*events, strict=True)
             out.append((min(walls), max(walls), min(steps)))

@@ -112,6 +112,7 @@ def test_resumed_run_is_timed_without_its_downtime(tmp_path):
     run_dir = tmp_path / "runs" / "CartPole-v1__algo__1__1700000001"
     for start_step, t_start in ((100, 1000.0), (600, 4609.0)):
         w = SummaryWriter(str(run_dir), filename_suffix=f".{int(t_start)}")  # one file per piece
+        w.add_text("hyperparameters", "|param|value|", 0, walltime=t_start)  # every piece logs these at step 0
         for i in range(10):
             w.add_scalar("charts/episodic_return", float(i), start_step + 100 * i, walltime=t_start + i)
         w.close()
