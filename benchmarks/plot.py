@@ -6,7 +6,8 @@ directory under the paths it is given, groups runs by (env id, exp name) — one
 and draws, per env, episodic return against agent steps and against wall-clock time: the mean over seeds and a 95%
 bootstrap confidence band (seeds resampled with replacement). Next to the figure it writes a JSON file and prints a
 Markdown table: final return (mean of each seed's last `--window` episodes), steps/s, and time to threshold (first
-agent step / second at which the mean of the last `--window` episodes reaches `--threshold`). A run taken in pieces
+agent step / second at which the mean of the last `--window` episodes reaches `--threshold`, counted once `--window`
+episodes exist). A run taken in pieces
 (`--resume`) is timed by its running time (the downtime between its pieces is left out), and the episodes that a
 later piece redid from its checkpoint count once.
 
@@ -175,6 +176,7 @@ def summarise(group: Group, window: int, threshold: float | None) -> dict:
         sps.append(r.sps)
         if threshold is not None:
             curve = trailing_mean(r.returns, window)
+            curve[: window - 1] = -np.inf  # the bar is a mean over `window` episodes: none before the window fills
             t_steps.append(first_crossing(r.steps, curve, threshold))
             t_secs.append(first_crossing(r.walls, curve, threshold))
     out = {

@@ -37,7 +37,9 @@ def test_plot_table_matches_hand_computation(tmp_path):
     for exp in ("algo_a", "algo_b"):
         for seed in (1, 2, 3):
             n = 30 + seed
-            returns = list(np.round(rng.uniform(0, 500, size=n), 1))
+            # rising returns that cross the threshold late, after an early lucky episode that alone would cross it
+            returns = list(np.round(rng.uniform(0, 200, size=n) + 12 * np.arange(n), 1))
+            returns[0] = 500.0
             steps = [100 * (i + 1) for i in range(n)]
             write_run(tmp_path / "runs", "CartPole-v1", exp, seed, returns, steps, extra_tag="eval/episodic_return")
             runs[exp, seed] = (np.array(returns), np.array(steps))
@@ -51,8 +53,8 @@ def test_plot_table_matches_hand_computation(tmp_path):
         for seed in (1, 2, 3):
             returns, steps = runs[row["exp"], seed]
             finals.append(returns[-20:].mean())
-            # slow reference: the first episode at which the mean of the last 20 episodes reaches the threshold
-            hit = next((i for i in range(len(returns)) if returns[max(0, i - 19) : i + 1].mean() >= threshold), None)
+            # slow reference: the first episode at which the mean of the last 20 episodes (20 of them) reaches it
+            hit = next((i for i in range(19, len(returns)) if returns[i - 19 : i + 1].mean() >= threshold), None)
             t_steps.append(np.nan if hit is None else steps[hit])
             t_secs.append(np.nan if hit is None else float(hit))  # one event per second from the first event
         assert row["seeds"] == [1, 2, 3]
