@@ -105,7 +105,7 @@ CARTPOLE = [
         "CartPole-v1",
         CARTPOLE_STEPS,
         IMPALA_CARTPOLE,
-        note="cleanba_impala's updates: its optimizer and minibatch, eps and clip scaled for TorchBeast's summed losses",
+        note="cleanba_impala's updates: its optimizer and minibatch, eps and clip scaled for summed losses",
     ),
     Entry(
         "gala_gossip", "gala_a2c.py", "CartPole-v1", CARTPOLE_STEPS, ["--num-learners", "2", "--num-envs", "8", *EPS]
