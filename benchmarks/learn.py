@@ -118,7 +118,7 @@ CARTPOLE = [
         ["--num-workers", "2", "--num-envs-per-worker", "8", *EPS],
     ),
     # Ape-X's exploring actors (eps up to 0.4) never score 500: its bar is checked on the greedy evaluator's returns.
-    # Off-policy with replay: 100k steps (the learner replays each transition about 8 times, `--replay-ratio 8`).
+    # Off-policy with replay: 100k steps (the learner replays each transition about 32 times, `--replay-ratio 32`).
     Entry(
         "apex_dqn",
         "apex.py",
