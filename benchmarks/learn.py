@@ -243,8 +243,8 @@ def run_all(
                 cmd = command(e, seed, out, checkpoint)
                 log = out / "logs" / f"{e.env_id.replace('/', '-')}__{e.label}__{seed}.log"
                 print(f"[learn] start {e.label} seed {seed}: {' '.join(cmd[1:])}", flush=True)
-                stdout = log.open("a" if checkpoint else "w")
-                proc = subprocess.Popen(cmd, cwd=ROOT, stdout=stdout, stderr=subprocess.STDOUT)
+                with log.open("a" if checkpoint else "w") as stdout:  # the child keeps its own descriptor
+                    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=stdout, stderr=subprocess.STDOUT)
                 running.append((proc, e, seed, cmd, log, time.time()))
             time.sleep(1.0)
             for proc, *_, t0 in running:

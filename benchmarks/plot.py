@@ -7,9 +7,8 @@ and draws, per env, episodic return against agent steps and against wall-clock t
 bootstrap confidence band (seeds resampled with replacement). Next to the figure it writes a JSON file and prints a
 Markdown table: final return (mean of each seed's last `--window` episodes), steps/s, and time to threshold (first
 agent step / second at which the mean of the last `--window` episodes reaches `--threshold`, counted once `--window`
-episodes exist). A run taken in pieces
-(`--resume`) is timed by its running time (the downtime between its pieces is left out), and the episodes that a
-later piece redid from its checkpoint count once.
+episodes exist). A run taken in pieces (`--resume`) is timed by its running time (the downtime between its pieces is
+left out), and the episodes that a later piece redid from its checkpoint count once.
 
 Examples:
   python benchmarks/plot.py runs/                                        # every run under runs/
