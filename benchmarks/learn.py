@@ -6,6 +6,7 @@ Suites
 - `pendulum`: Pendulum-v1 for the continuous-control script (Ape-X DDPG); the bar: mean greedy return >= -200.
 - `atari-smoke`: Pong (deepmind protocol) for the PPO/A2C-family scripts, a few million frames on a CPU machine:
   the curve must rise clearly from -21.
+- `a3c-eps`: the RMSprop eps sweep behind A3C's Pong setting (hogwild 1, 2, 4 workers, the gradient server).
 - `atari-paper`: the seeds' papers' Atari settings (GALA's six games, HTS-RL's Atari table, Cleanba's 200M-frame
   protocol) as commands for a GPU machine, read from `benchmarks/atari_paper.json` with the papers' numbers beside
   them. Printed by default (`--run` runs them).
@@ -149,12 +150,16 @@ CARTPOLE = [
 # be cut by `--time-limit` (2M frames showed no rise for any of them). One change for GALA and A3C: RMSprop eps 1e-5
 # (Kostrikov's pytorch A2C, which GALA's code builds on, and HTS-A2C's Table A3) instead of Table 2's 0.01: with
 # gradients clipped to norm 0.5, sqrt(v) is far below 0.01, so 0.01 turns RMSprop into small plain-SGD steps, and
-# gala_gossip at 0.01 stayed at -20.5 over 5.7M frames (README, Results).
+# gala_gossip at 0.01 stayed at -20.5 over 5.7M frames (README, Results). A3C takes 1e-3: at 1e-5 its hogwild
+# workers' early RMSprop steps (about 10 x lr per weight while the squared-gradient average is still small, applied
+# by each worker from gradients taken on parameters the others have since moved) killed its ReLUs in 5 of 8 Pong
+# runs: value loss flat at about 0.065, value constant (all 4 runs with 4 workers, 1 of 4 with 2; README, Results).
 PONG_STEPS = 2_500_000
 DEEPMIND = ["--atari-protocol", "deepmind", "--checkpoint-interval", "600"]  # resumable: `learn.py ... --resume`
 A2C_EPS = ["--rmsprop-eps", "1e-5"]
+A3C_EPS = ["--rmsprop-eps", "1e-3"]
 ATARI_SMOKE = [
-    Entry("a3c_hogwild", "a3c_large_batch.py", "ALE/Pong-v5", PONG_STEPS, [*DEEPMIND, "--num-workers", "2", *A2C_EPS]),
+    Entry("a3c_hogwild", "a3c_large_batch.py", "ALE/Pong-v5", PONG_STEPS, [*DEEPMIND, "--num-workers", "2", *A3C_EPS]),
     Entry(
         "cleanba_ppo",
         "cleanba_ppo_impala.py",
@@ -167,13 +172,36 @@ ATARI_SMOKE = [
     Entry("hts_ppo", "hts_ppo.py", "ALE/Pong-v5", PONG_STEPS, DEEPMIND),
 ]
 
+# The A3C eps diagnosis on Pong (README, Results): hogwild at 1, 2 and 4 workers and the gradient server, RMSprop
+# eps 1e-5 against 1e-4 and 1e-3, CPU workers; a few hundred thousand steps show whether the value loss falls from
+# its constant-value level (about 0.065) or stays there. Each run's checkpoint holds its final model.
+A3C_DIAG = ["--atari-protocol", "deepmind", "--no-cuda", "--checkpoint-interval", "100000"]
+A3C_EPS_SWEEP = [
+    Entry(
+        f"a3c_{name}_eps{eps}",
+        "a3c_large_batch.py",
+        "ALE/Pong-v5",
+        PONG_STEPS,
+        [*A3C_DIAG, *flags, "--rmsprop-eps", eps],
+    )
+    for name, flags, eps in [
+        ("1x16", ["--num-workers", "1"], "1e-5"),
+        ("2x16", ["--num-workers", "2"], "1e-5"),
+        ("server_2x16", ["--num-workers", "2", "--update", "server"], "1e-5"),
+        ("4x8", ["--num-workers", "4", "--num-envs-per-worker", "8"], "1e-5"),
+        ("4x8", ["--num-workers", "4", "--num-envs-per-worker", "8"], "1e-4"),
+        ("4x8", ["--num-workers", "4", "--num-envs-per-worker", "8"], "1e-3"),
+        ("2x16", ["--num-workers", "2"], "1e-3"),
+    ]
+]
+
 # Pendulum-v1 (continuous actions): Ape-X DDPG, greedy evaluation; the bar is a mean return of -200.
 APEX_PENDULUM = ["--algo", "ddpg", "--num-actors", "2", "--buffer-size", "40000", "--learning-starts", "2000",
                  "--batch-size", "128", "--learning-rate", "1e-3", "--actor-learning-rate", "1e-3",
                  "--actor-update-interval", "50", "--replay-ratio", "64", "--eval-interval", "4000"]  # fmt: skip
 PENDULUM = [Entry("apex_ddpg", "apex.py", "Pendulum-v1", 40_000, APEX_PENDULUM, tag="eval/episodic_return")]
 
-THRESHOLDS = {"cartpole": 475.0, "pendulum": -200.0, "atari-smoke": None, "atari-paper": None}
+THRESHOLDS = {"cartpole": 475.0, "pendulum": -200.0, "atari-smoke": None, "atari-paper": None, "a3c-eps": None}
 
 
 def atari_paper() -> list[Entry]:
@@ -191,6 +219,7 @@ def atari_paper() -> list[Entry]:
 
 def suite(name: str) -> list[Entry]:
     suites = {"cartpole": lambda: CARTPOLE, "pendulum": lambda: PENDULUM, "atari-smoke": lambda: ATARI_SMOKE}
+    suites["a3c-eps"] = lambda: A3C_EPS_SWEEP
     return {**suites, "atari-paper": atari_paper}[name]()
 
 

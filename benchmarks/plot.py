@@ -200,7 +200,15 @@ def summarise(group: Group, window: int, threshold: float | None) -> dict:
     return out
 
 
-def draw(env: str, groups: list[Group], window: int, threshold: float | None, tag: str, path: Path) -> None:
+def draw(
+    env: str,
+    groups: list[Group],
+    window: int,
+    threshold: float | None,
+    tag: str,
+    path: Path,
+    ylim: tuple[float, float] | None = None,
+) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -223,6 +231,8 @@ def draw(env: str, groups: list[Group], window: int, threshold: float | None, ta
         if threshold is not None:
             ax.axhline(threshold, color="grey", linestyle=":", linewidth=1)
         ax.set_xlabel(xlabel)
+        if ylim:
+            ax.set_ylim(*ylim)
         ax.set_ylabel(f"{tag} (mean of last {window})")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8, loc="best")
@@ -232,9 +242,15 @@ def draw(env: str, groups: list[Group], window: int, threshold: float | None, ta
     plt.close(fig)
 
 
-def markdown_table(rows: list[dict]) -> str:
+def short(x: float) -> str:
+    """Returns to one decimal; small values (losses, rates) to 3 significant digits rather than 0.0."""
+    return f"{x:.1f}" if abs(x) >= 10 or x == 0 else f"{x:.3g}"
+
+
+def markdown_table(rows: list[dict], tag: str = "charts/episodic_return") -> str:
     has_threshold = any("threshold" in r for r in rows)
-    head = "| env | run | seeds | agent steps | final return (mean, min over seeds) | steps/s |"
+    final = "final return" if tag.endswith("episodic_return") else f"final {tag}"
+    head = f"| env | run | seeds | agent steps | {final} (mean, min over seeds) | steps/s |"
     sep = "|---|---|---|---|---|---|"
     if has_threshold:
         head += " steps to threshold (median) | seconds to threshold (median) | seeds reaching |"
@@ -243,7 +259,7 @@ def markdown_table(rows: list[dict]) -> str:
     for r in rows:
         line = (
             f"| {r['env']} | {r['exp']} | {len(r['seeds'])} | {int(np.median(r['agent_steps'])):,} "
-            f"| {r['final_return_mean']:.1f} ({r['final_return_min']:.1f}) | {r['sps_mean']:,.0f} |"
+            f"| {short(r['final_return_mean'])} ({short(r['final_return_min'])}) | {r['sps_mean']:,.0f} |"
         )
         if has_threshold:
             if "threshold" in r and r["seeds_reaching_threshold"]:
@@ -267,6 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threshold", type=float, default=None, help="return for the time-to-threshold columns")
     p.add_argument("--out", default="plots/learning", help="output prefix: writes {out}_{env}.png and {out}.json")
     p.add_argument("--title", default=None, help="heading printed above the table")
+    p.add_argument("--ylim", type=float, nargs=2, default=None, metavar=("LO", "HI"), help="y-axis range of the plots")
     a = p.parse_args(argv)
     try:
         run_dirs = find_run_dirs(a.paths)
@@ -295,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for env, env_groups in by_env.items():
         png = out.parent / f"{out.name}_{env}.png"
-        draw(env, env_groups, a.window, a.threshold, a.tag, png)
+        draw(env, env_groups, a.window, a.threshold, a.tag, png, a.ylim)
         print(f"wrote {png}")
         rows += [summarise(g, a.window, a.threshold) for g in env_groups]
     json_path = out.parent / f"{out.name}.json"
@@ -304,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {json_path}\n")
     if a.title:
         print(f"### {a.title}\n")
-    print(markdown_table(rows))
+    print(markdown_table(rows, a.tag))
     return 0
 
 
