@@ -83,6 +83,21 @@ def test_bootstrap_band_brackets_the_mean_and_collapses_for_identical_seeds():
     assert np.all(lo <= mean + 1e-12) and np.all(mean <= hi + 1e-12) and np.all(hi - lo > 0)
 
 
+def test_plot_table_names_a_loss_tag_and_keeps_its_digits(tmp_path, capsys):
+    # a loss of 0.0312 must not print as "0.0" under a "final return" heading
+    for seed, level in ((1, 0.0312), (2, 0.0288)):
+        run_dir = tmp_path / f"ALE_Pong-v5__a3c__{seed}__{1700000000 + seed}"
+        w = SummaryWriter(str(run_dir))
+        for i in range(30):
+            w.add_scalar("losses/value_loss", level, 100 * (i + 1), walltime=1000.0 + i)
+        w.close()
+    args = [str(tmp_path), "--tag", "losses/value_loss", "--out", str(tmp_path / "out"), "--ylim", "0", "0.1"]
+    assert plot.main(args) == 0
+    header, _, row = capsys.readouterr().out.strip().splitlines()[-3:]
+    assert "| final losses/value_loss (mean, min over seeds) |" in header, header
+    assert "| 0.03 (0.0288) |" in row, row
+
+
 def test_plot_reports_missing_runs(tmp_path, capsys):
     assert plot.main([str(tmp_path / "nothing")]) == 2
     assert capsys.readouterr().err.startswith("error:")
@@ -90,7 +105,7 @@ def test_plot_reports_missing_runs(tmp_path, capsys):
     assert plot.main([str(tmp_path / "empty")]) == 2
 
 
-@pytest.mark.parametrize("suite", ["cartpole", "pendulum", "atari-smoke", "atari-paper"])
+@pytest.mark.parametrize("suite", sorted(learn.THRESHOLDS))
 def test_every_suite_entry_parses_with_its_script(suite, tmp_path):
     entries = learn.suite(suite)
     assert entries
