@@ -198,18 +198,24 @@ def final_state(tmp_path, args):
     return torch.load(run_dir / "model.pt"), returns
 
 
+@pytest.fixture(scope="module")
+def default_mode_state(tmp_path_factory):
+    """The default mode's run at seed 1, shared by the determinism and the different-seeds tests."""
+    return final_state(tmp_path_factory.mktemp("default_mode"), [])
+
+
 @pytest.mark.parametrize("mode", [[], ["--sync"], ["--algo", "impala"]])
-def test_deterministic_even_when_the_learner_is_slowed(mode, tmp_path):
+def test_deterministic_even_when_the_learner_is_slowed(mode, tmp_path, default_mode_state):
     """The paper's Figure 2 experiment as a test: slowing the learner must not change what it learns."""
-    fast_params, fast_returns = final_state(tmp_path / "fast", mode)
+    fast_params, fast_returns = final_state(tmp_path / "fast", mode) if mode else default_mode_state
     slow_params, slow_returns = final_state(tmp_path / "slow", [*mode, "--learner-delay", "0.05"])
     assert fast_returns and fast_returns == slow_returns
     for name, value in fast_params.items():
         assert torch.equal(value, slow_params[name]), name
 
 
-def test_different_seeds_differ(tmp_path):
-    a, _ = final_state(tmp_path / "a", [])
+def test_different_seeds_differ(tmp_path, default_mode_state):
+    a, _ = default_mode_state
     b, _ = final_state(tmp_path / "b", ["--seed", "2"])
     assert not all(torch.equal(a[k], b[k]) for k in a)
 
