@@ -147,10 +147,10 @@ CARTPOLE = [
 ]
 
 # Pong, deepmind protocol: the PPO/A2C family at its Atari defaults (Nature CNN), budgeted at 10M frames and meant to
-# be cut by `--time-limit` (2M frames showed no rise for any of them). One change for GALA and A3C: RMSprop eps 1e-5
-# (Kostrikov's pytorch A2C, which GALA's code builds on, and HTS-A2C's Table A3) instead of Table 2's 0.01: with
-# gradients clipped to norm 0.5, sqrt(v) is far below 0.01, so 0.01 turns RMSprop into small plain-SGD steps, and
-# gala_gossip at 0.01 stayed at -20.5 over 5.7M frames (README, Results). A3C takes 1e-3: at 1e-5 its hogwild
+# be cut by `--time-limit` (2M frames showed no rise for any of them). One change for GALA and A3C: a smaller RMSprop
+# eps than Table 2's 0.01: with gradients clipped to norm 0.5, sqrt(v) is far below 0.01, so 0.01 turns RMSprop into
+# small plain-SGD steps, and gala_gossip at 0.01 stayed at -20.5 over 5.7M frames (README, Results). GALA takes 1e-5
+# (Kostrikov's pytorch A2C, which GALA's code builds on, and HTS-A2C's Table A3). A3C takes 1e-3: at 1e-5 its hogwild
 # workers' early RMSprop steps (about 10 x lr per weight while the squared-gradient average is still small, applied
 # by each worker from gradients taken on parameters the others have since moved) killed its ReLUs in 5 of 8 Pong
 # runs: value loss flat at about 0.065, value constant (all 4 runs with 4 workers, 1 of 4 with 2; README, Results).
@@ -218,9 +218,14 @@ def atari_paper() -> list[Entry]:
 
 
 def suite(name: str) -> list[Entry]:
-    suites = {"cartpole": lambda: CARTPOLE, "pendulum": lambda: PENDULUM, "atari-smoke": lambda: ATARI_SMOKE}
-    suites["a3c-eps"] = lambda: A3C_EPS_SWEEP
-    return {**suites, "atari-paper": atari_paper}[name]()
+    suites = {
+        "cartpole": lambda: CARTPOLE,
+        "pendulum": lambda: PENDULUM,
+        "atari-smoke": lambda: ATARI_SMOKE,
+        "a3c-eps": lambda: A3C_EPS_SWEEP,
+        "atari-paper": atari_paper,
+    }
+    return suites[name]()
 
 
 def latest_checkpoint(e: Entry, seed: int, out: Path) -> Path | None:
