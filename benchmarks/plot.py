@@ -242,14 +242,11 @@ def draw(
     plt.close(fig)
 
 
-def short(x: float) -> str:
-    """Returns to one decimal; small values (losses, rates) to 3 significant digits rather than 0.0."""
-    return f"{x:.1f}" if abs(x) >= 10 or x == 0 else f"{x:.3g}"
-
-
 def markdown_table(rows: list[dict], tag: str = "charts/episodic_return") -> str:
     has_threshold = any("threshold" in r for r in rows)
-    final = "final return" if tag.endswith("episodic_return") else f"final {tag}"
+    is_return = tag.endswith("episodic_return")
+    final = "final return" if is_return else f"final {tag}"
+    short = "{:.1f}".format if is_return else "{:.3g}".format  # other tags (losses, rates): 0.0312, not 0.0
     head = f"| env | run | seeds | agent steps | {final} (mean, min over seeds) | steps/s |"
     sep = "|---|---|---|---|---|---|"
     if has_threshold:
