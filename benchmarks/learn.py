@@ -63,7 +63,8 @@ CARTPOLE_STEPS = 500_000
 EPS = ["--rmsprop-eps", "1e-5"]
 APEX_CARTPOLE = ["--num-actors", "4", "--buffer-size", "100000", "--learning-starts", "1000", "--batch-size", "64",
                  "--optimizer", "adam", "--learning-rate", "1e-3", "--target-network-frequency", "250",
-                 "--actor-update-interval", "50", "--replay-ratio", "32", "--eval-interval", "5000"]  # fmt: skip
+                 "--actor-update-interval", "50", "--replay-ratio", "32", "--eval-interval", "5000",
+                 "--priority-eps", "1e-3"]  # fmt: skip
 # impala_monobeast.py sums its losses over the batch (TorchBeast) and takes one RMSprop step per learner batch;
 # cleanba_ppo_impala.py averages them and takes 4 minibatch steps per 8 x 20 rollout (2 envs x 20 steps = 40 samples
 # each). The same updates here: batches of 2 unrolls of 20, with RMSprop eps and the clip norm x40 for summed losses
