@@ -61,6 +61,7 @@ class Entry:
 # Mode variants (all-reduce, gradient server) come last in each seed's round.
 CARTPOLE_STEPS = 500_000
 EPS = ["--rmsprop-eps", "1e-5"]
+# Ape-X DQN: priority eps 1e-3 reached the bar in 3 of 3 seeds, the default 1e-6 in 2 of 3 (README, Results).
 APEX_CARTPOLE = ["--num-actors", "4", "--buffer-size", "100000", "--learning-starts", "1000", "--batch-size", "64",
                  "--optimizer", "adam", "--learning-rate", "1e-3", "--target-network-frequency", "250",
                  "--actor-update-interval", "50", "--replay-ratio", "32", "--eval-interval", "5000",
