@@ -155,7 +155,11 @@ CARTPOLE = [
 # (Kostrikov's pytorch A2C, which GALA's code builds on, and HTS-A2C's Table A3). A3C takes 1e-3: at 1e-5 its hogwild
 # workers' early RMSprop steps (about 10 x lr per weight while the squared-gradient average is still small, applied
 # by each worker from gradients taken on parameters the others have since moved) left its value unlearned in 5 of 8
-# Pong runs, value loss flat near 0.06: all 4 with 4 workers, 1 of 4 with 2; dead ReLUs in the 3 checked (README).
+# Pong runs, value loss flat near 0.06: all 4 with 4 workers, 1 of 4 with 2 (README, Results).
+# HTS-PPO takes CleanRL ppo_atari's (and the Cleanba entry's) 8 envs x 128 steps: twice the updates per sample of its
+# 16-env default, whose H100 run was still at -19.2 after 1.08M agent steps. And 2 learner threads: the default rule
+# (cores left by 4 executors and 4 actors, at least 1) leaves one thread for a learner-bound run; 2 ran 197 steps/s
+# against 137 (Pong, this 2-core machine, 75-second runs).
 PONG_STEPS = 2_500_000
 DEEPMIND = ["--atari-protocol", "deepmind", "--checkpoint-interval", "600"]  # resumable: `learn.py ... --resume`
 A2C_EPS = ["--rmsprop-eps", "1e-5"]
@@ -171,7 +175,13 @@ ATARI_SMOKE = [
     ),
     Entry("hts_a2c", "hts_a2c.py", "ALE/Pong-v5", PONG_STEPS, DEEPMIND),
     Entry("gala_gossip", "gala_a2c.py", "ALE/Pong-v5", PONG_STEPS, [*DEEPMIND, "--num-learners", "2", *A2C_EPS]),
-    Entry("hts_ppo", "hts_ppo.py", "ALE/Pong-v5", PONG_STEPS, DEEPMIND),
+    Entry(
+        "hts_ppo",
+        "hts_ppo.py",
+        "ALE/Pong-v5",
+        PONG_STEPS,
+        [*DEEPMIND, "--num-envs", "8", "--torch-threads", "2"],  # why: above PONG_STEPS
+    ),
 ]
 
 # The A3C eps diagnosis on Pong (README, Results): hogwild at 1, 2 and 4 workers and the gradient server, RMSprop
@@ -197,8 +207,6 @@ APEX_PENDULUM = ["--algo", "ddpg", "--num-actors", "2", "--buffer-size", "40000"
                  "--actor-update-interval", "50", "--replay-ratio", "64", "--eval-interval", "4000"]  # fmt: skip
 PENDULUM = [Entry("apex_ddpg", "apex.py", "Pendulum-v1", 40_000, APEX_PENDULUM, tag="eval/episodic_return")]
 
-THRESHOLDS = {"cartpole": 475.0, "pendulum": -200.0, "atari-smoke": None, "atari-paper": None, "a3c-eps": None}
-
 
 def atari_paper() -> list[Entry]:
     data = json.loads((ROOT / "benchmarks" / "atari_paper.json").read_text())
@@ -213,15 +221,18 @@ def atari_paper() -> list[Entry]:
     return entries
 
 
+# Every suite once: how to list its runs, and the return its table times the crossing of (None: no bar).
+SUITES = {
+    "cartpole": (lambda: CARTPOLE, 475.0),
+    "pendulum": (lambda: PENDULUM, -200.0),
+    "atari-smoke": (lambda: ATARI_SMOKE, None),
+    "a3c-eps": (lambda: A3C_EPS_SWEEP, None),
+    "atari-paper": (atari_paper, None),
+}
+
+
 def suite(name: str) -> list[Entry]:
-    suites = {
-        "cartpole": lambda: CARTPOLE,
-        "pendulum": lambda: PENDULUM,
-        "atari-smoke": lambda: ATARI_SMOKE,
-        "a3c-eps": lambda: A3C_EPS_SWEEP,
-        "atari-paper": atari_paper,
-    }
-    return suites[name]()
+    return SUITES[name][0]()
 
 
 def latest_checkpoint(e: Entry, seed: int, out: Path) -> Path | None:
@@ -300,7 +311,7 @@ def run_all(
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--suite", choices=sorted(THRESHOLDS), default="cartpole")
+    p.add_argument("--suite", choices=sorted(SUITES), default="cartpole")
     p.add_argument("--only", nargs="*", default=None, help="labels to run (default: the whole suite)")
     p.add_argument("--games", nargs="*", default=None, help="env ids to keep, e.g. ALE/Pong-v5 (default: all)")
     p.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3])
@@ -363,8 +374,9 @@ def main(argv: list[str] | None = None) -> int:
     import plot
 
     plot_args = [str(out), "--out", str(out / "learning")]
-    if THRESHOLDS[a.suite] is not None:
-        plot_args += ["--threshold", str(THRESHOLDS[a.suite])]
+    threshold = SUITES[a.suite][1]
+    if threshold is not None:
+        plot_args += ["--threshold", str(threshold)]
     for e in entries:
         if e.tag != "charts/episodic_return":
             plot_args += ["--tag-for", f"{e.label}={e.tag}"]

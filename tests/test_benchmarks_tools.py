@@ -105,7 +105,7 @@ def test_plot_reports_missing_runs(tmp_path, capsys):
     assert plot.main([str(tmp_path / "empty")]) == 2
 
 
-@pytest.mark.parametrize("suite", sorted(learn.THRESHOLDS))
+@pytest.mark.parametrize("suite", sorted(learn.SUITES))
 def test_every_suite_entry_parses_with_its_script(suite, tmp_path):
     entries = learn.suite(suite)
     assert entries

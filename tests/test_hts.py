@@ -356,6 +356,7 @@ def test_resume_continues_the_run_directory_and_step_count(script, tmp_path):
         ({"resume": "/nonexistent/checkpoint.pt"}, "no such file"),
         ({"capture_video": True}, "--eval-episodes"),
         ({"gamma": 1.5}, "--gamma must be in [0, 1]"),
+        ({"torch_threads": -1}, "--torch-threads must be >= 0"),
     ],
 )
 def test_bad_flags_give_one_error_line_and_status_2(module, flags, message, capsys):
