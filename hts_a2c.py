@@ -447,7 +447,8 @@ def main(args: Args) -> None:
     use_cuda = args.cuda and torch.cuda.is_available()
     device = torch.device("cuda" if use_cuda else "cpu")
     # By default the learner gets the cores the workers leave: oversubscribed intra-op threads spin and slowed updates
-    # 10x here. A learner-bound run does better with more: hts_ppo on Pong, 2 cores, 2 threads beat 1 by 1.45x.
+    # 10x here. A2C's short updates gain nothing from more: on Pong, 2 cores, 2 threads ran 372-386 SPS against 396-401
+    # (hts_ppo's long PPO phase is the case for --torch-threads).
     torch.set_num_threads(args.torch_threads or max(1, (os.cpu_count() or 1) - args.num_executors - args.num_actors))
     fixed_mmap_threshold()  # inherited by the workers
 

@@ -158,8 +158,8 @@ CARTPOLE = [
 # Pong runs, value loss flat near 0.06: all 4 with 4 workers, 1 of 4 with 2 (README, Results).
 # HTS-PPO takes CleanRL ppo_atari's (and the Cleanba entry's) 8 envs x 128 steps: twice the updates per sample of its
 # 16-env default, whose H100 run was still at -19.2 after 1.08M agent steps. And 2 learner threads: the default rule
-# (cores left by 4 executors and 4 actors, at least 1) leaves one thread for a learner-bound run; 2 ran 197 steps/s
-# against 137 (Pong, this 2-core machine, 75-second runs).
+# (cores left by 4 executors and 4 actors, at least 1) leaves one thread for a learner-bound run; 2 ran 199 steps/s
+# against 134 (Pong, this 2-core machine, 75-second runs).
 PONG_STEPS = 2_500_000
 DEEPMIND = ["--atari-protocol", "deepmind", "--checkpoint-interval", "600"]  # resumable: `learn.py ... --resume`
 A2C_EPS = ["--rmsprop-eps", "1e-5"]
@@ -221,7 +221,7 @@ def atari_paper() -> list[Entry]:
     return entries
 
 
-# Every suite once: how to list its runs, and the return its table times the crossing of (None: no bar).
+# Every suite once: (what lists its runs, the return whose crossing its table times; None: no bar).
 SUITES = {
     "cartpole": (lambda: CARTPOLE, 475.0),
     "pendulum": (lambda: PENDULUM, -200.0),
