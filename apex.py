@@ -12,7 +12,7 @@ append path). The main process is the learner (on the GPU when present): it read
 each batch across buffers by them, samples proportionally inside each, trains (n-step double-Q, dueling, target sync;
 or DDPG with soft target updates), writes back new priorities where the slot versions still match, and publishes its
 parameters to a versioned store (flat shared buffer + version under a lock) that actors pull every
-`--actor-update-interval` steps. Actors send (steps, episodes) on `log_q`; an evaluator process plays greedy episodes
+`--actor-update-interval` frames. Actors send (steps, episodes) on `log_q`; an evaluator process plays greedy episodes
 every `--eval-interval` agent steps. Only the main process writes TensorBoard. `--replay-ratio` adds a rate limiter.
 torchrun (`torch.distributed.rpc`): rank 0 is the learner + evaluator; every other rank hosts `--num-actors` actors
 and their buffers, serves buffer statistics, sampling and priority updates over rpc, relays its actors' messages, and
@@ -25,10 +25,12 @@ Resume restores networks, optimizers and the step count; the replay starts empty
 Learning checks (classic-control overrides of the Atari defaults; measured on 2 shared CPU cores):
   python apex.py --env-id CartPole-v1 --num-actors 2 --total-timesteps 100000 --buffer-size 100000 \\
       --learning-starts 1000 --batch-size 64 --optimizer adam --learning-rate 1e-3 --target-network-frequency 100 \\
-      --actor-update-interval 50 --replay-ratio 8 --eval-interval 5000     # DQN: greedy 500 from 45k / 85k (seeds 1, 2)
+      --actor-update-interval 50 --replay-ratio 8 --eval-interval 5000 --anneal-beta \\
+                                                                        # DQN: greedy 500 from 45k / 85k (seeds 1, 2)
   python apex.py --algo ddpg --env-id Pendulum-v1 --num-actors 2 --total-timesteps 40000 --buffer-size 40000 \\
-      --learning-starts 2000 --batch-size 128 --learning-rate 1e-3 --actor-learning-rate 1e-3 \\
-      --actor-update-interval 50 --replay-ratio 64 --eval-interval 4000     # DDPG: greedy > -250 from 8k (seeds 1, 2)
+      --learning-starts 2000 --batch-size 128 --critic-learning-rate 1e-3 --actor-learning-rate 1e-3 \\
+      --actor-update-interval 50 --replay-ratio 64 --eval-interval 4000 --n-step 3 --anneal-beta \\
+                                                                        # DDPG: greedy > -250 from 8k (seeds 1, 2)
 Examples:
   python apex.py --env-id ALE/Breakout-v5 --num-actors 8                                  # Ape-X DQN, Atari defaults
   torchrun --standalone --nproc-per-node 3 apex.py --env-id CartPole-v1 --num-actors 2   # learner + 2 actor hosts
@@ -57,12 +59,22 @@ import torch.multiprocessing as mp
 import tyro
 from torch import nn
 
-from common.atari import PROTOCOLS, EnvError, check_env_args, finished_episodes, make_env, make_vector_env
+from common.atari import (
+    FRAME_SKIP,
+    PROTOCOLS,
+    EnvError,
+    ale_game,
+    check_env_args,
+    finished_episodes,
+    make_env,
+    make_vector_env,
+)
 from common.models import NETWORKS, make_ddpg_model, make_q_network
 
 ALGOS = ("dqn", "ddpg")
 OPTIMIZERS = ("rmsprop", "adam")
 NOISE_TYPES = ("gaussian", "ou")
+DQN_LEARNING_RATE = 0.00025 / 4  # Horgan et al. 2018, Appendix C
 LOCK_TIMEOUT = 5.0  # seconds a replay buffer's lock may be held before the learner gives up on it
 RPC_PARAM_PERIOD = 0.25  # seconds between an actor host's parameter refreshes from rank 0 (torchrun)
 
@@ -118,27 +130,33 @@ class Args:
     actor_batch: int = 50
     """transitions an actor collects before computing their priorities and appending them (Ape-X: B = 50)"""
     actor_update_interval: int = 400
-    """agent steps of an actor between parameter pulls (Ape-X: every 400 frames)"""
+    """frames an actor plays between parameter pulls, summed over its envs (Ape-X: 400 frames); an agent step is 4
+    frames on ALE ids (frame skip 4) and 1 frame on other ids, so the default pulls every 100 agent steps on Atari"""
     learning_starts: int = 50_000
     """transitions in the replay (all buffers) before the learner starts (Ape-X: 50,000)"""
     batch_size: int = 512
     """learner batch (Ape-X: 512), split across the buffers by their priority sums"""
-    n_step: int = 3
-    """n of the n-step returns (Ape-X DQN: 3; Ape-X DPG: 5)"""
+    n_step: int | None = None
+    """n of the n-step returns (None: 3 for --algo dqn as in Ape-X DQN, 5 for --algo ddpg as in Ape-X DPG)"""
     gamma: float = 0.99
     """discount factor"""
     priority_alpha: float = 0.6
     """priority exponent alpha: P(i) ~ p_i^alpha (Ape-X: 0.6)"""
     priority_beta: float = 0.4
-    """initial importance-sampling exponent beta, annealed linearly to 1 over the run (Ape-X: 0.4)"""
+    """importance-sampling exponent beta, fixed over the run as in Ape-X (0.4); see --anneal-beta"""
+    anneal_beta: bool = False
+    """anneal beta linearly from --priority-beta to 1 over the run (Schaul et al. 2016's schedule; Ape-X keeps it
+    fixed)"""
     priority_eps: float = 1e-6
     """added to |TD error| so that no transition has priority 0"""
     optimizer: str = "rmsprop"
     """DQN optimizer: `rmsprop` (centered, Ape-X) or `adam`; DDPG always uses Adam (Ape-X DPG)"""
-    learning_rate: float = 0.00025 / 4
-    """learning rate of the Q-network (DQN) or the critic (DDPG) (Ape-X DQN: 0.00025 / 4)"""
+    learning_rate: float = DQN_LEARNING_RATE
+    """DQN: learning rate of the Q-network (Ape-X DQN: 0.00025 / 4); --algo ddpg takes --critic-learning-rate"""
+    critic_learning_rate: float = 1e-4
+    """DDPG: Adam learning rate of the critic (Ape-X DPG: 1e-4)"""
     actor_learning_rate: float = 1e-4
-    """DDPG: learning rate of the actor (Ape-X DPG: 1e-4)"""
+    """DDPG: Adam learning rate of the actor (Ape-X DPG: 1e-4)"""
     rmsprop_alpha: float = 0.95
     """RMSprop decay (Ape-X: 0.95)"""
     rmsprop_eps: float = 1.5e-7
@@ -176,6 +194,10 @@ class Args:
     log_interval: float = 10.0
     """seconds between console lines"""
 
+    def __post_init__(self):
+        if self.n_step is None:  # each variant's own n (Horgan et al. 2018: 3 for Ape-X DQN, 5 for Ape-X DPG)
+            self.n_step = 5 if self.algo == "ddpg" else 3
+
 
 # ----------------------------------------------------------------------------------------------------------------
 # Pure algorithm functions
@@ -187,6 +209,22 @@ def apex_epsilons(num_actors: int, epsilon: float = 0.4, alpha: float = 7.0) -> 
     if num_actors == 1:
         return [epsilon]
     return [epsilon ** (1 + i * alpha / (num_actors - 1)) for i in range(num_actors)]
+
+
+def frame_skip(env_id: str) -> int:
+    """Emulator frames per agent step: ALE ids run with common.atari's frame skip, other envs step once."""
+    return FRAME_SKIP if ale_game(env_id) is not None else 1
+
+
+def pull_interval_steps(frames: int, skip: int) -> int:
+    """Agent steps between an actor's parameter pulls for an interval in frames (Ape-X: 400 frames), at least 1."""
+    return max(1, frames // skip)
+
+
+def importance_exponent(beta: float, anneal: bool, progress: float) -> float:
+    """The IS exponent at `progress` in [0, 1] of the run: beta itself (Ape-X), or with `anneal` linear from beta to 1
+    (Schaul et al. 2016, Section 3.4)."""
+    return beta + (1.0 - beta) * min(1.0, progress) if anneal else beta
 
 
 def noise_scales(num_actors: int, sigma: float) -> list[float]:
@@ -605,7 +643,7 @@ def process_body(name: str, loop, shared: Shared, *loop_args) -> None:
 
 def actor_loop(actor: int, global_id: int, num_total: int, args: Args, shared: Shared) -> None:
     """One Ape-X actor (Horgan et al. 2018, Algorithm 1): act, build n-step transitions, prioritise them with the
-    local network, append them to this actor's buffer, pull parameters every `actor_update_interval` steps."""
+    local network, append them to this actor's buffer, pull parameters every `actor_update_interval` frames."""
     torch.set_num_threads(args.torch_threads)
     n = args.num_envs_per_actor
     start = shared.steps_claimed.value  # > 0 after --resume: new episodes, not a replay of the first ones
@@ -622,6 +660,7 @@ def actor_loop(actor: int, global_id: int, num_total: int, args: Args, shared: S
             else noise_scales(num_total, args.exploration_noise)
         )[global_id]
         buffer, builder = shared.buffers[actor], NStepBuilder(n, args.n_step, args.gamma)
+        pull_every = pull_interval_steps(args.actor_update_interval, frame_skip(args.env_id))  # agent steps
         wait_ready(shared)
         version = shared.store.pull(params)
         since_pull, steps, episodes, pending = 0, 0, [], []
@@ -656,7 +695,7 @@ def actor_loop(actor: int, global_id: int, num_total: int, args: Args, shared: S
                 steps, episodes, pending = 0, [], []
                 # unreported steps of all actors stay below this slack, so the learner is never blocked by it
                 wait_for_learner(args, shared, slack=2 * len(shared.buffers) * n * (args.actor_batch + args.n_step))
-            if since_pull >= args.actor_update_interval:
+            if since_pull >= pull_every:
                 version, since_pull = shared.store.pull(params), 0
         if pending:
             append_prioritised(args, model, buffer, pending, version)
@@ -731,7 +770,9 @@ class Learner:
             self.optimizers = {"q": opt}
         else:
             self.optimizers = {
-                "critic": torch.optim.Adam(self.model.critic.parameters(), lr=args.learning_rate, eps=args.adam_eps),
+                "critic": torch.optim.Adam(
+                    self.model.critic.parameters(), lr=args.critic_learning_rate, eps=args.adam_eps
+                ),
                 "actor": torch.optim.Adam(
                     self.model.actor.parameters(), lr=args.actor_learning_rate, eps=args.adam_eps
                 ),
@@ -961,7 +1002,15 @@ def validate(args: Args, world_size: int = 1) -> str | None:
     ):
         if getattr(args, name) < 1:
             return f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}"
-    for name in ("learning_rate", "actor_learning_rate", "max_grad_norm", "rmsprop_eps", "adam_eps", "priority_eps"):
+    for name in (
+        "learning_rate",
+        "critic_learning_rate",
+        "actor_learning_rate",
+        "max_grad_norm",
+        "rmsprop_eps",
+        "adam_eps",
+        "priority_eps",
+    ):
         if not getattr(args, name) > 0:
             return f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}"
     for name in (
@@ -980,6 +1029,8 @@ def validate(args: Args, world_size: int = 1) -> str | None:
     for name in ("gamma", "tau", "epsilon", "eval_epsilon", "priority_beta", "rmsprop_alpha", "ou_theta"):
         if not 0 <= getattr(args, name) <= 1:
             return f"--{name.replace('_', '-')} must be in [0, 1], got {getattr(args, name)}"
+    if args.algo == "ddpg" and args.learning_rate != DQN_LEARNING_RATE:
+        return "--learning-rate is the DQN Q-network's; --algo ddpg takes --critic-learning-rate, --actor-learning-rate"
     if not args.hidden_sizes or min(args.hidden_sizes) < 1:
         return f"--hidden-sizes must be one or more positive widths, got {args.hidden_sizes}"
     if args.resume is not None and not Path(args.resume).is_file():
@@ -1230,6 +1281,7 @@ def run_learner(args: Args, world_size: int) -> None:
     learn_start, start_version = -1, 0
     interrupted, failure = False, None
     stats = np.zeros((num_total, 3))
+    learning_rate = args.learning_rate if args.algo == "dqn" else args.critic_learning_rate
 
     def handle(message) -> None:
         nonlocal global_step, failure
@@ -1266,7 +1318,7 @@ def run_learner(args: Args, world_size: int) -> None:
     def log_scalars() -> None:
         means.write(writer, global_step)
         writer.add_scalar("charts/SPS", sps(), global_step)
-        writer.add_scalar("charts/learning_rate", args.learning_rate, global_step)
+        writer.add_scalar("charts/learning_rate", learning_rate, global_step)
         writer.add_scalar("replay/size", stats[:, 2].sum(), global_step)
         writer.add_scalar("replay/priority_mean", stats[:, 0].sum() / max(1.0, stats[:, 2].sum()), global_step)
         writer.add_scalar("replay/stale_updates", stale_total, global_step)
@@ -1292,7 +1344,7 @@ def run_learner(args: Args, world_size: int) -> None:
                             shared.steps_claimed.value - start_version * args.batch_size / args.replay_ratio
                         )
                 drain_into(shared.log_q, handle, 0.0)
-                beta = args.priority_beta + (1 - args.priority_beta) * min(1.0, global_step / args.total_timesteps)
+                beta = importance_exponent(args.priority_beta, args.anneal_beta, global_step / args.total_timesteps)
                 batch, buffer_ids, stats = sample_batch(replay, args.batch_size, beta, rng, stats)
                 priorities, values = learner.update(batch)
                 stale_total += replay.update(split_updates(batch, buffer_ids, priorities, num_total))

@@ -113,7 +113,11 @@ class Args:
     adam_eps: float = 1e-5
     """Adam epsilon (CleanRL ppo_atari, from baselines' ppo2)"""
     vf_coef: float = 0.5
-    """value loss coefficient on 0.5 (R - V)^2 (Table A6; CleanRL ppo_atari: 0.5)"""
+    """value loss coefficient (Table A6; CleanRL ppo_atari: 0.5)"""
+    clip_vloss: bool = True
+    """clip the value loss as HTS-RL's released code (Kostrikov's PPO, use_clipped_value_loss=True) and CleanRL's
+    ppo_atari do: 0.5 max((V - R)^2, (V_old + clip(V - V_old, -eps, eps) - R)^2), eps = --clip-coef;
+    --no-clip-vloss uses the plain 0.5 (R - V)^2, which lets V move further from V_old in one update"""
     ent_coef: float = 0.01
     """entropy bonus coefficient (Schulman et al. 2017, Table 5; Table A6's 0.003 is GFootball's)"""
     clip_coef: float = 0.1
@@ -165,10 +169,13 @@ def ppo_loss(
     clip_coef: float,
     vf_coef: float,
     ent_coef: float,
+    old_values: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """PPO clipped surrogate (Schulman et al. 2017, Eq. 7) on a minibatch: logits [M, A], the rest [M].
 
-    Advantages are normalized per minibatch; the value loss is 0.5 (R - V)^2 as in Kostrikov's PPO.
+    Advantages are normalized per minibatch (as in CleanRL's ppo_atari). The value loss is 0.5 (R - V)^2, or, given
+    the behavior policy's values `old_values` [M], the clipped 0.5 max((V - R)^2, (V_old + clip(V - V_old, -eps, eps)
+    - R)^2) with eps = clip_coef, as in Kostrikov's PPO (use_clipped_value_loss) on which HTS-RL's code builds.
     """
     log_probs = torch.log_softmax(logits, dim=-1)  # [M, A]
     new_log_probs = log_probs.gather(1, actions.long().unsqueeze(1)).squeeze(1)  # [M]
@@ -176,7 +183,11 @@ def ppo_loss(
     ratio = log_ratio.exp()
     adv = (advantages - advantages.mean()) / (advantages.std(unbiased=False) + 1e-8)
     policy_loss = -torch.min(ratio * adv, ratio.clamp(1.0 - clip_coef, 1.0 + clip_coef) * adv).mean()
-    value_loss = 0.5 * (returns - values).pow(2).mean()
+    value_loss = (returns - values).pow(2)  # [M]
+    if old_values is not None:
+        clipped = old_values + (values - old_values).clamp(-clip_coef, clip_coef)
+        value_loss = torch.max(value_loss, (returns - clipped).pow(2))
+    value_loss = 0.5 * value_loss.mean()
     entropy = -(log_probs.exp() * log_probs).sum(-1).mean()
     total_loss = policy_loss + vf_coef * value_loss - ent_coef * entropy
     with torch.no_grad():
@@ -239,6 +250,7 @@ def learn(behavior: nn.Module, optimizer: torch.optim.Optimizer, batch: dict, ar
                 old_log_probs[start : start + acted] = log_probs.gather(1, taken).squeeze(1)
         advantages, returns = gae(rewards, dones, values, args.gamma, args.gae_lambda)  # [T, B]
     advantages, returns = advantages.reshape(-1), returns.reshape(-1)
+    old_values = values[:T].reshape(-1)  # [T B]: V of the behavior policy, the centre of the value clipping
     totals: dict[str, float] = {}
     for _ in range(args.update_epochs):
         order = torch.randperm(T * B)  # the learner's seeded, checkpointed torch RNG: deterministic
@@ -246,7 +258,8 @@ def learn(behavior: nn.Module, optimizer: torch.optim.Optimizer, batch: dict, ar
             idx = order[start : start + minibatch_size].to(flat_obs.device)
             new_logits, new_values = behavior(flat_obs[idx])
             losses = ppo_loss(new_logits, new_values, flat_actions[idx], old_log_probs[idx], advantages[idx],
-                              returns[idx], args.clip_coef, args.vf_coef, args.ent_coef)  # fmt: skip
+                              returns[idx], args.clip_coef, args.vf_coef, args.ent_coef,
+                              old_values[idx] if args.clip_vloss else None)  # fmt: skip
             if not torch.isfinite(losses["total_loss"]):
                 raise FloatingPointError(f"non-finite loss {losses['total_loss'].item()}")
             optimizer.zero_grad(set_to_none=True)

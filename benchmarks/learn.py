@@ -203,7 +203,7 @@ A3C_EPS_SWEEP = [
 
 # Pendulum-v1 (continuous actions): Ape-X DDPG, greedy evaluation; the bar is a mean return of -200.
 APEX_PENDULUM = ["--algo", "ddpg", "--num-actors", "2", "--buffer-size", "40000", "--learning-starts", "2000",
-                 "--batch-size", "128", "--learning-rate", "1e-3", "--actor-learning-rate", "1e-3",
+                 "--batch-size", "128", "--critic-learning-rate", "1e-3", "--actor-learning-rate", "1e-3",
                  "--actor-update-interval", "50", "--replay-ratio", "64", "--eval-interval", "4000"]  # fmt: skip
 PENDULUM = [Entry("apex_ddpg", "apex.py", "Pendulum-v1", 40_000, APEX_PENDULUM, tag="eval/episodic_return")]
 

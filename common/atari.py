@@ -35,6 +35,7 @@ import numpy as np
 
 PROTOCOLS = ("deepmind", "machado")
 ATARI_MAX_FRAMES = 108_000  # frames per episode (Machado et al. 2018; Hessel et al. 2018, Table 3)
+FRAME_SKIP = 4  # emulator frames per agent step on ALE ids (Mnih et al. 2015), whatever the protocol
 
 # ale-py constructor settings of each protocol; the keys below the blank line are applied in Python by
 # `EpisodeStatistics` (life-loss signal and clipping need the true, unclipped game underneath).
@@ -198,7 +199,7 @@ def make_vector_env(
             img_width=84,
             grayscale=True,
             stack_num=4,
-            frameskip=4,
+            frameskip=FRAME_SKIP,
             maxpool=True,
             use_fire_reset=True,
             episodic_life=False,  # would reset the whole game on a life loss; we signal it instead

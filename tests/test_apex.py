@@ -12,21 +12,29 @@ import sys
 import time
 from pathlib import Path
 
+import gymnasium as gym
 import numpy as np
 import pytest
 import torch
+import tyro
 from helpers import ROOT, assert_finite_tags, only_run_dir, run_script, scalars
 
 from apex import (
     Args,
+    Learner,
     LocalReplay,
     NStepBuilder,
     PrioritizedBuffer,
+    actor_loop,
     apex_epsilons,
     double_q_targets,
+    frame_skip,
+    importance_exponent,
     importance_weights,
     main,
+    pull_interval_steps,
     sample_batch,
+    setup_machine,
     split_updates,
     tree_capacity,
     tree_find_prefix,
@@ -204,6 +212,52 @@ def test_apex_epsilon_schedule():
     assert apex_epsilons(1) == [0.4]
 
 
+# ------------------------------------------------------------------ Ape-X's settings (Horgan et al. 2018)
+
+
+def test_parameter_pull_interval_is_400_frames():
+    # 400 frames are 100 agent steps under the ALE frame skip of 4 (Mnih et al. 2015), 400 steps without a frame skip
+    assert frame_skip("ALE/Pong-v5") == 4 and frame_skip("BreakoutNoFrameskip-v4") == 4
+    assert frame_skip("CartPole-v1") == 1
+    assert pull_interval_steps(400, 4) == 100 and pull_interval_steps(400, 1) == 400 and pull_interval_steps(2, 4) == 1
+
+
+def test_actor_pulls_parameters_every_100_agent_steps_on_atari(monkeypatch):
+    """An actor run in this process for 200 agent steps of Breakout at the default --actor-update-interval: it pulls
+    once before acting, then at agent steps 100 and 200 (every 400 frames)."""
+    args = Args(env_id="ALE/Breakout-v5", num_actors=1, buffer_size=200, actor_batch=50, total_timesteps=200)
+    shared, _, _ = setup_machine(args, CTX, num_actors=1, steps_limit=200, first_global=0, num_total=1, evaluator=False)
+    shared.parent_pid = os.getppid()  # the actor runs here: its "main process" is this one's parent
+    shared.store.publish(shared.store.flat.clone(), 0)  # all-zero parameters: greedy action 0, finite priorities
+    pulled_at, pull = [], shared.store.pull
+    monkeypatch.setattr(
+        shared.store, "pull", lambda params: pulled_at.append(shared.steps_claimed.value) or pull(params)
+    )
+    actor_loop(0, 0, 1, args, shared)
+    assert pulled_at == [0, 100, 200]
+
+
+def test_ddpg_defaults_are_ape_x_dpg_and_dqn_keeps_its_own():
+    ddpg, dqn = tyro.cli(Args, args=["--algo", "ddpg"]), tyro.cli(Args, args=[])
+    assert ddpg.n_step == 5 and dqn.n_step == 3  # Ape-X DPG: 5-step returns; Ape-X DQN: 3
+    assert tyro.cli(Args, args=["--algo", "ddpg", "--n-step", "2"]).n_step == 2
+    assert ddpg.critic_learning_rate == 1e-4 and ddpg.actor_learning_rate == 1e-4  # Ape-X DPG: Adam at 1e-4
+    env = gym.make("Pendulum-v1")
+    learner = Learner(ddpg, env.observation_space, env.action_space, torch.device("cpu"))
+    assert learner.optimizers["critic"].param_groups[0]["lr"] == 1e-4
+    assert learner.optimizers["actor"].param_groups[0]["lr"] == 1e-4
+    critic = Learner(Args(algo="ddpg", critic_learning_rate=3e-3), env.observation_space, env.action_space, "cpu")
+    assert critic.optimizers["critic"].param_groups[0]["lr"] == 3e-3
+
+
+def test_importance_sampling_exponent_is_fixed_unless_annealed():
+    args = Args()
+    assert args.priority_beta == 0.4 and not args.anneal_beta  # Ape-X: beta = 0.4 throughout
+    assert [importance_exponent(0.4, False, p) for p in (0.0, 0.5, 1.0)] == [0.4, 0.4, 0.4]
+    # Schaul et al. 2016: linear from beta_0 to 1 over the run
+    assert [importance_exponent(0.4, True, p) for p in (0.0, 0.5, 1.0, 2.0)] == pytest.approx([0.4, 0.7, 1.0, 1.0])
+
+
 # ------------------------------------------------------------------ running the script
 
 
@@ -268,8 +322,9 @@ def test_dqn_atari_end_to_end(tmp_path):
 
 
 def test_ddpg_pendulum_end_to_end(tmp_path):
+    tiny = [a if a != "--learning-rate" else "--critic-learning-rate" for a in TINY]
     proc = run(
-        ["--algo", "ddpg", "--env-id", "Pendulum-v1", *TINY, "--total-timesteps", "1200", "--buffer-size", "1200",
+        ["--algo", "ddpg", "--env-id", "Pendulum-v1", *tiny, "--total-timesteps", "1200", "--buffer-size", "1200",
          "--noise-type", "ou", "--eval-interval", "0", "--eval-episodes", "1"],
         tmp_path,
     )  # fmt: skip
@@ -304,6 +359,8 @@ def test_rpc_two_actor_ranks_on_localhost(tmp_path):
         (dict(algo="dqn", env_id="Pendulum-v1"), "Discrete action space"),
         (dict(num_actors=0), "--num-actors must be >= 1"),
         (dict(priority_beta=1.5), "--priority-beta must be in [0, 1]"),
+        (dict(algo="ddpg", env_id="Pendulum-v1", learning_rate=1e-3), "--algo ddpg takes --critic-learning-rate"),
+        (dict(algo="ddpg", env_id="Pendulum-v1", critic_learning_rate=0.0), "--critic-learning-rate must be > 0"),
         (dict(env_id="CartPole-v1", buffer_size=100), "must hold at least one --actor-batch"),
         (dict(env_id="CartPole-v1", learning_starts=10**9), "--learning-starts"),
         (dict(resume="/nonexistent/checkpoint.pt"), "no such checkpoint"),

@@ -162,6 +162,31 @@ def test_ppo_loss_matches_per_sample_formula():
     assert out["total_loss"].item() == pytest.approx(pl + 0.5 * vl - 0.003 * ent)
 
 
+def test_ppo_clipped_value_loss_is_the_max_of_unclipped_and_clipped():
+    """Kostrikov's PPO (use_clipped_value_loss, its default) and HTS-RL's code: 0.5 max((V - R)^2, (V_clip - R)^2)
+    with V_clip = V_old + clip(V - V_old, -eps, eps); the default --clip-vloss turns it on."""
+    g = torch.Generator().manual_seed(5)
+    M, eps = 16, 0.1
+    logits, values = torch.randn(M, 3, generator=g, dtype=torch.float64), torch.randn(M, generator=g).double()
+    actions = torch.randint(0, 3, (M,), generator=g)
+    old_log_probs = torch.log(torch.rand(M, generator=g).double() * 0.8 + 0.1)
+    advantages, returns = torch.randn(M, generator=g).double(), torch.randn(M, generator=g).double()
+    old_values = values + 0.3 * torch.randn(M, generator=g).double()  # some |V - V_old| above eps, some below
+    out = hts_ppo.ppo_loss(logits, values, actions, old_log_probs, advantages, returns, eps, 0.5, 0.0, old_values)
+    vl, clipped_wins = 0.0, 0
+    for i in range(M):
+        v, v_old, r = values[i].item(), old_values[i].item(), returns[i].item()
+        v_clip = v_old + min(max(v - v_old, -eps), eps)
+        vl += 0.5 * max((v - r) ** 2, (v_clip - r) ** 2) / M
+        clipped_wins += (v_clip - r) ** 2 > (v - r) ** 2
+    assert 0 < clipped_wins < M  # both branches of the max are exercised
+    assert out["value_loss"].item() == pytest.approx(vl)
+    assert out["total_loss"].item() == pytest.approx(out["policy_loss"].item() + 0.5 * vl)
+    assert hts_ppo.Args().clip_vloss
+    unclipped = hts_ppo.ppo_loss(logits, values, actions, old_log_probs, advantages, returns, eps, 0.5, 0.0)
+    assert unclipped["value_loss"].item() == pytest.approx(0.5 * ((returns - values) ** 2).mean().item())
+
+
 def test_sample_actions_is_the_inverse_cdf():
     logits = torch.tensor([[0.0, 1.0, -1.0], [2.0, 0.0, 0.0]])
     probs = softmax_rows(logits)
