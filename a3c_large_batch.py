@@ -78,6 +78,8 @@ class Args:
     """path of a checkpoint.pt to continue from (same run directory and step count)"""
     eval_episodes: int = 0
     """episodes to evaluate the final policy on (logged as eval/episodic_return)"""
+    eval_greedy: bool = True
+    """evaluate with argmax actions (GALA Table 1's protocol for A3C); `--no-eval-greedy` samples from the policy"""
     capture_video: bool = False
     """record videos of the evaluation episodes to {run_dir}/videos"""
     network: str = "auto"
@@ -518,7 +520,8 @@ def save_checkpoint(path: Path, **state) -> None:
 
 
 def evaluate(model: nn.Module, args: Args, run_dir: Path) -> list[float]:
-    """Play `eval_episodes` full games with the final policy (sampled actions), true returns."""
+    """Play `eval_episodes` full games with the final policy, true returns; argmax actions with `--eval-greedy`
+    (GALA Table 1), sampled ones otherwise."""
     env = make_env(
         args.env_id,
         args.seed + 1_000_003,
@@ -532,7 +535,8 @@ def evaluate(model: nn.Module, args: Args, run_dir: Path) -> list[float]:
     while len(returns) < args.eval_episodes:
         with torch.inference_mode():
             logits, _ = model(torch.as_tensor(obs[None]))
-        obs, _, terminated, truncated, info = env.step(int(sample_actions(logits, generator)[0]))
+        action = logits.argmax(dim=1) if args.eval_greedy else sample_actions(logits, generator)
+        obs, _, terminated, truncated, info = env.step(int(action[0]))
         if terminated or truncated:
             returns.append(float(info["episode"]["r"]))
             obs, _ = env.reset()

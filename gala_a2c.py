@@ -86,6 +86,8 @@ class Args:
     """path of a checkpoint.pt to continue from (same run directory and step count)"""
     eval_episodes: int = 0
     """episodes to evaluate the final (averaged) policy on (logged as eval/episodic_return)"""
+    eval_greedy: bool = True
+    """evaluate with argmax actions (GALA Table 1's protocol); `--no-eval-greedy` samples from the policy instead"""
     capture_video: bool = False
     """record videos of the evaluation episodes to {run_dir}/videos"""
     network: str = "auto"
@@ -829,7 +831,8 @@ def average_model(states: list[dict]) -> dict:
 
 
 def evaluate(model: nn.Module, args: Args, run_dir: Path) -> list[float]:
-    """Play `eval_episodes` full games with the final policy (sampled actions), true returns."""
+    """Play `eval_episodes` full games with the final policy, true returns; argmax actions with `--eval-greedy`
+    (Table 1), sampled ones otherwise."""
     env = make_env(
         args.env_id,
         args.seed + 1_000_003,
@@ -843,7 +846,8 @@ def evaluate(model: nn.Module, args: Args, run_dir: Path) -> list[float]:
     while len(returns) < args.eval_episodes:
         with torch.inference_mode():
             logits, _ = model(torch.as_tensor(obs[None]))
-        obs, _, terminated, truncated, info = env.step(int(sample_actions(logits, generator)[0]))
+        action = logits.argmax(dim=1) if args.eval_greedy else sample_actions(logits, generator)
+        obs, _, terminated, truncated, info = env.step(int(action[0]))
         if terminated or truncated:
             returns.append(float(info["episode"]["r"]))
             obs, _ = env.reset()
