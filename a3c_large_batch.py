@@ -104,9 +104,10 @@ class Args:
     """`rmsprop` (Table 2) or `sgd` (plain p -= lr g, for checks)"""
     rmsprop_alpha: float = 0.99
     """RMSprop smoothing constant (Table 2: 0.99, momentum 0)"""
-    rmsprop_eps: float = 0.01
-    """RMSprop epsilon, added outside the square root as in PyTorch (GALA's implementation language); on Pong,
-    1e-5 let the workers' first, stale steps kill the network's ReLUs with 4 hogwild workers, 1e-3 did not (README)"""
+    rmsprop_eps: float = 1e-3
+    """RMSprop epsilon, added outside the square root as in PyTorch (GALA's implementation language), where Table 2's
+    0.01 turns the clipped gradients' steps into small plain-SGD steps and Pong does not learn, and GALA's code's 1e-5
+    lets 4 hogwild workers' first, stale steps kill the ReLUs; 1e-4 and 1e-3 learn (README)"""
     max_grad_norm: float = 0.5
     """clip each pushed gradient to this global norm"""
     ent_coef: float = 0.01
@@ -170,7 +171,7 @@ class SharedRMSprop:
     the square root like torch.optim.RMSprop (GALA is a PyTorch implementation; TensorFlow and baselines put it
     inside, sqrt(v + eps), which with eps = 0.01 damps steps far more)."""
 
-    def __init__(self, params: list[torch.Tensor], kind: str = "rmsprop", alpha: float = 0.99, eps: float = 0.01):
+    def __init__(self, params: list[torch.Tensor], kind: str = "rmsprop", alpha: float = 0.99, eps: float = 1e-3):
         self.params, self.kind, self.alpha, self.eps = list(params), kind, alpha, eps
         self.square_avg = [torch.zeros_like(p) for p in self.params] if kind == "rmsprop" else []
 
@@ -196,6 +197,11 @@ class SharedRMSprop:
     def load_state_dict(self, state: dict) -> None:
         for s, saved in zip(self.square_avg, state["square_avg"], strict=True):
             s.copy_(saved)
+
+
+def make_optimizer(params: list[torch.Tensor], args: Args) -> SharedRMSprop:
+    """The optimizer of `--optimizer` on these parameters (the hogwild workers' shared one, or the server's)."""
+    return SharedRMSprop(params, args.optimizer, args.rmsprop_alpha, args.rmsprop_eps)
 
 
 def flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -422,7 +428,7 @@ def gradient_server(model: nn.Module, args: Args, shared: Shared, device_name: s
 def server_loop(model: nn.Module, args: Args, shared: Shared, device: torch.device, state: dict) -> None:
     model = model.to(device)
     params = list(model.parameters())
-    optimizer = SharedRMSprop(params, args.optimizer, args.rmsprop_alpha, args.rmsprop_eps)
+    optimizer = make_optimizer(params, args)
     if "optimizer" in state:
         optimizer.load_state_dict(state["optimizer"])
     grads = [torch.zeros_like(p) for p in params]
@@ -654,7 +660,7 @@ def main(args: Args) -> None:
     if args.update == "hogwild":
         model.share_memory()
         shared.params, shared.updates = params, ctx.Value("q", version)
-        shared.optimizer = SharedRMSprop(params, args.optimizer, args.rmsprop_alpha, args.rmsprop_eps).share_memory()
+        shared.optimizer = make_optimizer(params, args).share_memory()
         if checkpoint:
             shared.optimizer.load_state_dict(checkpoint["optimizer"])
     else:

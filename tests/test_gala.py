@@ -164,6 +164,20 @@ def test_epsilon_ball_of_proposition_2_holds_for_bounded_updates():
 # ------------------------------------------------------------------ defaults: the optimizer and the evaluation
 
 
+def test_default_rmsprop_eps_is_the_released_codes_and_the_optimizer_applies_it_outside_the_root():
+    """facebookresearch/gala's --eps default is 1e-5 (Table 2's 0.01 does not learn Pong with eps outside the root).
+    One step from zero statistics, by hand: v = (1 - alpha) g^2, p -= lr g / (sqrt(v) + eps)."""
+    args = tyro.cli(gala_a2c.Args, args=[])
+    assert args.rmsprop_eps == 1e-5
+    p = torch.zeros(3, requires_grad=True)
+    optimizer = gala_a2c.make_optimizer([p], 0.1, args)
+    g = torch.tensor([1e-4, -2e-3, 0.5], dtype=torch.float64)
+    p.grad = g.float()
+    optimizer.step()
+    want = -0.1 * g / ((1 - 0.99) ** 0.5 * g.abs() + 1e-5)  # [-0.5, 0.952, -0.9998]; eps 0.01: [-0.001, 0.0196, -0.833]
+    torch.testing.assert_close(p.detach().double(), want, rtol=1e-5, atol=0)
+
+
 def test_evaluation_takes_argmax_actions_by_default_and_samples_with_no_eval_greedy(monkeypatch, tmp_path):
     """GALA Table 1 evaluates with argmax_a pi(a|s). The policy's argmax (action 2) has probability about 0.34."""
     logits = torch.tensor([0.0, 0.4, 0.8, 0.2])
