@@ -78,6 +78,8 @@ class Args:
     """path of a checkpoint.pt to continue from (same run directory and step count)"""
     eval_episodes: int = 0
     """episodes to evaluate the final policy on (logged as eval/episodic_return)"""
+    eval_greedy: bool = True
+    """evaluate with argmax actions (GALA Table 1's protocol for A3C); `--no-eval-greedy` samples from the policy"""
     capture_video: bool = False
     """record videos of the evaluation episodes to {run_dir}/videos"""
     network: str = "auto"
@@ -102,9 +104,10 @@ class Args:
     """`rmsprop` (Table 2) or `sgd` (plain p -= lr g, for checks)"""
     rmsprop_alpha: float = 0.99
     """RMSprop smoothing constant (Table 2: 0.99, momentum 0)"""
-    rmsprop_eps: float = 0.01
-    """RMSprop epsilon, added outside the square root as in PyTorch (GALA's implementation language); on Pong,
-    1e-5 let the workers' first, stale steps kill the network's ReLUs with 4 hogwild workers, 1e-3 did not (README)"""
+    rmsprop_eps: float = 1e-3
+    """RMSprop epsilon, added outside the square root as in PyTorch (GALA's implementation language), where Table 2's
+    0.01 turns the clipped gradients' steps into small plain-SGD steps and Pong does not learn, and GALA's code's 1e-5
+    lets 4 hogwild workers' first, stale steps kill the ReLUs; 1e-4 and 1e-3 learn (README)"""
     max_grad_norm: float = 0.5
     """clip each pushed gradient to this global norm"""
     ent_coef: float = 0.01
@@ -168,7 +171,7 @@ class SharedRMSprop:
     the square root like torch.optim.RMSprop (GALA is a PyTorch implementation; TensorFlow and baselines put it
     inside, sqrt(v + eps), which with eps = 0.01 damps steps far more)."""
 
-    def __init__(self, params: list[torch.Tensor], kind: str = "rmsprop", alpha: float = 0.99, eps: float = 0.01):
+    def __init__(self, params: list[torch.Tensor], kind: str = "rmsprop", alpha: float = 0.99, eps: float = 1e-3):
         self.params, self.kind, self.alpha, self.eps = list(params), kind, alpha, eps
         self.square_avg = [torch.zeros_like(p) for p in self.params] if kind == "rmsprop" else []
 
@@ -194,6 +197,11 @@ class SharedRMSprop:
     def load_state_dict(self, state: dict) -> None:
         for s, saved in zip(self.square_avg, state["square_avg"], strict=True):
             s.copy_(saved)
+
+
+def make_optimizer(params: list[torch.Tensor], args: Args) -> SharedRMSprop:
+    """The optimizer of `--optimizer` on these parameters (the hogwild workers' shared one, or the server's)."""
+    return SharedRMSprop(params, args.optimizer, args.rmsprop_alpha, args.rmsprop_eps)
 
 
 def flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -420,7 +428,7 @@ def gradient_server(model: nn.Module, args: Args, shared: Shared, device_name: s
 def server_loop(model: nn.Module, args: Args, shared: Shared, device: torch.device, state: dict) -> None:
     model = model.to(device)
     params = list(model.parameters())
-    optimizer = SharedRMSprop(params, args.optimizer, args.rmsprop_alpha, args.rmsprop_eps)
+    optimizer = make_optimizer(params, args)
     if "optimizer" in state:
         optimizer.load_state_dict(state["optimizer"])
     grads = [torch.zeros_like(p) for p in params]
@@ -518,7 +526,8 @@ def save_checkpoint(path: Path, **state) -> None:
 
 
 def evaluate(model: nn.Module, args: Args, run_dir: Path) -> list[float]:
-    """Play `eval_episodes` full games with the final policy (sampled actions), true returns."""
+    """Play `eval_episodes` full games with the final policy, true returns; argmax actions with `--eval-greedy`
+    (GALA Table 1), sampled ones otherwise."""
     env = make_env(
         args.env_id,
         args.seed + 1_000_003,
@@ -532,7 +541,8 @@ def evaluate(model: nn.Module, args: Args, run_dir: Path) -> list[float]:
     while len(returns) < args.eval_episodes:
         with torch.inference_mode():
             logits, _ = model(torch.as_tensor(obs[None]))
-        obs, _, terminated, truncated, info = env.step(int(sample_actions(logits, generator)[0]))
+        action = logits.argmax(dim=1) if args.eval_greedy else sample_actions(logits, generator)
+        obs, _, terminated, truncated, info = env.step(int(action[0]))
         if terminated or truncated:
             returns.append(float(info["episode"]["r"]))
             obs, _ = env.reset()
@@ -650,7 +660,7 @@ def main(args: Args) -> None:
     if args.update == "hogwild":
         model.share_memory()
         shared.params, shared.updates = params, ctx.Value("q", version)
-        shared.optimizer = SharedRMSprop(params, args.optimizer, args.rmsprop_alpha, args.rmsprop_eps).share_memory()
+        shared.optimizer = make_optimizer(params, args).share_memory()
         if checkpoint:
             shared.optimizer.load_state_dict(checkpoint["optimizer"])
     else:

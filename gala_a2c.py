@@ -86,6 +86,8 @@ class Args:
     """path of a checkpoint.pt to continue from (same run directory and step count)"""
     eval_episodes: int = 0
     """episodes to evaluate the final (averaged) policy on (logged as eval/episodic_return)"""
+    eval_greedy: bool = True
+    """evaluate with argmax actions (GALA Table 1's protocol); `--no-eval-greedy` samples from the policy instead"""
     capture_video: bool = False
     """record videos of the evaluation episodes to {run_dir}/videos"""
     network: str = "auto"
@@ -120,8 +122,10 @@ class Args:
     """linearly anneal the learning rate to 0 over the run (Table 2 lists no schedule)"""
     rmsprop_alpha: float = 0.99
     """RMSprop smoothing constant (momentum 0, Table 2)"""
-    rmsprop_eps: float = 0.01
-    """RMSprop epsilon (Table 2), added outside the square root as in PyTorch"""
+    rmsprop_eps: float = 1e-5
+    """RMSprop epsilon, added outside the square root as in torch.optim.RMSprop; 1e-5 is the default of GALA's released
+    code, while Table 2's 0.01, outside the root, turns the clipped gradients' steps into small plain-SGD steps and
+    Pong does not learn (README)"""
     max_grad_norm: float = 0.5
     """clip the global gradient norm (Table 2)"""
     ent_coef: float = 0.01
@@ -171,6 +175,11 @@ def a2c_loss(logits, values, actions, returns, ent_coef: float, vf_coef: float) 
     value_loss = ((returns - values) ** 2).mean()
     total = policy_loss - ent_coef * entropy + vf_coef * value_loss
     return dict(total_loss=total, policy_loss=policy_loss, value_loss=value_loss, entropy=entropy)
+
+
+def make_optimizer(params: list[torch.Tensor], lr: float, args: Args) -> torch.optim.Optimizer:
+    """RMSprop without momentum (Table 2), eps outside the square root."""
+    return torch.optim.RMSprop(params, lr=lr, alpha=args.rmsprop_alpha, eps=args.rmsprop_eps)
 
 
 def peer_offsets(n: int, num_peers: int, iteration: int = 0, time_varying: bool = False) -> list[int]:
@@ -526,7 +535,7 @@ def learner_loop(
         model = make_model(obs_space, envs.single_action_space, args.network).to(device)
         params = list(model.parameters())
         lr0 = args.learning_rate * (math.sqrt(n) if args.scale_lr else 1.0)
-        optimizer = torch.optim.RMSprop(params, lr=lr0, alpha=args.rmsprop_alpha, eps=args.rmsprop_eps)
+        optimizer = make_optimizer(params, lr0, args)
         generator = torch.Generator(device=device).manual_seed(args.seed * 104729 + learner)
         if state:
             model.load_state_dict(state["model"])
@@ -829,7 +838,8 @@ def average_model(states: list[dict]) -> dict:
 
 
 def evaluate(model: nn.Module, args: Args, run_dir: Path) -> list[float]:
-    """Play `eval_episodes` full games with the final policy (sampled actions), true returns."""
+    """Play `eval_episodes` full games with the final policy, true returns; argmax actions with `--eval-greedy`
+    (Table 1), sampled ones otherwise."""
     env = make_env(
         args.env_id,
         args.seed + 1_000_003,
@@ -843,7 +853,8 @@ def evaluate(model: nn.Module, args: Args, run_dir: Path) -> list[float]:
     while len(returns) < args.eval_episodes:
         with torch.inference_mode():
             logits, _ = model(torch.as_tensor(obs[None]))
-        obs, _, terminated, truncated, info = env.step(int(sample_actions(logits, generator)[0]))
+        action = logits.argmax(dim=1) if args.eval_greedy else sample_actions(logits, generator)
+        obs, _, terminated, truncated, info = env.step(int(action[0]))
         if terminated or truncated:
             returns.append(float(info["episode"]["r"]))
             obs, _ = env.reset()

@@ -6,7 +6,7 @@ Suites
 - `pendulum`: Pendulum-v1 for the continuous-control script (Ape-X DDPG); the bar: mean greedy return >= -200.
 - `atari-smoke`: Pong (deepmind protocol) for the PPO/A2C-family scripts, a few million frames on a CPU machine:
   the curve must rise clearly from -21.
-- `a3c-eps`: the RMSprop eps sweep behind A3C's Pong setting (hogwild 1, 2, 4 workers, the gradient server).
+- `a3c-eps`: the RMSprop eps sweep behind A3C's default eps (hogwild 1, 2, 4 workers, the gradient server).
 - `atari-paper`: the seeds' papers' Atari settings (GALA's six games, HTS-RL's Atari table, Cleanba's 200M-frame
   protocol) as commands for a GPU machine, read from `benchmarks/atari_paper.json` with the papers' numbers beside
   them. Printed by default (`--run` runs them).
@@ -151,23 +151,16 @@ CARTPOLE = [
 ]
 
 # Pong, deepmind protocol: the PPO/A2C family at its Atari defaults (Nature CNN), budgeted at 10M frames and meant to
-# be cut by `--time-limit` (2M frames showed no rise for any of them). One change for GALA and A3C: a smaller RMSprop
-# eps than Table 2's 0.01: with gradients clipped to norm 0.5, sqrt(v) is far below 0.01, so 0.01 turns RMSprop into
-# small plain-SGD steps, and gala_gossip at 0.01 stayed at -20.5 over 5.7M frames (README, Results). GALA takes 1e-5
-# (Kostrikov's pytorch A2C, which GALA's code builds on, and HTS-A2C's Table A3). A3C takes 1e-3: at 1e-5 its hogwild
-# workers' early RMSprop steps (about 10 x lr per weight while the squared-gradient average is still small, applied
-# by each worker from gradients taken on parameters the others have since moved) left its value unlearned in 5 of 8
-# Pong runs, value loss flat near 0.06: all 4 with 4 workers, 1 of 4 with 2 (README, Results).
+# be cut by `--time-limit` (2M frames showed no rise for any of them). GALA and A3C run at their default RMSprop eps,
+# 1e-5 and 1e-3, not Table 2's 0.01 (their `--rmsprop-eps` help, and README, Results, say why).
 # HTS-PPO takes CleanRL ppo_atari's (and the Cleanba entry's) 8 envs x 128 steps: twice the updates per sample of its
 # 16-env default, whose H100 run was still at -19.2 after 1.08M agent steps. And 2 learner threads: the default rule
 # (cores left by 4 executors and 4 actors, at least 1) leaves one thread for a learner-bound run; 2 ran 199 steps/s
 # against 134 (Pong, this 2-core machine, 75-second runs).
 PONG_STEPS = 2_500_000
 DEEPMIND = ["--atari-protocol", "deepmind", "--checkpoint-interval", "600"]  # resumable: `learn.py ... --resume`
-A2C_EPS = ["--rmsprop-eps", "1e-5"]
-A3C_EPS = ["--rmsprop-eps", "1e-3"]
 ATARI_SMOKE = [
-    Entry("a3c_hogwild", "a3c_large_batch.py", "ALE/Pong-v5", PONG_STEPS, [*DEEPMIND, "--num-workers", "2", *A3C_EPS]),
+    Entry("a3c_hogwild", "a3c_large_batch.py", "ALE/Pong-v5", PONG_STEPS, [*DEEPMIND, "--num-workers", "2"]),
     Entry(
         "cleanba_ppo",
         "cleanba_ppo_impala.py",
@@ -176,7 +169,7 @@ ATARI_SMOKE = [
         [*DEEPMIND, "--num-envs", "8"],  # the H100 runs pinned --torch-threads 1 (5 jobs side by side; manifest)
     ),
     Entry("hts_a2c", "hts_a2c.py", "ALE/Pong-v5", PONG_STEPS, DEEPMIND),
-    Entry("gala_gossip", "gala_a2c.py", "ALE/Pong-v5", PONG_STEPS, [*DEEPMIND, "--num-learners", "2", *A2C_EPS]),
+    Entry("gala_gossip", "gala_a2c.py", "ALE/Pong-v5", PONG_STEPS, [*DEEPMIND, "--num-learners", "2"]),
     Entry(
         "hts_ppo",
         "hts_ppo.py",
@@ -220,6 +213,11 @@ def atari_paper() -> list[Entry]:
         if g.get("paper_score_error") is not None:
             score += f" +- {g['paper_score_error']}"
         note = f"{st['paper']}: {score} ({st['paper_score_note']})"
+        for key, value in st.items():  # `paper_<flag>`: the paper's value where the flag departs from it
+            flag = "--" + key.removeprefix("paper_").replace("_", "-")
+            if key.startswith("paper_") and flag in st["args"]:
+                ours = st["args"][st["args"].index(flag) + 1]
+                note += f"; {flag} {ours}, not the paper's {value} (why: {key.removeprefix('paper_')}_note in the json)"
         entries.append(Entry(g["label"], st["script"], g["game"], st["frames"] // 4, st["args"], note=note))
     return entries
 

@@ -1,5 +1,6 @@
 """What the script tests share: running a script in a subprocess, finding its run directory, reading what it wrote
-to TensorBoard, the tags every script must write, and finding a process's children.
+to TensorBoard, the tags every script must write, finding a process's children, and a fixed-logits policy with an env
+that records the actions it is given (for checking how a script's evaluation picks actions).
 
 The test files import it as `from helpers import ...` (tests/ has no __init__.py, so pytest puts tests/ on sys.path)."""
 
@@ -10,7 +11,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
+import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -85,3 +89,35 @@ def children_of(pid):
             except (OSError, ValueError, IndexError):
                 pass
     return out
+
+
+class FixedLogitsPolicy(nn.Module):
+    """An actor-critic whose logits are the given [A] tensor for every observation (values 0): (logits, values)."""
+
+    def __init__(self, logits: torch.Tensor):
+        super().__init__()
+        self.register_buffer("logits", logits)
+
+    def forward(self, obs: torch.Tensor):
+        return self.logits.expand(obs.shape[0], -1), torch.zeros(obs.shape[0])
+
+
+class RecordingEnv:
+    """A gymnasium-style env whose episodes last `length` steps and return `length`; `actions` lists every action."""
+
+    def __init__(self, length: int = 25):
+        self.length, self.t, self.actions = length, 0, []
+
+    def reset(self, seed=None, options=None):
+        self.t = 0
+        return np.zeros(4, dtype=np.float32), {}
+
+    def step(self, action):
+        self.actions.append(action)
+        self.t += 1
+        done = self.t == self.length
+        info = {"episode": {"r": float(self.length), "l": self.length}} if done else {}
+        return np.zeros(4, dtype=np.float32), 0.0, done, False, info
+
+    def close(self):
+        pass

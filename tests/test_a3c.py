@@ -14,9 +14,20 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import CORE_TAGS, ROOT, assert_finite_tags, only_run_dir, run_script, scalars
+import tyro
+from helpers import (
+    CORE_TAGS,
+    ROOT,
+    FixedLogitsPolicy,
+    RecordingEnv,
+    assert_finite_tags,
+    only_run_dir,
+    run_script,
+    scalars,
+)
 from torch import nn
 
+import a3c_large_batch
 from a3c_large_batch import (
     Args,
     Shared,
@@ -97,6 +108,34 @@ def test_shared_rmsprop_matches_torch_rmsprop():
         ref.grad = g.clone()
         opt_ref.step()
     torch.testing.assert_close(mine, ref.detach(), rtol=1e-6, atol=1e-7)
+
+
+def test_default_rmsprop_eps_is_the_one_that_learns_and_the_optimizer_applies_it_outside_the_root():
+    """1e-3: Table 2's 0.01 does not learn Pong, 1e-5 kills the ReLUs of 4 hogwild workers (README's eps study).
+    One step from zero statistics, by hand: v = (1 - alpha) g^2, p -= lr g / (sqrt(v) + eps)."""
+    args = tyro.cli(Args, args=[])
+    assert args.rmsprop_eps == 1e-3 and args.optimizer == "rmsprop"
+    p = torch.zeros(3)
+    g = torch.tensor([1e-4, -2e-3, 0.5], dtype=torch.float64)
+    a3c_large_batch.make_optimizer([p], args).step([g.float()], 0.1)
+    want = -0.1 * g / ((1 - 0.99) ** 0.5 * g.abs() + 1e-3)  # [-0.0099, 0.167, -0.980]; eps 0.01: [-0.001, 0.02, -0.83]
+    torch.testing.assert_close(p.double(), want, rtol=1e-5, atol=0)
+
+
+def test_evaluation_takes_argmax_actions_by_default_and_samples_with_no_eval_greedy(monkeypatch, tmp_path):
+    """GALA Table 1 evaluates A3C, too, with argmax_a pi(a|s). The argmax (action 2) has probability about 0.34."""
+    logits = torch.tensor([0.0, 0.4, 0.8, 0.2])
+    for flags, greedy in [([], True), (["--no-eval-greedy"], False)]:
+        env = RecordingEnv(length=25)
+        monkeypatch.setattr(a3c_large_batch, "make_env", lambda *a, env=env, **k: env)
+        args = tyro.cli(Args, args=["--env-id", "CartPole-v1", "--eval-episodes", "4", *flags])
+        assert a3c_large_batch.evaluate(FixedLogitsPolicy(logits), args, tmp_path) == [25.0] * 4
+        assert len(env.actions) == 100
+        if greedy:
+            assert set(env.actions) == {2}
+        else:  # sampled: every action shows up, the argmax in about a third of the steps
+            assert set(env.actions) == {0, 1, 2, 3}
+            assert 15 <= env.actions.count(2) <= 55
 
 
 # ------------------------------------------------------------------ pushes from two processes

@@ -14,8 +14,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import CORE_TAGS, ROOT, assert_finite_tags, only_run_dir, run_script, scalars
+import tyro
+from helpers import (
+    CORE_TAGS,
+    ROOT,
+    FixedLogitsPolicy,
+    RecordingEnv,
+    assert_finite_tags,
+    only_run_dir,
+    run_script,
+    scalars,
+)
 
+import gala_a2c
 from gala_a2c import SharedMemoryGossip, epsilon_ball_radius, mixing_matrix, n_step_returns, peer_offsets
 
 SCRIPT = "gala_a2c.py"
@@ -148,6 +159,39 @@ def test_epsilon_ball_of_proposition_2_holds_for_bounded_updates():
         distances.append(torch.linalg.matrix_norm(X.double() - X.double().mean(0)).item())
     assert max(distances) <= radius
     assert max(distances) > 0.2 * radius  # the bound is not vacuous for this problem
+
+
+# ------------------------------------------------------------------ defaults: the optimizer and the evaluation
+
+
+def test_default_rmsprop_eps_is_the_released_codes_and_the_optimizer_applies_it_outside_the_root():
+    """facebookresearch/gala's --eps default is 1e-5 (Table 2's 0.01 does not learn Pong with eps outside the root).
+    One step from zero statistics, by hand: v = (1 - alpha) g^2, p -= lr g / (sqrt(v) + eps)."""
+    args = tyro.cli(gala_a2c.Args, args=[])
+    assert args.rmsprop_eps == 1e-5
+    p = torch.zeros(3, requires_grad=True)
+    optimizer = gala_a2c.make_optimizer([p], 0.1, args)
+    g = torch.tensor([1e-4, -2e-3, 0.5], dtype=torch.float64)
+    p.grad = g.float()
+    optimizer.step()
+    want = -0.1 * g / ((1 - 0.99) ** 0.5 * g.abs() + 1e-5)  # [-0.5, 0.952, -0.9998]; eps 0.01: [-0.001, 0.0196, -0.833]
+    torch.testing.assert_close(p.detach().double(), want, rtol=1e-5, atol=0)
+
+
+def test_evaluation_takes_argmax_actions_by_default_and_samples_with_no_eval_greedy(monkeypatch, tmp_path):
+    """GALA Table 1 evaluates with argmax_a pi(a|s). The policy's argmax (action 2) has probability about 0.34."""
+    logits = torch.tensor([0.0, 0.4, 0.8, 0.2])
+    for flags, greedy in [([], True), (["--no-eval-greedy"], False)]:
+        env = RecordingEnv(length=25)
+        monkeypatch.setattr(gala_a2c, "make_env", lambda *a, env=env, **k: env)
+        args = tyro.cli(gala_a2c.Args, args=["--env-id", "CartPole-v1", "--eval-episodes", "4", *flags])
+        assert gala_a2c.evaluate(FixedLogitsPolicy(logits), args, tmp_path) == [25.0] * 4
+        assert len(env.actions) == 100
+        if greedy:
+            assert set(env.actions) == {2}
+        else:  # sampled: every action shows up, the argmax in about a third of the steps
+            assert set(env.actions) == {0, 1, 2, 3}
+            assert 15 <= env.actions.count(2) <= 55
 
 
 # ------------------------------------------------------------------ running the script
