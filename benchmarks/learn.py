@@ -60,7 +60,7 @@ class Entry:
 # thread: for an MLP, intra-op threads only add OpenMP hand-offs (and stall badly on an oversubscribed machine).
 # Mode variants (all-reduce, gradient server) come last in each seed's round.
 CARTPOLE_STEPS = 500_000
-A3C_EPS = ["--rmsprop-eps", "1e-5"]
+A3C_CARTPOLE_EPS = ["--rmsprop-eps", "1e-5"]
 # Ape-X DQN: priority eps 1e-3 reached the bar in 3 of 3 seeds, the default 1e-6 in 2 of 3 (README, Results). Both
 # the CartPole and the Pendulum settings anneal the importance-sampling exponent to 1 (Schaul et al.), as they were
 # measured; Ape-X's fixed 0.4 is the script's default for Atari.
@@ -118,7 +118,7 @@ CARTPOLE = [
         "a3c_large_batch.py",
         "CartPole-v1",
         CARTPOLE_STEPS,
-        ["--num-workers", "2", "--num-envs-per-worker", "8", *A3C_EPS],
+        ["--num-workers", "2", "--num-envs-per-worker", "8", *A3C_CARTPOLE_EPS],
     ),
     # Ape-X's exploring actors (eps up to 0.4) never score 500: its bar is checked on the greedy evaluator's returns.
     # Off-policy with replay: 100k steps (the learner replays each transition about 32 times, `--replay-ratio 32`).
@@ -144,7 +144,7 @@ CARTPOLE = [
         "a3c_large_batch.py",
         "CartPole-v1",
         CARTPOLE_STEPS,
-        ["--num-workers", "2", "--num-envs-per-worker", "8", "--update", "server", *A3C_EPS],
+        ["--num-workers", "2", "--num-envs-per-worker", "8", "--update", "server", *A3C_CARTPOLE_EPS],
     ),
 ]
 
