@@ -2,9 +2,10 @@
 PyTorch platform for distributed RL", 2019, Section 5.1), with PolyBeast-style batched inference as an option.
 
 Architecture (one machine; actors are processes, learners and inference are threads of the main process):
-  buffers[num_buffers]: shared-memory rollouts of unroll_length + 1 rows (obs, reward, done, episode statistics,
-    behaviour logits, baseline, action, policy version; the LSTM state at row 0). free_queue / full_queue carry
-    buffer indices; a shared `ledger` says who owns each index (free queue, actor i, full queue, learner j).
+  buffers[num_buffers]: shared-memory rollouts of unroll_length + 1 rows (obs, raw reward, done, last action,
+    episode statistics, behaviour logits, baseline, action, policy version; the LSTM state at row 0).
+    free_queue / full_queue carry buffer indices; a shared `ledger` says who owns each index (free queue, actor i,
+    full queue, learner j).
   actor i (`--num-actors` processes, `--num-envs-per-actor` envs each, 1 env thread): take a free index, write row 0
     = the last row of its previous rollout, step the env unroll_length times, put the index on full_queue.
   acting: `--inference actor` (MonoBeast): each actor runs a CPU copy of the model in shared memory, refreshed in
@@ -21,8 +22,9 @@ Determinism: none promised. Envs, initial parameters and sampling are seeded, bu
 Defaults are TorchBeast's (monobeast.py flags): 4 actors, unroll 80, batch 8, RMSprop lr 4.8e-4 decayed linearly to
   0, shallow network, losses summed over the batch. The IMPALA paper's Atari setting (Table G.1: unroll 20, batch 32,
   deep network): `--unroll-length 20 --batch-size 32 --network impala`.
-Known simplification: TorchBeast feeds the LSTM the torso features plus the clipped reward and a one-hot of the last
-  action; common.models' LSTM core takes the torso features only.
+Network inputs are TorchBeast's AtariNet's: the torso features, the clipped reward that arrived with the observation
+  and a one-hot of the last action go to the heads, or to a 2-layer LSTM as wide as that input (`--use-lstm`).
+  Rewards reach the buffers raw; the loss clips them (`--clip-rewards`), the network clips its reward input.
 
 Examples:
   python impala_monobeast.py --env-id ALE/Breakout-v5                                # batched inference, 4 actors
@@ -104,6 +106,12 @@ class Args:
     """`nature` (TorchBeast's shallow net), `impala` (deep ResNet), `mlp`, or `auto` (nature for frames, else mlp)"""
     use_lstm: bool = False
     """LSTM core between torso and heads (state stored at each rollout start)"""
+    lstm_size: int = 0
+    """LSTM hidden size (0 = as wide as its input, TorchBeast's AtariNet)"""
+    lstm_layers: int = 2
+    """LSTM layers (TorchBeast's AtariNet: 2)"""
+    action_reward_inputs: bool = True
+    """feed the clipped reward and a one-hot of the last action beside the torso features (TorchBeast's AtariNet)"""
 
     # loss and optimiser (TorchBeast monobeast.py defaults; IMPALA paper Table G.1 for Atari: unroll 20, batch 32)
     unroll_length: int = 80
@@ -127,7 +135,7 @@ class Args:
     entropy_cost: float = 0.0006
     """weight of the entropy regulariser"""
     clip_rewards: bool = True
-    """clip rewards to [-1, 1] in the loss (TorchBeast's reward_clipping=abs_one)"""
+    """clip rewards to [-1, 1] in the loss (TorchBeast's reward_clipping=abs_one); the env hands them over raw"""
     vtrace_rho_bar: float = 1.0
     """truncation of the importance weights in the V-trace targets (rho-bar)"""
     vtrace_c_bar: float = 1.0
@@ -219,15 +227,18 @@ def linear_lr(base: float, steps_done: int, total_steps: int) -> float:
 class Buffers:
     """`num_buffers` rollouts of T + 1 rows over one actor's N envs, in shared memory, allocated once.
 
-    Row t holds observation x_t, the reward and done flag that arrived with it (done[t]: x_t starts a new episode),
-    the game statistics if a game ended on arriving at x_t, and the agent's output at x_t (action a_t, behaviour
-    logits, baseline, policy version). Row 0 is the previous rollout's row T, so transitions t = 0..T-1 are
-    (x_t, a_t, reward[t + 1], done[t + 1], x_{t + 1}).
+    Row t holds observation x_t, the raw reward and done flag that arrived with it (done[t]: x_t starts a new
+    episode), the action a_{t-1} that led to it (last_action), the game statistics if a game ended on arriving at
+    x_t, and the agent's output at x_t (action a_t, behaviour logits, baseline, policy version). Row 0 is the previous
+    rollout's row T, so transitions t = 0..T-1 are (x_t, a_t, reward[t + 1], done[t + 1], x_{t + 1}). As in
+    TorchBeast's `Environment`, reward and last action are 0 only at an actor's first observation; the first row of
+    any later episode carries the previous episode's last reward and action (only the LSTM state is zeroed).
     """
 
     obs: torch.Tensor  # [K, T + 1, N, *obs_shape]
     reward: torch.Tensor  # [K, T + 1, N]
     done: torch.Tensor  # [K, T + 1, N] bool
+    last_action: torch.Tensor  # [K, T + 1, N] int64, a_{t-1}: the network's input beside x_t and reward[t]
     episode_end: torch.Tensor  # [K, T + 1, N] bool, a game (all lives) ended on arriving at this row
     episode_return: torch.Tensor  # [K, T + 1, N], its true return (valid where episode_end)
     episode_length: torch.Tensor  # [K, T + 1, N]
@@ -247,6 +258,7 @@ class Buffers:
             obs=((K, T + 1, N, *obs_shape), obs_dtype),
             reward=((K, T + 1, N), torch.float32),
             done=((K, T + 1, N), torch.bool),
+            last_action=((K, T + 1, N), torch.int64),
             episode_end=((K, T + 1, N), torch.bool),
             episode_return=((K, T + 1, N), torch.float32),
             episode_length=((K, T + 1, N), torch.int64),
@@ -265,6 +277,7 @@ class Buffers:
         "obs",
         "reward",
         "done",
+        "last_action",
         "episode_end",
         "episode_return",
         "episode_length",
@@ -277,11 +290,13 @@ class Buffers:
 
 @dataclass
 class InferenceSlots:
-    """Per-actor shared-memory slots for batched inference: the actor writes obs/done, the inference thread writes
-    the agent output (and the LSTM state it carries for that actor) back."""
+    """Per-actor shared-memory slots for batched inference: the actor writes obs/done/last_action/reward, the
+    inference thread writes the agent output (and the LSTM state it carries for that actor) back."""
 
     obs: torch.Tensor  # [num_actors, N, *obs_shape]
     done: torch.Tensor  # [num_actors, N] bool
+    last_action: torch.Tensor  # [num_actors, N] int64
+    reward: torch.Tensor  # [num_actors, N] raw
     action: torch.Tensor  # [num_actors, N]
     logits: torch.Tensor  # [num_actors, N, A]
     baseline: torch.Tensor  # [num_actors, N]
@@ -295,6 +310,8 @@ class InferenceSlots:
         return InferenceSlots(
             obs=torch.zeros((M, N, *obs_shape), dtype=obs_dtype).share_memory_(),
             done=torch.zeros((M, N), dtype=torch.bool).share_memory_(),
+            last_action=torch.zeros((M, N), dtype=torch.int64).share_memory_(),
+            reward=torch.zeros((M, N)).share_memory_(),
             action=torch.zeros((M, N), dtype=torch.int64).share_memory_(),
             logits=torch.zeros((M, N, num_actions)).share_memory_(),
             baseline=torch.zeros((M, N)).share_memory_(),
@@ -327,12 +344,13 @@ class RequestPipe:
         os.close(self.write_fd)
 
 
-def policy_step(model: nn.Module, obs: torch.Tensor, done: torch.Tensor, state):
-    """The agent's forward pass at one step: [B, ...] obs -> sampled action, logits, baseline, next LSTM state."""
+def policy_step(model: nn.Module, obs: torch.Tensor, done: torch.Tensor, last_action, reward, state):
+    """The agent's forward pass at one step: [B, ...] obs (and the [B] done, last action, raw reward that came with
+    it) -> sampled action, logits, baseline, next LSTM state."""
     if state is None:
-        logits, baseline = model(obs)
+        logits, baseline = model(obs, last_action, reward)
     else:
-        logits, baseline, state = model.recurrent(obs[None], done[None], state)
+        logits, baseline, state = model.recurrent(obs[None], done[None], state, last_action[None], reward[None])
         logits, baseline = logits[0], baseline[0]
     action = torch.multinomial(torch.softmax(logits.float(), dim=-1), 1).squeeze(-1)
     return action, logits, baseline, state
@@ -375,15 +393,20 @@ class ActorPolicy:
             return self.state
         return self.slots.h[self.actor_id], self.slots.c[self.actor_id]
 
-    def __call__(self, obs: torch.Tensor, done: torch.Tensor, stop) -> tuple:
+    def __call__(self, obs: torch.Tensor, done: torch.Tensor, last_action: torch.Tensor, reward: torch.Tensor, stop):
+        """The agent output at one row: (action, logits, baseline, policy version)."""
         if self.model is not None:  # MonoBeast: the CPU copy in shared memory, refreshed in place by the learner
             version = int(self.shared_version.item())  # read first: the data is at least this new
             with torch.inference_mode():
-                action, logits, baseline, self.state = policy_step(self.model, obs, done, self.state)
+                action, logits, baseline, self.state = policy_step(
+                    self.model, obs, done, last_action, reward, self.state
+                )
             return action, logits, baseline, version
         i, slots = self.actor_id, self.slots
         slots.obs[i].copy_(obs)
         slots.done[i].copy_(done)
+        slots.last_action[i].copy_(last_action)
+        slots.reward[i].copy_(reward)
         start = time.perf_counter()
         self.requests.put(i)
         while not self.sem.acquire(timeout=1.0):
@@ -411,18 +434,25 @@ def actor_process(
     torch.manual_seed(env_seed)
     envs = None
     try:
-        envs = make_vector_env(
-            args.env_id, args.num_envs_per_actor, env_seed, protocol=args.atari_protocol, num_threads=1
+        envs = make_vector_env(  # raw rewards: the loss clips them, or not (--clip-rewards)
+            args.env_id,
+            args.num_envs_per_actor,
+            env_seed,
+            protocol=args.atari_protocol,
+            num_threads=1,
+            clip_rewards=False,
         )
         T = args.unroll_length
         obs, _ = envs.reset()
-        # the row carried into the next rollout: x_0 of the first episode, done = True (a new episode starts)
+        # the row carried into the next rollout: x_0 of the first episode, done = True (a new episode starts), reward
+        # and last action 0 (TorchBeast's `Environment.initial`)
         last = {k: torch.zeros_like(getattr(buffers, k)[0, 0]) for k in Buffers.ROW_KEYS}
         last["obs"].copy_(torch.from_numpy(obs))
         last["done"].fill_(True)
         state_before_last = policy.current_state()
         state_before_last = None if state_before_last is None else tuple(s.clone() for s in state_before_last)
-        action, logits, baseline, version = policy(last["obs"], last["done"], stop)
+        action, logits, baseline, version = policy(last["obs"], last["done"], last["last_action"], last["reward"], stop)
+        action = action.clone()  # batched inference returns a view of the slot it overwrites at the next step
         last["action"].copy_(action), last["logits"].copy_(logits), last["baseline"].copy_(baseline)
         last["version"].fill_(version)
         rollout = 0
@@ -450,13 +480,16 @@ def actor_process(
                     "obs": torch.from_numpy(obs),
                     "reward": torch.from_numpy(np.asarray(reward, dtype=np.float32)),
                     "done": torch.from_numpy(terminated | truncated),
+                    "last_action": action,  # kept across episode ends, as TorchBeast's `Environment.step` does
                     "episode_end": torch.from_numpy(info["_episode"]),
                     "episode_return": torch.from_numpy(info["episode"]["r"]),
                     "episode_length": torch.from_numpy(info["episode"]["l"]),
                 }
                 if t == T and state_before_last is not None:  # the next rollout starts from this forward pass
                     state_before_last = tuple(s.clone() for s in policy.current_state())
-                action, logits, baseline, version = policy(row["obs"], row["done"], stop)
+                action, logits, baseline, version = policy(
+                    row["obs"], row["done"], row["last_action"], row["reward"], stop
+                )
                 action = action.clone()
                 for k, v in row.items():
                     getattr(buffers, k)[index, t].copy_(v)
@@ -506,6 +539,8 @@ def inference_thread(
             idx = torch.tensor(ids)
             obs = slots.obs[idx].reshape(len(ids) * N, *slots.obs.shape[2:]).to(device, non_blocking=True)
             done = slots.done[idx].reshape(-1).to(device)
+            last_action = slots.last_action[idx].reshape(-1).to(device)
+            reward = slots.reward[idx].reshape(-1).to(device)
             state = None
             if model.core is not None:  # [k, L, N, H] -> [L, k * N, H]
                 state = tuple(
@@ -513,7 +548,7 @@ def inference_thread(
                 )
             with model_lock, torch.inference_mode():
                 acting_version = version[0]
-                action, logits, baseline, state = policy_step(model, obs, done, state)
+                action, logits, baseline, state = policy_step(model, obs, done, last_action, reward, state)
             slots.action[idx] = action.view(len(ids), N).cpu()
             slots.logits[idx] = logits.view(len(ids), N, -1).float().cpu()
             slots.baseline[idx] = baseline.view(len(ids), N).float().cpu()
@@ -572,16 +607,22 @@ def get_batch(
     return batch, indices
 
 
+def learner_outputs(model: nn.Module, b: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The learner's logits [T + 1, B, A] and values [T + 1, B] on a batch, from the same inputs the actors fed."""
+    T1, B = b["reward"].shape
+    if model.core is None:
+        logits, values = model(b["obs"].reshape(T1 * B, *b["obs"].shape[2:]), b["last_action"], b["reward"])
+        return logits.reshape(T1, B, -1), values.reshape(T1, B)
+    state = (b["initial_h"], b["initial_c"])
+    logits, values, _ = model.recurrent(b["obs"], b["done"], state, b["last_action"], b["reward"])
+    return logits, values
+
+
 def learn(model: nn.Module, optimizer, batch: dict[str, torch.Tensor], args: Args, device: torch.device) -> dict:
     """One V-trace update on a [T + 1, B] batch; returns float metrics (losses, grad norm)."""
     b = {k: v.to(device, non_blocking=True) for k, v in batch.items() if k != "meta"}
-    T1, B = b["reward"].shape
-    if model.core is None:
-        logits, values = model(b["obs"].reshape(T1 * B, *b["obs"].shape[2:]))
-        logits, values = logits.reshape(T1, B, -1), values.reshape(T1, B)
-    else:
-        logits, values, _ = model.recurrent(b["obs"], b["done"], (b["initial_h"], b["initial_c"]))
-    rewards = b["reward"][1:]
+    logits, values = learner_outputs(model, b)
+    rewards = b["reward"][1:]  # raw from the env
     if args.clip_rewards:
         rewards = rewards.clamp(-1.0, 1.0)
     actions = b["action"][:-1]
@@ -614,6 +655,16 @@ def learn(model: nn.Module, optimizer, batch: dict[str, torch.Tensor], args: Arg
 # ----------------------------------------------------------------------------------------------------------------
 
 
+def model_options(args: Args) -> dict:
+    """make_model's core options from the flags."""
+    return dict(
+        use_lstm=args.use_lstm,
+        lstm_size=args.lstm_size,
+        lstm_layers=args.lstm_layers,
+        action_reward_inputs=args.action_reward_inputs,
+    )
+
+
 def num_buffers_of(args: Args) -> int:
     return args.num_buffers if args.num_buffers is not None else max(2 * args.num_actors, args.batch_size)
 
@@ -627,6 +678,7 @@ def validate(args: Args) -> str | None:
         "unroll_length",
         "batch_size",
         "total_timesteps",
+        "lstm_layers",
     ):
         if getattr(args, name) < 1:
             return f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}"
@@ -663,6 +715,7 @@ def validate(args: Args) -> str | None:
         "baseline_cost",
         "entropy_cost",
         "rmsprop_momentum",
+        "lstm_size",
     ):
         if getattr(args, name) < 0:
             return f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}"
@@ -706,12 +759,17 @@ def evaluate(model: nn.Module, args: Args, run_dir: Path, device: torch.device) 
     returns = []
     obs, _ = env.reset()
     done = torch.ones(1, dtype=torch.bool, device=device)
+    last_action = torch.zeros(1, dtype=torch.int64, device=device)
+    reward = torch.zeros(1, device=device)
     state = model.initial_state(1, device) if model.core is not None else None
     while len(returns) < args.eval_episodes:
         with torch.inference_mode():
-            action, _, _, state = policy_step(model, torch.as_tensor(obs[None], device=device), done, state)
-        obs, _, terminated, truncated, info = env.step(int(action[0]))
+            obs_t = torch.as_tensor(obs[None], device=device)
+            action, _, _, state = policy_step(model, obs_t, done, last_action, reward, state)
+        obs, r, terminated, truncated, info = env.step(int(action[0]))
         done.fill_(bool(terminated or truncated))
+        last_action.copy_(action)  # carried into the next game, as in training
+        reward.fill_(r)
         if terminated or truncated:
             returns.append(float(info["episode"]["r"]))
             obs, _ = env.reset()
@@ -785,7 +843,7 @@ def main(args: Args) -> None:
     obs_space, act_space = probe.single_observation_space, probe.single_action_space
     probe.close()
     network = args.network if args.network != "auto" else ("nature" if len(obs_space.shape) == 3 else "mlp")
-    model = make_model(obs_space, act_space, network, use_lstm=args.use_lstm).to(device)
+    model = make_model(obs_space, act_space, network, **model_options(args)).to(device)
     optimizer = torch.optim.RMSprop(
         model.parameters(),
         lr=args.learning_rate,
@@ -803,13 +861,13 @@ def main(args: Args) -> None:
     steps_per_update = T * B * N
     num_updates = args.total_timesteps // steps_per_update
     K = num_buffers_of(args)
-    lstm_shape = (1, 256) if args.use_lstm else (1, 1)
+    lstm_shape = (model.core.num_layers, model.core.hidden_size) if model.core is not None else (1, 1)
     obs_dtype = torch.uint8 if obs_space.dtype == np.uint8 else torch.float32
     buffers = Buffers.allocate(K, T, N, obs_space.shape, obs_dtype, int(act_space.n), lstm_shape)
     # the actors' copy: the Nature network infers faster contiguous on CPU, trains faster channels_last (common.models)
     acting_device = device if args.inference == "batched" else torch.device("cpu")
     acting_model = make_model(
-        obs_space, act_space, network, use_lstm=args.use_lstm, channels_last=network != "nature"
+        obs_space, act_space, network, **model_options(args), channels_last=network != "nature"
     ).to(acting_device)
     acting_model.load_state_dict(model.state_dict())
     acting_version = [updates]  # batched: read by the inference thread under model_lock

@@ -10,8 +10,9 @@ ALE ids (`ALE/Breakout-v5`, `BreakoutNoFrameskip-v4`, ...) name only the game; t
 
 - `deepmind` (default; Mnih et al. 2015, the setting of the GALA, IMPALA, HTS-RL and A3C papers): 84x84 grayscale,
   frame skip 4 with a max-pool over the last 2 frames, up to 30 no-ops and FIRE on reset, end of life signalled as
-  `terminated` for training (the game itself goes on), rewards clipped to [-1, 1], 4 stacked frames, no sticky
-  actions, minimal action set, episodes cut at 108,000 frames.
+  `terminated` for training (the game itself goes on, and the frame stack starts afresh: the frames from before the
+  lost life read as zeros, as after a new game and as DQN's replay memory zeroes frames across a terminal), rewards
+  clipped to [-1, 1], 4 stacked frames, no sticky actions, minimal action set, episodes cut at 108,000 frames.
 - `machado` (Machado et al. 2018, as in Cleanba's evaluation): the same frames, but sticky actions with probability
   0.25, the full 18-action set, no life-loss signal and no no-op starts (`noop_max=1`, as Cleanba passes to envpool).
 
@@ -19,8 +20,13 @@ Whatever the protocol, `info["episode"]` holds the true game's return and length
 length in agent steps) for the sub-environments flagged in `info["_episode"]`, the layout of gymnasium's
 `RecordEpisodeStatistics`. That is what every script logs as `charts/episodic_return`.
 
-Differences from the Python wrappers of OpenAI baselines, all from ale-py's C++ preprocessing: FIRE is pressed on a
-new game, not after each lost life; after a reset the frame stack holds zeros plus the first frame.
+Training rewards are clipped unless `clip_rewards=False`, for a script that clips in its loss (impala_monobeast, as
+TorchBeast does) and so must see the raw rewards.
+
+Differences from the Python wrappers of OpenAI baselines (which TorchBeast uses): FIRE is pressed once per game, on
+reset (ale-py's `use_fire_reset`), not after each lost life, since that would take an env step the agent did not
+choose; after a new game or a lost life the frame stack holds zeros plus the newest frame, where baselines repeats
+the first frame 4 times.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ import numpy as np
 PROTOCOLS = ("deepmind", "machado")
 ATARI_MAX_FRAMES = 108_000  # frames per episode (Machado et al. 2018; Hessel et al. 2018, Table 3)
 FRAME_SKIP = 4  # emulator frames per agent step on ALE ids (Mnih et al. 2015), whatever the protocol
+STACK = 4  # stacked frames per observation (Mnih et al. 2015)
 
 # ale-py constructor settings of each protocol; the keys below the blank line are applied in Python by
 # `EpisodeStatistics` (life-loss signal and clipping need the true, unclipped game underneath).
@@ -111,6 +118,7 @@ class EpisodeStatistics(gym.vector.VectorWrapper):
         self._return = np.zeros(n, dtype=np.float64)  # running game return (unclipped, all lives)
         self._length = np.zeros(n, dtype=np.int64)  # running game length in agent steps
         self._lives = np.full(n, -1, dtype=np.int64)  # -1: not seen since reset
+        self._fresh = np.full(n, STACK, dtype=np.int64)  # frames seen since a life loss (STACK: none to hide)
         self._acted = np.zeros(n, dtype=bool)  # an action was sent since the env's last observation
         self._last_ids = np.arange(n)
 
@@ -121,6 +129,7 @@ class EpisodeStatistics(gym.vector.VectorWrapper):
         obs, info = self.env.reset(seed=seed, options=options)
         mask = np.ones(self.num_envs, bool) if not options or "reset_mask" not in options else options["reset_mask"]
         self._return[mask], self._length[mask], self._lives[mask], self._acted[mask] = 0.0, 0, -1, False
+        self._fresh[mask] = STACK
         self._last_ids = info.get("env_id", np.arange(len(obs)))
         if "lives" in info:
             self._lives[self._last_ids] = info["lives"]
@@ -154,11 +163,25 @@ class EpisodeStatistics(gym.vector.VectorWrapper):
             lives = info["lives"].astype(np.int64)
             prev = self._lives[ids]
             if self.life_loss:  # DeepMind: a lost life ends the training episode, not the game
-                terminated = terminated | ((prev >= 0) & (lives < prev) & acted)
+                lost = (prev >= 0) & (lives < prev) & acted
+                terminated = terminated | lost
+                obs = self._restart_stack(obs, ids, lost, game_over, acted)
             self._lives[ids] = lives  # after a game over, `lives` already belongs to the new game
         if self.clip_rewards:
             reward = np.clip(reward, -1.0, 1.0)
         return obs, reward, terminated, truncated, info
+
+    def _restart_stack(self, obs, ids: np.ndarray, lost: np.ndarray, game_over: np.ndarray, acted: np.ndarray):
+        """A lost life starts a new training episode: zero the stacked frames (axis 1, oldest first) from before it,
+        in this observation and the next STACK - 2, as the C++ env does after a new game."""
+        fresh = np.minimum(self._fresh[ids] + acted, STACK)
+        fresh = np.where(lost, 1, np.where(game_over, STACK, fresh))  # a game over: the C++ env restarted the stack
+        self._fresh[ids] = fresh
+        hide = STACK - fresh  # [n] oldest frames to zero
+        if hide.any():
+            obs = obs.copy()  # the C++ env's own buffer must not change
+            obs[np.arange(STACK)[None, :] < hide[:, None]] = 0
+        return obs
 
 
 def make_vector_env(
@@ -171,6 +194,7 @@ def make_vector_env(
     num_threads: int = 0,
     batch_size: int = 0,
     asynchronous: bool = False,
+    clip_rewards: bool = True,
 ) -> EpisodeStatistics:
     """A gymnasium vector env of `num_envs` sub-environments with batched numpy observations.
 
@@ -178,8 +202,9 @@ def make_vector_env(
     `batch_size` > 0 turns on its async mode: `send` actions for the envs of the last `recv`, which returns the
     first `batch_size` envs to finish). Other ids run in gymnasium's SyncVectorEnv (or AsyncVectorEnv with
     `asynchronous`, not allowed inside daemonic worker processes).
-    `train=False` turns off the life-loss signal and reward clipping (evaluation). The first `reset()` without a
-    seed seeds sub-environment i with `seed + i`.
+    `train=False` turns off the life-loss signal and reward clipping (evaluation); `clip_rewards=False` turns off
+    the clipping only, for a script that clips in its loss. The first `reset()` without a seed seeds
+    sub-environment i with `seed + i`.
     """
     check_env_args(env_id, num_envs, protocol, batch_size)
     game = ale_game(env_id)
@@ -198,7 +223,7 @@ def make_vector_env(
             img_height=84,
             img_width=84,
             grayscale=True,
-            stack_num=4,
+            stack_num=STACK,
             frameskip=FRAME_SKIP,
             maxpool=True,
             use_fire_reset=True,
@@ -208,7 +233,7 @@ def make_vector_env(
             **settings,
         )
         env.single_action_space.seed(seed)
-        return EpisodeStatistics(env, life_loss=life_loss and train, clip_rewards=train, seed=seed)
+        return EpisodeStatistics(env, life_loss=life_loss and train, clip_rewards=train and clip_rewards, seed=seed)
     try:
         gym.make(env_id).close()  # surface missing extras (box2d, mujoco) as one line, before spawning anything
     except gym.error.Error as e:

@@ -6,6 +6,9 @@
   16/32/32 channels, then fc 256 (Espeholt et al. 2018, Figure 3; Cleanba's default network).
 - `mlp`: for flat observations, separate policy and value towers of 2x64 tanh (CleanRL's classic-control agent).
 - Optional LSTM core (`use_lstm`) between torso and heads, with an explicit recurrent-state API (IMPALA, TorchBeast).
+- Optional TorchBeast inputs (`action_reward_inputs`): the core (LSTM, or the heads directly) takes the torso features,
+  the reward that arrived with the observation clipped to [-1, 1], and a one-hot of the last action, concatenated in
+  that order, as TorchBeast's `AtariNet` does. Off by default, so models and checkpoints without it are unchanged.
 - Ape-X (`make_q_network`, `make_ddpg_model`): a dueling Q-network on the same torsos, and a deterministic actor with
   a Q(s, a) critic for continuous actions (DDPG).
 
@@ -120,6 +123,8 @@ class ActorCritic(nn.Module):
     Recurrent: `logits, value, state = model.recurrent(obs, done, state)` with obs [T, B, ...] and done [T, B]
     (`done[t]` marks obs[t] as the first of a new episode: the state is zeroed before step t), returning
     [T, B, A], [T, B] and the state after step T-1. `model.initial_state(B)` gives zeros.
+    With `action_reward_inputs`, both also take `last_action` (int64) and `reward` (raw; clipped here), shaped like
+    `done`: the action taken before obs and the reward that arrived with obs.
     """
 
     def __init__(
@@ -131,19 +136,24 @@ class ActorCritic(nn.Module):
         head_hidden: tuple[int, ...] = (),
         use_lstm: bool = False,
         lstm_size: int = 256,
+        lstm_layers: int = 1,
+        action_reward_inputs: bool = False,
         image: bool = False,
         channels_last: bool = False,
     ):
         super().__init__()
         self.torso, self.image, self.channels_last, self.num_actions = torso, image, channels_last, num_actions
-        self.core = nn.LSTM(torso_features, lstm_size) if use_lstm else None
+        self.action_reward_inputs = action_reward_inputs
+        core_inputs = torso_features + (1 + num_actions if action_reward_inputs else 0)
+        lstm_size = lstm_size or core_inputs  # 0: as wide as its input (TorchBeast's AtariNet)
+        self.core = nn.LSTM(core_inputs, lstm_size, lstm_layers) if use_lstm else None
         if self.core is not None:
             for name, param in self.core.named_parameters():
                 if "weight" in name:
                     nn.init.orthogonal_(param, 1.0)
                 else:
                     nn.init.constant_(param, 0.0)
-        features = lstm_size if use_lstm else torso_features
+        features = lstm_size if use_lstm else core_inputs
         self.policy = _mlp(features, head_hidden, num_actions, out_std=0.01)
         self.value = _mlp(features, head_hidden, 1, out_std=1.0)
 
@@ -151,10 +161,22 @@ class ActorCritic(nn.Module):
         """[B, ...] observations (uint8 frames or floats) -> [B, F] torso features."""
         return self.torso(_torso_input(obs, self.image, self.channels_last))
 
-    def forward(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def core_input(self, obs: torch.Tensor, last_action=None, reward=None) -> torch.Tensor:
+        """[B, ...] observations -> [B, F] input of the core: torso features, then (with `action_reward_inputs`)
+        the clipped reward and the one-hot last action, TorchBeast's order."""
+        x = self.features(obs)
+        if not self.action_reward_inputs:
+            return x
+        if last_action is None or reward is None:
+            raise ValueError("this model takes the last action and reward: pass last_action= and reward=")
+        clipped = reward.reshape(-1, 1).to(x.dtype).clamp(-1.0, 1.0)
+        one_hot = nn.functional.one_hot(last_action.reshape(-1).long(), self.num_actions).to(x.dtype)
+        return torch.cat([x, clipped, one_hot], dim=-1)
+
+    def forward(self, obs: torch.Tensor, last_action=None, reward=None) -> tuple[torch.Tensor, torch.Tensor]:
         if self.core is not None:
             raise RuntimeError("this model has an LSTM core: call model.recurrent(obs, done, state)")
-        h = self.features(obs)
+        h = self.core_input(obs, last_action, reward)
         return self.policy(h), self.value(h).squeeze(-1)
 
     def initial_state(self, batch_size: int, device: torch.device | str = "cpu") -> LSTMState:
@@ -162,10 +184,10 @@ class ActorCritic(nn.Module):
         zeros = torch.zeros(self.core.num_layers, batch_size, self.core.hidden_size, device=device)
         return zeros, zeros.clone()
 
-    def recurrent(self, obs: torch.Tensor, done: torch.Tensor, state: LSTMState):
+    def recurrent(self, obs: torch.Tensor, done: torch.Tensor, state: LSTMState, last_action=None, reward=None):
         assert self.core is not None, "recurrent() needs use_lstm=True"
         T, B = done.shape
-        x = self.features(obs.reshape(T * B, *obs.shape[2:])).reshape(T, B, -1)
+        x = self.core_input(obs.reshape(T * B, *obs.shape[2:]), last_action, reward).reshape(T, B, -1)
         keep = (~done.bool()).float().unsqueeze(-1)  # [T, B, 1]
         outputs = []
         h, c = state
@@ -201,26 +223,24 @@ def make_model(
     *,
     use_lstm: bool = False,
     lstm_size: int = 256,
+    lstm_layers: int = 1,
+    action_reward_inputs: bool = False,
     channels_last: bool = True,
 ) -> ActorCritic:
-    """Pick the network from the observation space: `auto` is `nature` for [C, H, W] frames, `mlp` for vectors."""
+    """Pick the network from the observation space: `auto` is `nature` for [C, H, W] frames, `mlp` for vectors.
+
+    `lstm_size=0` makes the LSTM as wide as its input; `action_reward_inputs` adds TorchBeast's inputs (see
+    `ActorCritic`). TorchBeast's AtariNet: `nature`, `action_reward_inputs=True`, LSTM `lstm_size=0, lstm_layers=2`.
+    """
     network, shape = _pick_network(network, observation_space, action_space, "these actor-critics")
     num_actions = int(action_space.n)
-    if network == "mlp":
-        torso = nn.Flatten()
-        return ActorCritic(
-            torso, math.prod(shape), num_actions, head_hidden=(64, 64), use_lstm=use_lstm, lstm_size=lstm_size
-        )
-    torso = NatureCNN(shape) if network == "nature" else ImpalaResNet(shape)
-    model = ActorCritic(
-        torso,
-        torso.out_features,
-        num_actions,
-        use_lstm=use_lstm,
-        lstm_size=lstm_size,
-        image=True,
-        channels_last=channels_last,
+    core = dict(
+        use_lstm=use_lstm, lstm_size=lstm_size, lstm_layers=lstm_layers, action_reward_inputs=action_reward_inputs
     )
+    if network == "mlp":
+        return ActorCritic(nn.Flatten(), math.prod(shape), num_actions, head_hidden=(64, 64), **core)
+    torso = NatureCNN(shape) if network == "nature" else ImpalaResNet(shape)
+    model = ActorCritic(torso, torso.out_features, num_actions, image=True, channels_last=channels_last, **core)
     return model.to(memory_format=torch.channels_last) if channels_last else model
 
 

@@ -53,27 +53,34 @@ def test_noop_starts_differ_by_seed_and_repeat_for_same_seed():
     assert not np.array_equal(a, c)
 
 
-def play_against_reference(protocol, game="space_invaders", env_id="ALE/SpaceInvaders-v5", seed=3, max_steps=5000):
+def play_against_reference(
+    protocol, game="space_invaders", env_id="ALE/SpaceInvaders-v5", seed=3, max_steps=5000, clip_rewards=True
+):
     """Step the wrapped env and the raw reference with the same seed and actions until the first game over."""
     noop_max = 30 if protocol == "deepmind" else 1
     sticky = 0.0 if protocol == "deepmind" else 0.25
     ref = raw_ale(game, 1, noop_max=noop_max, repeat_action_probability=sticky, full_action_space=protocol == "machado")
     ref.reset(seed=seed)
-    envs = make_vector_env(env_id, 1, seed=seed, protocol=protocol, num_threads=1)
+    envs = make_vector_env(env_id, 1, seed=seed, protocol=protocol, num_threads=1, clip_rewards=clip_rewards)
     envs.reset()
     rng = np.random.default_rng(seed)
     raw_rewards, rewards, terminals, life_losses = [], [], 0, 0
-    lives = None
+    lives, since_loss = None, 99
     for _ in range(max_steps):
         action = rng.integers(0, envs.single_action_space.n, 1)
         r_obs, r_rew, r_term, r_trunc, r_info = ref.step(action)
         obs, rew, term, trunc, info = envs.step(action)
-        np.testing.assert_array_equal(obs, r_obs)  # the game underneath is untouched by the wrapper
+        if lives is not None and r_info["lives"][0] < lives and not (r_term[0] or r_trunc[0]):
+            life_losses += 1
+            since_loss = -1
+        since_loss += 1
+        if protocol == "deepmind" and since_loss < 3:  # frames from before a lost life are hidden
+            r_obs = r_obs.copy()
+            r_obs[0, : 3 - since_loss] = 0
+        np.testing.assert_array_equal(obs, r_obs)  # otherwise the game underneath is untouched by the wrapper
         raw_rewards.append(float(r_rew[0]))
         rewards.append(float(rew[0]))
         terminals += int(term[0])
-        if lives is not None and r_info["lives"][0] < lives and not (r_term[0] or r_trunc[0]):
-            life_losses += 1
         lives = r_info["lives"][0]
         if r_term[0] or r_trunc[0]:
             return raw_rewards, rewards, terminals, life_losses, info
@@ -90,6 +97,49 @@ def test_deepmind_true_return_over_all_lives_and_clipping():
     assert info["episode"]["l"][0] == len(raw_rewards)
     assert life_losses >= 2  # Space Invaders starts with 3 lives
     assert terminals == life_losses + 1  # a terminal per lost life (game goes on), one at game over
+
+
+@pytest.mark.parametrize("protocol", ["deepmind", "machado"])
+def test_frame_stack_restarts_at_a_lost_life_under_deepmind(protocol):
+    """deepmind: the observation that starts a new training episode after a lost life holds zeros plus the newest
+    frame, and the next two hide the frames from before it, as after a new game; machado signals no life loss, so
+    its frames stay the game's. The raw C++ env (same seed, same actions) gives the unmasked frames."""
+    deepmind = protocol == "deepmind"
+    kw = dict(noop_max=30 if deepmind else 1, repeat_action_probability=0.0 if deepmind else 0.25)
+    ref = raw_ale("breakout", 2, full_action_space=not deepmind, **kw)
+    ref.reset(seed=5)
+    envs = make_vector_env("ALE/Breakout-v5", 2, seed=5, protocol=protocol, num_threads=1)
+    envs.reset()
+    rng = np.random.default_rng(5)
+    lives, since_loss, checked = None, np.full(2, 99), 0
+    for _ in range(3000):
+        action = rng.integers(0, envs.single_action_space.n, 2)
+        r_obs, _, r_term, r_trunc, r_info = ref.step(action)
+        obs, _, term, _, _ = envs.step(action)
+        lost = (r_info["lives"] < lives) & ~(r_term | r_trunc) if lives is not None else np.zeros(2, bool)
+        lives = r_info["lives"]
+        since_loss = np.where(lost, 0, since_loss + 1)
+        for i in range(2):
+            want = r_obs[i].copy()
+            if deepmind and since_loss[i] < 3:
+                want[: 3 - since_loss[i]] = 0  # frames from before the lost life
+                checked += 1
+            np.testing.assert_array_equal(obs[i], want)
+            assert want[-1].any()  # the newest frame is never blank
+        assert np.array_equal(term, lost | r_term) if deepmind else not (term & lost).any()
+        if (deepmind and checked >= 6 and (since_loss >= 3).any()) or (not deepmind and lost.any()):
+            break
+    else:
+        raise AssertionError("no life was lost")
+    assert checked >= 6 or not deepmind
+    envs.close()
+    ref.close()
+
+
+def test_clip_rewards_false_keeps_raw_training_rewards():
+    raw_rewards, rewards, terminals, life_losses, info = play_against_reference("deepmind", clip_rewards=False)
+    assert max(raw_rewards) > 1 and rewards == raw_rewards
+    assert terminals == life_losses + 1  # still the training env: a terminal per lost life
 
 
 def test_machado_no_life_loss_signal():

@@ -190,6 +190,72 @@ def test_buffer_protocol_with_real_actors(inference):
     assert all(buffers.ledger[i] == im.FULL_QUEUE for i in drained["full"])
 
 
+# ------------------------------------------------------------------ what the actors store is what the learner sees
+
+
+@pytest.mark.parametrize("use_lstm", [False, True])
+def test_learner_sees_the_actors_inputs_and_raw_rewards(use_lstm, monkeypatch):
+    """One real actor process on Space Invaders (5..30 points per alien). Its rows carry the raw rewards and last
+    action a_{t-1} (0 at its first observation, TorchBeast's `Environment.initial`); the learner, fed the same rows,
+    recomputes the actor's logits exactly (same parameters); and the loss gets the raw rewards with
+    --no-clip-rewards, the clipped ones by default."""
+    args = im.Args(env_id="ALE/SpaceInvaders-v5", unroll_length=40, num_actors=1, batch_size=1, inference="actor",
+                   use_lstm=use_lstm)  # fmt: skip
+    from common.atari import make_vector_env
+    from common.models import make_model
+
+    probe = make_vector_env(args.env_id, 1, 0, num_threads=1)
+    obs_space, act_space = probe.single_observation_space, probe.single_action_space
+    probe.close()
+    torch.manual_seed(0)
+    model = make_model(obs_space, act_space, "nature", **im.model_options(args), channels_last=False)
+    assert model.action_reward_inputs  # TorchBeast's inputs are the default
+    lstm = (model.core.num_layers, model.core.hidden_size) if use_lstm else (1, 1)
+    assert lstm == ((2, 512 + 1 + 6) if use_lstm else (1, 1))  # AtariNet's core: 2 layers as wide as the input
+    T, K = args.unroll_length, 3
+    buffers = im.Buffers.allocate(K, T, 1, obs_space.shape, torch.uint8, int(act_space.n), lstm)
+    ctx = mp.get_context("fork")
+    stop, free_q, full_q, error_q = ctx.Event(), ctx.Queue(), ctx.Queue(), ctx.Queue()
+    buffers.ledger.fill_(im.FREE_QUEUE)
+    for i in range(K):
+        free_q.put(i)
+    model.share_memory()
+    policy = im.ActorPolicy(0, args, model=model, version=torch.zeros(1, dtype=torch.int64).share_memory_())
+    actor = ctx.Process(target=im.actor_process, args=(0, args, 3, buffers, free_q, full_q, policy, stop, error_q),
+                        daemon=True)  # fmt: skip
+    actor.start()
+    batches, wanted = [], 2 if use_lstm else 12  # the rewards are checked once, without the LSTM
+    try:
+        while len(batches) < wanted and not any(b["reward"].max() > 1 for b in batches):
+            batches.append(im.get_batch(0, buffers, free_q, full_q, 1, threading.Lock(), stop)[0])
+    finally:
+        stop.set()
+        actor.join(timeout=10)
+    assert error_q.empty()
+    first = batches[0]
+    assert first["done"][0].all() and first["last_action"][0].eq(0).all() and first["reward"][0].eq(0).all()
+    for batch in batches:
+        assert torch.equal(batch["last_action"][1:], batch["action"][:-1])
+        with torch.no_grad():
+            logits, values = im.learner_outputs(model, batch)
+        np.testing.assert_allclose(logits, batch["logits"], rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(values, batch["baseline"], rtol=1e-4, atol=1e-5)
+    if use_lstm:
+        return
+    batch = batches[-1]
+    raw = batch["reward"][1:]
+    assert raw.max() > 1, "no alien hit in 12 rollouts"
+    seen = []
+    vtrace = im.vtrace
+    monkeypatch.setattr(im, "vtrace", lambda *a, **kw: (seen.append(a[2].clone()), vtrace(*a, **kw))[1])
+    for clip in (False, True):
+        args.clip_rewards = clip
+        optimizer = torch.optim.RMSprop(model.parameters(), lr=1e-9)
+        im.learn(model, optimizer, batch, args, torch.device("cpu"))
+    torch.testing.assert_close(seen[0], raw)
+    torch.testing.assert_close(seen[1], raw.clamp(-1, 1))
+
+
 # ------------------------------------------------------------------ running the script
 
 
@@ -213,7 +279,9 @@ def test_cartpole_end_to_end(inference, tmp_path):
     lrs = [v for _, v in logged["charts/learning_rate"]]
     assert lrs[0] == pytest.approx(0.00048) and lrs[-1] == pytest.approx(0.00048 * 32 / 640)
     assert all(v >= 0 for _, v in logged["charts/policy_lag"])
-    assert len(logged["eval/episodic_return"]) == 2 and (run_dir / "model.pt").is_file()
+    assert len(logged["eval/episodic_return"]) == 2
+    # TorchBeast's inputs by default: 4 observation features, the clipped reward, a one-hot of 2 actions
+    assert torch.load(run_dir / "model.pt")["policy.0.weight"].shape == (64, 4 + 1 + 2)
 
 
 def test_lstm_runs_with_batched_inference(tmp_path):  # the actor-mode LSTM runs in test_breakout_end_to_end
@@ -222,7 +290,8 @@ def test_lstm_runs_with_batched_inference(tmp_path):  # the actor-mode LSTM runs
     assert proc.returncode == 0, proc.stderr
     run_dir = only_run_dir(tmp_path)
     assert_finite_tags(scalars(run_dir), REQUIRED_TAGS)
-    assert any("core" in k for k in torch.load(run_dir / "model.pt"))
+    state = torch.load(run_dir / "model.pt")
+    assert state["core.weight_ih_l0"].shape == (4 * 7, 7) and "core.weight_ih_l1" in state  # AtariNet's 2 x 7 LSTM
 
 
 @pytest.mark.parametrize("mode", [["--inference", "batched"], ["--inference", "actor", "--use-lstm"]])
@@ -260,6 +329,7 @@ def test_bad_flags_one_line_error(tmp_path, capsys):
         (dict(total_timesteps=10), "less than one learner batch"),
         (dict(resume="/nonexistent/checkpoint.pt"), "no such checkpoint"),
         (dict(num_envs_per_actor=4, max_inference_batch=2), "--max-inference-batch (2)"),
+        (dict(lstm_layers=0), "--lstm-layers must be >= 1"),
     ]
     for kwargs, message in cases:
         with pytest.raises(SystemExit) as e:
@@ -323,9 +393,11 @@ def test_signal_stops_everything_with_checkpoint_and_resume_continues(sig, tmp_p
 
 
 def test_non_finite_loss_stops_and_keeps_last_checkpoint(tmp_path):
+    # --no-action-reward-inputs: the NaN reward must reach the loss, not the network's reward input first
     proc = run(["--env-id", "tests.faulty_env:NaNCartPole-v0", "--num-actors", "1", "--unroll-length", "16",
                 "--batch-size", "1", "--num-learner-threads", "1", "--total-timesteps", "10000000",
-                "--checkpoint-interval", "0.000001", "--no-clip-rewards"], tmp_path)  # fmt: skip
+                "--checkpoint-interval", "0.000001", "--no-clip-rewards", "--no-action-reward-inputs"],
+               tmp_path)  # fmt: skip
     assert proc.returncode == 1
     assert "non-finite loss" in proc.stderr, proc.stderr
     checkpoint = torch.load(only_run_dir(tmp_path) / "checkpoint.pt", weights_only=False)

@@ -208,3 +208,55 @@ def test_ape_x_networks_reject_wrong_spaces():
         make_ddpg_model(FLAT, gym.spaces.Discrete(2))
     with pytest.raises(ValueError, match="finite action bounds"):
         make_ddpg_model(FLAT, gym.spaces.Box(-np.inf, np.inf, (2,)))
+
+
+def test_action_reward_inputs_reach_the_heads_in_torchbeasts_order():
+    """TorchBeast's AtariNet: head input = [torso features, clip(reward, -1, 1), one_hot(last_action)]. The mlp torso
+    is a Flatten, so the whole vector is known by hand."""
+    model = make_model(FLAT, gym.spaces.Discrete(3), "mlp", action_reward_inputs=True)
+    seen = []
+    model.policy[0].register_forward_pre_hook(lambda _, inputs: seen.append(inputs[0].clone()))
+    obs = torch.tensor([[0.5, -1.0, 2.0, 3.0], [1.0, 1.0, 1.0, 1.0]])
+    model(obs, last_action=torch.tensor([2, 0]), reward=torch.tensor([5.0, -0.3]))
+    want = torch.tensor([[0.5, -1.0, 2.0, 3.0, 1.0, 0, 0, 1], [1.0, 1.0, 1.0, 1.0, -0.3, 1, 0, 0]])
+    torch.testing.assert_close(seen[0], want)
+    with pytest.raises(ValueError, match="last_action"):
+        model(obs)
+
+
+def test_action_reward_inputs_drive_the_outputs_of_a_hand_set_head():
+    """Nature network: heads zeroed except the one-hot block (policy) and the reward entry (value), so the outputs are
+    exactly one_hot(last_action) and the clipped reward, whatever the frames."""
+    A = 6
+    model = make_model(FRAMES, gym.spaces.Discrete(A), "nature", action_reward_inputs=True)
+    policy, value = model.policy[-1], model.value[-1]
+    assert policy.in_features == value.in_features == 512 + 1 + A
+    with torch.no_grad():
+        for layer in (policy, value):
+            layer.weight.zero_(), layer.bias.zero_()
+        policy.weight[:, 513:] = torch.eye(A)
+        value.weight[0, 512] = 1.0
+    obs = torch.randint(0, 256, (3, 4, 84, 84), dtype=torch.uint8)
+    logits, v = model(obs, last_action=torch.tensor([5, 0, 3]), reward=torch.tensor([-7.0, 0.25, 30.0]))
+    torch.testing.assert_close(logits, torch.eye(A)[[5, 0, 3]])
+    torch.testing.assert_close(v, torch.tensor([-1.0, 0.25, 1.0]))
+
+
+def test_torchbeast_lstm_core_is_sized_to_its_input():
+    """lstm_size=0, 2 layers: AtariNet's nn.LSTM(512 + A + 1, 512 + A + 1, 2), fed [features, reward, one-hot]."""
+    A, T, B = 4, 3, 2
+    model = make_model(FRAMES, gym.spaces.Discrete(A), "nature", use_lstm=True, lstm_size=0, lstm_layers=2,
+                       action_reward_inputs=True)  # fmt: skip
+    assert (model.core.input_size, model.core.hidden_size, model.core.num_layers) == (517, 517, 2)
+    assert model.policy[-1].in_features == 517
+    seen = []
+    model.core.register_forward_pre_hook(lambda _, inputs: seen.append(inputs[0].clone()))
+    obs = torch.randint(0, 256, (T, B, 4, 84, 84), dtype=torch.uint8)
+    last_action, reward = torch.tensor([[1, 3], [0, 2], [3, 3]]), torch.tensor([[0.0, 2.0], [-4.0, 0.5], [1.0, 0.0]])
+    with torch.no_grad():
+        logits, value, state = model.recurrent(obs, torch.zeros(T, B), model.initial_state(B), last_action, reward)
+        for t in range(T):
+            features = model.features(obs[t])
+            want = torch.cat([features, reward[t].clamp(-1, 1)[:, None], torch.eye(A)[last_action[t]]], dim=1)
+            torch.testing.assert_close(seen[t][0], want)
+    assert logits.shape == (T, B, A) and value.shape == (T, B) and state[0].shape == (2, B, 517)
