@@ -17,10 +17,13 @@ Determinism: which data each update sees is fixed by the queue protocol, actions
   seeded generators, envs are seeded per rank and thread; with `--torch-deterministic` on CPU two runs with the same
   seed and flags give bitwise equal parameters, however slow either side is (`--learner-delay`).
 Algorithms: `--algo ppo` (clipped surrogate, GAE, epochs x minibatches) or `--algo impala` (V-trace, one pass over
-  minibatches of whole unrolls). Defaults are Cleanba's (cleanba_ppo.py / cleanba_impala.py); the network defaults to
-  the Nature CNN for PPO (CleanRL's ppo_atari comparison) and the IMPALA ResNet for IMPALA. The envs reset in the
-  same step an episode ends (common.atari), so no stored transition crosses an auto-reset: the (1 - done) discount
-  is the whole mask, and GAE / V-trace traces stop at every episode end.
+  minibatches of whole unrolls, the loss summed over each minibatch). Defaults are Cleanba's (cleanba_ppo.py /
+  cleanba_impala.py); the network defaults to the Nature CNN for PPO (CleanRL's ppo_atari comparison) and the IMPALA
+  ResNet for IMPALA. The envs reset in the same step an episode ends (common.atari), so no stored transition crosses an
+  auto-reset: the (1 - done) discount is the whole mask, and GAE / V-trace traces stop at every episode end. Step t
+  pairs x_t and a_t with the reward and done of its own transition x_t -> x_{t+1}; Cleanba's cleanba_impala.py pairs
+  x_t with the reward and done that arrived with x_t (one step earlier), so its IMPALA curves are not expected to
+  match these step for step.
 
 Examples:
   python cleanba_ppo_impala.py --env-id ALE/Breakout-v5
@@ -127,7 +130,8 @@ class Args:
     rmsprop_alpha: float = 0.99
     """IMPALA: RMSprop smoothing constant"""
     rmsprop_eps: float = 0.01
-    """IMPALA: RMSprop epsilon (PyTorch-style: added outside the square root)"""
+    """IMPALA: RMSprop epsilon (PyTorch-style: added outside the square root), sized for the loss summed over a
+    minibatch"""
     vtrace_rho_bar: float = 1.0
     """IMPALA: truncation of the importance weights in the V-trace value targets (rho-bar)"""
     vtrace_c_bar: float = 1.0
@@ -253,12 +257,16 @@ def ppo_loss(
 def impala_loss(
     target_logprob, entropy, values, vs, pg_advantages, ent_coef: float, vf_coef: float
 ) -> dict[str, torch.Tensor]:
-    """IMPALA's loss (Espeholt et al. 2018, Section 4.2), averaged over the [T, B] unroll batch."""
-    policy_loss = -(target_logprob * pg_advantages).mean()
-    value_loss = 0.5 * ((vs - values) ** 2).mean()
-    entropy_mean = entropy.mean()
-    total = policy_loss - ent_coef * entropy_mean + vf_coef * value_loss
-    return dict(total_loss=total, policy_loss=policy_loss, value_loss=value_loss, entropy=entropy_mean)
+    """IMPALA's loss (Espeholt et al. 2018, Section 4.2) summed over the [T, B] unroll batch, as Cleanba's
+    cleanba_impala.py (rlax per-step means x T, summed over B) and the paper's own code sum it: RMSprop's eps and the
+    clip norm are set for gradients of that size. `entropy` is returned as the mean per step, for the logs."""
+    policy_loss = -(target_logprob * pg_advantages).sum()
+    value_loss = 0.5 * ((vs - values) ** 2).sum()
+    entropy_sum = entropy.sum()
+    total = policy_loss - ent_coef * entropy_sum + vf_coef * value_loss
+    return dict(
+        total_loss=total, policy_loss=policy_loss, value_loss=value_loss, entropy=entropy_sum.detach() / entropy.numel()
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------------
