@@ -16,11 +16,14 @@ Policy lag (the paper's Table 1): update 1 trains pi_1 on D(pi_1); from then on 
 Determinism: which data each update sees is fixed by the queue protocol, actions are sampled from per-thread
   seeded generators, envs are seeded per rank and thread; with `--torch-deterministic` on CPU two runs with the same
   seed and flags give bitwise equal parameters, however slow either side is (`--learner-delay`).
-Algorithms: `--algo ppo` (clipped surrogate, GAE, epochs x minibatches) or `--algo impala` (V-trace, one pass over
-  minibatches of whole unrolls). Defaults are Cleanba's (cleanba_ppo.py / cleanba_impala.py); the network defaults to
-  the Nature CNN for PPO (CleanRL's ppo_atari comparison) and the IMPALA ResNet for IMPALA. The envs reset in the
-  same step an episode ends (common.atari), so no stored transition crosses an auto-reset: the (1 - done) discount
-  is the whole mask, and GAE / V-trace traces stop at every episode end.
+Algorithms: `--algo ppo` (clipped surrogate, GAE on the values the actor stored, epochs x minibatches) or `--algo
+  impala` (V-trace, one pass over minibatches of whole unrolls, the loss summed over each minibatch). Defaults are
+  Cleanba's (cleanba_ppo.py / cleanba_impala.py); the network defaults to the Nature CNN for PPO (CleanRL's ppo_atari
+  comparison) and the IMPALA ResNet for IMPALA. The envs reset in the same step an episode ends (common.atari), so no
+  stored transition crosses an auto-reset: the (1 - done) discount is the whole mask, and GAE / V-trace traces stop
+  at every episode end. Step t pairs x_t and a_t with the reward and done of its own transition x_t -> x_{t+1};
+  Cleanba's cleanba_impala.py pairs x_t with the reward and done that arrived with x_t (one step earlier), so its
+  IMPALA curves are not expected to match these step for step.
 
 Examples:
   python cleanba_ppo_impala.py --env-id ALE/Breakout-v5
@@ -127,7 +130,8 @@ class Args:
     rmsprop_alpha: float = 0.99
     """IMPALA: RMSprop smoothing constant"""
     rmsprop_eps: float = 0.01
-    """IMPALA: RMSprop epsilon (PyTorch-style: added outside the square root)"""
+    """IMPALA: RMSprop epsilon (PyTorch-style: added outside the square root), sized for the loss summed over a
+    minibatch"""
     vtrace_rho_bar: float = 1.0
     """IMPALA: truncation of the importance weights in the V-trace value targets (rho-bar)"""
     vtrace_c_bar: float = 1.0
@@ -253,12 +257,16 @@ def ppo_loss(
 def impala_loss(
     target_logprob, entropy, values, vs, pg_advantages, ent_coef: float, vf_coef: float
 ) -> dict[str, torch.Tensor]:
-    """IMPALA's loss (Espeholt et al. 2018, Section 4.2), averaged over the [T, B] unroll batch."""
-    policy_loss = -(target_logprob * pg_advantages).mean()
-    value_loss = 0.5 * ((vs - values) ** 2).mean()
-    entropy_mean = entropy.mean()
-    total = policy_loss - ent_coef * entropy_mean + vf_coef * value_loss
-    return dict(total_loss=total, policy_loss=policy_loss, value_loss=value_loss, entropy=entropy_mean)
+    """IMPALA's loss (Espeholt et al. 2018, Section 4.2) summed over the [T, B] unroll batch, as Cleanba's
+    cleanba_impala.py (rlax per-step means x T, summed over B) and the paper's own code sum it: RMSprop's eps and the
+    clip norm are set for gradients of that size. `entropy` is returned as the mean per step, for the logs."""
+    policy_loss = -(target_logprob * pg_advantages).sum()
+    value_loss = 0.5 * ((vs - values) ** 2).sum()
+    entropy_sum = entropy.sum()
+    total = policy_loss - ent_coef * entropy_sum + vf_coef * value_loss
+    return dict(
+        total_loss=total, policy_loss=policy_loss, value_loss=value_loss, entropy=entropy_sum.detach() / entropy.numel()
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -273,6 +281,7 @@ class Rollout:
     obs: torch.Tensor  # [T, N, *obs_shape], the observation each action was taken in
     actions: torch.Tensor  # [T, N]
     logprobs: torch.Tensor  # [T, N], log mu(a|s) of the behaviour policy
+    values: torch.Tensor  # [T, N], V(s) of the parameters that acted (PPO's GAE, as Cleanba's cleanba_ppo.py)
     rewards: torch.Tensor  # [T, N], clipped training rewards
     dones: torch.Tensor  # [T, N], the episode (or training life) ended with this transition
     next_obs: torch.Tensor  # [N, *obs_shape], for the bootstrap value
@@ -286,6 +295,7 @@ class Rollout:
             obs=torch.zeros((T, N, *obs_shape), dtype=obs_dtype),
             actions=torch.zeros((T, N), dtype=torch.long),
             logprobs=torch.zeros((T, N)),
+            values=torch.zeros((T, N)),
             rewards=torch.zeros((T, N)),
             dones=torch.zeros((T, N)),
             next_obs=torch.zeros((N, *obs_shape), dtype=obs_dtype),
@@ -349,11 +359,12 @@ def actor_thread(
                 obs = torch.from_numpy(next_obs)
                 buf.obs[t].copy_(obs)
                 with torch.inference_mode():
-                    logits, _ = model(obs.to(device, non_blocking=True))
+                    logits, value = model(obs.to(device, non_blocking=True))
                     actions, logprob = sample_actions(logits, generator)
                 actions = actions.cpu()
                 buf.actions[t].copy_(actions)
                 buf.logprobs[t].copy_(logprob)
+                buf.values[t].copy_(value)
                 next_obs, reward, terminated, truncated, info = envs.step(actions.numpy())
                 buf.rewards[t].copy_(torch.from_numpy(reward))
                 buf.dones[t].copy_(torch.from_numpy(terminated | truncated))
@@ -421,7 +432,7 @@ def max_divergence_from_rank0(model: nn.Module) -> float:
 
 def stack_rollouts(rollouts: list[Rollout], device: torch.device) -> dict[str, torch.Tensor]:
     """Concatenate the actor threads' rollouts along the env axis and move them to the learner device."""
-    keys = ("obs", "actions", "logprobs", "rewards", "dones", "next_obs")
+    keys = ("obs", "actions", "logprobs", "values", "rewards", "dones", "next_obs")
     if len(rollouts) == 1:
         data = {k: getattr(rollouts[0], k) for k in keys}
     else:
@@ -432,13 +443,13 @@ def stack_rollouts(rollouts: list[Rollout], device: torch.device) -> dict[str, t
 def ppo_update(
     model, optimizer, data, args: Args, generator: torch.Generator, world_size: int, stop: threading.Event
 ) -> dict:
-    """Cleanba's PPO learner: values recomputed with the current parameters, GAE, epochs x shuffled minibatches."""
-    T, N = data["rewards"].shape
-    with torch.no_grad():  # values of the current learner parameters, as Cleanba's learner recomputes them
-        _, values = model(data["obs"].reshape(T * N, *data["obs"].shape[2:]))
+    """Cleanba's PPO learner (cleanba_ppo.py `compute_gae`): GAE on the values the actor stored with the rollout and
+    a bootstrap value recomputed with the current parameters, then epochs x shuffled minibatches."""
+    with torch.no_grad():
         _, next_value = model(data["next_obs"])
-        advantages = gae(data["rewards"], values.reshape(T, N), data["dones"], next_value, args.gamma, args.gae_lambda)
-        returns = advantages + values.reshape(T, N)
+        advantages = gae(data["rewards"], data["values"], data["dones"], next_value, args.gamma, args.gae_lambda)
+        returns = advantages + data["values"]
+    T, N = data["rewards"].shape
     flat = dict(
         obs=data["obs"].reshape(T * N, *data["obs"].shape[2:]),
         actions=data["actions"].reshape(-1),

@@ -1,11 +1,13 @@
-"""cleanba_ppo_impala.py: GAE and V-trace against slow loops from their definitions, the policy-lag and determinism
-promises of Cleanba's architecture, two ranks with torchrun, end-to-end runs, bad flags and shutdown."""
+"""cleanba_ppo_impala.py: GAE, V-trace and the IMPALA loss against slow loops from their definitions, the PPO learner's
+values against Cleanba's, the policy-lag and determinism promises of Cleanba's architecture, two ranks with torchrun,
+end-to-end runs, bad flags and shutdown."""
 
 import math
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -13,8 +15,9 @@ import numpy as np
 import pytest
 import torch
 from helpers import CORE_TAGS, ROOT, only_run_dir, run_script, scalars
+from torch import nn
 
-from cleanba_ppo_impala import gae, ppo_loss, vtrace
+from cleanba_ppo_impala import Args, gae, impala_loss, ppo_loss, ppo_update, resolve_defaults, vtrace
 
 SCRIPT = "cleanba_ppo_impala.py"
 TINY_CARTPOLE = ["--env-id", "CartPole-v1", "--num-envs", "4", "--num-steps", "32", "--log-interval", "1"]
@@ -152,6 +155,87 @@ def test_ppo_loss_clips_the_ratio():
     )
     assert out["policy_loss"].item() == pytest.approx(-math.exp(-0.05), rel=1e-6)
     assert out["total_loss"].item() == pytest.approx(-math.exp(-0.05) - 0.01 * 0.7 + 0.5 * 0.5 * 4.0, rel=1e-5)
+
+
+def impala_loss_reference(logp, entropy, values, vs, pg_adv, ent_coef, vf_coef):
+    """Cleanba's cleanba_impala.py, term by term: per env column b, rlax's policy-gradient and entropy losses are
+    means over the T steps, multiplied by T and summed over the columns; baseline_loss = 0.5 sum (v_s - V(x_s))^2."""
+    T, B = logp.shape
+    pg_loss = baseline_loss = ent_loss = 0.0
+    for b in range(B):
+        pg_loss += T * sum(-logp[s, b] * pg_adv[s, b] for s in range(T)) / T
+        ent_loss += T * sum(-entropy[s, b] for s in range(T)) / T
+        for s in range(T):
+            baseline_loss += 0.5 * (vs[s, b] - values[s, b]) ** 2
+    return pg_loss, baseline_loss, pg_loss + vf_coef * baseline_loss + ent_coef * ent_loss
+
+
+def test_impala_loss_is_summed_over_the_unroll_batch_as_cleanba():
+    rng = np.random.default_rng(3)
+    T, B = 5, 3
+    logp, pg_adv = rng.normal(size=(T, B)) - 1.0, rng.normal(size=(T, B))
+    entropy, values, vs = rng.uniform(0.1, 1.0, size=(T, B)), rng.normal(size=(T, B)), rng.normal(size=(T, B))
+    got = impala_loss(t(logp), t(entropy), t(values), t(vs), t(pg_adv), ent_coef=0.01, vf_coef=0.5)
+    want_pg, want_baseline, want_total = impala_loss_reference(logp, entropy, values, vs, pg_adv, 0.01, 0.5)
+    assert got["policy_loss"].item() == pytest.approx(want_pg, rel=1e-12)
+    assert got["value_loss"].item() == pytest.approx(want_baseline, rel=1e-12)
+    assert got["total_loss"].item() == pytest.approx(want_total, rel=1e-12)
+    mean_total = (-logp * pg_adv).mean() - 0.01 * entropy.mean() + 0.5 * 0.5 * ((vs - values) ** 2).mean()
+    assert got["total_loss"].item() == pytest.approx(T * B * mean_total, rel=1e-12)  # T x B times the mean
+    assert got["entropy"].item() == pytest.approx(entropy.mean(), rel=1e-12)  # logged per step
+
+
+def test_impala_loss_by_hand():
+    """T = 2, B = 1: policy -(-1 x 2 + -0.5 x -1) = 1.5, baseline 0.5 (1 + 4) = 2.5, entropy 0.3 + 0.5 = 0.8."""
+    col = lambda *x: torch.tensor(x, dtype=torch.float64)[:, None]  # noqa: E731
+    out = impala_loss(col(-1.0, -0.5), col(0.3, 0.5), col(0.0, 1.0), col(1.0, -1.0), col(2.0, -1.0), 0.1, 0.5)
+    assert out["policy_loss"].item() == pytest.approx(1.5)
+    assert out["value_loss"].item() == pytest.approx(2.5)
+    assert out["total_loss"].item() == pytest.approx(1.5 + 0.5 * 2.5 - 0.1 * 0.8)
+
+
+class StubActorCritic(nn.Module):
+    """Uniform policy over A actions and V(x) = w x[0] with w = 1: the learner's values are known in closed form."""
+
+    def __init__(self, num_actions: int):
+        super().__init__()
+        self.logits = nn.Parameter(torch.zeros(num_actions))
+        self.w = nn.Parameter(torch.ones(()))
+
+    def forward(self, x):
+        return self.logits.expand(x.shape[0], -1), self.w * x[:, 0]
+
+
+def test_ppo_gae_uses_the_actors_values_and_a_learner_bootstrap():
+    """Cleanba's cleanba_ppo.py computes GAE from the values stored by the actor, recomputing only the bootstrap value
+    V(x_T) with the learner's parameters. One epoch, one minibatch, no advantage normalisation and ratio 1 make the
+    logged losses -mean(A) and 0.5 mean((V_learner - (A + V_actor))^2), checked against the slow GAE reference."""
+    rng = np.random.default_rng(4)
+    T, N, A, gamma, lam = 6, 2, 3, 0.9, 0.8
+    obs = rng.normal(size=(T, N, 2))
+    next_obs = rng.normal(size=(N, 2))
+    actor_values = rng.normal(size=(T, N))  # differ from the learner's V(x) = x[0]
+    rewards, dones = rng.normal(size=(T, N)), np.zeros((T, N))
+    dones[2, 1] = 1.0
+    f32 = lambda x: torch.tensor(x, dtype=torch.float32)  # noqa: E731
+    data = dict(
+        obs=f32(obs),
+        actions=torch.zeros((T, N), dtype=torch.long),
+        logprobs=torch.full((T, N), -math.log(A)),
+        values=f32(actor_values),
+        rewards=f32(rewards),
+        dones=f32(dones),
+        next_obs=f32(next_obs),
+    )
+    args = resolve_defaults(
+        Args(update_epochs=1, num_minibatches=1, norm_adv=False, ent_coef=0.0, gamma=gamma, gae_lambda=lam)
+    )
+    model = StubActorCritic(A)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    metrics = ppo_update(model, optimizer, data, args, torch.Generator().manual_seed(0), 1, threading.Event())
+    adv = gae_reference(rewards, actor_values, dones, next_obs[:, 0], gamma, lam)
+    assert metrics["policy_loss"] == pytest.approx(-adv.mean(), rel=1e-5, abs=1e-6)
+    assert metrics["value_loss"] == pytest.approx(0.5 * ((obs[:, :, 0] - (adv + actor_values)) ** 2).mean(), rel=1e-5)
 
 
 # ------------------------------------------------------------------ running the script
