@@ -4,8 +4,8 @@ Suites
 - `cartpole`: CartPole-v1 for every script and mode. The bar: mean episodic return >= 475 over the last 20 episodes
   within the step budget stated per entry below (budgets are equal where the algorithms allow).
 - `pendulum`: Pendulum-v1 for the continuous-control script (Ape-X DDPG); the bar: mean greedy return >= -200.
-- `atari-smoke`: Pong (deepmind protocol) for the PPO/A2C-family scripts, a few million frames on a CPU machine:
-  the curve must rise clearly from -21.
+- `atari-smoke`: Pong (deepmind protocol) for the PPO/A2C-family and IMPALA scripts, a few million frames on a CPU
+  machine: the curve must rise clearly from -21.
 - `a3c-eps`: the RMSprop eps sweep behind A3C's default eps (hogwild 1, 2, 4 workers, the gradient server).
 - `atari-paper`: the seeds' papers' Atari settings (GALA's six games, HTS-RL's Atari table, Cleanba's 200M-frame
   protocol) as commands for a GPU machine, read from `benchmarks/atari_paper.json` with the papers' numbers beside
@@ -176,6 +176,10 @@ ATARI_SMOKE = [
         PONG_STEPS,
         [*DEEPMIND, "--num-envs", "8", "--torch-threads", "2"],  # why: above PONG_STEPS
     ),
+    # IMPALA at its references' settings: Cleanba's (8 envs x 20 steps, 4 minibatches) and TorchBeast's (4 actors,
+    # unroll 80, batch 8, AtariNet inputs).
+    Entry("cleanba_impala", "cleanba_ppo_impala.py", "ALE/Pong-v5", PONG_STEPS, [*DEEPMIND, "--algo", "impala"]),
+    Entry("impala_batched", "impala_monobeast.py", "ALE/Pong-v5", PONG_STEPS, DEEPMIND),
 ]
 
 # The A3C eps diagnosis on Pong (README, Results): hogwild at 1, 2 and 4 workers and the gradient server, RMSprop
