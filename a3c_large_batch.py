@@ -712,10 +712,10 @@ def shutdown(procs: dict, shared: Shared, drain, grace: float) -> list[str]:
 def main(args: Args) -> None:
     if error := validate(args):
         fail(error)
-    signals = StopSignals()
     obs_space, act_space = env_spaces(args)
     meta = checkpoint_meta(args, obs_space, act_space)
     checkpoint = load_checkpoint(args.resume, meta) if args.resume else None
+    signals = StopSignals()
 
     use_cuda = args.cuda and torch.cuda.is_available()
     device = "cuda" if use_cuda else "cpu"

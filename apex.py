@@ -1282,9 +1282,9 @@ def main(args: Args) -> None:
 
 
 def run_learner(args: Args, world_size: int) -> None:
-    signals = StopSignals()
     meta = checkpoint_meta(args, *env_spaces(args))
     checkpoint = load_checkpoint(args.resume, meta) if args.resume else None
+    signals = StopSignals()
     use_cuda = args.cuda and torch.cuda.is_available()
     device = torch.device("cuda" if use_cuda else "cpu")
     if signals.requested.is_set():
