@@ -575,7 +575,7 @@ def checkpoint_meta(args: Args, obs_space, act_space) -> dict:
         script=Path(__file__).name,
         algo=args.update,
         env_id=args.env_id,
-        network=args.network,
+        network=args.network if args.network != "auto" else ("nature" if len(obs_space.shape) == 3 else "mlp"),
         obs_shape=list(obs_space.shape),
         action_shape_or_n=int(act_space.n),
     )

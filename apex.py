@@ -1190,11 +1190,12 @@ def new_run_dir(args: Args) -> Path:
 
 def checkpoint_meta(args: Args, obs_space, act_space) -> dict:
     """What a checkpoint must match to be resumed by this run: script, algo, env, networks and shapes."""
+    auto_network = "nature" if len(obs_space.shape) == 3 else "mlp"
     return dict(
         script=Path(__file__).name,
         algo=args.algo,
         env_id=args.env_id,
-        network=args.network,
+        network=None if args.algo == "ddpg" else args.network if args.network != "auto" else auto_network,
         hidden_sizes=list(args.hidden_sizes),
         obs_shape=list(obs_space.shape),
         action_shape_or_n=int(act_space.n) if args.algo == "dqn" else list(act_space.shape),

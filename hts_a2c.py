@@ -418,7 +418,9 @@ def checkpoint_meta(args: Args, observation_space, action_space) -> dict:
         "algo": None,
         "env_id": args.env_id,
         "atari_protocol": args.atari_protocol,
-        "network": args.network,
+        "network": args.network
+        if args.network != "auto"
+        else ("nature" if len(observation_space.shape) == 3 else "mlp"),
         "obs_shape": list(observation_space.shape),
         "action_shape_or_n": int(action_space.n),
     }
