@@ -44,6 +44,7 @@ import queue
 import random
 import signal
 import sys
+import threading
 import time
 import traceback
 from collections import deque
@@ -480,6 +481,13 @@ def atomic_save(obj, path: Path) -> None:
         raise WriteError(f"error: {reason} while writing {path}") from None
 
 
+def report_writer_errors_once() -> None:
+    """TensorBoard's writer thread dies of a full disk (OSError) and prints its traceback; the main thread gets the same
+    error at its next write and reports it in one line, so the thread stays quiet about OSErrors."""
+    default = threading.excepthook
+    threading.excepthook = lambda hook_args: None if issubclass(hook_args.exc_type, OSError) else default(hook_args)
+
+
 def save_checkpoint(path: Path, target: nn.Module, optimizer, global_step: int, update: int, args: Args,
                     meta: dict) -> None:  # fmt: skip
     """Write everything needed to continue the run (atomically)."""
@@ -569,6 +577,7 @@ def main(args: Args) -> None:
     for tensor in shared.values():
         tensor.share_memory_()
 
+    report_writer_errors_once()
     writer = SummaryWriter(str(run_dir))
     writer.add_text("hyperparameters", hyperparameter_table(args))
     checkpoint_path = run_dir / "checkpoint.pt"
@@ -722,6 +731,9 @@ def main(args: Args) -> None:
                 exit_code, message = 1, f"{e}; stopping (the last good checkpoint is kept)"
     except WriteError as e:
         exit_code, message = 1, f"{e}; stopping (the last good checkpoint is kept)"
+    except OSError as e:  # from the TensorBoard writer: the events file
+        reason = "no space left on device" if e.errno == errno.ENOSPC else (e.strerror or str(e))
+        exit_code, message = 1, f"error: {reason} while writing the TensorBoard events in {run_dir}; stopping"
     except WorkerError as e:
         exit_code, message = 1, f"error: {e}"
     except FloatingPointError as e:
@@ -741,7 +753,11 @@ def main(args: Args) -> None:
             for i, r in enumerate(evaluate(target, args, run_dir, device)):
                 writer.add_scalar("eval/episodic_return", r, global_step + i)
                 print(f"eval episode {i}: return {r:.2f}", flush=True)
-    writer.close()
+    try:
+        writer.close()
+    except OSError as e:  # the events file could not be flushed: the error above, or this one
+        message = message or f"error: {e.strerror or e} while writing the TensorBoard events in {run_dir}"
+        exit_code = exit_code or 1
     if message:
         print(message, file=sys.stderr, flush=True)
     if exit_code:
