@@ -601,6 +601,19 @@ def load_checkpoint(path: str, meta: dict) -> dict:
     return checkpoint
 
 
+def events_error(e: OSError, run_dir: Path) -> str:
+    """The error line for a TensorBoard events file that cannot be written (a full disk, most often). TensorBoard's
+    writer thread dies of it and the main thread gets it at its next write; the thread is kept from printing its own
+    traceback (`threading.excepthook`), so the run reports it in this one line."""
+    reason = "no space left on device" if e.errno == errno.ENOSPC else (e.strerror or str(e))
+    return f"error: {reason} while writing the TensorBoard events in {run_dir}; stopping"
+
+
+def quiet_writer_thread() -> None:
+    default = threading.excepthook
+    threading.excepthook = lambda hook_args: None if issubclass(hook_args.exc_type, OSError) else default(hook_args)
+
+
 class WriteError(RuntimeError):
     """A checkpoint or model file could not be written; the message is the error line."""
 
@@ -693,14 +706,20 @@ def shutdown(procs: dict, shared: Shared, drain, grace: float) -> list[str]:
     shared.stop.set()
     deadline = time.time() + grace
     while any(p.is_alive() for p in procs.values()) and time.time() < deadline:
-        drain(0.2)
+        try:
+            drain(0.2)
+        except OSError:  # TensorBoard's events file cannot be written (reported by the caller): keep stopping
+            time.sleep(0.2)
     killed = []
     for name, p in procs.items():
         if p.is_alive():
             p.kill()
             killed.append(name)
         p.join(timeout=2.0)
-    drain(0.0)
+    try:
+        drain(0.0)
+    except OSError:
+        pass
     return killed
 
 
@@ -791,6 +810,7 @@ def main(args: Args) -> None:
 
     from torch.utils.tensorboard import SummaryWriter  # after the forks: the writer runs a thread
 
+    quiet_writer_thread()
     writer = SummaryWriter(str(run_dir))
     table = "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items())
     writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
@@ -892,6 +912,8 @@ def main(args: Args) -> None:
         print("interrupted: shutting down", file=sys.stderr, flush=True)
     except WriteError as e:
         failure = f"{e}; stopping (the last good checkpoint is kept)"
+    except OSError as e:  # the TensorBoard events file
+        failure = events_error(e, run_dir)
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl+C must not cut the shutdown short
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -921,11 +943,14 @@ def main(args: Args) -> None:
             atomic_save(model.state_dict(), run_dir / "model.pt")
     except WriteError as e:
         failure = f"{e}; stopping (the last good checkpoint is kept)"
+    try:
+        if aggregate.count:
+            aggregate.write(writer, global_step)
+            writer.add_scalar("charts/SPS", sps(), global_step)
+            writer.add_scalar("charts/learning_rate", lr, global_step)
+    except OSError as e:
+        failure = failure or events_error(e, run_dir)
     finished = failure is None and not interrupted
-    if aggregate.count:
-        aggregate.write(writer, global_step)
-        writer.add_scalar("charts/SPS", sps(), global_step)
-        writer.add_scalar("charts/learning_rate", lr, global_step)
     mean_ret = f"{np.mean(recent_returns):.2f}" if recent_returns else "n/a"
     print(f"step {global_step:>10,}  updates {updates_seen:,}  SPS {sps():,.0f}  return {mean_ret}", flush=True)
     if finished:
@@ -933,7 +958,10 @@ def main(args: Args) -> None:
             for i, ret in enumerate(evaluate(model, args, run_dir)):
                 writer.add_scalar("eval/episodic_return", ret, i)
                 print(f"eval episode {i}: return {ret:.1f}")
-    writer.close()
+    try:
+        writer.close()
+    except OSError as e:
+        failure = failure or events_error(e, run_dir)
     if failure:
         print(failure, file=sys.stderr)
         raise SystemExit(1)

@@ -1154,12 +1154,18 @@ def shutdown(procs: dict, shared: Shared, drain, grace: float) -> None:
     shared.stop.set()
     deadline = time.time() + grace
     while any(p.is_alive() for p in procs.values()) and time.time() < deadline:
-        drain(0.2)
+        try:
+            drain(0.2)
+        except OSError:  # TensorBoard's events file cannot be written (reported by the caller): keep stopping
+            time.sleep(0.2)
     for p in procs.values():
         if p.is_alive():
             p.kill()
         p.join(timeout=2.0)
-    drain(0.0)
+    try:
+        drain(0.0)
+    except OSError:
+        pass
 
 
 def fail(message: str) -> None:
@@ -1220,6 +1226,19 @@ def load_checkpoint(path: str, meta: dict) -> dict:
             f"{', '.join(f'{k} {meta[k]}' for k in differ)}"
         )
     return checkpoint
+
+
+def events_error(e: OSError, run_dir: Path) -> str:
+    """The error line for a TensorBoard events file that cannot be written (a full disk, most often). TensorBoard's
+    writer thread dies of it and the main thread gets it at its next write; the thread is kept from printing its own
+    traceback (`threading.excepthook`), so the run reports it in this one line."""
+    reason = "no space left on device" if e.errno == errno.ENOSPC else (e.strerror or str(e))
+    return f"error: {reason} while writing the TensorBoard events in {run_dir}; stopping"
+
+
+def quiet_writer_thread() -> None:
+    default = threading.excepthook
+    threading.excepthook = lambda hook_args: None if issubclass(hook_args.exc_type, OSError) else default(hook_args)
 
 
 class WriteError(RuntimeError):
@@ -1340,6 +1359,7 @@ def run_learner(args: Args, world_size: int) -> None:
 
     from torch.utils.tensorboard import SummaryWriter  # after the forks: the writer runs a thread
 
+    quiet_writer_thread()
     writer = SummaryWriter(str(run_dir))
     table = "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items())
     writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
@@ -1443,6 +1463,8 @@ def run_learner(args: Args, world_size: int) -> None:
         failure = dead_process(procs, shared) or f"error: learner: {e}; stopping"
     except WriteError as e:
         failure = f"{e}; stopping (the last good checkpoint is kept)"
+    except OSError as e:  # the TensorBoard events file
+        failure = events_error(e, run_dir)
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl+C must not cut the shutdown short
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -1466,9 +1488,12 @@ def run_learner(args: Args, world_size: int) -> None:
             atomic_save(learner.model.state_dict(), run_dir / "model.pt")
     except WriteError as e:
         failure = f"{e}; stopping (the last good checkpoint is kept)"
+    try:
+        if means.count:
+            log_scalars()
+    except OSError as e:
+        failure = failure or events_error(e, run_dir)
     finished = failure is None and not interrupted
-    if means.count:
-        log_scalars()
     mean_ret = f"{np.mean(recent_returns):.2f}" if recent_returns else "n/a"
     print(f"step {global_step:>10,}  updates {learner.version:,}  SPS {sps():,.0f}  return {mean_ret}", flush=True)
     if finished:
@@ -1487,7 +1512,10 @@ def run_learner(args: Args, world_size: int) -> None:
             for i, ret in enumerate(returns):
                 writer.add_scalar("eval/episodic_return", ret, global_step)
                 print(f"eval episode {i}: return {ret:.1f}")
-    writer.close()
+    try:
+        writer.close()
+    except OSError as e:
+        failure = failure or events_error(e, run_dir)
     if failure:
         print(failure, file=sys.stderr)
         raise SystemExit(1)

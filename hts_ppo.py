@@ -542,7 +542,7 @@ def atomic_save(obj, path: Path) -> None:
         raise WriteError(f"error: {reason} while writing {path}") from None
 
 
-def report_writer_errors_once() -> None:
+def quiet_writer_thread() -> None:
     """TensorBoard's writer thread dies of a full disk (OSError) and prints its traceback; the main thread gets the same
     error at its next write and reports it in one line, so the thread stays quiet about OSErrors."""
     default = threading.excepthook
@@ -637,7 +637,7 @@ def main(args: Args) -> None:
     for tensor in shared.values():
         tensor.share_memory_()
 
-    report_writer_errors_once()
+    quiet_writer_thread()
     writer = SummaryWriter(str(run_dir))
     writer.add_text("hyperparameters", hyperparameter_table(args))
     checkpoint_path = run_dir / "checkpoint.pt"

@@ -782,6 +782,19 @@ def load_checkpoint(path: str, meta: dict) -> dict:
     return checkpoint
 
 
+def events_error(e: OSError, run_dir: Path) -> str:
+    """The error line for a TensorBoard events file that cannot be written (a full disk, most often). TensorBoard's
+    writer thread dies of it and the main thread gets it at its next write; the thread is kept from printing its own
+    traceback (`threading.excepthook`), so the run reports it in this one line."""
+    reason = "no space left on device" if e.errno == errno.ENOSPC else (e.strerror or str(e))
+    return f"error: {reason} while writing the TensorBoard events in {run_dir}; stopping"
+
+
+def quiet_writer_thread() -> None:
+    default = threading.excepthook
+    threading.excepthook = lambda hook_args: None if issubclass(hook_args.exc_type, OSError) else default(hook_args)
+
+
 class WriteError(RuntimeError):
     """A checkpoint or model file could not be written; the message is the error line."""
 
@@ -957,6 +970,7 @@ def main(args: Args) -> None:
         actors.append(p)
 
     # ---- TensorBoard (after the fork: the writer runs a background thread)
+    quiet_writer_thread()
     writer = SummaryWriter(str(run_dir))
     table = "\n".join(f"|{k}|{v}|" for k, v in {**asdict(args), "num_buffers": K}.items())
     writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
@@ -1065,6 +1079,9 @@ def main(args: Args) -> None:
         except WriteError as e:
             progress["failure"] = f"{e}; stopping (the last good checkpoint is kept)"
             stop.set()
+        except OSError as e:  # the TensorBoard events file
+            progress["failure"] = events_error(e, run_dir)
+            stop.set()
         except BaseException:
             errors.append(f"learner thread {thread_id} died:\n{traceback.format_exc()}")
             stop.set()
@@ -1167,7 +1184,10 @@ def main(args: Args) -> None:
             for i, ret in enumerate(evaluate(model, args, run_dir, device)):
                 writer.add_scalar("eval/episodic_return", ret, i)
                 print(f"eval episode {i}: return {ret:.1f}")
-    writer.close()
+    try:
+        writer.close()
+    except OSError as e:
+        failure = failure or events_error(e, run_dir)
     if failure:
         print(failure, file=sys.stderr)
     leave(1 if failure else 128 + interrupt[0] if interrupted else 0, threads)

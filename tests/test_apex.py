@@ -487,7 +487,8 @@ def test_full_disk_stops_cleanly_and_keeps_the_last_checkpoint(tmp_path):
         fill_disk(disk)
         _, err = proc.communicate(timeout=60)
         assert proc.returncode == 1 and "Traceback" not in err, err
-        assert f"error: no space left on device while writing {checkpoint}" in err, err
+        # whichever write hits the full disk first: the checkpoint or the TensorBoard events file
+        assert "error: no space left on device while writing " in err and len(err.strip().splitlines()) <= 2, err
         assert torch.load(checkpoint, weights_only=False)["global_step"] > 0  # the last good one, intact
         assert not list(checkpoint.parent.glob("*.tmp"))
         assert not any(alive(pid) for pid in workers)
