@@ -742,9 +742,6 @@ def main(args: Args) -> None:
     torch.manual_seed(args.seed)
     torch.backends.cudnn.deterministic = args.torch_deterministic
     torch.use_deterministic_algorithms(args.torch_deterministic, warn_only=True)
-    if signals.requested.is_set():
-        print("interrupted during start-up", file=sys.stderr)
-        raise SystemExit(128 + signals.signum)
     if checkpoint:
         run_dir = Path(args.resume).parent
         if not os.access(run_dir, os.W_OK):
@@ -800,6 +797,11 @@ def main(args: Args) -> None:
         f"{args.num_steps}-step rollouts of {batch} agent steps, {device})",
         flush=True,
     )
+    if signals.requested.is_set():  # Ctrl+C while setting up: stop before any process starts, leave nothing behind
+        if not checkpoint:
+            run_dir.rmdir()
+        print("interrupted during start-up", file=sys.stderr)
+        raise SystemExit(128 + signals.signum)
     # children start with SIGINT/SIGTERM blocked, then ignore them: Ctrl+C reaches the whole process group
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
     try:

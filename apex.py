@@ -1307,9 +1307,6 @@ def run_learner(args: Args, world_size: int) -> None:
     signals = StopSignals()
     use_cuda = args.cuda and torch.cuda.is_available()
     device = torch.device("cuda" if use_cuda else "cpu")
-    if signals.requested.is_set():
-        print("interrupted during start-up", file=sys.stderr)
-        raise SystemExit(128 + signals.signum)
     if checkpoint:
         run_dir = Path(args.resume).parent
         if not os.access(run_dir, os.W_OK):
@@ -1353,6 +1350,11 @@ def run_learner(args: Args, world_size: int) -> None:
         f"{f', {world_size - 1} actor ranks over rpc' if distributed else ''})",
         flush=True,
     )
+    if signals.requested.is_set():  # Ctrl+C while setting up: stop before any process starts, leave nothing behind
+        if not checkpoint:
+            run_dir.rmdir()
+        print("interrupted during start-up", file=sys.stderr)
+        raise SystemExit(128 + signals.signum)
     start_processes(procs)
     if distributed:
         rpc.init_rpc("rank0", rank=0, world_size=world_size)
