@@ -28,6 +28,11 @@ Examples:
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import io
+import itertools
+import math
 import os
 import queue
 import signal
@@ -39,6 +44,7 @@ from collections import deque
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import gymnasium as gym
 import numpy as np
 import torch
 import torch.multiprocessing as mp
@@ -314,8 +320,20 @@ def push_server(shared: Shared, worker: int, grads: list[torch.Tensor], message:
     shared.grad_q.put(("grad", worker, slot, *message))
 
 
+def die_with_parent(parent_pid: int) -> None:
+    """Linux: the kernel kills this process when the main process dies, even by kill -9, so no child outlives the run.
+    The main process may have died before prctl ran: then exit at once."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # no prctl (not Linux)
+        pass
+    if os.getppid() != parent_pid:
+        os._exit(0)
+
+
 def worker_process(worker: int, args: Args, shared: Shared, device_name: str) -> None:
     """Run `worker_loop`, reporting any exception with its traceback to the main process."""
+    die_with_parent(shared.parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the main process coordinates Ctrl+C / SIGTERM
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})  # blocked by main around start()
@@ -412,6 +430,7 @@ TIMING_NAMES = {"hogwild": ("pull", "rollout", "train", "push"), "server": ("pul
 
 def gradient_server(model: nn.Module, args: Args, shared: Shared, device_name: str, state: dict | None) -> None:
     """The push-pull gradient server: apply gradients in arrival order, publish versioned parameters."""
+    die_with_parent(shared.parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
@@ -420,6 +439,9 @@ def gradient_server(model: nn.Module, args: Args, shared: Shared, device_name: s
         server_loop(model, args, shared, torch.device(device_name), state or {})
     except Stop:
         pass
+    except WriteError as e:
+        shared.error_q.put(f"{e}; stopping (the last good checkpoint is kept)")
+        raise SystemExit(1) from None
     except BaseException:
         shared.error_q.put(f"error: gradient server died:\n{traceback.format_exc()}")
         raise SystemExit(1) from None
@@ -457,14 +479,8 @@ def server_loop(model: nn.Module, args: Args, shared: Shared, device: torch.devi
             shared.log_q.put(("update", worker, steps, version, version - 1 - pulled, lr, stats, episodes, timing))
         elif kind == "save":  # ("save", path, extra): a checkpoint of the model and optimizer this process owns
             _, path, extra = message
-            save_checkpoint(
-                Path(path),
-                model={k: v.cpu() for k, v in model.state_dict().items()},
-                optimizer=optimizer.state_dict(),
-                global_step=global_step,
-                version=shared.version.value,
-                **extra,
-            )
+            state = dict(model={k: v.cpu() for k, v in model.state_dict().items()}, optimizer=optimizer.state_dict())
+            atomic_save({**state, "global_step": global_step, "version": shared.version.value, **extra}, Path(path))
         elif kind == "stop":  # after every queued gradient (FIFO): each one is applied exactly once
             _, path, extra = message
             if path is not None:
@@ -482,6 +498,9 @@ def server_loop(model: nn.Module, args: Args, shared: Shared, device: torch.devi
 
 def validate(args: Args) -> str | None:
     """Every flag checked before anything is spawned; returns the error line or None."""
+    for name, value in asdict(args).items():
+        if isinstance(value, float) and not math.isfinite(value):
+            return f"--{name.replace('_', '-')} must be a finite number, got {value}"
     if args.update not in UPDATE_MODES:
         return f"--update must be one of {', '.join(UPDATE_MODES)}, got {args.update!r}"
     if args.optimizer not in OPTIMIZERS:
@@ -515,14 +534,114 @@ def validate(args: Args) -> str | None:
         check_env_args(args.env_id, args.num_envs_per_worker, args.atari_protocol)
     except EnvError as e:
         return str(e)
+    act_space = env_spaces(args)[1]
+    if not isinstance(act_space, gym.spaces.Discrete):
+        return (
+            f"{args.env_id} has a continuous action space ({act_space}); a3c_large_batch.py handles Discrete "
+            f"action spaces only (for continuous actions: apex.py --algo ddpg)"
+        )
     return None
 
 
-def save_checkpoint(path: Path, **state) -> None:
-    """Atomic: write a temporary file, then rename over the old checkpoint."""
+def env_spaces(args: Args):
+    """(observation space, action space) of one env of the training vector env."""
+    probe = make_vector_env(args.env_id, 1, args.seed, protocol=args.atari_protocol, num_threads=1)
+    spaces = probe.single_observation_space, probe.single_action_space
+    probe.close()
+    return spaces
+
+
+def fail(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def new_run_dir(args: Args) -> Path:
+    """Create this run's directory, never one that exists: a run started in the same second with the same name gets
+    the suffix -2, -3, ... (mkdir is atomic, so two runs cannot both take one name). Exit 2 if it cannot be made."""
+    base = Path(args.log_dir) / f"{args.env_id.replace('/', '_')}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    try:
+        base.parent.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        fail(f"cannot create the run directory {base}: {base.parent} is not a directory")
+    except OSError as e:
+        fail(f"cannot create the run directory {base}: {e.strerror or e}")
+    for n in itertools.count(1):
+        run_dir = base if n == 1 else base.with_name(f"{base.name}-{n}")
+        try:
+            run_dir.mkdir()
+            return run_dir
+        except FileExistsError:
+            continue
+        except OSError as e:
+            fail(f"cannot create the run directory {run_dir}: {e.strerror or e}")
+
+
+def checkpoint_meta(args: Args, obs_space, act_space) -> dict:
+    """What a checkpoint must match to be resumed by this run: script, update mode, env, network and shapes."""
+    return dict(
+        script=Path(__file__).name,
+        algo=args.update,
+        env_id=args.env_id,
+        network=args.network if args.network != "auto" else ("nature" if len(obs_space.shape) == 3 else "mlp"),
+        obs_shape=list(obs_space.shape),
+        action_shape_or_n=int(act_space.n),
+    )
+
+
+def load_checkpoint(path: str, meta: dict) -> dict:
+    """The checkpoint at `path` if this run can continue it; otherwise one error line and exit 2 (nothing started)."""
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:
+        reason = (str(e).strip().splitlines() or [""])[0][:120]
+        fail(f"cannot resume from {path}: not a checkpoint this script can read ({type(e).__name__}: {reason})")
+    theirs = checkpoint.get("meta") if isinstance(checkpoint, dict) else None
+    if not isinstance(theirs, dict):
+        fail(f'cannot resume from {path}: not a checkpoint this script can read (it has no "meta" entry)')
+    differ = [k for k in meta if theirs.get(k) != meta[k]]
+    if differ:
+        fail(
+            f"cannot resume from {path}: it is a {theirs.get('script')} checkpoint "
+            f"({', '.join(f'{k} {theirs.get(k)}' for k in differ)}), this run is "
+            f"{', '.join(f'{k} {meta[k]}' for k in differ)}"
+        )
+    return checkpoint
+
+
+def events_error(e: OSError, run_dir: Path) -> str:
+    """The error line for a TensorBoard events file that cannot be written (a full disk, most often). TensorBoard's
+    writer thread dies of it and the main thread gets it at its next write; the thread is kept from printing its own
+    traceback (`threading.excepthook`), so the run reports it in this one line."""
+    reason = "no space left on device" if e.errno == errno.ENOSPC else (e.strerror or str(e))
+    return f"error: {reason} while writing the TensorBoard events in {run_dir}; stopping"
+
+
+def quiet_writer_thread() -> None:
+    default = threading.excepthook
+    threading.excepthook = lambda hook_args: None if issubclass(hook_args.exc_type, OSError) else default(hook_args)
+
+
+class WriteError(RuntimeError):
+    """A checkpoint or model file could not be written; the message is the error line."""
+
+
+def atomic_save(obj, path: Path) -> None:
+    """torch.save, atomic: a temporary file, then a rename over the old file, so a full disk leaves the last good one.
+    Serialised in memory first: torch.save to a full disk raises a cryptic "unexpected pos" instead of ENOSPC."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
     tmp = path.with_suffix(".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(buffer.getbuffer())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        reason = "no space left on device" if e.errno == errno.ENOSPC else (e.strerror or str(e))
+        raise WriteError(f"error: {reason} while writing {path}") from None
 
 
 def evaluate(model: nn.Module, args: Args, run_dir: Path) -> list[float]:
@@ -551,19 +670,18 @@ def evaluate(model: nn.Module, args: Args, run_dir: Path) -> list[float]:
 
 
 class StopSignals:
-    """Ctrl+C and SIGTERM. Until `armed`, they raise KeyboardInterrupt (start-up can be cut anywhere); once the main
-    loop runs they only set `requested`, which the loop checks at the top of every iteration before unwinding through
-    `finally`. Raised inside a `log_q.get`, the exception could leave half a message in the pipe, and the next read
-    during shutdown would fail (`EOFError: Ran out of input`)."""
+    """Ctrl+C and SIGTERM only set `requested` (and `signum`, for the exit status 128 + signum): start-up checks it
+    before starting processes and the main loop at the top of every iteration, then unwinds through `finally`. An
+    exception raised from the handler could cut start-up between two process starts (orphans, a traceback), or leave
+    half a message in the pipe inside a `log_q.get` (`EOFError: Ran out of input` at the next read)."""
 
     def __init__(self):
-        self.requested, self.armed = threading.Event(), False
+        self.requested, self.signum = threading.Event(), 0
         signal.signal(signal.SIGINT, self.handler)
         signal.signal(signal.SIGTERM, self.handler)
 
     def handler(self, signum, frame) -> None:
-        if not self.armed:
-            raise KeyboardInterrupt
+        self.signum = self.signum or signum
         self.requested.set()
 
 
@@ -598,14 +716,20 @@ def shutdown(procs: dict, shared: Shared, drain, grace: float) -> list[str]:
     shared.stop.set()
     deadline = time.time() + grace
     while any(p.is_alive() for p in procs.values()) and time.time() < deadline:
-        drain(0.2)
+        try:
+            drain(0.2)
+        except OSError:  # TensorBoard's events file cannot be written (reported by the caller): keep stopping
+            time.sleep(0.2)
     killed = []
     for name, p in procs.items():
         if p.is_alive():
             p.kill()
             killed.append(name)
         p.join(timeout=2.0)
-    drain(0.0)
+    try:
+        drain(0.0)
+    except OSError:
+        pass
     return killed
 
 
@@ -616,12 +740,11 @@ def shutdown(procs: dict, shared: Shared, drain, grace: float) -> list[str]:
 
 def main(args: Args) -> None:
     if error := validate(args):
-        print(f"error: {error}", file=sys.stderr)
-        raise SystemExit(2)
-    checkpoint = torch.load(args.resume, map_location="cpu", weights_only=False) if args.resume else None
-    if checkpoint is not None and checkpoint.get("update") != args.update:
-        print(f"error: --resume {args.resume} is a --update {checkpoint.get('update')} checkpoint", file=sys.stderr)
-        raise SystemExit(2)
+        fail(error)
+    obs_space, act_space = env_spaces(args)
+    meta = checkpoint_meta(args, obs_space, act_space)
+    checkpoint = load_checkpoint(args.resume, meta) if args.resume else None
+    signals = StopSignals()
 
     use_cuda = args.cuda and torch.cuda.is_available()
     device = "cuda" if use_cuda else "cpu"
@@ -631,15 +754,12 @@ def main(args: Args) -> None:
     torch.use_deterministic_algorithms(args.torch_deterministic, warn_only=True)
     if checkpoint:
         run_dir = Path(args.resume).parent
+        if not os.access(run_dir, os.W_OK):
+            fail(f"cannot write to the run directory {run_dir} of --resume {args.resume}")
     else:
-        run_dir = (
-            Path(args.log_dir) / f"{args.env_id.replace('/', '_')}__{args.exp_name}__{args.seed}__{int(time.time())}"
-        )
+        run_dir = new_run_dir(args)
     checkpoint_path = run_dir / "checkpoint.pt"
 
-    probe = make_vector_env(args.env_id, 1, args.seed, protocol=args.atari_protocol, num_threads=1)
-    obs_space, act_space = probe.single_observation_space, probe.single_action_space
-    probe.close()
     model = make_model(obs_space, act_space, args.network)  # hogwild: the shared model; server: main's view of it
     global_step, version = 0, 0
     if checkpoint:
@@ -682,13 +802,16 @@ def main(args: Args) -> None:
     for w in range(W):
         procs[f"worker {w}"] = ctx.Process(target=worker_process, args=(w, args, shared, device), daemon=True)
 
-    run_dir.mkdir(parents=True, exist_ok=True)
     print(
         f"run directory: {run_dir}  ({W} workers x {args.num_envs_per_worker} envs, {args.update} updates, "
         f"{args.num_steps}-step rollouts of {batch} agent steps, {device})",
         flush=True,
     )
-    signals = StopSignals()
+    if signals.requested.is_set():  # Ctrl+C while setting up: stop before any process starts, leave nothing behind
+        if not checkpoint:
+            run_dir.rmdir()
+        print("interrupted during start-up", file=sys.stderr)
+        raise SystemExit(128 + signals.signum)
     # children start with SIGINT/SIGTERM blocked, then ignore them: Ctrl+C reaches the whole process group
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
     try:
@@ -699,6 +822,7 @@ def main(args: Args) -> None:
 
     from torch.utils.tensorboard import SummaryWriter  # after the forks: the writer runs a thread
 
+    quiet_writer_thread()
     writer = SummaryWriter(str(run_dir))
     table = "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items())
     writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
@@ -762,15 +886,14 @@ def main(args: Args) -> None:
         )
 
     def extra() -> dict:
-        return dict(update=args.update, args=asdict(args), torch_rng=torch.get_rng_state())
+        return dict(update=args.update, args=asdict(args), torch_rng=torch.get_rng_state(), meta=meta)
 
     def write_checkpoint() -> None:
         if args.update == "hogwild":
-            save_checkpoint(checkpoint_path, **hogwild_checkpoint(), **extra())
+            atomic_save({**hogwild_checkpoint(), **extra()}, checkpoint_path)
         else:
             shared.grad_q.put(("save", str(checkpoint_path), extra()))
 
-    signals.armed = True
     try:
         while len(workers_done) < W or not server_done:
             if signals.requested.is_set():
@@ -799,6 +922,10 @@ def main(args: Args) -> None:
     except KeyboardInterrupt:
         interrupted = True
         print("interrupted: shutting down", file=sys.stderr, flush=True)
+    except WriteError as e:
+        failure = f"{e}; stopping (the last good checkpoint is kept)"
+    except OSError as e:  # the TensorBoard events file
+        failure = events_error(e, run_dir)
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl+C must not cut the shutdown short
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -821,28 +948,37 @@ def main(args: Args) -> None:
     if args.update == "server":  # main's view of the shared model: the latest published version
         with torch.no_grad():
             copy_flat_into(params, shared.published)
+    try:
+        if failure is None and args.checkpoint_interval and args.update == "hogwild":
+            atomic_save({**hogwild_checkpoint(), **extra()}, checkpoint_path)
+        if failure is None and not interrupted and args.save_model:
+            atomic_save(model.state_dict(), run_dir / "model.pt")
+    except WriteError as e:
+        failure = f"{e}; stopping (the last good checkpoint is kept)"
+    try:
+        if aggregate.count:
+            aggregate.write(writer, global_step)
+            writer.add_scalar("charts/SPS", sps(), global_step)
+            writer.add_scalar("charts/learning_rate", lr, global_step)
+    except OSError as e:
+        failure = failure or events_error(e, run_dir)
     finished = failure is None and not interrupted
-    if failure is None and args.checkpoint_interval and args.update == "hogwild":
-        save_checkpoint(checkpoint_path, **hogwild_checkpoint(), **extra())
-    if aggregate.count:
-        aggregate.write(writer, global_step)
-        writer.add_scalar("charts/SPS", sps(), global_step)
-        writer.add_scalar("charts/learning_rate", lr, global_step)
     mean_ret = f"{np.mean(recent_returns):.2f}" if recent_returns else "n/a"
     print(f"step {global_step:>10,}  updates {updates_seen:,}  SPS {sps():,.0f}  return {mean_ret}", flush=True)
     if finished:
-        if args.save_model:
-            torch.save(model.state_dict(), run_dir / "model.pt")
         if args.eval_episodes:
             for i, ret in enumerate(evaluate(model, args, run_dir)):
                 writer.add_scalar("eval/episodic_return", ret, i)
                 print(f"eval episode {i}: return {ret:.1f}")
-    writer.close()
+    try:
+        writer.close()
+    except OSError as e:
+        failure = failure or events_error(e, run_dir)
     if failure:
         print(failure, file=sys.stderr)
         raise SystemExit(1)
     if interrupted:
-        raise SystemExit(130)
+        raise SystemExit(128 + signals.signum)
 
 
 if __name__ == "__main__":

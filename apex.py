@@ -41,6 +41,10 @@ Examples:
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
+import io
+import itertools
 import math
 import os
 import queue
@@ -53,6 +57,7 @@ from collections import deque
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import gymnasium as gym
 import numpy as np
 import torch
 import torch.multiprocessing as mp
@@ -499,6 +504,27 @@ class NonFiniteLoss(RuntimeError):
     pass
 
 
+class StopFlag:
+    """The run is shutting down: one byte of shared memory, set by the main process only. Unlike mp.Event, setting it
+    takes no lock and waits for no one: mp.Event.set() waits until every process sleeping in wait() wakes, forever if
+    one of them is stopped (SIGSTOP) or frozen, and Ctrl+C could then not stop the run."""
+
+    def __init__(self, ctx):
+        self.flag = ctx.Value("b", 0, lock=False)
+
+    def set(self) -> None:
+        self.flag.value = 1
+
+    def is_set(self) -> bool:
+        return bool(self.flag.value)
+
+    def wait(self, timeout: float) -> bool:
+        """Sleep up to `timeout` seconds unless set; whether it is set."""
+        if not self.flag.value:
+            time.sleep(timeout)
+        return bool(self.flag.value)
+
+
 class ParamStore:
     """Versioned parameters: a flat shared buffer and its version under one lock, so a pull never mixes versions.
     Version = learner updates applied (-1 until the first publish, which sets `ready`)."""
@@ -545,7 +571,7 @@ def copy_into_flat(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
 class Shared:
     """Everything the processes of one machine share (tensors and locks in shared memory)."""
 
-    stop: object  # mp.Event: the run is shutting down
+    stop: StopFlag  # the run is shutting down
     log_q: object  # mp.Queue -> main: ("actor", ...), ("done", actor), ("eval", step, returns), ("error", text)
     error_q: object  # mp.Queue -> main: "<who> died:\n<traceback>"
     steps_claimed: object  # mp.Value int64: agent steps handed out (the budget counter of this machine)
@@ -624,8 +650,20 @@ def play_episodes(args: Args, model: nn.Module, env, episodes: int, rng: np.rand
     return returns
 
 
+def die_with_parent(parent_pid: int) -> None:
+    """Linux: the kernel kills this process when the main process dies, even by kill -9, so no child outlives the run.
+    The main process may have died before prctl ran: then exit at once."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # no prctl (not Linux)
+        pass
+    if os.getppid() != parent_pid:
+        os._exit(0)
+
+
 def process_body(name: str, loop, shared: Shared, *loop_args) -> None:
     """Run `loop(*loop_args)` in a child process, reporting any exception with its traceback to the main process."""
+    die_with_parent(shared.parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the main process coordinates Ctrl+C / SIGTERM
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})  # blocked by main around start()
@@ -941,7 +979,6 @@ def run_actor_host(args: Args, rank: int, world_size: int) -> None:
     signals = StopSignals()
     rpc.init_rpc(f"rank{rank}", rank=rank, world_size=world_size)
     known, last_pull, status = -1, 0.0, 0
-    signals.armed = True
     try:
         while not _HOST["stop_requested"].is_set():
             if signals.requested.is_set():
@@ -962,7 +999,7 @@ def run_actor_host(args: Args, rank: int, world_size: int) -> None:
                     known = version
                 last_pull = time.time()
     except KeyboardInterrupt:
-        status = 130
+        status = 128 + signals.signum
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -979,6 +1016,9 @@ def run_actor_host(args: Args, rank: int, world_size: int) -> None:
 
 def validate(args: Args, world_size: int = 1) -> str | None:
     """Every flag checked before anything is spawned; returns the error line or None."""
+    for name, value in asdict(args).items():
+        if isinstance(value, float) and not math.isfinite(value):
+            return f"--{name.replace('_', '-')} must be a finite number, got {value}"
     for name, choices in (
         ("algo", ALGOS),
         ("optimizer", OPTIMIZERS),
@@ -1049,7 +1089,15 @@ def validate(args: Args, world_size: int = 1) -> str | None:
         return f"--total-timesteps ({args.total_timesteps}) is less than one step of every env of every actor"
     try:
         check_env_args(args.env_id, args.num_envs_per_actor, args.atari_protocol)
-        build_model(args, *env_spaces(args))
+        spaces = env_spaces(args)
+        discrete = isinstance(spaces[1], gym.spaces.Discrete)
+        if discrete != (args.algo == "dqn"):
+            kind, other = ("Discrete", "ddpg") if args.algo == "dqn" else ("Box", "dqn")
+            return (
+                f"{args.env_id} has a {'Discrete' if discrete else 'continuous'} action space ({spaces[1]}); "
+                f"--algo {args.algo} needs a {kind} action space: use apex.py --algo {other}"
+            )
+        build_model(args, *spaces)
     except (EnvError, ValueError) as e:
         return f"{e} (--algo {args.algo} on {args.env_id})" if not isinstance(e, EnvError) else str(e)
     return None
@@ -1092,13 +1140,14 @@ def setup_machine(
         for _ in range(num_actors)
     ]
     shared = Shared(
-        stop=ctx.Event(),
+        stop=StopFlag(ctx),
         log_q=ctx.Queue(),
         error_q=ctx.Queue(),
         steps_claimed=ctx.Value("q", start_step),
         steps_limit=steps_limit,
-        global_step=ctx.Value("q", start_step),
-        learn_start=ctx.Value("d", math.nan),
+        # no locks where main is the only writer: a child stopped or killed holding one would block main forever
+        global_step=ctx.Value("q", start_step, lock=False),
+        learn_start=ctx.Value("d", math.nan, lock=False),
         store=ParamStore(sum(p.numel() for p in model.parameters()), ctx),
         buffers=buffers,
         parent_pid=os.getpid(),
@@ -1156,35 +1205,128 @@ def shutdown(procs: dict, shared: Shared, drain, grace: float) -> None:
     shared.stop.set()
     deadline = time.time() + grace
     while any(p.is_alive() for p in procs.values()) and time.time() < deadline:
-        drain(0.2)
+        try:
+            drain(0.2)
+        except OSError:  # TensorBoard's events file cannot be written (reported by the caller): keep stopping
+            time.sleep(0.2)
     for p in procs.values():
         if p.is_alive():
             p.kill()
         p.join(timeout=2.0)
-    drain(0.0)
+    try:
+        drain(0.0)
+    except OSError:
+        pass
 
 
-def save_checkpoint(path: Path, **state) -> None:
-    """Atomic: write a temporary file, then rename over the old checkpoint."""
+def fail(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def new_run_dir(args: Args) -> Path:
+    """Create this run's directory, never one that exists: a run started in the same second with the same name gets
+    the suffix -2, -3, ... (mkdir is atomic, so two runs cannot both take one name). Exit 2 if it cannot be made."""
+    base = Path(args.log_dir) / f"{args.env_id.replace('/', '_')}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    try:
+        base.parent.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        fail(f"cannot create the run directory {base}: {base.parent} is not a directory")
+    except OSError as e:
+        fail(f"cannot create the run directory {base}: {e.strerror or e}")
+    for n in itertools.count(1):
+        run_dir = base if n == 1 else base.with_name(f"{base.name}-{n}")
+        try:
+            run_dir.mkdir()
+            return run_dir
+        except FileExistsError:
+            continue
+        except OSError as e:
+            fail(f"cannot create the run directory {run_dir}: {e.strerror or e}")
+
+
+def checkpoint_meta(args: Args, obs_space, act_space) -> dict:
+    """What a checkpoint must match to be resumed by this run: script, algo, env, networks and shapes."""
+    auto_network = "nature" if len(obs_space.shape) == 3 else "mlp"
+    return dict(
+        script=Path(__file__).name,
+        algo=args.algo,
+        env_id=args.env_id,
+        network=None if args.algo == "ddpg" else args.network if args.network != "auto" else auto_network,
+        hidden_sizes=list(args.hidden_sizes),
+        obs_shape=list(obs_space.shape),
+        action_shape_or_n=int(act_space.n) if args.algo == "dqn" else list(act_space.shape),
+    )
+
+
+def load_checkpoint(path: str, meta: dict) -> dict:
+    """The checkpoint at `path` if this run can continue it; otherwise one error line and exit 2 (nothing started)."""
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:
+        reason = (str(e).strip().splitlines() or [""])[0][:120]
+        fail(f"cannot resume from {path}: not a checkpoint this script can read ({type(e).__name__}: {reason})")
+    theirs = checkpoint.get("meta") if isinstance(checkpoint, dict) else None
+    if not isinstance(theirs, dict):
+        fail(f'cannot resume from {path}: not a checkpoint this script can read (it has no "meta" entry)')
+    differ = [k for k in meta if theirs.get(k) != meta[k]]
+    if differ:
+        fail(
+            f"cannot resume from {path}: it is a {theirs.get('script')} checkpoint "
+            f"({', '.join(f'{k} {theirs.get(k)}' for k in differ)}), this run is "
+            f"{', '.join(f'{k} {meta[k]}' for k in differ)}"
+        )
+    return checkpoint
+
+
+def events_error(e: OSError, run_dir: Path) -> str:
+    """The error line for a TensorBoard events file that cannot be written (a full disk, most often). TensorBoard's
+    writer thread dies of it and the main thread gets it at its next write; the thread is kept from printing its own
+    traceback (`threading.excepthook`), so the run reports it in this one line."""
+    reason = "no space left on device" if e.errno == errno.ENOSPC else (e.strerror or str(e))
+    return f"error: {reason} while writing the TensorBoard events in {run_dir}; stopping"
+
+
+def quiet_writer_thread() -> None:
+    default = threading.excepthook
+    threading.excepthook = lambda hook_args: None if issubclass(hook_args.exc_type, OSError) else default(hook_args)
+
+
+class WriteError(RuntimeError):
+    """A checkpoint or model file could not be written; the message is the error line."""
+
+
+def atomic_save(obj, path: Path) -> None:
+    """torch.save, atomic: a temporary file, then a rename over the old file, so a full disk leaves the last good one.
+    Serialised in memory first: torch.save to a full disk raises a cryptic "unexpected pos" instead of ENOSPC."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
     tmp = path.with_suffix(".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(buffer.getbuffer())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        reason = "no space left on device" if e.errno == errno.ENOSPC else (e.strerror or str(e))
+        raise WriteError(f"error: {reason} while writing {path}") from None
 
 
 class StopSignals:
-    """Ctrl+C and SIGTERM. Until `armed`, they raise KeyboardInterrupt (start-up can be cut anywhere); once the main
-    loop runs they only set `requested`, which the loop checks at the top of every iteration before unwinding through
-    `finally`. Raised inside a `log_q.get`, the exception could leave half a message in the pipe, and the next read
-    during shutdown would fail (`EOFError: Ran out of input`)."""
+    """Ctrl+C and SIGTERM only set `requested` (and `signum`, for the exit status 128 + signum): start-up checks it
+    before starting processes and the main loop at the top of every iteration, then unwinds through `finally`. An
+    exception raised from the handler could cut start-up between two process starts (orphans, a traceback), or leave
+    half a message in the pipe inside a `log_q.get` (`EOFError: Ran out of input` at the next read)."""
 
     def __init__(self):
-        self.requested, self.armed = threading.Event(), False
+        self.requested, self.signum = threading.Event(), 0
         signal.signal(signal.SIGINT, self.handler)
         signal.signal(signal.SIGTERM, self.handler)
 
     def handler(self, signum, frame) -> None:
-        if not self.armed:
-            raise KeyboardInterrupt
+        self.signum = self.signum or signum
         self.requested.set()
 
 
@@ -1198,8 +1340,7 @@ def main(args: Args) -> None:
     if args.learner_threads >= 1:  # before validation builds a model: oversubscribed threads make that slow too
         torch.set_num_threads(args.learner_threads)
     if error := validate(args, world_size):
-        print(f"error: {error}", file=sys.stderr)
-        raise SystemExit(2)
+        fail(error)
     torch.manual_seed(args.seed)
     torch.backends.cudnn.deterministic = args.torch_deterministic
     torch.use_deterministic_algorithms(args.torch_deterministic, warn_only=True)
@@ -1212,18 +1353,17 @@ def main(args: Args) -> None:
 
 
 def run_learner(args: Args, world_size: int) -> None:
-    checkpoint = torch.load(args.resume, map_location="cpu", weights_only=False) if args.resume else None
-    if checkpoint is not None and checkpoint.get("algo") != args.algo:
-        print(f"error: --resume {args.resume} is an --algo {checkpoint.get('algo')} checkpoint", file=sys.stderr)
-        raise SystemExit(2)
+    meta = checkpoint_meta(args, *env_spaces(args))
+    checkpoint = load_checkpoint(args.resume, meta) if args.resume else None
+    signals = StopSignals()
     use_cuda = args.cuda and torch.cuda.is_available()
     device = torch.device("cuda" if use_cuda else "cpu")
     if checkpoint:
         run_dir = Path(args.resume).parent
+        if not os.access(run_dir, os.W_OK):
+            fail(f"cannot write to the run directory {run_dir} of --resume {args.resume}")
     else:
-        run_dir = (
-            Path(args.log_dir) / f"{args.env_id.replace('/', '_')}__{args.exp_name}__{args.seed}__{int(time.time())}"
-        )
+        run_dir = new_run_dir(args)
     checkpoint_path = run_dir / "checkpoint.pt"
     global_step = checkpoint["global_step"] if checkpoint else 0
     distributed = world_size > 1
@@ -1255,20 +1395,24 @@ def run_learner(args: Args, world_size: int) -> None:
     else:
         replay = LocalReplay(shared.buffers, rng)
 
-    run_dir.mkdir(parents=True, exist_ok=True)
     print(
         f"run directory: {run_dir}  (Ape-X {args.algo.upper()}: {num_total} actors x {args.num_envs_per_actor} envs, "
         f"replay {args.buffer_size:,} in {num_total} buffers, learner on {device}"
         f"{f', {world_size - 1} actor ranks over rpc' if distributed else ''})",
         flush=True,
     )
-    signals = StopSignals()
+    if signals.requested.is_set():  # Ctrl+C while setting up: stop before any process starts, leave nothing behind
+        if not checkpoint:
+            run_dir.rmdir()
+        print("interrupted during start-up", file=sys.stderr)
+        raise SystemExit(128 + signals.signum)
     start_processes(procs)
     if distributed:
         rpc.init_rpc("rank0", rank=0, world_size=world_size)
 
     from torch.utils.tensorboard import SummaryWriter  # after the forks: the writer runs a thread
 
+    quiet_writer_thread()
     writer = SummaryWriter(str(run_dir))
     table = "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items())
     writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
@@ -1306,14 +1450,8 @@ def run_learner(args: Args, world_size: int) -> None:
         return (global_step - start_step) / max(1e-9, time.time() - start_time)
 
     def write_checkpoint() -> None:
-        save_checkpoint(
-            checkpoint_path,
-            learner=learner.state_dict(),
-            global_step=global_step,
-            algo=args.algo,
-            args=asdict(args),
-            torch_rng=torch.get_rng_state(),
-        )
+        state = dict(learner=learner.state_dict(), global_step=global_step, algo=args.algo, args=asdict(args))
+        atomic_save({**state, "torch_rng": torch.get_rng_state(), "meta": meta}, checkpoint_path)
 
     def log_scalars() -> None:
         means.write(writer, global_step)
@@ -1324,7 +1462,6 @@ def run_learner(args: Args, world_size: int) -> None:
         writer.add_scalar("replay/stale_updates", stale_total, global_step)
         writer.add_scalar("timing/replay_wait", wait_time, global_step)
 
-    signals.armed = True
     try:
         while len(actors_done) < num_total and failure is None:
             if signals.requested.is_set():
@@ -1340,8 +1477,8 @@ def run_learner(args: Args, world_size: int) -> None:
                 if learn_start < 0:  # the rate limiter counts from here
                     learn_start, start_version = global_step, learner.version
                     if args.replay_ratio:
-                        shared.learn_start.value = (
-                            shared.steps_claimed.value - start_version * args.batch_size / args.replay_ratio
+                        shared.learn_start.value = (  # steps_claimed read without its lock (actors hold it)
+                            shared.steps_claimed.get_obj().value - start_version * args.batch_size / args.replay_ratio
                         )
                 drain_into(shared.log_q, handle, 0.0)
                 beta = importance_exponent(args.priority_beta, args.anneal_beta, global_step / args.total_timesteps)
@@ -1378,6 +1515,10 @@ def run_learner(args: Args, world_size: int) -> None:
         failure = f"error: learner: {e}; stopping (the last checkpoint, if any, is kept)"
     except LockTimeout as e:
         failure = dead_process(procs, shared) or f"error: learner: {e}; stopping"
+    except WriteError as e:
+        failure = f"{e}; stopping (the last good checkpoint is kept)"
+    except OSError as e:  # the TensorBoard events file
+        failure = events_error(e, run_dir)
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl+C must not cut the shutdown short
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -1394,16 +1535,22 @@ def run_learner(args: Args, world_size: int) -> None:
                 failure = shared.error_q.get_nowait()
             except queue.Empty:
                 pass
+    try:
+        if failure is None and args.checkpoint_interval:
+            write_checkpoint()
+        if failure is None and not interrupted and args.save_model:
+            atomic_save(learner.model.state_dict(), run_dir / "model.pt")
+    except WriteError as e:
+        failure = f"{e}; stopping (the last good checkpoint is kept)"
+    try:
+        if means.count:
+            log_scalars()
+    except OSError as e:
+        failure = failure or events_error(e, run_dir)
     finished = failure is None and not interrupted
-    if failure is None and args.checkpoint_interval:
-        write_checkpoint()
-    if means.count:
-        log_scalars()
     mean_ret = f"{np.mean(recent_returns):.2f}" if recent_returns else "n/a"
     print(f"step {global_step:>10,}  updates {learner.version:,}  SPS {sps():,.0f}  return {mean_ret}", flush=True)
     if finished:
-        if args.save_model:
-            torch.save(learner.model.state_dict(), run_dir / "model.pt")
         if args.eval_episodes:
             env = make_env(
                 args.env_id,
@@ -1419,12 +1566,15 @@ def run_learner(args: Args, world_size: int) -> None:
             for i, ret in enumerate(returns):
                 writer.add_scalar("eval/episodic_return", ret, global_step)
                 print(f"eval episode {i}: return {ret:.1f}")
-    writer.close()
+    try:
+        writer.close()
+    except OSError as e:
+        failure = failure or events_error(e, run_dir)
     if failure:
         print(failure, file=sys.stderr)
         raise SystemExit(1)
     if interrupted:
-        raise SystemExit(130)
+        raise SystemExit(128 + signals.signum)
 
 
 if __name__ == "__main__":

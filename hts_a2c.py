@@ -35,11 +35,16 @@ from __future__ import annotations
 
 import copy
 import ctypes
+import errno
+import io
+import itertools
+import math
 import os
 import queue
 import random
 import signal
 import sys
+import threading
 import time
 import traceback
 from collections import deque
@@ -47,6 +52,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import gymnasium as gym
 import numpy as np
 import torch
 import torch.multiprocessing as mp
@@ -211,12 +217,15 @@ def make_optimizer(model: nn.Module, args: Args) -> torch.optim.Optimizer:
 # Worker bodies
 
 
-def _worker_setup() -> None:
-    """Let the main process decide about Ctrl+C, die with it (no orphans), one intra-op thread per worker."""
+def _worker_setup(parent_pid: int) -> None:
+    """Let the main process decide about Ctrl+C, die with it (no orphans), one intra-op thread per worker. The main
+    process may have died before prctl ran: then exit at once."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     if sys.platform.startswith("linux"):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent_pid:
+        os._exit(0)
     torch.set_num_threads(1)
 
 
@@ -231,9 +240,9 @@ def fixed_mmap_threshold(nbytes: int = 4 << 20) -> None:
             pass
 
 
-def _run_worker(name: str, results, body: Callable, *body_args) -> None:
+def _run_worker(name: str, results, parent_pid: int, body: Callable, *body_args) -> None:
     """Run a worker body; on an exception, report name and traceback to the main process and exit non-zero."""
-    _worker_setup()
+    _worker_setup(parent_pid)
     try:
         body(*body_args)
     except BaseException:
@@ -327,6 +336,9 @@ def fail(message: str) -> None:
 
 def validate(args: Args) -> tuple:
     """Check every flag before anything is spawned; returns the env's observation and action spaces."""
+    for key, value in asdict(args).items():
+        if isinstance(value, float) and not math.isfinite(value):
+            fail(f"--{key.replace('_', '-')} must be a finite number, got {value}")
     if args.network not in NETWORKS:
         fail(f"--network must be one of {', '.join(NETWORKS)}, got {args.network!r}")
     if args.atari_protocol not in PROTOCOLS:
@@ -361,27 +373,78 @@ def validate(args: Args) -> tuple:
     for ok, message in checks:
         if not ok:
             fail(message)
-    if args.resume is not None:
-        path = Path(args.resume)
-        if not path.is_file():
-            fail(f"--resume {args.resume!r}: no such file; pass the checkpoint.pt of an earlier run")
-        try:
-            saved = torch.load(path, map_location="cpu", weights_only=False)["args"]
-        except Exception as e:
-            fail(f"--resume {args.resume!r} is not a checkpoint of this script ({type(e).__name__}: {e})")
-        for key in ("env_id", "network", "atari_protocol"):
-            if saved[key] != getattr(args, key):
-                fail(f"--resume checkpoint was trained with --{key.replace('_', '-')} {saved[key]!r}, not "
-                     f"{getattr(args, key)!r}; pass the same value")  # fmt: skip
+    if args.resume is not None and not Path(args.resume).is_file():
+        fail(f"--resume {args.resume!r}: no such file; pass the checkpoint.pt of an earlier run")
     try:
         check_env_args(args.env_id, args.num_envs, args.atari_protocol)
         envs = make_vector_env(args.env_id, 1, args.seed, protocol=args.atari_protocol, num_threads=1)
         spaces = envs.single_observation_space, envs.single_action_space
         envs.close()
+        if not isinstance(spaces[1], gym.spaces.Discrete):
+            fail(f"{args.env_id} has a continuous action space ({spaces[1]}); hts_a2c.py handles Discrete action "
+                 f"spaces only (for continuous actions: apex.py --algo ddpg)")  # fmt: skip
         make_model(*spaces, args.network)
     except (EnvError, ValueError) as e:
         fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
+    if args.resume is not None:
+        load_checkpoint(args.resume, checkpoint_meta(args, *spaces))
     return spaces
+
+
+def new_run_dir(args: Args) -> Path:
+    """Create this run's directory, never one that exists: a run started in the same second with the same name gets
+    the suffix -2, -3, ... (mkdir is atomic, so two runs cannot both take one name). Exit 2 if it cannot be made."""
+    base = Path(args.log_dir) / f"{args.env_id.replace('/', '_')}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    try:
+        base.parent.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        fail(f"cannot create the run directory {base}: {base.parent} is not a directory")
+    except OSError as e:
+        fail(f"cannot create the run directory {base}: {e.strerror or e}")
+    for n in itertools.count(1):
+        run_dir = base if n == 1 else base.with_name(f"{base.name}-{n}")
+        try:
+            run_dir.mkdir()
+            return run_dir
+        except FileExistsError:
+            continue
+        except OSError as e:
+            fail(f"cannot create the run directory {run_dir}: {e.strerror or e}")
+
+
+def checkpoint_meta(args: Args, observation_space, action_space) -> dict:
+    """What a checkpoint must match to be resumed by this run: script, env, network and shapes."""
+    return {
+        "script": Path(__file__).name,
+        "algo": None,
+        "env_id": args.env_id,
+        "atari_protocol": args.atari_protocol,
+        "network": args.network
+        if args.network != "auto"
+        else ("nature" if len(observation_space.shape) == 3 else "mlp"),
+        "obs_shape": list(observation_space.shape),
+        "action_shape_or_n": int(action_space.n),
+    }
+
+
+def load_checkpoint(path: str, meta: dict) -> dict:
+    """The checkpoint at `path` if this run can continue it; otherwise one error line and exit 2 (nothing started)."""
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:
+        reason = (str(e).strip().splitlines() or [""])[0][:120]
+        fail(f"cannot resume from {path}: not a checkpoint this script can read ({type(e).__name__}: {reason})")
+    theirs = checkpoint.get("meta") if isinstance(checkpoint, dict) else None
+    if not isinstance(theirs, dict):
+        fail(f'cannot resume from {path}: not a checkpoint this script can read (it has no "meta" entry)')
+    differ = [k for k in meta if theirs.get(k) != meta[k]]
+    if differ:
+        fail(
+            f"cannot resume from {path}: it is a {theirs.get('script')} checkpoint "
+            f"({', '.join(f'{k} {theirs.get(k)}' for k in differ)}), this run is "
+            f"{', '.join(f'{k} {meta[k]}' for k in differ)}"
+        )
+    return checkpoint
 
 
 class WorkerError(RuntimeError):
@@ -396,8 +459,38 @@ def hyperparameter_table(args: Args) -> str:
     return "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items())
 
 
-def save_checkpoint(path: Path, target: nn.Module, optimizer, global_step: int, update: int, args: Args) -> None:
-    """Atomically (temporary file, then rename) write everything needed to continue the run."""
+class WriteError(RuntimeError):
+    """A checkpoint or model file could not be written; the message is the error line."""
+
+
+def atomic_save(obj, path: Path) -> None:
+    """torch.save, atomic: a temporary file, then a rename over the old file, so a full disk leaves the last good one.
+    Serialised in memory first: torch.save to a full disk raises a cryptic "unexpected pos" instead of ENOSPC."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    tmp = path.with_suffix(".pt.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(buffer.getbuffer())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        reason = "no space left on device" if e.errno == errno.ENOSPC else (e.strerror or str(e))
+        raise WriteError(f"error: {reason} while writing {path}") from None
+
+
+def quiet_writer_thread() -> None:
+    """TensorBoard's writer thread dies of a full disk (OSError) and prints its traceback; the main thread gets the same
+    error at its next write and reports it in one line, so the thread stays quiet about OSErrors."""
+    default = threading.excepthook
+    threading.excepthook = lambda hook_args: None if issubclass(hook_args.exc_type, OSError) else default(hook_args)
+
+
+def save_checkpoint(path: Path, target: nn.Module, optimizer, global_step: int, update: int, args: Args,
+                    meta: dict) -> None:  # fmt: skip
+    """Write everything needed to continue the run (atomically)."""
     state = {
         "model": target.state_dict(),
         "optimizer": optimizer.state_dict(),
@@ -405,10 +498,9 @@ def save_checkpoint(path: Path, target: nn.Module, optimizer, global_step: int, 
         "update": update,
         "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},  # executors reseed per collection
         "args": asdict(args),
+        "meta": meta,
     }
-    tmp = path.with_suffix(".pt.tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
+    atomic_save(state, path)
 
 
 def evaluate(model: nn.Module, args: Args, run_dir: Path, device: torch.device) -> list[float]:
@@ -437,10 +529,10 @@ def main(args: Args) -> None:
         run_dir = Path(args.resume).resolve().parent
     else:
         checkpoint = None
-        run_dir = (
-            Path(args.log_dir) / f"{args.env_id.replace('/', '_')}__{args.exp_name}__{args.seed}__{int(time.time())}"
-        )
-    run_dir.mkdir(parents=True, exist_ok=True)
+        run_dir = new_run_dir(args)
+    if not os.access(run_dir, os.W_OK):
+        fail(f"cannot write to the run directory {run_dir}")
+    meta = checkpoint_meta(args, observation_space, action_space)
     random.seed(args.seed)
     torch.manual_seed(args.seed)
     torch.backends.cudnn.deterministic = args.torch_deterministic
@@ -485,6 +577,7 @@ def main(args: Args) -> None:
     for tensor in shared.values():
         tensor.share_memory_()
 
+    quiet_writer_thread()
     writer = SummaryWriter(str(run_dir))
     writer.add_text("hyperparameters", hyperparameter_table(args))
     checkpoint_path = run_dir / "checkpoint.pt"
@@ -495,21 +588,23 @@ def main(args: Args) -> None:
     pipes = [ctx.Pipe(duplex=False) for _ in range(E)]  # (executor end, actor end)
     lockstep = ctx.Barrier(E) if args.sync else None
     procs: dict[str, mp.Process] = {}
+    parent_pid = os.getpid()
     k = N // E
     for e in range(E):
         procs[f"executor {e}"] = ctx.Process(
             target=_run_worker,
-            args=(f"executor {e}", results, executor, e, e * k, (e + 1) * k, args, shared, commands[e], requests,
-                  pipes[e][0], lockstep, results),
+            args=(f"executor {e}", results, parent_pid, executor, e, e * k, (e + 1) * k, args, shared, commands[e],
+                  requests, pipes[e][0], lockstep, results),
             daemon=True,
         )  # fmt: skip
     action_conns = [p[1] for p in pipes]
     for a in range(args.num_actors):
         procs[f"actor {a}"] = ctx.Process(
             target=_run_worker,
-            args=(f"actor {a}", results, actor, a, args, shared, published, version, requests, action_conns),
+            args=(f"actor {a}", results, parent_pid, actor, a, args, shared, published, version, requests,
+                  action_conns),
             daemon=True,
-        )
+        )  # fmt: skip
     for p in procs.values():
         p.start()
 
@@ -621,16 +716,24 @@ def main(args: Args) -> None:
                 print(f"global_step={global_step} SPS={sps:.0f} mean_return={mean_return:.2f}", flush=True)
                 last_console = time.time()
             if args.checkpoint_interval > 0 and time.time() - last_checkpoint >= args.checkpoint_interval:
-                save_checkpoint(checkpoint_path, target, optimizer, global_step, update, args)
+                save_checkpoint(checkpoint_path, target, optimizer, global_step, update, args, meta)
                 last_checkpoint = time.time()
         if args.checkpoint_interval > 0:
-            save_checkpoint(checkpoint_path, target, optimizer, global_step, update, args)
+            save_checkpoint(checkpoint_path, target, optimizer, global_step, update, args, meta)
     except Stop:
         exit_code = 128 + stop_signal[0]
         message = f"stopped by {signal.Signals(stop_signal[0]).name} at global step {global_step}"
         if args.checkpoint_interval > 0:
-            save_checkpoint(checkpoint_path, target, optimizer, global_step, update, args)
-            message += f"; checkpoint written to {checkpoint_path}"
+            try:
+                save_checkpoint(checkpoint_path, target, optimizer, global_step, update, args, meta)
+                message += f"; checkpoint written to {checkpoint_path}"
+            except WriteError as e:
+                exit_code, message = 1, f"{e}; stopping (the last good checkpoint is kept)"
+    except WriteError as e:
+        exit_code, message = 1, f"{e}; stopping (the last good checkpoint is kept)"
+    except OSError as e:  # from the TensorBoard writer: the events file
+        reason = "no space left on device" if e.errno == errno.ENOSPC else (e.strerror or str(e))
+        exit_code, message = 1, f"error: {reason} while writing the TensorBoard events in {run_dir}; stopping"
     except WorkerError as e:
         exit_code, message = 1, f"error: {e}"
     except FloatingPointError as e:
@@ -640,14 +743,21 @@ def main(args: Args) -> None:
         shutdown(procs, commands, requests, args.num_actors, results, graceful=exit_code == 0 and message is None)
         for signum, handler in previous_handlers.items():
             signal.signal(signum, handler)
+    if exit_code == 0 and args.save_model:
+        try:
+            atomic_save(target.state_dict(), run_dir / "model.pt")
+        except WriteError as e:
+            exit_code, message = 1, str(e)
     if exit_code == 0:
-        if args.save_model:
-            torch.save(target.state_dict(), run_dir / "model.pt")
         if args.eval_episodes > 0:
             for i, r in enumerate(evaluate(target, args, run_dir, device)):
                 writer.add_scalar("eval/episodic_return", r, global_step + i)
                 print(f"eval episode {i}: return {r:.2f}", flush=True)
-    writer.close()
+    try:
+        writer.close()
+    except OSError as e:  # the events file could not be flushed: the error above, or this one
+        message = message or f"error: {e.strerror or e} while writing the TensorBoard events in {run_dir}"
+        exit_code = exit_code or 1
     if message:
         print(message, file=sys.stderr, flush=True)
     if exit_code:

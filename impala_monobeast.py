@@ -34,6 +34,11 @@ Examples:
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import io
+import itertools
+import math
 import multiprocessing as mp
 import multiprocessing.connection
 import os
@@ -48,6 +53,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
+import gymnasium as gym
 import numpy as np
 import torch
 import tyro
@@ -416,6 +422,17 @@ class ActorPolicy:
         return slots.action[i], slots.logits[i], slots.baseline[i], int(slots.version[i].item())
 
 
+def die_with_parent(parent_pid: int) -> None:
+    """Linux: the kernel kills this process when the main process dies, even by kill -9, so no actor outlives the run.
+    The main process may have died before prctl ran: then exit at once."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # no prctl (not Linux)
+        pass
+    if os.getppid() != parent_pid:
+        os._exit(0)
+
+
 def actor_process(
     actor_id: int,
     args: Args,
@@ -426,8 +443,11 @@ def actor_process(
     policy: ActorPolicy,
     stop,
     error_q,
+    parent_pid: int | None = None,
 ) -> None:
     """MonoBeast's `act()`: take a free index, write a rollout (row 0 = previous row T), hand it to the learners."""
+    if parent_pid is not None:
+        die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C reaches the whole process group: the main process decides
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     torch.set_num_threads(1)
@@ -671,6 +691,9 @@ def num_buffers_of(args: Args) -> int:
 
 def validate(args: Args) -> str | None:
     """Every flag checked before anything is spawned; returns the error line or None."""
+    for name, value in asdict(args).items():
+        if isinstance(value, float) and not math.isfinite(value):
+            return f"--{name.replace('_', '-')} must be a finite number, got {value}"
     for name in (
         "num_actors",
         "num_envs_per_actor",
@@ -736,14 +759,115 @@ def validate(args: Args) -> str | None:
         check_env_args(args.env_id, args.num_envs_per_actor, args.atari_protocol)
     except EnvError as e:
         return str(e)
+    act_space = env_spaces(args)[1]
+    if not isinstance(act_space, gym.spaces.Discrete):
+        return (
+            f"{args.env_id} has a continuous action space ({act_space}); impala_monobeast.py handles Discrete "
+            f"action spaces only (for continuous actions: apex.py --algo ddpg)"
+        )
     return None
 
 
-def save_checkpoint(path: Path, **state) -> None:
-    """Atomic: write a temporary file, then rename over the old checkpoint."""
+def env_spaces(args: Args):
+    """(observation space, action space) of one env of the training vector env."""
+    probe = make_vector_env(args.env_id, 1, args.seed, protocol=args.atari_protocol, num_threads=1)
+    spaces = probe.single_observation_space, probe.single_action_space
+    probe.close()
+    return spaces
+
+
+def fail(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def new_run_dir(args: Args) -> Path:
+    """Create this run's directory, never one that exists: a run started in the same second with the same name gets
+    the suffix -2, -3, ... (mkdir is atomic, so two runs cannot both take one name). Exit 2 if it cannot be made."""
+    base = Path(args.log_dir) / f"{args.env_id.replace('/', '_')}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    try:
+        base.parent.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        fail(f"cannot create the run directory {base}: {base.parent} is not a directory")
+    except OSError as e:
+        fail(f"cannot create the run directory {base}: {e.strerror or e}")
+    for n in itertools.count(1):
+        run_dir = base if n == 1 else base.with_name(f"{base.name}-{n}")
+        try:
+            run_dir.mkdir()
+            return run_dir
+        except FileExistsError:
+            continue
+        except OSError as e:
+            fail(f"cannot create the run directory {run_dir}: {e.strerror or e}")
+
+
+def checkpoint_meta(args: Args, network: str, obs_space, act_space) -> dict:
+    """What a checkpoint must match to be resumed by this run: script, env, network and shapes."""
+    return dict(
+        script=Path(__file__).name,
+        algo=None,
+        env_id=args.env_id,
+        network=network,
+        **model_options(args),
+        obs_shape=list(obs_space.shape),
+        action_shape_or_n=int(act_space.n),
+    )
+
+
+def load_checkpoint(path: str, meta: dict) -> dict:
+    """The checkpoint at `path` if this run can continue it; otherwise one error line and exit 2 (nothing started)."""
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:
+        reason = (str(e).strip().splitlines() or [""])[0][:120]
+        fail(f"cannot resume from {path}: not a checkpoint this script can read ({type(e).__name__}: {reason})")
+    theirs = checkpoint.get("meta") if isinstance(checkpoint, dict) else None
+    if not isinstance(theirs, dict):
+        fail(f'cannot resume from {path}: not a checkpoint this script can read (it has no "meta" entry)')
+    differ = [k for k in meta if theirs.get(k) != meta[k]]
+    if differ:
+        fail(
+            f"cannot resume from {path}: it is a {theirs.get('script')} checkpoint "
+            f"({', '.join(f'{k} {theirs.get(k)}' for k in differ)}), this run is "
+            f"{', '.join(f'{k} {meta[k]}' for k in differ)}"
+        )
+    return checkpoint
+
+
+def events_error(e: OSError, run_dir: Path) -> str:
+    """The error line for a TensorBoard events file that cannot be written (a full disk, most often). TensorBoard's
+    writer thread dies of it and the main thread gets it at its next write; the thread is kept from printing its own
+    traceback (`threading.excepthook`), so the run reports it in this one line."""
+    reason = "no space left on device" if e.errno == errno.ENOSPC else (e.strerror or str(e))
+    return f"error: {reason} while writing the TensorBoard events in {run_dir}; stopping"
+
+
+def quiet_writer_thread() -> None:
+    default = threading.excepthook
+    threading.excepthook = lambda hook_args: None if issubclass(hook_args.exc_type, OSError) else default(hook_args)
+
+
+class WriteError(RuntimeError):
+    """A checkpoint or model file could not be written; the message is the error line."""
+
+
+def atomic_save(obj, path: Path) -> None:
+    """torch.save, atomic: a temporary file, then a rename over the old file, so a full disk leaves the last good one.
+    Serialised in memory first: torch.save to a full disk raises a cryptic "unexpected pos" instead of ENOSPC."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
     tmp = path.with_suffix(".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(buffer.getbuffer())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        reason = "no space left on device" if e.errno == errno.ENOSPC else (e.strerror or str(e))
+        raise WriteError(f"error: {reason} while writing {path}") from None
 
 
 def evaluate(model: nn.Module, args: Args, run_dir: Path, device: torch.device) -> list[float]:
@@ -777,13 +901,13 @@ def evaluate(model: nn.Module, args: Args, run_dir: Path, device: torch.device) 
     return returns
 
 
-def install_stop_handlers(stop, interrupt: threading.Event) -> None:
-    """Ctrl+C and SIGTERM ask every worker to stop; learners finish the update in progress (a checkpoint never holds
-    half an update) and blocked queue calls give up within a second."""
+def install_stop_handlers(interrupt: list) -> None:
+    """Ctrl+C and SIGTERM append their number to `interrupt` (the exit status is 128 + it); the main thread's watch loop
+    sees it within a second and sets `stop`. The handler must not touch `stop` itself: it runs in the main thread,
+    which may be inside `stop.is_set()` holding the event's lock, and would wait on that lock forever."""
 
     def handler(signum, frame):
-        interrupt.set()
-        stop.set()
+        interrupt.append(signum)
 
     signal.signal(signal.SIGINT, handler)
     signal.signal(signal.SIGTERM, handler)
@@ -816,8 +940,7 @@ def restore_default_handlers() -> None:
 
 def main(args: Args) -> None:
     if error := validate(args):
-        print(f"error: {error}", file=sys.stderr)
-        raise SystemExit(2)
+        fail(error)
 
     use_cuda = args.cuda and torch.cuda.is_available()
     device = torch.device("cuda" if use_cuda else "cpu")
@@ -829,20 +952,19 @@ def main(args: Args) -> None:
     torch.backends.cudnn.deterministic = args.torch_deterministic
     torch.use_deterministic_algorithms(args.torch_deterministic, warn_only=True)
 
-    # ---- run directory and checkpoint
-    checkpoint = torch.load(args.resume, map_location="cpu", weights_only=False) if args.resume else None
+    # ---- checkpoint and run directory, before any process, thread or file
+    obs_space, act_space = env_spaces(args)
+    network = args.network if args.network != "auto" else ("nature" if len(obs_space.shape) == 3 else "mlp")
+    meta = checkpoint_meta(args, network, obs_space, act_space)
+    checkpoint = load_checkpoint(args.resume, meta) if args.resume else None
     if checkpoint:
         run_dir = Path(args.resume).parent
+        if not os.access(run_dir, os.W_OK):
+            fail(f"cannot write to the run directory {run_dir} of --resume {args.resume}")
     else:
-        run_dir = (
-            Path(args.log_dir) / f"{args.env_id.replace('/', '_')}__{args.exp_name}__{args.seed}__{int(time.time())}"
-        )
+        run_dir = new_run_dir(args)
 
     # ---- model, optimizer, shared memory (all allocated once, before the actors fork)
-    probe = make_vector_env(args.env_id, 1, args.seed, protocol=args.atari_protocol, num_threads=1)
-    obs_space, act_space = probe.single_observation_space, probe.single_action_space
-    probe.close()
-    network = args.network if args.network != "auto" else ("nature" if len(obs_space.shape) == 3 else "mlp")
     model = make_model(obs_space, act_space, network, **model_options(args)).to(device)
     optimizer = torch.optim.RMSprop(
         model.parameters(),
@@ -889,6 +1011,7 @@ def main(args: Args) -> None:
 
     # ---- actors (seed of env e of actor i: seed + N i + e; shifted on resume so episodes are new)
     env_seed0 = args.seed + (1_000_003 * updates if checkpoint else 0)
+    parent_pid = os.getpid()
     actors = []
     for i in range(M):
         if args.inference == "actor":
@@ -898,14 +1021,14 @@ def main(args: Args) -> None:
         p = ctx.Process(
             target=actor_process,
             name=f"actor-{i}",
-            args=(i, args, env_seed0 + N * i, buffers, free_q, full_q, policy, stop, error_q),
+            args=(i, args, env_seed0 + N * i, buffers, free_q, full_q, policy, stop, error_q, parent_pid),
             daemon=True,
         )
         p.start()
         actors.append(p)
 
     # ---- TensorBoard (after the fork: the writer runs a background thread)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    quiet_writer_thread()
     writer = SummaryWriter(str(run_dir))
     table = "\n".join(f"|{k}|{v}|" for k, v in {**asdict(args), "num_buffers": K}.items())
     writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
@@ -917,7 +1040,7 @@ def main(args: Args) -> None:
 
     # ---- learner threads and the inference thread
     errors: list[str] = []
-    interrupt = threading.Event()
+    interrupt: list[int] = []  # the signal that stopped the run
     learn_lock, batch_lock, model_lock = threading.Lock(), threading.Lock(), threading.Lock()
     recent_returns: deque[float] = deque(maxlen=50)
     progress = dict(
@@ -939,6 +1062,7 @@ def main(args: Args) -> None:
             global_step=progress["global_step"],
             torch_rng=torch.get_rng_state(),
             args=asdict(args),
+            meta=meta,
         )
 
     def learner_thread(thread_id: int) -> None:
@@ -1001,7 +1125,7 @@ def main(args: Args) -> None:
                         )
                         progress["last_print"] = now
                     if args.checkpoint_interval and now - progress["last_checkpoint"] >= args.checkpoint_interval:
-                        save_checkpoint(run_dir / "checkpoint.pt", **checkpoint_state())
+                        atomic_save(checkpoint_state(), run_dir / "checkpoint.pt")
                         progress["last_checkpoint"] = now
         except Shutdown:
             pass
@@ -1009,6 +1133,12 @@ def main(args: Args) -> None:
             progress["failure"] = (
                 f"error: {e} at update {progress['updates'] + 1}; stopping (the last checkpoint, if any, is kept)"
             )
+            stop.set()
+        except WriteError as e:
+            progress["failure"] = f"{e}; stopping (the last good checkpoint is kept)"
+            stop.set()
+        except OSError as e:  # the TensorBoard events file
+            progress["failure"] = events_error(e, run_dir)
             stop.set()
         except BaseException:
             errors.append(f"learner thread {thread_id} died:\n{traceback.format_exc()}")
@@ -1040,7 +1170,7 @@ def main(args: Args) -> None:
                 ),
             )
         )
-    install_stop_handlers(stop, interrupt)
+    install_stop_handlers(interrupt)
     for t in threads:
         t.start()
     learners = threads[: args.num_learner_threads]
@@ -1049,9 +1179,9 @@ def main(args: Args) -> None:
     failure = None
     try:
         sentinels = {p.sentinel: i for i, p in enumerate(actors)}
-        while not stop.is_set() and any(t.is_alive() for t in learners):
+        while not interrupt and not stop.is_set() and any(t.is_alive() for t in learners):
             ready = multiprocessing.connection.wait(list(sentinels), timeout=1.0)
-            if ready and not stop.is_set():
+            if ready and not interrupt and not stop.is_set():
                 i = sentinels[ready[0]]
                 actors[i].join(timeout=1.0)
                 detail = ""
@@ -1096,24 +1226,29 @@ def main(args: Args) -> None:
     if errors and failure is None:
         failure = f"error: {errors[0]}"
     failure = failure or progress["failure"]
-    interrupted = interrupt.is_set()
+    interrupted = bool(interrupt)
     global_step = progress["global_step"]
     if interrupted:
         print(f"interrupted at step {global_step}: shutting down", file=sys.stderr)
-    finished = failure is None and not interrupted
-    if failure is None and args.checkpoint_interval:
-        save_checkpoint(run_dir / "checkpoint.pt", **checkpoint_state())
-    if finished:
-        if args.save_model:
-            torch.save(model.state_dict(), run_dir / "model.pt")
+    try:
+        if failure is None and args.checkpoint_interval:
+            atomic_save(checkpoint_state(), run_dir / "checkpoint.pt")
+        if failure is None and not interrupted and args.save_model:
+            atomic_save(model.state_dict(), run_dir / "model.pt")
+    except WriteError as e:
+        failure = f"{e}; stopping (the last good checkpoint is kept)"
+    if failure is None and not interrupted:
         if args.eval_episodes:
             for i, ret in enumerate(evaluate(model, args, run_dir, device)):
                 writer.add_scalar("eval/episodic_return", ret, i)
                 print(f"eval episode {i}: return {ret:.1f}")
-    writer.close()
+    try:
+        writer.close()
+    except OSError as e:
+        failure = failure or events_error(e, run_dir)
     if failure:
         print(failure, file=sys.stderr)
-    leave(1 if failure else 130 if interrupted else 0, threads)
+    leave(1 if failure else 128 + interrupt[0] if interrupted else 0, threads)
 
 
 if __name__ == "__main__":

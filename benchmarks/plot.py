@@ -31,7 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
-RUN_NAME = re.compile(r"^(?P<env>.+?)__(?P<exp>.+)__(?P<seed>-?\d+)__(?P<time>\d+)$")
+# a run started in the same second as another of the same name gets the suffix -2, -3, ...
+RUN_NAME = re.compile(r"^(?P<env>.+?)__(?P<exp>.+)__(?P<seed>-?\d+)__(?P<time>\d+)(?:-\d+)?$")
 
 
 @dataclass

@@ -1,9 +1,11 @@
 """What the script tests share: running a script in a subprocess, finding its run directory, reading what it wrote
-to TensorBoard, the tags every script must write, finding a process's children, and a fixed-logits policy with an env
-that records the actions it is given (for checking how a script's evaluation picks actions).
+to TensorBoard, the tags every script must write, finding a process's children, a fixed-logits policy with an env
+that records the actions it is given (for checking how a script's evaluation picks actions), files --resume must
+refuse, and a small disk that fills up.
 
 The test files import it as `from helpers import ...` (tests/ has no __init__.py, so pytest puts tests/ on sys.path)."""
 
+import contextlib
 import math
 import os
 import signal
@@ -12,6 +14,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import nn
@@ -121,3 +124,53 @@ class RecordingEnv:
 
     def close(self):
         pass
+
+
+def write_unusable_checkpoint(directory, case, meta):
+    """A file `--resume` must refuse, written as `directory`/checkpoint.pt; `meta` is what the script under test writes
+    into its checkpoints' "meta" entry. case: `garbage` (not a torch file), `truncated` (a checkpoint cut in half),
+    `no_meta` (no "meta" entry, as before checkpoints recorded what wrote them), `other_script` (another script's),
+    `other_env` (another env's, with its shapes)."""
+    path = Path(directory) / "checkpoint.pt"
+    if case == "garbage":
+        path.write_bytes(b"not a checkpoint\n")
+        return path
+    other = "hts_ppo.py" if meta["script"] == "hts_a2c.py" else "hts_a2c.py"
+    meta = {
+        "truncated": meta,
+        "no_meta": None,
+        "other_script": {**meta, "script": other},
+        "other_env": {**meta, "env_id": "Acrobot-v1", "obs_shape": [6], "action_shape_or_n": 3},
+    }[case]
+    torch.save({"model": {"w": torch.zeros(10_000)}, "global_step": 0, **({"meta": meta} if meta else {})}, path)
+    if case == "truncated":
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    return path
+
+
+@contextlib.contextmanager
+def small_tmpfs(path, size):
+    """A tmpfs of `size` (mount's syntax: "2m") mounted at `path` for the test, so that a disk can fill up; the test is
+    skipped where mounting is not allowed (not root, no CAP_SYS_ADMIN in a container)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                             capture_output=True, text=True)  # fmt: skip
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs to fill up: {mounted.stderr.strip() or 'mount failed'}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+def fill_disk(path):
+    """Write `path`/filler until its filesystem is full."""
+    fd = os.open(Path(path) / "filler", os.O_WRONLY | os.O_CREAT)
+    try:
+        while True:
+            os.write(fd, b"\0" * 4096)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -21,13 +21,16 @@ from helpers import (
     FixedLogitsPolicy,
     RecordingEnv,
     assert_finite_tags,
+    fill_disk,
     only_run_dir,
     run_script,
     scalars,
+    small_tmpfs,
+    write_unusable_checkpoint,
 )
 from torch import nn
 
-import a3c_large_batch
+import a3c_large_batch as a3c
 from a3c_large_batch import (
     Args,
     Shared,
@@ -117,7 +120,7 @@ def test_default_rmsprop_eps_is_the_one_that_learns_and_the_optimizer_applies_it
     assert args.rmsprop_eps == 1e-3 and args.optimizer == "rmsprop"
     p = torch.zeros(3)
     g = torch.tensor([1e-4, -2e-3, 0.5], dtype=torch.float64)
-    a3c_large_batch.make_optimizer([p], args).step([g.float()], 0.1)
+    a3c.make_optimizer([p], args).step([g.float()], 0.1)
     want = -0.1 * g / ((1 - 0.99) ** 0.5 * g.abs() + 1e-3)  # [-0.0099, 0.167, -0.980]; eps 0.01: [-0.001, 0.02, -0.83]
     torch.testing.assert_close(p.double(), want, rtol=1e-5, atol=0)
 
@@ -127,9 +130,9 @@ def test_evaluation_takes_argmax_actions_by_default_and_samples_with_no_eval_gre
     logits = torch.tensor([0.0, 0.4, 0.8, 0.2])
     for flags, greedy in [([], True), (["--no-eval-greedy"], False)]:
         env = RecordingEnv(length=25)
-        monkeypatch.setattr(a3c_large_batch, "make_env", lambda *a, env=env, **k: env)
+        monkeypatch.setattr(a3c, "make_env", lambda *a, env=env, **k: env)
         args = tyro.cli(Args, args=["--env-id", "CartPole-v1", "--eval-episodes", "4", *flags])
-        assert a3c_large_batch.evaluate(FixedLogitsPolicy(logits), args, tmp_path) == [25.0] * 4
+        assert a3c.evaluate(FixedLogitsPolicy(logits), args, tmp_path) == [25.0] * 4
         assert len(env.actions) == 100
         if greedy:
             assert set(env.actions) == {2}
@@ -310,6 +313,9 @@ def test_breakout_end_to_end(update, envs, tmp_path):
         (dict(total_timesteps=10), "less than one rollout"),
         (dict(resume="/nonexistent/checkpoint.pt"), "no such checkpoint"),
         (dict(atari_protocol="atari57"), "--atari-protocol must be one of"),
+        (dict(env_id="CartPole-v1", learning_rate=math.inf), "--learning-rate must be a finite number, got inf"),
+        (dict(env_id="CartPole-v1", max_grad_norm=math.nan), "--max-grad-norm must be a finite number, got nan"),
+        (dict(env_id="Pendulum-v1"), "continuous action space"),
     ],
 )
 def test_bad_flags_one_line_error(args, message, tmp_path, capsys):
@@ -319,6 +325,56 @@ def test_bad_flags_one_line_error(args, message, tmp_path, capsys):
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
     assert not any(Path(tmp_path).iterdir())  # nothing was created
+
+
+META = dict(script="a3c_large_batch.py", algo="hogwild", env_id="CartPole-v1", network="mlp", obs_shape=[4],
+            action_shape_or_n=2)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("garbage", "not a checkpoint this script can read (UnpicklingError: "),
+        ("truncated", "not a checkpoint this script can read ("),
+        ("no_meta", 'not a checkpoint this script can read (it has no "meta" entry)'),
+        ("other_script", "it is a hts_a2c.py checkpoint (script hts_a2c.py), this run is script a3c_large_batch.py"),
+        ("other_env", "(env_id Acrobot-v1, obs_shape [6], action_shape_or_n 3), this run is env_id CartPole-v1, "),
+        ("other_update", "it is a a3c_large_batch.py checkpoint (algo server), this run is algo hogwild"),
+    ],
+)
+def test_resume_refuses_a_checkpoint_it_cannot_continue(case, message, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    if case == "other_update":
+        path = run_dir / "checkpoint.pt"
+        torch.save({"meta": {**META, "algo": "server"}}, path)
+    else:
+        path = write_unusable_checkpoint(run_dir, case, META)
+    before = path.read_bytes()
+    with pytest.raises(SystemExit) as e:
+        main(Args(env_id="CartPole-v1", log_dir=str(tmp_path / "logs"), resume=str(path)))
+    assert e.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: cannot resume from {path}: ") and message in lines[0], lines
+    assert list(run_dir.iterdir()) == [path] and path.read_bytes() == before  # no events file, checkpoint unchanged
+    assert not (tmp_path / "logs").exists()
+
+
+@pytest.mark.parametrize("log_dir", ["/proc/x", "a_file/runs"])
+def test_unusable_log_dir_is_one_error_line(log_dir, tmp_path, capsys):
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(SystemExit) as e:
+        main(Args(env_id="CartPole-v1", log_dir=log_dir if log_dir.startswith("/") else str(tmp_path / log_dir)))
+    assert e.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: cannot create the run directory "), lines
+
+
+def test_runs_started_in_the_same_second_get_their_own_directories(tmp_path, monkeypatch):
+    monkeypatch.setattr(a3c.time, "time", lambda: 1700000000.5)
+    args = Args(env_id="CartPole-v1", log_dir=str(tmp_path))
+    dirs = [a3c.new_run_dir(args) for _ in range(3)]
+    assert [d.name for d in dirs] == [f"CartPole-v1__a3c_large_batch__1__1700000000{s}" for s in ("", "-2", "-3")]
 
 
 def test_bad_flag_from_the_command_line(tmp_path):
@@ -410,7 +466,7 @@ def test_signal_stops_cleanly_with_checkpoint_and_resume_continues(update, sig, 
     proc.send_signal(sig)
     start = time.time()
     _, err = proc.communicate(timeout=60)
-    assert time.time() - start < 10 and proc.returncode == 130, err
+    assert time.time() - start < 10 and proc.returncode == 128 + sig, err
     assert "Traceback" not in err
     assert not any(alive(pid) for pid in workers)  # no orphans
     assert not shm_segments(pids)  # no leaked shared memory
@@ -428,3 +484,33 @@ def test_signal_stops_cleanly_with_checkpoint_and_resume_continues(update, sig, 
     assert resumed.returncode == 0, resumed.stderr
     assert only_run_dir(tmp_path) == run_dir
     assert max(s for s, _ in scalars(run_dir)["charts/SPS"]) == stopped_at + 400
+
+
+def test_ctrl_c_during_start_up_stops_cleanly(tmp_path):
+    cmd = [sys.executable, SCRIPT, "--log-dir", str(tmp_path), *TINY_CARTPOLE, "--total-timesteps", "100000000"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
+    assert proc.stdout.readline().startswith("run directory:")  # the workers are being started now
+    proc.send_signal(signal.SIGINT)
+    start = time.time()
+    _, err = proc.communicate(timeout=60)
+    assert time.time() - start < 10 and proc.returncode == 130 and "Traceback" not in err, err
+    assert not children(proc.pid)
+
+
+def test_full_disk_stops_cleanly_and_keeps_the_last_checkpoint(tmp_path):
+    with small_tmpfs(tmp_path / "disk", "4m") as disk:  # server mode: the gradient server process writes checkpoints
+        proc, workers = start_long_run(disk, ["--update", "server", "--checkpoint-interval", "0.2"])
+        checkpoint = only_run_dir(disk) / "checkpoint.pt"
+        deadline = time.time() + 60
+        while not checkpoint.exists() and time.time() < deadline:
+            time.sleep(0.1)
+        fill_disk(disk)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 1 and "Traceback" not in err, err
+        # whichever write hits the full disk first: the checkpoint or the TensorBoard events file
+        assert "error: no space left on device while writing " in err and len(err.strip().splitlines()) <= 2, err
+        assert torch.load(checkpoint, weights_only=False)["global_step"] > 0  # the last good one, intact
+        assert not list(checkpoint.parent.glob("*.tmp"))
+        assert not any(alive(pid) for pid in workers)

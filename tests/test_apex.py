@@ -17,8 +17,18 @@ import numpy as np
 import pytest
 import torch
 import tyro
-from helpers import ROOT, assert_finite_tags, only_run_dir, run_script, scalars
+from helpers import (
+    ROOT,
+    assert_finite_tags,
+    fill_disk,
+    only_run_dir,
+    run_script,
+    scalars,
+    small_tmpfs,
+    write_unusable_checkpoint,
+)
 
+import apex
 from apex import (
     Args,
     Learner,
@@ -364,6 +374,9 @@ def test_rpc_two_actor_ranks_on_localhost(tmp_path):
         (dict(env_id="CartPole-v1", buffer_size=100), "must hold at least one --actor-batch"),
         (dict(env_id="CartPole-v1", learning_starts=10**9), "--learning-starts"),
         (dict(resume="/nonexistent/checkpoint.pt"), "no such checkpoint"),
+        (dict(env_id="CartPole-v1", learning_rate=float("inf")), "--learning-rate must be a finite number, got inf"),
+        (dict(env_id="CartPole-v1", tau=float("nan")), "--tau must be a finite number, got nan"),
+        (dict(env_id="Pendulum-v1"), "use apex.py --algo ddpg"),
     ],
 )
 def test_bad_flags_one_line_error(args, message, tmp_path, capsys):
@@ -373,6 +386,51 @@ def test_bad_flags_one_line_error(args, message, tmp_path, capsys):
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
     assert not any(Path(tmp_path).iterdir())  # nothing was created
+
+
+META = dict(script="apex.py", algo="dqn", env_id="CartPole-v1", network="mlp", hidden_sizes=[256, 256], obs_shape=[4],
+            action_shape_or_n=2)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("garbage", "not a checkpoint this script can read (UnpicklingError: "),
+        ("truncated", "not a checkpoint this script can read ("),
+        ("no_meta", 'not a checkpoint this script can read (it has no "meta" entry)'),
+        ("other_script", "it is a hts_a2c.py checkpoint (script hts_a2c.py), this run is script apex.py"),
+        ("other_env", "(env_id Acrobot-v1, obs_shape [6], action_shape_or_n 3), this run is env_id CartPole-v1, "),
+    ],
+)
+def test_resume_refuses_a_checkpoint_it_cannot_continue(case, message, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    path = write_unusable_checkpoint(run_dir, case, META)
+    before = path.read_bytes()
+    with pytest.raises(SystemExit) as e:
+        main(Args(env_id="CartPole-v1", log_dir=str(tmp_path / "logs"), resume=str(path)))
+    assert e.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: cannot resume from {path}: ") and message in lines[0], lines
+    assert list(run_dir.iterdir()) == [path] and path.read_bytes() == before  # no events file, checkpoint unchanged
+    assert not (tmp_path / "logs").exists()
+
+
+@pytest.mark.parametrize("log_dir", ["/proc/x", "a_file/runs"])
+def test_unusable_log_dir_is_one_error_line(log_dir, tmp_path, capsys):
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(SystemExit) as e:
+        main(Args(env_id="CartPole-v1", log_dir=log_dir if log_dir.startswith("/") else str(tmp_path / log_dir)))
+    assert e.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: cannot create the run directory "), lines
+
+
+def test_runs_started_in_the_same_second_get_their_own_directories(tmp_path, monkeypatch):
+    monkeypatch.setattr(apex.time, "time", lambda: 1700000000.5)
+    args = Args(env_id="CartPole-v1", log_dir=str(tmp_path))
+    dirs = [apex.new_run_dir(args) for _ in range(3)]
+    assert [d.name for d in dirs] == [f"CartPole-v1__apex__1__1700000000{s}" for s in ("", "-2", "-3")]
 
 
 def test_bad_flag_from_the_command_line(tmp_path):
@@ -443,3 +501,51 @@ def test_sigint_stops_cleanly_with_a_checkpoint(tmp_path):
     assert not any(alive(pid) for pid in workers)  # no orphans
     checkpoint = torch.load(only_run_dir(tmp_path) / "checkpoint.pt", weights_only=False)
     assert checkpoint["global_step"] > 0 and checkpoint["learner"]["version"] > 0
+
+
+def test_a_stopped_process_does_not_block_ctrl_c(tmp_path):
+    proc, workers = start_long_run(tmp_path)
+    os.kill(workers[2], signal.SIGSTOP)  # the evaluator, asleep on the stop flag: it can never wake
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    start = time.time()
+    try:
+        _, err = proc.communicate(timeout=60)
+    finally:
+        for pid in [proc.pid, *workers]:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert time.time() - start < 10 and proc.returncode == 130 and "Traceback" not in err, err
+    assert not any(alive(pid) for pid in workers)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_signal_during_start_up_stops_cleanly(sig, tmp_path):
+    cmd = [sys.executable, SCRIPT, "--log-dir", str(tmp_path), "--env-id", "CartPole-v1", *TINY,
+           "--total-timesteps", "100000000"]  # fmt: skip
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
+    assert proc.stdout.readline().startswith("run directory:")  # the actors are being started now
+    proc.send_signal(sig)
+    start = time.time()
+    _, err = proc.communicate(timeout=60)
+    assert time.time() - start < 10 and proc.returncode == 128 + sig and "Traceback" not in err, err
+    assert not children(proc.pid)
+
+
+def test_full_disk_stops_cleanly_and_keeps_the_last_checkpoint(tmp_path):
+    with small_tmpfs(tmp_path / "disk", "4m") as disk:
+        proc, workers = start_long_run(disk, ["--checkpoint-interval", "0.2"])
+        checkpoint = only_run_dir(disk) / "checkpoint.pt"
+        deadline = time.time() + 60
+        while not checkpoint.exists() and time.time() < deadline:
+            time.sleep(0.1)
+        fill_disk(disk)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 1 and "Traceback" not in err, err
+        # whichever write hits the full disk first: the checkpoint or the TensorBoard events file
+        assert "error: no space left on device while writing " in err and len(err.strip().splitlines()) <= 2, err
+        assert torch.load(checkpoint, weights_only=False)["global_step"] > 0  # the last good one, intact
+        assert not list(checkpoint.parent.glob("*.tmp"))
+        assert not any(alive(pid) for pid in workers)

@@ -72,6 +72,12 @@ def test_plot_table_matches_hand_computation(tmp_path):
     np.testing.assert_allclose(rows["algo_a"]["final_return_per_seed"][0], runs["algo_a", 1][0][-20:].mean())
 
 
+@pytest.mark.parametrize("suffix", ["", "-2", "-13"])
+def test_run_name_parses_with_and_without_the_same_second_suffix(suffix):
+    m = plot.RUN_NAME.match(f"ALE_Pong-v5__hts_ppo__7__1700000000{suffix}")
+    assert m and (m["env"], m["exp"], m["seed"], m["time"]) == ("ALE_Pong-v5", "hts_ppo", "7", "1700000000")
+
+
 def test_bootstrap_band_brackets_the_mean_and_collapses_for_identical_seeds():
     same = np.tile(np.linspace(0, 1, 50), (4, 1))
     mean, lo, hi = plot.bootstrap_band(same)

@@ -23,9 +23,31 @@ import hts_ppo
 from common.models import make_model
 
 try:
-    from helpers import CORE_TAGS, ROOT, children_of, event_accumulator, only_run_dir, run_script, scalars
+    from helpers import (
+        CORE_TAGS,
+        ROOT,
+        children_of,
+        event_accumulator,
+        fill_disk,
+        only_run_dir,
+        run_script,
+        scalars,
+        small_tmpfs,
+        write_unusable_checkpoint,
+    )
 except ModuleNotFoundError:  # imported as tests.test_hts by a script run with --env-id tests.test_hts:FaultyCartPole-v0
-    from tests.helpers import CORE_TAGS, ROOT, children_of, event_accumulator, only_run_dir, run_script, scalars
+    from tests.helpers import (
+        CORE_TAGS,
+        ROOT,
+        children_of,
+        event_accumulator,
+        fill_disk,
+        only_run_dir,
+        run_script,
+        scalars,
+        small_tmpfs,
+        write_unusable_checkpoint,
+    )
 
 SCRIPTS = ["hts_a2c.py", "hts_ppo.py"]
 REQUIRED_TAGS = [
@@ -382,6 +404,9 @@ def test_resume_continues_the_run_directory_and_step_count(script, tmp_path):
         ({"capture_video": True}, "--eval-episodes"),
         ({"gamma": 1.5}, "--gamma must be in [0, 1]"),
         ({"torch_threads": -1}, "--torch-threads must be >= 0"),
+        ({"learning_rate": math.inf}, "--learning-rate must be a finite number, got inf"),
+        ({"max_grad_norm": math.nan}, "--max-grad-norm must be a finite number, got nan"),
+        ({"env_id": "Pendulum-v1"}, "continuous action space"),
     ],
 )
 def test_bad_flags_give_one_error_line_and_status_2(module, flags, message, capsys):
@@ -392,6 +417,65 @@ def test_bad_flags_give_one_error_line_and_status_2(module, flags, message, caps
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err
+
+
+@pytest.mark.parametrize("module", [hts_a2c, hts_ppo])
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("garbage", "not a checkpoint this script can read (UnpicklingError: "),
+        ("truncated", "not a checkpoint this script can read ("),
+        ("no_meta", 'not a checkpoint this script can read (it has no "meta" entry)'),
+        ("other_script", "checkpoint (script hts_"),
+        ("other_env", "(env_id Acrobot-v1, obs_shape [6], action_shape_or_n 3), this run is env_id CartPole-v1, "),
+    ],
+)
+def test_resume_refuses_a_checkpoint_it_cannot_continue(module, case, message, tmp_path, capsys):
+    args = module.Args(env_id="CartPole-v1", num_envs=4, log_dir=str(tmp_path / "logs"))
+    path = write_unusable_checkpoint(tmp_path, case, module.checkpoint_meta(args, *module.validate(args)))
+    args.resume = str(path)
+    with pytest.raises(SystemExit) as exc:
+        module.main(args)
+    assert exc.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: cannot resume from {path}: ") and message in lines[0], lines
+    assert list(tmp_path.iterdir()) == [path]  # no run directory, no events file
+
+
+def test_hts_ppo_refuses_an_hts_a2c_checkpoint_before_starting(tmp_path):
+    args = hts_a2c.Args(env_id="CartPole-v1", num_envs=4)
+    spaces = hts_a2c.validate(args)
+    model = make_model(*spaces, "auto")
+    path = tmp_path / "checkpoint.pt"
+    hts_a2c.save_checkpoint(path, model, hts_a2c.make_optimizer(model, args), 4096, 32, args,
+                            hts_a2c.checkpoint_meta(args, *spaces))  # fmt: skip
+    before = path.read_bytes()
+    proc = run_script("hts_ppo.py", [*COMMON, "--resume", str(path)], tmp_path / "logs", timeout=120)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        f"error: cannot resume from {path}: it is a hts_a2c.py checkpoint (script hts_a2c.py), this run is script "
+        "hts_ppo.py"
+    ], proc.stderr
+    assert list(tmp_path.iterdir()) == [path] and path.read_bytes() == before
+
+
+@pytest.mark.parametrize("module", [hts_a2c, hts_ppo])
+def test_unusable_log_dir_is_one_error_line(module, tmp_path, capsys):
+    (tmp_path / "a_file").write_text("")
+    for log_dir in ("/proc/x", str(tmp_path / "a_file" / "runs")):
+        with pytest.raises(SystemExit) as exc:
+            module.main(module.Args(env_id="CartPole-v1", num_envs=4, log_dir=log_dir))
+        assert exc.value.code == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: cannot create the run directory "), lines
+
+
+@pytest.mark.parametrize("module", [hts_a2c, hts_ppo])
+def test_runs_started_in_the_same_second_get_their_own_directories(module, tmp_path, monkeypatch):
+    monkeypatch.setattr(module.time, "time", lambda: 1700000000.5)
+    args = module.Args(env_id="CartPole-v1", log_dir=str(tmp_path))
+    dirs = [module.new_run_dir(args) for _ in range(3)]
+    stem = module.__name__
+    assert [d.name for d in dirs] == [f"CartPole-v1__{stem}__1__1700000000{s}" for s in ("", "-2", "-3")]
 
 
 def test_bad_flag_on_the_command_line_has_no_traceback(tmp_path):
@@ -501,3 +585,21 @@ def test_straggler_benchmark_writes_json_and_table(tmp_path):
     assert row["hts_sps"] > 0 and row["sync_sps"] > 0 and row["eq7_speedup"] > 1 and row["eq7_async_sps"] > 0
     assert {"speedup_target_5x_met", "runtime_within_1.25x_async_met"} <= set(result["verdict"])
     assert "speedup" in proc.stdout and "vs async" in proc.stdout
+
+
+def test_full_disk_stops_cleanly_and_keeps_the_last_checkpoint(tmp_path):
+    with small_tmpfs(tmp_path / "disk", "4m") as disk:
+        proc = start_long_run("hts_a2c.py", disk, "--checkpoint-interval", "0.2")
+        workers = children_of(proc.pid)
+        checkpoint = only_run_dir(disk) / "checkpoint.pt"
+        deadline = time.time() + 60
+        while not checkpoint.exists() and time.time() < deadline:
+            time.sleep(0.1)
+        fill_disk(disk)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 1 and "Traceback" not in err, err
+        # whichever write hits the full disk first: the checkpoint or the TensorBoard events file
+        assert "error: no space left on device while writing " in err and len(err.strip().splitlines()) <= 2, err
+        assert torch.load(checkpoint, weights_only=False)["global_step"] > 0  # the last good one, intact
+        assert not list(checkpoint.parent.glob("*.tmp"))
+        assert not [w for w in workers if alive(w)]

@@ -15,7 +15,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import CORE_TAGS, ROOT, assert_finite_tags, children_of, only_run_dir, run_script, scalars
+from helpers import (
+    CORE_TAGS,
+    ROOT,
+    assert_finite_tags,
+    children_of,
+    fill_disk,
+    only_run_dir,
+    run_script,
+    scalars,
+    small_tmpfs,
+    write_unusable_checkpoint,
+)
 
 import impala_monobeast as im
 
@@ -330,6 +341,9 @@ def test_bad_flags_one_line_error(tmp_path, capsys):
         (dict(resume="/nonexistent/checkpoint.pt"), "no such checkpoint"),
         (dict(num_envs_per_actor=4, max_inference_batch=2), "--max-inference-batch (2)"),
         (dict(lstm_layers=0), "--lstm-layers must be >= 1"),
+        (dict(env_id="CartPole-v1", learning_rate=math.inf), "--learning-rate must be a finite number, got inf"),
+        (dict(env_id="CartPole-v1", gamma=math.nan), "--gamma must be a finite number, got nan"),
+        (dict(env_id="Pendulum-v1"), "continuous action space"),
     ]
     for kwargs, message in cases:
         with pytest.raises(SystemExit) as e:
@@ -338,6 +352,51 @@ def test_bad_flags_one_line_error(tmp_path, capsys):
         lines = capsys.readouterr().err.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
     assert not any(Path(tmp_path).iterdir())  # nothing was created
+
+
+META = dict(script="impala_monobeast.py", algo=None, env_id="CartPole-v1", network="mlp", use_lstm=False, obs_shape=[4],
+            action_shape_or_n=2)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("garbage", "not a checkpoint this script can read (UnpicklingError: "),
+        ("truncated", "not a checkpoint this script can read ("),
+        ("no_meta", 'not a checkpoint this script can read (it has no "meta" entry)'),
+        ("other_script", "it is a hts_a2c.py checkpoint (script hts_a2c.py), this run is script impala_monobeast.py"),
+        ("other_env", "(env_id Acrobot-v1, obs_shape [6], action_shape_or_n 3), this run is env_id CartPole-v1, "),
+    ],
+)
+def test_resume_refuses_a_checkpoint_it_cannot_continue(case, message, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    path = write_unusable_checkpoint(run_dir, case, META)
+    before = path.read_bytes()
+    with pytest.raises(SystemExit) as e:
+        im.main(im.Args(env_id="CartPole-v1", log_dir=str(tmp_path / "logs"), resume=str(path)))
+    assert e.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: cannot resume from {path}: ") and message in lines[0], lines
+    assert list(run_dir.iterdir()) == [path] and path.read_bytes() == before  # no events file, checkpoint unchanged
+    assert not (tmp_path / "logs").exists()
+
+
+@pytest.mark.parametrize("log_dir", ["/proc/x", "a_file/runs"])
+def test_unusable_log_dir_is_one_error_line(log_dir, tmp_path, capsys):
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(SystemExit) as e:
+        im.main(im.Args(env_id="CartPole-v1", log_dir=log_dir if log_dir.startswith("/") else str(tmp_path / log_dir)))
+    assert e.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: cannot create the run directory "), lines
+
+
+def test_runs_started_in_the_same_second_get_their_own_directories(tmp_path, monkeypatch):
+    monkeypatch.setattr(im.time, "time", lambda: 1700000000.5)
+    args = im.Args(env_id="CartPole-v1", log_dir=str(tmp_path))
+    dirs = [im.new_run_dir(args) for _ in range(3)]
+    assert [d.name for d in dirs] == [f"CartPole-v1__impala_monobeast__1__1700000000{s}" for s in ("", "-2", "-3")]
 
 
 def test_crashing_actor_stops_the_run_with_its_traceback(tmp_path):
@@ -379,7 +438,7 @@ def test_signal_stops_everything_with_checkpoint_and_resume_continues(sig, tmp_p
     proc.send_signal(sig)
     start = time.time()
     _, err = proc.communicate(timeout=30)
-    assert time.time() - start < 10 and proc.returncode == 130 and "Traceback" not in err, err
+    assert time.time() - start < 10 and proc.returncode == 128 + sig and "Traceback" not in err, err
     assert not any(Path(f"/proc/{p}").exists() for p in actors)  # no process left
     run_dir = only_run_dir(tmp_path)
     stopped_at = torch.load(run_dir / "checkpoint.pt", weights_only=False)["global_step"]
@@ -402,3 +461,36 @@ def test_non_finite_loss_stops_and_keeps_last_checkpoint(tmp_path):
     assert "non-finite loss" in proc.stderr, proc.stderr
     checkpoint = torch.load(only_run_dir(tmp_path) / "checkpoint.pt", weights_only=False)
     assert 0 < checkpoint["update"] and all(torch.isfinite(v).all() for v in checkpoint["model"].values())
+
+
+def test_killing_the_main_process_leaves_no_actor_behind(tmp_path):
+    proc = start_training(tmp_path, ["--inference", "actor"])
+    actors = children_of(proc.pid)
+    assert len(actors) >= 2
+    proc.kill()
+    proc.communicate(timeout=30)
+    deadline = time.time() + 5
+    while time.time() < deadline and any(Path(f"/proc/{p}").exists() for p in actors):
+        time.sleep(0.1)
+    left = [p for p in actors if Path(f"/proc/{p}").exists()]
+    for p in left:
+        os.kill(p, signal.SIGKILL)
+    assert not left  # each actor died with its parent (PR_SET_PDEATHSIG), none reparented to init
+
+
+def test_full_disk_stops_cleanly_and_keeps_the_last_checkpoint(tmp_path):
+    with small_tmpfs(tmp_path / "disk", "4m") as disk:
+        proc = start_training(disk, ["--checkpoint-interval", "0.2"])
+        actors = children_of(proc.pid)
+        checkpoint = only_run_dir(disk) / "checkpoint.pt"
+        deadline = time.time() + 60
+        while not checkpoint.exists() and time.time() < deadline:
+            time.sleep(0.1)
+        fill_disk(disk)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 1 and "Traceback" not in err, err
+        # whichever write hits the full disk first: the checkpoint or the TensorBoard events file
+        assert "error: no space left on device while writing " in err and len(err.strip().splitlines()) <= 2, err
+        assert torch.load(checkpoint, weights_only=False)["global_step"] > 0  # the last good one, intact
+        assert not list(checkpoint.parent.glob("*.tmp"))
+        assert not any(Path(f"/proc/{p}").exists() for p in actors)
