@@ -354,8 +354,8 @@ def test_bad_flags_one_line_error(tmp_path, capsys):
     assert not any(Path(tmp_path).iterdir())  # nothing was created
 
 
-META = dict(script="impala_monobeast.py", algo=None, env_id="CartPole-v1", network="mlp", use_lstm=False, obs_shape=[4],
-            action_shape_or_n=2)  # fmt: skip
+META = dict(script="impala_monobeast.py", algo=None, env_id="CartPole-v1", network="mlp", use_lstm=False, lstm_size=0,
+            lstm_layers=2, action_reward_inputs=True, obs_shape=[4], action_shape_or_n=2)  # fmt: skip
 
 
 @pytest.mark.parametrize(
