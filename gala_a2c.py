@@ -913,7 +913,7 @@ def read_checkpoint(path: str, meta: dict) -> tuple[dict | None, str | None]:
             f"error: cannot resume from {path}: not a checkpoint this script can read ({type(e).__name__}: {reason})",
         )
     theirs = checkpoint.get("meta") if isinstance(checkpoint, dict) else None
-    if not isinstance(theirs, dict) or not isinstance(checkpoint.get("learners"), list):
+    if not isinstance(theirs, dict):
         return None, f'error: cannot resume from {path}: not a checkpoint this script can read (no "meta" entry)'
     differ = [k for k in meta if theirs.get(k) != meta[k]]
     if differ:

@@ -14,7 +14,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import CORE_TAGS, ROOT, assert_finite_tags, only_run_dir, run_script, scalars
+from helpers import (
+    CORE_TAGS,
+    ROOT,
+    assert_finite_tags,
+    children_of,
+    only_run_dir,
+    rank_pid,
+    run_script,
+    scalars,
+    two_node_launch,
+)
 
 from gala_a2c import (
     Args,
@@ -508,3 +518,35 @@ def test_full_disk_stops_the_run_keeping_the_last_checkpoint(small_tmpfs):
     checkpoint = torch.load(run_dir / "checkpoint.pt", weights_only=False)
     assert checkpoint["global_step"] > 0 and not list(run_dir.glob("*.tmp"))
     assert processes_with(str(small_tmpfs)) == []
+
+
+# ------------------------------------------------------------------ torchrun: a lost rank, the two-node launch
+
+
+@pytest.mark.parametrize("mode", ["gossip", "allreduce"])
+def test_torchrun_survivor_names_the_rank_that_died(mode, tmp_path):
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    cmd = [sys.executable, *launcher, SCRIPT, "--log-dir", str(tmp_path), *TINY_CARTPOLE, "--mode", mode]
+    cmd += ["--total-timesteps", "10000000", "--sync-interval", "5"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        for line in proc.stdout:
+            if line.startswith("step") and not line.startswith("step          0"):
+                break
+        os.kill(rank_pid(proc.pid, 1), signal.SIGKILL)
+        start = time.time()
+        _, err = proc.communicate(timeout=60)
+    finally:
+        for pid in children_of(proc.pid):
+            os.kill(pid, signal.SIGKILL)
+        proc.kill()
+    assert proc.returncode != 0 and time.time() - start < 15, err
+    assert "error: learner 0 (rank 0): lost contact with rank 1" in err and "learner 0 died" not in err, err
+
+
+def test_two_node_launch_on_loopback_ends_cleanly(tmp_path):
+    args = [*TINY_CARTPOLE, "--total-timesteps", "1600", "--sync-interval", "10", "--save-model"]
+    for r in two_node_launch(SCRIPT, args, tmp_path):
+        assert r.returncode == 0 and "terminate called" not in r.stderr, r.stderr
+    assert (only_run_dir(tmp_path) / "model.pt").is_file()
