@@ -767,8 +767,10 @@ def leave(code: int, threads: list[threading.Thread], teardown: bool = True) -> 
     """Exit with `code`. A thread still inside torch when the interpreter tears down makes C++ static destructors
     abort the process ("terminate called without an active exception", SIGABRT; reproduced with a daemon thread
     running backward passes at exit), so if a worker thread outlived its join, skip the teardown: TensorBoard is
-    closed and checkpoints are written by now. `teardown=False` skips it too: a process group that lost a rank
-    cannot be destroyed cleanly (its gloo threads may still wait on the dead peer)."""
+    closed and checkpoints are written by now. `teardown=False` skips it too, for torchrun ranks: gloo's transport and
+    worker threads (`gloo_tcp_loop`, `pt_gloo_runloop`) are still alive after destroy_process_group (the C++ process
+    group stays referenced), or the group lost a rank and was never destroyed, and the teardown then aborts the same
+    way now and then."""
     alive = [t.name for t in threads if t.is_alive()]
     if alive:
         print(f"warning: {', '.join(alive)} still running at exit; leaving without interpreter teardown",
@@ -1042,7 +1044,7 @@ def main(args: Args) -> None:
     if failure:
         print(failure, file=sys.stderr)
     code = 1 if failure else 128 + signals[0] if interrupted else 0
-    leave(code, threads, teardown=world_size == 1 or not dist.is_initialized())
+    leave(code, threads, teardown=world_size == 1)
 
 
 def end_run(args: Args, run_dir: Path, writer, model, last_state, finished: bool, device) -> str | None:

@@ -1314,24 +1314,36 @@ def main_distributed(args: Args, n: int, checkpoint: dict | None, obs_space, act
         dist.all_reduce(divergence, op=dist.ReduceOp.MAX)
         if rank == 0:
             print(f"max |parameter difference| across {n} learners: {divergence.item():.3g}")
-    # every rank leaves the process group together, so none exits while a peer still talks to it
-    dist.barrier()
+    dist.barrier()  # no rank leaves the group while a peer may still be sending to it
     dist.destroy_process_group()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     failure = write_errors[0] if write_errors else None
-    if rank == 0:  # the final checkpoint, --save-model, --eval-episodes, the exit status
-        spaces = (obs_space, act_space, meta)
-        return end_run(args, run_dir, writer, logger, states, dict(enumerate(states)), failure, signals, [], spaces)
     try:
-        writer.close()
-    except OSError as e:
-        failure = failure or write_error(e, f"the TensorBoard events in {run_dir / f'learner{rank}'}")
-    if failure:
-        print(failure, file=sys.stderr)
-        raise SystemExit(1)
-    if signals:
-        raise SystemExit(128 + signals[0])
+        if rank == 0:  # the final checkpoint, --save-model, --eval-episodes, the exit status
+            spaces = (obs_space, act_space, meta)
+            end_run(args, run_dir, writer, logger, states, dict(enumerate(states)), failure, signals, [], spaces)
+        else:
+            try:
+                writer.close()
+            except OSError as e:
+                failure = failure or write_error(e, f"the TensorBoard events in {run_dir / f'learner{rank}'}")
+            if failure:
+                print(failure, file=sys.stderr)
+        code = 1 if failure else 128 + signals[0] if signals else 0
+    except SystemExit as e:
+        code = e.code
+    exit_without_teardown(code)
+
+
+def exit_without_teardown(code: int) -> None:
+    """End a torchrun rank. gloo's transport and worker threads (`gloo_tcp_loop`, `pt_gloo_runloop`) are still alive
+    after destroy_process_group (the C++ process group stays referenced), and the interpreter's teardown destroys
+    them while joinable: now and then the rank aborts at exit ("terminate called without an active exception",
+    SIGABRT). Everything is written and closed by now, so leave without that teardown."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def lost_contact(rank: int, n: int, e: BaseException) -> str | None:
