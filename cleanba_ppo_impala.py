@@ -36,6 +36,9 @@ Examples:
 from __future__ import annotations
 
 import copy
+import errno
+import io
+import math
 import os
 import queue
 import signal
@@ -48,13 +51,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
+import gymnasium as gym
 import numpy as np
 import torch
 import torch.distributed as dist
 import tyro
 from torch import nn
 
-from common.atari import EnvError, check_env_args, finished_episodes, make_env, make_vector_env
+from common.atari import EnvError, ale_game, check_env_args, finished_episodes, make_env, make_vector_env
 from common.models import NETWORKS, make_model
 
 
@@ -571,6 +575,9 @@ def validate(args: Args, world_size: int) -> str | None:
         )
     if args.network not in NETWORKS:
         return f"--network must be one of {', '.join(NETWORKS)}, got {args.network!r}"
+    for name in FLOAT_FLAGS:
+        if not math.isfinite(getattr(args, name)):
+            return f"--{name.replace('_', '-')} must be a finite number, got {getattr(args, name)}"
     for name in (
         "learning_rate",
         "max_grad_norm",
@@ -599,14 +606,137 @@ def validate(args: Args, world_size: int) -> str | None:
         check_env_args(args.env_id, args.num_envs, args.atari_protocol)
     except EnvError as e:
         return str(e)
-    return None
+    return action_space_error(args.env_id)
 
 
-def save_checkpoint(path: Path, **state) -> None:
-    """Atomic: write a temporary file, then rename over the old checkpoint."""
+FLOAT_FLAGS = (
+    "learning_rate", "gamma", "gae_lambda", "clip_coef", "ent_coef", "vf_coef", "max_grad_norm", "adam_eps",
+    "rmsprop_alpha", "rmsprop_eps", "vtrace_rho_bar", "vtrace_c_bar", "vtrace_pg_rho_bar", "checkpoint_interval",
+    "learner_delay", "log_interval",
+)  # fmt: skip
+
+
+def action_space_error(env_id: str) -> str | None:
+    """The policy is categorical: a continuous-action env is refused before anything starts (ALE ids are Discrete)."""
+    if ale_game(env_id) is not None:
+        return None
+    env = gym.make(env_id)
+    space = env.action_space
+    env.close()
+    if isinstance(space, gym.spaces.Discrete):
+        return None
+    return (
+        f"{env_id} has a {type(space).__name__} action space {space}; cleanba_ppo_impala.py needs a Discrete one "
+        f"(continuous actions: apex.py --algo ddpg)"
+    )
+
+
+def create_run_dir(args: Args) -> tuple[Path, str | None]:
+    """A new run directory, made atomically and never shared: a run started in the same second as another with the
+    same name gets the suffix -2, -3, ... Returns (path, None), or (path, the error line) when it cannot be made or
+    written. --resume keeps the checkpoint's own directory."""
+    if args.resume:
+        run_dir = Path(args.resume).parent
+        if not os.access(run_dir, os.W_OK):
+            return run_dir, f"error: cannot write to the run directory {run_dir}: {os.strerror(errno.EACCES)}"
+        return run_dir, None
+    base = Path(args.log_dir) / f"{args.env_id.replace('/', '_')}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    for k in range(1, 1000):
+        run_dir = base if k == 1 else base.with_name(f"{base.name}-{k}")
+        try:
+            run_dir.mkdir(parents=True, exist_ok=False)
+            return run_dir, None
+        except FileExistsError:
+            continue
+        except OSError as e:
+            return run_dir, f"error: cannot create the run directory {run_dir}: {e.strerror or e}"
+    return base, f"error: cannot create the run directory {base}: 999 runs of that name started in the same second"
+
+
+def checkpoint_meta(args: Args, obs_space, act_space) -> dict:
+    """What a checkpoint was trained on: --resume refuses one whose script, algo, env, network or shapes differ."""
+    return dict(
+        script=Path(__file__).name,
+        algo=args.algo,
+        env_id=args.env_id,
+        network=pick_network(args, obs_space.shape),
+        obs_shape=list(obs_space.shape),
+        action_shape_or_n=int(act_space.n),
+    )
+
+
+def read_checkpoint(path: str, meta: dict) -> tuple[dict | None, str | None]:
+    """Load a --resume checkpoint and check it was written by this script for this algo, env and network.
+    Returns (checkpoint, None) or (None, the error line)."""
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:  # garbage, truncated, or pickled objects this interpreter cannot rebuild
+        reason = (str(e).strip().splitlines() or [""])[0][:120]
+        return None, (
+            f"error: cannot resume from {path}: not a checkpoint this script can read ({type(e).__name__}: {reason})"
+        )
+    theirs = checkpoint.get("meta") if isinstance(checkpoint, dict) else None
+    if not isinstance(theirs, dict):
+        return None, f'error: cannot resume from {path}: not a checkpoint this script can read (no "meta" entry)'
+    differ = [k for k in meta if theirs.get(k) != meta[k]]
+    if differ:
+        return None, (
+            f"error: cannot resume from {path}: it is a {theirs.get('script')} checkpoint "
+            f"({', '.join(f'{k} {theirs.get(k)}' for k in differ)}), this run is "
+            f"{', '.join(f'{k} {meta[k]}' for k in differ)}"
+        )
+    return checkpoint, None
+
+
+def write_atomically(path: Path, obj) -> str | None:
+    """Write `obj` with torch.save to a temporary file beside `path`, then rename it over `path`, so a crash or a full
+    disk leaves the previous file intact. Returns the error line, or None once written."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)  # serialised in memory first: a full disk then shows as ENOSPC, not a zip-writer error
     tmp = path.with_suffix(".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(buffer.getbuffer())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        return None
+    except OSError as e:
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
+        return write_error(e, path)
+
+
+def write_error(e: OSError, what) -> str:
+    if e.errno == errno.ENOSPC:
+        return f"error: no space left on device while writing {what}"
+    return f"error: cannot write {what}: {e.strerror or e}"
+
+
+def run_error(e: Exception, rank: int, world_size: int) -> str:
+    """The error line of an exception that ended the learner: a TensorBoard write that failed (a full disk), a
+    collective that failed because another rank is gone (with two ranks it can only be the other one), or a bug."""
+    frames = traceback.extract_tb(e.__traceback__)
+    if isinstance(e, OSError) and any("tensorboard" in f.filename for f in frames):
+        return write_error(e, "the TensorBoard events")
+    text = str(e)
+    signs = ("Connection closed by peer", "Connection reset", "Broken pipe", "Timed out", "timed out")
+    if world_size > 1 and (isinstance(e, dist.DistError) or any(m in text for m in signs)):
+        who = f"rank {1 - rank}" if world_size == 2 else "another rank"
+        reason = (text.strip().splitlines() or [""])[0][:160]
+        return f"error: rank {rank}: lost contact with {who}, which died or lost its connection ({reason})"
+    where = f" (rank {rank})" if world_size > 1 else ""
+    return f"error: the learner{where} died:\n{traceback.format_exc()}"
+
+
+def quiet_writer_thread_errors(hook) -> None:
+    """threading.excepthook: TensorBoard's writer thread dies on a write error (a full disk) and the next write or
+    close raises it again in the main thread, which reports it as the run's one error line; its traceback is noise."""
+    frames = traceback.extract_tb(hook.exc_traceback)
+    if not (issubclass(hook.exc_type, OSError) and any("tensorboard" in f.filename for f in frames)):
+        threading.__excepthook__(hook)
 
 
 def evaluate(model: nn.Module, args: Args, run_dir: Path, device: torch.device) -> list[float]:
@@ -632,28 +762,33 @@ def evaluate(model: nn.Module, args: Args, run_dir: Path, device: torch.device) 
     return returns
 
 
-def install_stop_handlers(stop: threading.Event, interrupt: threading.Event) -> None:
+def install_stop_handlers(stop: threading.Event, signals: list[int]) -> None:
     """Ctrl+C and SIGTERM ask every thread to stop: the learner leaves the update in progress at the next minibatch
-    and blocked queue calls give up within a second."""
+    and blocked queue calls give up within a second. `signals` records which signal came (the exit status)."""
 
     def handler(signum, frame):
-        interrupt.set()
+        signals.append(signum)
         stop.set()
 
     signal.signal(signal.SIGINT, handler)
     signal.signal(signal.SIGTERM, handler)
 
 
-def leave(code: int, threads: list[threading.Thread]) -> None:
+def leave(code: int, threads: list[threading.Thread], teardown: bool = True) -> None:
     """Exit with `code`. A thread still inside torch when the interpreter tears down makes C++ static destructors
     abort the process ("terminate called without an active exception", SIGABRT; reproduced with a daemon thread
     running backward passes at exit), so if a worker thread outlived its join, skip the teardown: TensorBoard is
-    closed and checkpoints are written by now."""
+    closed and checkpoints are written by now. `teardown=False` skips it too, for torchrun ranks: gloo's transport and
+    worker threads (`gloo_tcp_loop`, `pt_gloo_runloop`) are still alive after destroy_process_group (the C++ process
+    group stays referenced), or the group lost a rank and was never destroyed, and the teardown then aborts the same
+    way now and then."""
     alive = [t.name for t in threads if t.is_alive()]
     if alive:
         print(f"warning: {', '.join(alive)} still running at exit; leaving without interpreter teardown",
               file=sys.stderr, flush=True)  # fmt: skip
+    if alive or not teardown:
         sys.stdout.flush()
+        sys.stderr.flush()
         os._exit(code)
     if code:
         raise SystemExit(code)
@@ -676,6 +811,22 @@ def main(args: Args) -> None:
     if error := validate(args, world_size):
         print(f"error: {error}", file=sys.stderr)
         raise SystemExit(2)
+    probe = make_vector_env(args.env_id, 1, args.seed, protocol=args.atari_protocol, num_threads=1)
+    meta = checkpoint_meta(args, probe.single_observation_space, probe.single_action_space)
+    probe.close()
+    # ---- checkpoint and run directory, before any thread, writer or process group starts
+    checkpoint = None
+    if args.resume:
+        checkpoint, error = read_checkpoint(args.resume, meta)
+        if error:
+            print(error, file=sys.stderr)
+            raise SystemExit(2)
+    run_dir = None
+    if rank == 0:  # under torchrun the other ranks are stopped by torchrun when this one exits 2
+        run_dir, error = create_run_dir(args)
+        if error:
+            print(error, file=sys.stderr)
+            raise SystemExit(2)
 
     use_cuda = args.cuda and torch.cuda.is_available()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -690,15 +841,6 @@ def main(args: Args) -> None:
     # Deterministic mode would also fill every new tensor with NaN; nothing here reads uninitialised memory, and the
     # fill cost about 15% of the learner's time on CPU.
     torch.utils.deterministic.fill_uninitialized_memory = False
-
-    # ---- run directory and checkpoint
-    checkpoint = torch.load(args.resume, map_location="cpu", weights_only=False) if args.resume else None
-    if checkpoint:
-        run_dir = Path(args.resume).parent
-    else:
-        run_dir = (
-            Path(args.log_dir) / f"{args.env_id.replace('/', '_')}__{args.exp_name}__{args.seed}__{int(time.time())}"
-        )
 
     # ---- envs, models, optimizer
     threads_per_env = args.env_threads or max(1, (os.cpu_count() or 1) // args.num_actor_threads)
@@ -747,7 +889,7 @@ def main(args: Args) -> None:
     if rank == 0:
         from torch.utils.tensorboard import SummaryWriter
 
-        run_dir.mkdir(parents=True, exist_ok=True)
+        threading.excepthook = quiet_writer_thread_errors
         writer = SummaryWriter(str(run_dir))
         table = "\n".join(f"|{k}|{v}|" for k, v in {**asdict(args), "world_size": world_size}.items())
         writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
@@ -803,8 +945,8 @@ def main(args: Args) -> None:
     recent_returns: deque[float] = deque(maxlen=20)
     last_checkpoint = last_print = time.time()
     start_time, start_step = time.time(), global_step
-    interrupt, failure = threading.Event(), None
-    install_stop_handlers(stop, interrupt)
+    signals, failure = [], None
+    install_stop_handlers(stop, signals)
 
     def snapshot() -> dict:
         """A copy of everything a checkpoint holds, taken at an update boundary: a stop may interrupt the next
@@ -818,6 +960,7 @@ def main(args: Args) -> None:
             actor_rngs=[g.get_state() for g in actor_gens],
             torch_rng=torch.get_rng_state(),
             args=asdict(args),
+            meta=meta,
         )
         return copy.deepcopy(state)
 
@@ -871,7 +1014,8 @@ def main(args: Args) -> None:
             if args.checkpoint_interval:
                 last_state = snapshot()
                 if writer is not None and time.time() - last_checkpoint >= args.checkpoint_interval:
-                    save_checkpoint(run_dir / "checkpoint.pt", **last_state)
+                    if failure := write_atomically(run_dir / "checkpoint.pt", last_state):
+                        break
                     last_checkpoint = time.time()
             if stop.is_set():
                 break
@@ -882,6 +1026,8 @@ def main(args: Args) -> None:
         pass
     except NonFiniteLoss as e:
         failure = f"error: {e} at update {update}; stopping (the last checkpoint, if any, is kept)"
+    except Exception as e:
+        failure = run_error(e, rank, world_size)
     finally:
         stop.set()
         deadline = time.time() + 8.0  # every wait wakes within a second; a rollout or minibatch ends within seconds
@@ -889,8 +1035,8 @@ def main(args: Args) -> None:
             t.join(timeout=max(0.0, deadline - time.time()))
         restore_default_handlers()
     if errors:
-        failure = errors[0]
-    interrupted = interrupt.is_set()
+        failure = failure or errors[0]
+    interrupted = bool(signals)
     if interrupted:
         print(f"interrupted at step {global_step}: shutting down", file=sys.stderr)
     finished = failure is None and not interrupted
@@ -900,22 +1046,36 @@ def main(args: Args) -> None:
             print(f"max |parameter difference| across {world_size} ranks: {divergence:.3g}")
         if divergence > 0:
             failure = f"error: ranks diverged (max parameter difference {divergence:.3g})"
+        dist.barrier()  # no rank leaves the group while a peer may still be sending to it
         dist.destroy_process_group()
 
     if writer is not None:
-        if failure is None and args.checkpoint_interval:
-            save_checkpoint(run_dir / "checkpoint.pt", **last_state)
+        keep = last_state if failure is None else None  # after a failure the last good checkpoint stays as it is
+        failure = failure or end_run(args, run_dir, writer, model, keep, finished, device)
+    if failure:
+        print(failure, file=sys.stderr)
+    code = 1 if failure else 128 + signals[0] if interrupted else 0
+    leave(code, threads, teardown=world_size == 1)
+
+
+def end_run(args: Args, run_dir: Path, writer, model, last_state, finished: bool, device) -> str | None:
+    """Rank 0 after training: the final checkpoint, --save-model, --eval-episodes, the writer closed. Returns the
+    error line of a write that failed (a full disk); never raises, so the shutdown always completes."""
+    failure = None
+    try:
+        if args.checkpoint_interval and last_state is not None:
+            failure = write_atomically(run_dir / "checkpoint.pt", last_state)
         if finished and failure is None:
             if args.save_model:
-                torch.save(model.state_dict(), run_dir / "model.pt")
-            if args.eval_episodes:
+                failure = write_atomically(run_dir / "model.pt", model.state_dict())
+            if args.eval_episodes and failure is None:
                 for i, ret in enumerate(evaluate(model, args, run_dir, device)):
                     writer.add_scalar("eval/episodic_return", ret, i)
                     print(f"eval episode {i}: return {ret:.1f}")
         writer.close()
-    if failure:
-        print(failure, file=sys.stderr)
-    leave(1 if failure else 130 if interrupted else 0, threads)
+    except OSError as e:
+        failure = failure or write_error(e, f"the TensorBoard events in {run_dir}")
+    return failure
 
 
 if __name__ == "__main__":

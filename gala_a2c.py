@@ -33,6 +33,8 @@ Examples:
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import io
 import math
 import os
@@ -49,6 +51,7 @@ from multiprocessing.connection import wait as wait_sentinels
 from pathlib import Path
 from typing import Literal
 
+import gymnasium as gym
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -56,7 +59,7 @@ import torch.multiprocessing as mp
 import tyro
 from torch import nn
 
-from common.atari import PROTOCOLS, EnvError, check_env_args, finished_episodes, make_env, make_vector_env
+from common.atari import PROTOCOLS, EnvError, ale_game, check_env_args, finished_episodes, make_env, make_vector_env
 from common.models import NETWORKS, make_model
 
 
@@ -681,8 +684,22 @@ def learner_loop(
         envs.close()
 
 
-def learner_process(learner: int, n: int, args: Args, device_name: str, shared, log_q, error_q, stop, requests, port):
+def die_with_parent(parent: int) -> None:
+    """Linux: the kernel kills this process when the main process dies, even by kill -9, so no learner outlives the
+    run; the parent may have died before prctl ran, hence the pid check."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: no prctl
+        return
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+def learner_process(
+    learner: int, n: int, args: Args, device_name: str, shared, log_q, error_q, stop, requests, port, parent: int
+):
     """A learner of the single-machine launch: report everything to the main process, never raise past here."""
+    die_with_parent(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the main process coordinates Ctrl+C / SIGTERM
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})  # blocked by main around start()
@@ -785,6 +802,9 @@ def validate(args: Args, n: int) -> str | None:
         return f"--num-peers ({args.num_peers}) must be at most --num-learners - 1 ({n - 1})"
     if args.max_staleness < 0:
         return f"--max-staleness must be >= 0, got {args.max_staleness}"
+    for name in FLOAT_FLAGS:
+        if not math.isfinite(getattr(args, name)):
+            return f"--{name.replace('_', '-')} must be a finite number, got {getattr(args, name)}"
     for name in ("learning_rate", "max_grad_norm", "rmsprop_eps"):
         if not getattr(args, name) > 0:
             return f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}"
@@ -814,14 +834,104 @@ def validate(args: Args, n: int) -> str | None:
         check_env_args(args.env_id, args.num_envs, args.atari_protocol)
     except EnvError as e:
         return str(e)
-    return None
+    return action_space_error(args.env_id)
 
 
-def save_checkpoint(path: Path, **state) -> None:
-    """Atomic: write a temporary file, then rename over the old checkpoint."""
+FLOAT_FLAGS = (
+    "learning_rate", "rmsprop_alpha", "rmsprop_eps", "max_grad_norm", "ent_coef", "vf_coef", "gamma",
+    "checkpoint_interval", "log_interval",
+)  # fmt: skip
+
+
+def action_space_error(env_id: str) -> str | None:
+    """The policy is categorical: a continuous-action env is refused before anything starts (ALE ids are Discrete)."""
+    if ale_game(env_id) is not None:
+        return None
+    env = gym.make(env_id)
+    space = env.action_space
+    env.close()
+    if isinstance(space, gym.spaces.Discrete):
+        return None
+    return (
+        f"{env_id} has a {type(space).__name__} action space {space}; gala_a2c.py needs a Discrete one "
+        f"(continuous actions: apex.py --algo ddpg)"
+    )
+
+
+def write_atomically(path: Path, obj) -> str | None:
+    """Write `obj` with torch.save to a temporary file beside `path`, then rename it over `path`, so a crash or a full
+    disk leaves the previous file intact. Returns the error line, or None once written."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)  # serialised in memory first: a full disk then shows as ENOSPC, not a zip-writer error
     tmp = path.with_suffix(".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(buffer.getbuffer())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        return None
+    except OSError as e:
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
+        return write_error(e, path)
+
+
+def write_error(e: OSError, what) -> str:
+    if e.errno == errno.ENOSPC:
+        return f"error: no space left on device while writing {what}"
+    return f"error: cannot write {what}: {e.strerror or e}"
+
+
+def save_checkpoint(run_dir: Path, states: list[dict], args: Args, meta: dict) -> str | None:
+    """The learners' states to {run_dir}/checkpoint.pt, atomically; returns the error line, or None once written."""
+    state = dict(
+        learners=states,
+        global_step=steps_of(states, args),
+        args=asdict(args),
+        torch_rng=torch.get_rng_state(),
+        meta=meta,
+    )
+    return write_atomically(run_dir / "checkpoint.pt", state)
+
+
+def checkpoint_meta(args: Args, obs_space, act_space) -> dict:
+    """What a checkpoint was trained on: --resume refuses one whose script, mode, env, network or shapes differ."""
+    network = args.network if args.network != "auto" else "nature" if len(obs_space.shape) == 3 else "mlp"
+    return dict(
+        script=Path(__file__).name,
+        algo=args.mode,
+        env_id=args.env_id,
+        network=network,
+        obs_shape=list(obs_space.shape),
+        action_shape_or_n=int(act_space.n),
+    )
+
+
+def read_checkpoint(path: str, meta: dict) -> tuple[dict | None, str | None]:
+    """Load a --resume checkpoint and check it was written by this script for this env, mode and network.
+    Returns (checkpoint, None) or (None, the error line)."""
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:  # garbage, truncated, or pickled objects this interpreter cannot rebuild
+        reason = (str(e).strip().splitlines() or [""])[0][:120]
+        return (
+            None,
+            f"error: cannot resume from {path}: not a checkpoint this script can read ({type(e).__name__}: {reason})",
+        )
+    theirs = checkpoint.get("meta") if isinstance(checkpoint, dict) else None
+    if not isinstance(theirs, dict):
+        return None, f'error: cannot resume from {path}: not a checkpoint this script can read (no "meta" entry)'
+    differ = [k for k in meta if theirs.get(k) != meta[k]]
+    if differ:
+        return None, (
+            f"error: cannot resume from {path}: it is a {theirs.get('script')} checkpoint "
+            f"({', '.join(f'{k} {theirs.get(k)}' for k in differ)}), this run is "
+            f"{', '.join(f'{k} {meta[k]}' for k in differ)}"
+        )
+    return checkpoint, None
 
 
 def steps_of(states: list[dict], args: Args) -> int:
@@ -862,18 +972,19 @@ def evaluate(model: nn.Module, args: Args, run_dir: Path) -> list[float]:
     return returns
 
 
-def finish_run(args: Args, run_dir: Path, writer, states: list[dict] | None, obs_space, act_space) -> None:
-    """--save-model and --eval-episodes on the averaged final parameters."""
+def finish_run(args: Args, run_dir: Path, writer, states: list[dict] | None, obs_space, act_space) -> str | None:
+    """--save-model and --eval-episodes on the averaged final parameters; returns an error line if a write failed."""
     if not states or not (args.save_model or args.eval_episodes):
-        return
+        return None
     model = make_model(obs_space, act_space, args.network)
     model.load_state_dict(average_model(states))
-    if args.save_model:
-        torch.save(model.state_dict(), run_dir / "model.pt")
+    if args.save_model and (error := write_atomically(run_dir / "model.pt", model.state_dict())):
+        return error
     if args.eval_episodes:
         for i, ret in enumerate(evaluate(model, args, run_dir)):
             writer.add_scalar("eval/episodic_return", ret, i)
             print(f"eval episode {i}: return {ret:.1f}")
+    return None
 
 
 def free_port() -> int:
@@ -889,16 +1000,41 @@ def probe_spaces(args: Args):
     return spaces
 
 
-def make_run_dir(args: Args) -> Path:
+def create_run_dir(args: Args) -> tuple[Path, str | None]:
+    """A new run directory, made atomically and never shared: a run started in the same second as another with the
+    same name gets the suffix -2, -3, ... Returns (path, None), or (path, the error line) when it cannot be made or
+    written. --resume keeps the checkpoint's own directory."""
     if args.resume:
-        return Path(args.resume).parent
-    return Path(args.log_dir) / f"{args.env_id.replace('/', '_')}__{args.exp_name}__{args.seed}__{int(time.time())}"
+        run_dir = Path(args.resume).parent
+        if not os.access(run_dir, os.W_OK):
+            return run_dir, f"error: cannot write to the run directory {run_dir}: {os.strerror(errno.EACCES)}"
+        return run_dir, None
+    base = Path(args.log_dir) / f"{args.env_id.replace('/', '_')}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    for k in range(1, 1000):
+        run_dir = base if k == 1 else base.with_name(f"{base.name}-{k}")
+        try:
+            run_dir.mkdir(parents=True, exist_ok=False)
+            return run_dir, None
+        except FileExistsError:
+            continue
+        except OSError as e:
+            return run_dir, f"error: cannot create the run directory {run_dir}: {e.strerror or e}"
+    return base, f"error: cannot create the run directory {base}: 999 runs of that name started in the same second"
+
+
+def quiet_writer_thread_errors(hook) -> None:
+    """threading.excepthook: TensorBoard's writer thread dies on a write error (a full disk) and the next write or
+    close raises it again in the main thread, which reports it as the run's one error line; its traceback is noise."""
+    frames = traceback.extract_tb(hook.exc_traceback)
+    if not (issubclass(hook.exc_type, OSError) and any("tensorboard" in f.filename for f in frames)):
+        threading.__excepthook__(hook)
 
 
 def make_writer(run_dir: Path, args: Args, n: int):
     from torch.utils.tensorboard import SummaryWriter  # after the forks: the writer runs a thread
 
-    run_dir.mkdir(parents=True, exist_ok=True)
+    threading.excepthook = quiet_writer_thread_errors
+    run_dir.mkdir(parents=True, exist_ok=True)  # rank r > 0 writes to {run_dir}/learner{r}
     writer = SummaryWriter(str(run_dir))
     table = "\n".join(f"|{k}|{v}|" for k, v in {**asdict(args), "learners": n}.items())
     writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
@@ -921,22 +1057,34 @@ def main(args: Args) -> None:
             "error: --time-varying needs the single-machine launch (torchrun ranks use a static ring)", file=sys.stderr
         )
         raise SystemExit(2)
-    checkpoint = torch.load(args.resume, map_location="cpu", weights_only=False) if args.resume else None
-    if checkpoint is not None and len(checkpoint["learners"]) != n:
-        print(f"error: --resume {args.resume} has {len(checkpoint['learners'])} learners, not {n}", file=sys.stderr)
-        raise SystemExit(2)
-    if world_size > 1:
-        return main_distributed(args, n, checkpoint)
-    return main_single_machine(args, n, checkpoint)
-
-
-def main_single_machine(args: Args, n: int, checkpoint: dict | None) -> None:
-    use_cuda = args.cuda and torch.cuda.is_available()
-    device = torch.device("cuda" if use_cuda else "cpu")
-    run_dir = make_run_dir(args)
     # one thread here: an OpenMP pool started in this process would deadlock the forked learners' first torch op
     torch.set_num_threads(1)
     obs_space, act_space = probe_spaces(args)
+    meta = checkpoint_meta(args, obs_space, act_space)
+    checkpoint = None
+    if args.resume:  # checked before any process, thread or writer starts: a refused resume leaves no trace
+        checkpoint, error = read_checkpoint(args.resume, meta)
+        if error:
+            print(error, file=sys.stderr)
+            raise SystemExit(2)
+        if len(checkpoint["learners"]) != n:
+            print(f"error: --resume {args.resume} has {len(checkpoint['learners'])} learners, not {n}", file=sys.stderr)
+            raise SystemExit(2)
+    if world_size > 1:
+        return main_distributed(args, n, checkpoint, obs_space, act_space, meta)
+    run_dir, error = create_run_dir(args)
+    if error:
+        print(error, file=sys.stderr)
+        raise SystemExit(2)
+    return main_single_machine(args, n, checkpoint, run_dir, obs_space, act_space, meta)
+
+
+STOP_GRACE = 5.0  # seconds a learner gets to stop after the stop request before it is killed
+
+
+def main_single_machine(args: Args, n: int, checkpoint: dict | None, run_dir: Path, obs_space, act_space, meta) -> None:
+    use_cuda = args.cuda and torch.cuda.is_available()
+    device = torch.device("cuda" if use_cuda else "cpu")
     torch.manual_seed(args.seed)
     numel = sum(p.numel() for p in make_model(obs_space, act_space, args.network).parameters())
 
@@ -947,7 +1095,7 @@ def main_single_machine(args: Args, n: int, checkpoint: dict | None) -> None:
     procs = [
         ctx.Process(
             target=learner_process,
-            args=(i, n, args, str(device), shared, log_q, error_q, stop, requests, port),
+            args=(i, n, args, str(device), shared, log_q, error_q, stop, requests, port, os.getpid()),
             name=f"learner {i}",
             daemon=True,
         )
@@ -959,10 +1107,10 @@ def main_single_machine(args: Args, n: int, checkpoint: dict | None) -> None:
         flush=True,
     )
 
-    interrupted = threading.Event()
+    signals: list[int] = []  # the signal that asked the run to stop
 
     def on_signal(signum, frame):
-        interrupted.set()
+        signals.append(signum)
         stop.set()
 
     signal.signal(signal.SIGINT, on_signal)
@@ -975,22 +1123,12 @@ def main_single_machine(args: Args, n: int, checkpoint: dict | None) -> None:
     finally:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
 
-    writer = make_writer(run_dir, args, n)
-    global_step = checkpoint["global_step"] if checkpoint else 0
-    logger = Logger(writer, n, args, global_step)
+    writer, logger = None, None
     finals: dict[int, dict | None] = {}
     latest_states: list[dict | None] = list(checkpoint["learners"]) if checkpoint else [None] * n
     pending: dict[int, dict] = {}  # checkpoint request -> {learner: state}
-    last_checkpoint, failure = time.time(), None
-
-    def write_checkpoint(states) -> None:
-        save_checkpoint(
-            run_dir / "checkpoint.pt",
-            learners=states,
-            global_step=steps_of(states, args),
-            args=asdict(args),
-            torch_rng=torch.get_rng_state(),
-        )
+    write_errors: list[str] = []  # a checkpoint or TensorBoard write failed (full disk): the run stops
+    last_checkpoint, failure, killed = time.time(), None, []
 
     def handle(record: dict) -> None:
         i = record["learner"]
@@ -1002,12 +1140,16 @@ def main_single_machine(args: Args, n: int, checkpoint: dict | None) -> None:
             got = pending.setdefault(record["request"], {})
             got[i] = state_from_bytes(record["checkpoint"])
             if len(got) == n:
-                write_checkpoint([got[j] for j in range(n)])
+                if error := save_checkpoint(run_dir, [got[j] for j in range(n)], args, meta):
+                    write_errors.append(error)
                 pending.clear()
                 for j in range(n):
                     latest_states[j] = got[j]
-        else:
-            logger.handle(record)
+        elif logger is not None and not write_errors:
+            try:
+                logger.handle(record)
+            except OSError as e:
+                write_errors.append(write_error(e, f"the TensorBoard events in {run_dir}"))
 
     def drain(timeout: float) -> None:
         try:
@@ -1018,8 +1160,9 @@ def main_single_machine(args: Args, n: int, checkpoint: dict | None) -> None:
             pass
 
     def dead_learner() -> str | None:
-        ready = wait_sentinels([p.sentinel for p in procs], timeout=0)
-        for p in (p for p in procs if p.sentinel in ready):
+        watched = [p for p in procs if p.name not in killed]  # killed here for not stopping: not a failure
+        ready = wait_sentinels([p.sentinel for p in watched], timeout=0)
+        for p in (p for p in watched if p.sentinel in ready):
             p.join(timeout=5.0)  # the sentinel can fire before the exit status is set (seen with CUDA learners)
             if p.exitcode != 0:
                 try:  # its traceback, if it lived to send one
@@ -1030,7 +1173,9 @@ def main_single_machine(args: Args, n: int, checkpoint: dict | None) -> None:
         return None
 
     try:
-        while len(finals) < n:
+        writer = make_writer(run_dir, args, n)  # inside the try: whatever fails from here on stops the learners
+        logger = Logger(writer, n, args, checkpoint["global_step"] if checkpoint else 0)
+        while len(finals) < n and not signals and not write_errors:
             drain(0.25)
             if failure := dead_learner():
                 break
@@ -1039,53 +1184,81 @@ def main_single_machine(args: Args, n: int, checkpoint: dict | None) -> None:
                 with requests.get_lock():
                     requests.value += 1
                 last_checkpoint = time.time()
+    except OSError as e:  # the writer could not start (full disk, directory removed)
+        failure = write_error(e, f"the TensorBoard events in {run_dir}")
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl+C must not cut the shutdown short
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         stop.set()
-        deadline = time.time() + (5.0 if failure is None else 1.0)
+        deadline = time.time() + (STOP_GRACE if failure is None else 1.0)
         while any(p.is_alive() for p in procs) and time.time() < deadline:
             drain(0.1)
             if failure is None and (failure := dead_learner()):
                 deadline = min(deadline, time.time() + 1.0)
         for p in procs:
-            if p.is_alive():
+            if p.is_alive():  # stuck (stopped, or blocked on a peer that is): the run must still end
+                killed.append(p.name)
                 p.kill()
             p.join(timeout=2.0)
         drain(0.0)
         if failure is None:
             failure = dead_learner()
-    finished = failure is None and not interrupted.is_set() and len(finals) == n and all(finals.values())
+    failure = failure or (write_errors[0] if write_errors else None)
+    end_run(
+        args, run_dir, writer, logger, latest_states, finals, failure, signals, killed, (obs_space, act_space, meta)
+    )
+
+
+def end_run(args, run_dir, writer, logger, latest_states, finals, failure, signals, killed, spaces) -> None:
+    """After every learner stopped: the final checkpoint, --save-model and --eval-episodes, the writer closed, the
+    exit status (1 on a failure, 128 + signal number when stopped by a signal). Nothing here raises: a write that
+    fails is reported as the run's error."""
+    obs_space, act_space, meta = spaces
+    n = len(latest_states)
+    finished = failure is None and not signals and len(finals) == n and all(finals.values())
     complete = all(s is not None for s in latest_states)
     if failure is None and args.checkpoint_interval and complete:
-        write_checkpoint(latest_states)
-    logger.maybe_print(force=True)
-    if finished:
-        finish_run(args, run_dir, writer, latest_states, obs_space, act_space)
-    writer.close()
+        failure = save_checkpoint(run_dir, latest_states, args, meta)
+    try:
+        if logger is not None:
+            logger.maybe_print(force=True)
+        if finished and failure is None:
+            failure = finish_run(args, run_dir, writer, latest_states, obs_space, act_space)
+        if writer is not None:
+            writer.close()
+    except OSError as e:
+        failure = failure or write_error(e, f"the TensorBoard events in {run_dir}")
+    if killed:
+        print(f"warning: {', '.join(killed)} did not stop within {STOP_GRACE:.0f} s; killed", file=sys.stderr)
     if failure:
         print(failure, file=sys.stderr)
         raise SystemExit(1)
-    if interrupted.is_set():
-        print(f"interrupted at step {logger.global_step}: shut down", file=sys.stderr)
-        raise SystemExit(130)
+    if signals:
+        step = logger.global_step if logger is not None else 0
+        print(f"interrupted at step {step}: shut down", file=sys.stderr)
+        raise SystemExit(128 + signals[0])
 
 
-def main_distributed(args: Args, n: int, checkpoint: dict | None) -> None:
+def main_distributed(args: Args, n: int, checkpoint: dict | None, obs_space, act_space, meta) -> None:
     """One torchrun rank = one learner; rank 0 also writes the run's charts and checkpoints."""
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
     use_cuda = args.cuda and torch.cuda.is_available()
     device = torch.device(f"cuda:{local_rank % torch.cuda.device_count()}" if use_cuda else "cpu")
+    run_dir = None
+    if rank == 0:  # before the rendezvous: the other ranks are stopped by torchrun when this one exits 2
+        run_dir, error = create_run_dir(args)
+        if error:
+            print(error, file=sys.stderr)
+            raise SystemExit(2)
     dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=n)
-    names = [str(make_run_dir(args))]
+    names = [str(run_dir)]
     dist.broadcast_object_list(names, src=0)  # one run directory, named by rank 0
     run_dir = Path(names[0])
-    obs_space, act_space = probe_spaces(args)
 
-    stop, interrupted, last_checkpoint = threading.Event(), threading.Event(), [time.time()]
+    stop, signals, last_checkpoint, write_errors = threading.Event(), [], [time.time()], []
 
     def on_signal(signum, frame):
-        interrupted.set()
+        signals.append(signum)
         stop.set()
 
     signal.signal(signal.SIGINT, on_signal)
@@ -1104,17 +1277,18 @@ def main_distributed(args: Args, n: int, checkpoint: dict | None) -> None:
         dist.gather_object(record.pop("checkpoint", None), states, dst=0)
         totals = torch.tensor([float(record["steps"])], device=device)
         dist.all_reduce(totals)  # exact global step: all ranks' agent steps
-        logger.handle({**record, "steps": int(totals.item())})
+        try:
+            logger.handle({**record, "steps": int(totals.item())})
+        except OSError as e:
+            write_errors.append(write_error(e, f"the TensorBoard events in {run_dir}"))
         if rank == 0:
             if states[0] is not None:
-                save(states)
+                if error := save_checkpoint(run_dir, states, args, meta):
+                    write_errors.append(error)
                 last_checkpoint[0] = time.time()
             logger.maybe_print()
-
-    def save(states) -> None:
-        save_checkpoint(
-            run_dir / "checkpoint.pt", learners=states, global_step=steps_of(states, args), args=asdict(args)
-        )
+        if write_errors:
+            stop.set()  # all ranks stop together at the next sync point
 
     control = Control(report=report, stop=stop, checkpoint_due=checkpoint_due)  # rank 0 decides, the sync tells all
     gossip = None
@@ -1129,11 +1303,14 @@ def main_distributed(args: Args, n: int, checkpoint: dict | None) -> None:
         )
     except NonFiniteLoss as e:
         failure = f"error: learner {rank}: {e}; stopping (the last checkpoint, if any, is kept)"
-    except Exception:
-        failure = f"error: learner {rank} died:\n{traceback.format_exc()}"
+    except Exception as e:
+        failure = lost_contact(rank, n, e) or f"error: learner {rank} died:\n{traceback.format_exc()}"
     if failure:  # the other ranks would wait forever on this one: torchrun stops them when this rank exits non-zero
         print(failure, file=sys.stderr, flush=True)
-        writer.close()
+        try:
+            writer.close()
+        except OSError:
+            pass
         sys.stdout.flush()
         # The gossip receivers are blocked inside `dist.recv`: tearing the interpreter down around a thread inside
         # torch aborts ("terminate called without an active exception", SIGABRT) or hangs, so skip the teardown.
@@ -1148,19 +1325,48 @@ def main_distributed(args: Args, n: int, checkpoint: dict | None) -> None:
         dist.all_reduce(divergence, op=dist.ReduceOp.MAX)
         if rank == 0:
             print(f"max |parameter difference| across {n} learners: {divergence.item():.3g}")
+    dist.barrier()  # no rank leaves the group while a peer may still be sending to it
     dist.destroy_process_group()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if rank == 0:
-        if args.checkpoint_interval:
-            save(states)
-        logger.maybe_print(force=True)
-        if not interrupted.is_set():
-            finish_run(args, run_dir, writer, states, obs_space, act_space)
-    writer.close()
-    if interrupted.is_set():
-        if rank == 0:
-            print(f"interrupted at step {logger.global_step}: shut down", file=sys.stderr)
-        raise SystemExit(130)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    failure = write_errors[0] if write_errors else None
+    try:
+        if rank == 0:  # the final checkpoint, --save-model, --eval-episodes, the exit status
+            spaces = (obs_space, act_space, meta)
+            end_run(args, run_dir, writer, logger, states, dict(enumerate(states)), failure, signals, [], spaces)
+        else:
+            try:
+                writer.close()
+            except OSError as e:
+                failure = failure or write_error(e, f"the TensorBoard events in {run_dir / f'learner{rank}'}")
+            if failure:
+                print(failure, file=sys.stderr)
+        code = 1 if failure else 128 + signals[0] if signals else 0
+    except SystemExit as e:
+        code = e.code
+    exit_without_teardown(code)
+
+
+def exit_without_teardown(code: int) -> None:
+    """End a torchrun rank. gloo's transport and worker threads (`gloo_tcp_loop`, `pt_gloo_runloop`) are still alive
+    after destroy_process_group (the C++ process group stays referenced), and the interpreter's teardown destroys
+    them while joinable: now and then the rank aborts at exit ("terminate called without an active exception",
+    SIGABRT). Everything is written and closed by now, so leave without that teardown."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def lost_contact(rank: int, n: int, e: BaseException) -> str | None:
+    """The error line when a collective or gossip message failed because another rank is gone (killed, crashed, its
+    machine down): with two ranks it can only be the other one; with more, this rank cannot tell which."""
+    text = f"{e}"
+    signs = ("Connection closed by peer", "Connection reset", "Broken pipe", "Timed out", "timed out", "gossip thread")
+    if not isinstance(e, dist.DistError) and not any(m in text for m in signs):
+        return None
+    who = f"rank {1 - rank}" if n == 2 else "another rank"
+    reason = (text.strip().splitlines() or [""])[0][:160]
+    return f"error: learner {rank} (rank {rank}): lost contact with {who}, which died or lost its connection ({reason})"
 
 
 if __name__ == "__main__":

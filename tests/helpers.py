@@ -9,8 +9,10 @@ import contextlib
 import math
 import os
 import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -174,3 +176,51 @@ def fill_disk(path):
         pass
     finally:
         os.close(fd)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def two_node_launch(script, args, log_dir, timeout=300):
+    """The README's two-node launch on one machine: two torchrun launchers (node ranks 0 and 1, one rank each) meeting
+    at 127.0.0.1 through c10d rendezvous. Returns both launchers' CompletedProcess; on a timeout both process groups
+    are killed."""
+    port = free_port()
+    procs = []
+    for node in (0, 1):
+        launcher = ("-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1")
+        launcher += ("--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}")
+        cmd = [sys.executable, *launcher, script, "--log-dir", str(log_dir), *args]
+        procs.append(
+            (cmd, subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                   start_new_session=True))
+        )  # fmt: skip
+    results = []
+    try:
+        for cmd, proc in procs:
+            stdout, stderr = proc.communicate(timeout=timeout)
+            results.append(subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr))
+    finally:
+        for _, proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.communicate()
+    return results
+
+
+def rank_pid(launcher_pid, rank, timeout=120):
+    """The pid of torchrun rank `rank` among the descendants of `launcher_pid` (read from their RANK variable)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        for pid in children_of(launcher_pid):
+            try:
+                env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if f"RANK={rank}".encode() in env:
+                return pid
+        time.sleep(0.2)
+    raise TimeoutError(f"no rank {rank} under launcher {launcher_pid}")

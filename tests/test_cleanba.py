@@ -14,10 +14,23 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import CORE_TAGS, ROOT, only_run_dir, run_script, scalars
+from helpers import CORE_TAGS, ROOT, children_of, only_run_dir, rank_pid, run_script, scalars, two_node_launch
 from torch import nn
 
-from cleanba_ppo_impala import Args, gae, impala_loss, ppo_loss, ppo_update, resolve_defaults, vtrace
+from cleanba_ppo_impala import (
+    Args,
+    checkpoint_meta,
+    create_run_dir,
+    gae,
+    impala_loss,
+    make_vector_env,
+    ppo_loss,
+    ppo_update,
+    read_checkpoint,
+    resolve_defaults,
+    validate,
+    vtrace,
+)
 
 SCRIPT = "cleanba_ppo_impala.py"
 TINY_CARTPOLE = ["--env-id", "CartPole-v1", "--num-envs", "4", "--num-steps", "32", "--log-interval", "1"]
@@ -504,7 +517,7 @@ def test_sigint_stops_cleanly_with_checkpoint_and_resume_continues(tmp_path):
 
 def test_sigterm_also_stops_cleanly(tmp_path):
     seconds, code, err = interrupt_training(tmp_path, signal.SIGTERM)
-    assert seconds < 10 and code == 130 and "Traceback" not in err, err
+    assert seconds < 10 and code == 143 and "Traceback" not in err, err  # 128 + SIGTERM
 
 
 def test_throughput_benchmark_runs_and_reports(tmp_path):
@@ -535,3 +548,163 @@ def test_throughput_benchmark_runs_and_reports(tmp_path):
     for row in result["rows"]:
         assert row["sps"] > 0 and row["ceiling"] > 0 and 0 <= row["actor_wait_param_share"] <= 1.5
         assert row["peak_rss_mib"] > 50
+
+
+# ------------------------------------------------------------------ rare paths: bad values, run directories, resume
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (dict(env_id="Pendulum-v1"), "Box action space"),
+        (dict(learning_rate=math.inf), "--learning-rate must be a finite number"),
+        (dict(gae_lambda=math.nan), "--gae-lambda must be a finite number"),
+        (dict(clip_coef=-math.inf), "--clip-coef must be a finite number"),
+    ],
+)
+def test_validate_refuses_continuous_actions_and_non_finite_values(change, message):
+    error = validate(resolve_defaults(Args(**{**dict(env_id="CartPole-v1"), **change})), 1)
+    assert error is not None and message in error, error
+    assert validate(resolve_defaults(Args(env_id="CartPole-v1")), 1) is None
+
+
+def test_bad_values_exit_2_with_one_line(tmp_path):
+    proc = run(["--env-id", "Pendulum-v1", "--learning-rate", "inf"], tmp_path, timeout=60)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert proc.stderr.startswith("error: --learning-rate must be a finite number, got inf"), proc.stderr
+
+
+def test_runs_started_in_the_same_second_get_their_own_run_directories(tmp_path, monkeypatch):
+    monkeypatch.setattr(time, "time", lambda: 1_700_000_000.0)
+    args = Args(env_id="CartPole-v1", exp_name="x", log_dir=str(tmp_path))
+    made = [create_run_dir(args) for _ in range(2)]
+    assert [d.name for d, error in made if error is None] == [
+        "CartPole-v1__x__1__1700000000",
+        "CartPole-v1__x__1__1700000000-2",
+    ]
+
+
+def test_log_dir_that_cannot_be_created_is_one_error_line(tmp_path):
+    (tmp_path / "file").write_text("a file, not a directory")
+    for log_dir in ("/proc/x", tmp_path / "file" / "runs"):
+        proc = run_script(SCRIPT, [*TINY_CARTPOLE, "--total-timesteps", "1024"], log_dir, timeout=60)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+        assert lines[0].startswith("error: cannot create the run directory"), proc.stderr
+
+
+def meta_of(**changes):
+    args = resolve_defaults(Args(env_id="CartPole-v1", **changes))
+    probe = make_vector_env("CartPole-v1", 1, 1)
+    meta = checkpoint_meta(args, probe.single_observation_space, probe.single_action_space)
+    probe.close()
+    return meta
+
+
+def test_resume_refuses_what_it_cannot_use(tmp_path):
+    ours = meta_of()
+    good = tmp_path / "good.pt"
+    torch.save(dict(model={}, meta=ours), good)
+    assert read_checkpoint(str(good), ours)[1] is None
+    garbage, truncated, old = tmp_path / "garbage.pt", tmp_path / "truncated.pt", tmp_path / "old.pt"
+    garbage.write_bytes(b"not a checkpoint at all")
+    truncated.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    torch.save(dict(model={}, update=3), old)
+    for path in (garbage, truncated, old):
+        checkpoint, error = read_checkpoint(str(path), ours)
+        assert checkpoint is None and error.startswith(f"error: cannot resume from {path}: not a checkpoint"), error
+    gala = tmp_path / "gala.pt"
+    torch.save(dict(learners=[], meta={**ours, "script": "gala_a2c.py", "algo": "gossip"}), gala)
+    error = read_checkpoint(str(gala), ours)[1]
+    assert "it is a gala_a2c.py checkpoint (script gala_a2c.py, algo gossip), this run is script" in error, error
+    impala = tmp_path / "impala.pt"
+    torch.save(dict(model={}, meta=meta_of(algo="impala")), impala)
+    assert "(algo impala), this run is algo ppo" in read_checkpoint(str(impala), ours)[1]
+
+
+def test_refused_resume_exits_2_and_leaves_nothing_in_the_run_directory(tmp_path):
+    run_dir = tmp_path / "CartPole-v1__x__1__1700000000"
+    run_dir.mkdir()
+    truncated = run_dir / "checkpoint.pt"
+    torch.save(dict(model={}, meta=meta_of()), truncated)
+    truncated.write_bytes(truncated.read_bytes()[:100])
+    proc = run([*TINY_CARTPOLE, "--resume", str(truncated)], tmp_path, timeout=60)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert lines[0].startswith(f"error: cannot resume from {truncated}: not a checkpoint this script can read")
+    assert list(run_dir.iterdir()) == [truncated]
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 2 MiB tmpfs the test can fill, unmounted afterwards; skipped where mounting is not allowed."""
+    mount = tmp_path / "tmpfs"
+    mount.mkdir()
+    proc = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)], capture_output=True, text=True
+    )
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+
+
+def test_full_disk_stops_the_run_keeping_the_last_checkpoint(small_tmpfs):
+    cmd = [sys.executable, SCRIPT, "--log-dir", str(small_tmpfs), *TINY_CARTPOLE, "--total-timesteps", "10000000"]
+    cmd += ["--checkpoint-interval", "0.5"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    run_dir = None
+    for line in proc.stdout:
+        if line.startswith("run directory:"):
+            run_dir = Path(line.split()[2])
+        if run_dir and (run_dir / "checkpoint.pt").exists():
+            break
+    with open(small_tmpfs / "filler", "wb") as f:  # fill the disk
+        try:
+            while True:
+                f.write(b"\0" * 65536)
+                f.flush()
+        except OSError:
+            pass
+    start = time.time()
+    try:
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert time.time() - start < 15 and proc.returncode == 1, err
+    assert "Traceback" not in err and "error: no space left on device while writing" in err, err
+    (small_tmpfs / "filler").unlink()
+    checkpoint = torch.load(run_dir / "checkpoint.pt", weights_only=False)
+    assert checkpoint["global_step"] > 0 and not list(run_dir.glob("*.tmp"))
+
+
+# ------------------------------------------------------------------ torchrun: a lost rank, the two-node launch
+
+
+def test_torchrun_survivor_names_the_rank_that_died(tmp_path):
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    cmd = [sys.executable, *launcher, SCRIPT, "--log-dir", str(tmp_path), *TINY_CARTPOLE]
+    cmd += ["--total-timesteps", "10000000"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        for line in proc.stdout:
+            if line.startswith("step"):
+                break
+        os.kill(rank_pid(proc.pid, 1), signal.SIGKILL)
+        start = time.time()
+        _, err = proc.communicate(timeout=60)
+    finally:
+        for pid in children_of(proc.pid):
+            os.kill(pid, signal.SIGKILL)
+        proc.kill()
+    assert proc.returncode != 0 and time.time() - start < 15, err
+    assert "error: rank 0: lost contact with rank 1" in err and "died:" not in err, err
+
+
+def test_two_node_launch_on_loopback_ends_cleanly(tmp_path):
+    results = two_node_launch(SCRIPT, [*TINY_CARTPOLE, "--total-timesteps", "1024"], tmp_path)
+    for r in results:
+        assert r.returncode == 0 and "terminate called" not in r.stderr, r.stderr
+    assert any("max |parameter difference| across 2 ranks: 0" in r.stdout for r in results)

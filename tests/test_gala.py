@@ -21,13 +21,28 @@ from helpers import (
     FixedLogitsPolicy,
     RecordingEnv,
     assert_finite_tags,
+    children_of,
     only_run_dir,
+    rank_pid,
     run_script,
     scalars,
+    two_node_launch,
 )
 
 import gala_a2c
-from gala_a2c import SharedMemoryGossip, epsilon_ball_radius, mixing_matrix, n_step_returns, peer_offsets
+from gala_a2c import (
+    Args,
+    SharedMemoryGossip,
+    checkpoint_meta,
+    create_run_dir,
+    epsilon_ball_radius,
+    mixing_matrix,
+    n_step_returns,
+    peer_offsets,
+    probe_spaces,
+    read_checkpoint,
+    validate,
+)
 
 SCRIPT = "gala_a2c.py"
 TINY_CARTPOLE = ["--env-id", "CartPole-v1", "--num-learners", "2", "--num-envs", "4", "--log-interval", "1"]
@@ -364,3 +379,211 @@ def test_torchrun_rank_that_fails_exits_with_its_error_not_an_abort(tmp_path):
     assert proc.returncode == 1, proc.stderr
     assert "injected env failure" in proc.stderr and "learner" in proc.stderr
     assert "terminate called" not in proc.stderr and "SIGABRT" not in proc.stderr, proc.stderr
+
+
+# ------------------------------------------------------------------ rare paths: bad values, run directories, resume
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (dict(env_id="Pendulum-v1"), "Box action space"),
+        (dict(learning_rate=math.inf), "--learning-rate must be a finite number"),
+        (dict(gamma=math.nan), "--gamma must be a finite number"),
+        (dict(max_grad_norm=-math.inf), "--max-grad-norm must be a finite number"),
+        (dict(checkpoint_interval=math.inf), "--checkpoint-interval must be a finite number"),
+    ],
+)
+def test_validate_refuses_continuous_actions_and_non_finite_values(change, message):
+    error = validate(Args(**{**dict(env_id="CartPole-v1"), **change}), 2)
+    assert error is not None and message in error, error
+    assert validate(Args(env_id="CartPole-v1"), 2) is None
+
+
+def test_runs_started_in_the_same_second_get_their_own_run_directories(tmp_path, monkeypatch):
+    monkeypatch.setattr(time, "time", lambda: 1_700_000_000.0)
+    args = Args(env_id="CartPole-v1", exp_name="x", log_dir=str(tmp_path))
+    made = [create_run_dir(args) for _ in range(3)]
+    assert [error for _, error in made] == [None] * 3
+    assert [d.name for d, _ in made] == [f"CartPole-v1__x__1__1700000000{s}" for s in ("", "-2", "-3")]
+
+
+@pytest.mark.parametrize("log_dir", ["/proc/x", "FILE/runs"])
+def test_log_dir_that_cannot_be_created_is_one_error_line(log_dir, tmp_path):
+    if log_dir.startswith("FILE"):
+        (tmp_path / "FILE").write_text("a file, not a directory")
+        log_dir = str(tmp_path / log_dir)
+    start = time.time()
+    proc = run_script(SCRIPT, [*TINY_CARTPOLE, "--total-timesteps", "800"], log_dir, timeout=60)
+    assert proc.returncode == 2 and time.time() - start < 60, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: cannot create the run directory"), proc.stderr
+    assert processes_with(log_dir) == []
+
+
+def fake_checkpoint(path, **meta_changes):
+    meta = dict(script=SCRIPT, algo="gossip", env_id="CartPole-v1", network="mlp", obs_shape=[4], action_shape_or_n=2)
+    torch.save(dict(learners=[{}, {}], global_step=0, meta={**meta, **meta_changes}), path)
+    return path
+
+
+def test_resume_refuses_what_it_cannot_use(tmp_path):
+    ours = checkpoint_meta(Args(env_id="CartPole-v1"), *probe_spaces(Args(env_id="CartPole-v1")))
+    good = fake_checkpoint(tmp_path / "good.pt")
+    assert read_checkpoint(str(good), ours)[1] is None
+    garbage = tmp_path / "garbage.pt"
+    garbage.write_bytes(b"not a checkpoint at all")
+    truncated = tmp_path / "truncated.pt"
+    truncated.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    old = tmp_path / "old.pt"
+    torch.save(dict(learners=[{}, {}], global_step=0), old)
+    for path in (garbage, truncated, old):
+        checkpoint, error = read_checkpoint(str(path), ours)
+        assert checkpoint is None and error.startswith(f"error: cannot resume from {path}: not a checkpoint"), error
+    assert '"meta"' in read_checkpoint(str(old), ours)[1]
+    other = fake_checkpoint(tmp_path / "other.pt", script="cleanba_ppo_impala.py", algo="ppo")
+    error = read_checkpoint(str(other), ours)[1]
+    assert "it is a cleanba_ppo_impala.py checkpoint (script cleanba_ppo_impala.py, algo ppo)" in error, error
+    assert error.endswith("this run is script gala_a2c.py, algo gossip"), error
+    acrobot = fake_checkpoint(tmp_path / "acrobot.pt", env_id="Acrobot-v1", obs_shape=[6], action_shape_or_n=3)
+    assert "(env_id Acrobot-v1, obs_shape [6], action_shape_or_n 3)" in read_checkpoint(str(acrobot), ours)[1]
+
+
+def test_refused_resume_exits_2_and_leaves_nothing_in_the_run_directory(tmp_path):
+    run_dir = tmp_path / "CartPole-v1__x__1__1700000000"
+    run_dir.mkdir()
+    garbage = run_dir / "checkpoint.pt"
+    garbage.write_bytes(b"\0" * 100)
+    proc = run([*TINY_CARTPOLE, "--resume", str(garbage)], tmp_path, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: cannot resume from {garbage}"), proc.stderr
+    assert list(run_dir.iterdir()) == [garbage]
+
+
+# ------------------------------------------------------------------ rare paths: signals, stuck and orphaned learners
+
+
+def learner_pids(proc, tmp_path):
+    return [p for p in processes_with(str(tmp_path)) if p != proc.pid]
+
+
+def test_sigterm_exits_143_after_a_clean_shutdown(tmp_path):
+    proc = start_long_run(tmp_path)
+    proc.send_signal(signal.SIGTERM)
+    start = time.time()
+    _, err = proc.communicate(timeout=30)
+    assert time.time() - start < 10 and proc.returncode == 143 and "Traceback" not in err, err
+    time.sleep(0.5)
+    assert processes_with(str(tmp_path)) == []
+
+
+@pytest.mark.parametrize("mode", ["gossip", "allreduce"])
+def test_stuck_learner_does_not_block_ctrl_c(mode, tmp_path):
+    proc = start_long_run(tmp_path, ["--mode", mode])
+    stuck = learner_pids(proc, tmp_path)[-1]
+    os.kill(stuck, signal.SIGSTOP)
+    proc.send_signal(signal.SIGINT)
+    start = time.time()
+    try:
+        _, err = proc.communicate(timeout=30)
+    finally:
+        for pid in processes_with(str(tmp_path)):
+            os.kill(pid, signal.SIGKILL)
+    assert time.time() - start < 10 and proc.returncode == 130, err
+    assert "did not stop within 5 s; killed" in err and "Traceback" not in err, err
+    time.sleep(0.5)
+    assert processes_with(str(tmp_path)) == []
+
+
+def test_learners_die_with_a_killed_main_process(tmp_path):
+    proc = start_long_run(tmp_path)
+    children = learner_pids(proc, tmp_path)
+    assert children
+    proc.kill()
+    proc.communicate(timeout=30)
+    deadline = time.time() + 10
+    while processes_with(str(tmp_path)) and time.time() < deadline:
+        time.sleep(0.2)
+    left = processes_with(str(tmp_path))
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert left == [], "learners outlived the main process"
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 2 MiB tmpfs the test can fill, unmounted afterwards; skipped where mounting is not allowed."""
+    mount = tmp_path / "tmpfs"
+    mount.mkdir()
+    proc = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)], capture_output=True, text=True
+    )
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+
+
+def fill(directory):
+    """Write to `directory` until the disk is full."""
+    with open(directory / "filler", "wb") as f:
+        try:
+            while True:
+                f.write(b"\0" * 65536)
+                f.flush()
+        except OSError:
+            pass
+
+
+def test_full_disk_stops_the_run_keeping_the_last_checkpoint(small_tmpfs):
+    proc = start_long_run(small_tmpfs, ["--checkpoint-interval", "0.5"])
+    run_dir = only_run_dir(small_tmpfs)
+    deadline = time.time() + 60
+    while not (run_dir / "checkpoint.pt").exists() and time.time() < deadline:
+        time.sleep(0.2)
+    fill(small_tmpfs)
+    start = time.time()
+    try:
+        _, err = proc.communicate(timeout=60)
+    finally:
+        for pid in processes_with(str(small_tmpfs)):
+            os.kill(pid, signal.SIGKILL)
+    assert time.time() - start < 15 and proc.returncode == 1, err
+    assert "Traceback" not in err and "error: no space left on device while writing" in err, err
+    (small_tmpfs / "filler").unlink()
+    checkpoint = torch.load(run_dir / "checkpoint.pt", weights_only=False)
+    assert checkpoint["global_step"] > 0 and not list(run_dir.glob("*.tmp"))
+    assert processes_with(str(small_tmpfs)) == []
+
+
+# ------------------------------------------------------------------ torchrun: a lost rank, the two-node launch
+
+
+@pytest.mark.parametrize("mode", ["gossip", "allreduce"])
+def test_torchrun_survivor_names_the_rank_that_died(mode, tmp_path):
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    cmd = [sys.executable, *launcher, SCRIPT, "--log-dir", str(tmp_path), *TINY_CARTPOLE, "--mode", mode]
+    cmd += ["--total-timesteps", "10000000", "--sync-interval", "5"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        for line in proc.stdout:
+            if line.startswith("step") and not line.startswith("step          0"):
+                break
+        os.kill(rank_pid(proc.pid, 1), signal.SIGKILL)
+        start = time.time()
+        _, err = proc.communicate(timeout=60)
+    finally:
+        for pid in children_of(proc.pid):
+            os.kill(pid, signal.SIGKILL)
+        proc.kill()
+    assert proc.returncode != 0 and time.time() - start < 15, err
+    assert "error: learner 0 (rank 0): lost contact with rank 1" in err and "learner 0 died" not in err, err
+
+
+def test_two_node_launch_on_loopback_ends_cleanly(tmp_path):
+    args = [*TINY_CARTPOLE, "--total-timesteps", "1600", "--sync-interval", "10", "--save-model"]
+    for r in two_node_launch(SCRIPT, args, tmp_path):
+        assert r.returncode == 0 and "terminate called" not in r.stderr, r.stderr
+    assert (only_run_dir(tmp_path) / "model.pt").is_file()
