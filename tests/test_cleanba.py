@@ -14,7 +14,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import CORE_TAGS, ROOT, children_of, only_run_dir, rank_pid, run_script, scalars, two_node_launch
+from helpers import (
+    CORE_TAGS,
+    ROOT,
+    children_of,
+    fill_disk,
+    only_run_dir,
+    rank_pid,
+    run_script,
+    scalars,
+    small_tmpfs,
+    two_node_launch,
+)
 from torch import nn
 
 from cleanba_ppo_impala import (
@@ -639,21 +650,14 @@ def test_refused_resume_exits_2_and_leaves_nothing_in_the_run_directory(tmp_path
 
 
 @pytest.fixture
-def small_tmpfs(tmp_path):
-    """A 2 MiB tmpfs the test can fill, unmounted afterwards; skipped where mounting is not allowed."""
-    mount = tmp_path / "tmpfs"
-    mount.mkdir()
-    proc = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)], capture_output=True, text=True
-    )
-    if proc.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
-    yield mount
-    subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+def tmpfs(tmp_path):
+    """A 2 MiB tmpfs the test can fill (tests/helpers.py), unmounted afterwards."""
+    with small_tmpfs(tmp_path / "tmpfs", "2m") as mount:
+        yield mount
 
 
-def test_full_disk_stops_the_run_keeping_the_last_checkpoint(small_tmpfs):
-    cmd = [sys.executable, SCRIPT, "--log-dir", str(small_tmpfs), *TINY_CARTPOLE, "--total-timesteps", "10000000"]
+def test_full_disk_stops_the_run_keeping_the_last_checkpoint(tmpfs):
+    cmd = [sys.executable, SCRIPT, "--log-dir", str(tmpfs), *TINY_CARTPOLE, "--total-timesteps", "10000000"]
     cmd += ["--checkpoint-interval", "0.5"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
@@ -663,13 +667,7 @@ def test_full_disk_stops_the_run_keeping_the_last_checkpoint(small_tmpfs):
             run_dir = Path(line.split()[2])
         if run_dir and (run_dir / "checkpoint.pt").exists():
             break
-    with open(small_tmpfs / "filler", "wb") as f:  # fill the disk
-        try:
-            while True:
-                f.write(b"\0" * 65536)
-                f.flush()
-        except OSError:
-            pass
+    fill_disk(tmpfs)
     start = time.time()
     try:
         _, err = proc.communicate(timeout=60)
@@ -677,7 +675,7 @@ def test_full_disk_stops_the_run_keeping_the_last_checkpoint(small_tmpfs):
         proc.kill()
     assert time.time() - start < 15 and proc.returncode == 1, err
     assert "Traceback" not in err and "error: no space left on device while writing" in err, err
-    (small_tmpfs / "filler").unlink()
+    (tmpfs / "filler").unlink()
     checkpoint = torch.load(run_dir / "checkpoint.pt", weights_only=False)
     assert checkpoint["global_step"] > 0 and not list(run_dir.glob("*.tmp"))
 

@@ -22,10 +22,12 @@ from helpers import (
     RecordingEnv,
     assert_finite_tags,
     children_of,
+    fill_disk,
     only_run_dir,
     rank_pid,
     run_script,
     scalars,
+    small_tmpfs,
     two_node_launch,
 )
 
@@ -512,49 +514,31 @@ def test_learners_die_with_a_killed_main_process(tmp_path):
 
 
 @pytest.fixture
-def small_tmpfs(tmp_path):
-    """A 2 MiB tmpfs the test can fill, unmounted afterwards; skipped where mounting is not allowed."""
-    mount = tmp_path / "tmpfs"
-    mount.mkdir()
-    proc = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)], capture_output=True, text=True
-    )
-    if proc.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
-    yield mount
-    subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+def tmpfs(tmp_path):
+    """A 2 MiB tmpfs the test can fill (tests/helpers.py), unmounted afterwards."""
+    with small_tmpfs(tmp_path / "tmpfs", "2m") as mount:
+        yield mount
 
 
-def fill(directory):
-    """Write to `directory` until the disk is full."""
-    with open(directory / "filler", "wb") as f:
-        try:
-            while True:
-                f.write(b"\0" * 65536)
-                f.flush()
-        except OSError:
-            pass
-
-
-def test_full_disk_stops_the_run_keeping_the_last_checkpoint(small_tmpfs):
-    proc = start_long_run(small_tmpfs, ["--checkpoint-interval", "0.5"])
-    run_dir = only_run_dir(small_tmpfs)
+def test_full_disk_stops_the_run_keeping_the_last_checkpoint(tmpfs):
+    proc = start_long_run(tmpfs, ["--checkpoint-interval", "0.5"])
+    run_dir = only_run_dir(tmpfs)
     deadline = time.time() + 60
     while not (run_dir / "checkpoint.pt").exists() and time.time() < deadline:
         time.sleep(0.2)
-    fill(small_tmpfs)
+    fill_disk(tmpfs)
     start = time.time()
     try:
         _, err = proc.communicate(timeout=60)
     finally:
-        for pid in processes_with(str(small_tmpfs)):
+        for pid in processes_with(str(tmpfs)):
             os.kill(pid, signal.SIGKILL)
     assert time.time() - start < 15 and proc.returncode == 1, err
     assert "Traceback" not in err and "error: no space left on device while writing" in err, err
-    (small_tmpfs / "filler").unlink()
+    (tmpfs / "filler").unlink()
     checkpoint = torch.load(run_dir / "checkpoint.pt", weights_only=False)
     assert checkpoint["global_step"] > 0 and not list(run_dir.glob("*.tmp"))
-    assert processes_with(str(small_tmpfs)) == []
+    assert processes_with(str(tmpfs)) == []
 
 
 # ------------------------------------------------------------------ torchrun: a lost rank, the two-node launch
