@@ -182,6 +182,17 @@ ATARI_SMOKE = [
     Entry("impala_batched", "impala_monobeast.py", "ALE/Pong-v5", PONG_STEPS, DEEPMIND),
 ]
 
+# IMPALA on Pong within a 2-core CPU budget: the reference settings above take too few updates per sample to leave
+# the floor in the ~1M agent steps an hour or two buys here (MonoBeast's batch of 8 x 80 takes one RMSprop step per
+# 640 samples). Both scripts take Cleanba's updates instead (minibatches of 2 unrolls x 20 steps, lr 6e-4, entropy
+# 0.01, summed loss, RMSprop eps 0.01, clip 40), as their CartPole entries do, and the Nature CNN.
+PONG_CPU_IMPALA = [
+    Entry("cleanba_impala_nature", "cleanba_ppo_impala.py", "ALE/Pong-v5", PONG_STEPS,
+          [*DEEPMIND, "--algo", "impala", "--network", "nature"]),
+    Entry("impala_batched_small", "impala_monobeast.py", "ALE/Pong-v5", PONG_STEPS,
+          [*DEEPMIND, *IMPALA_CARTPOLE]),
+]  # fmt: skip
+
 # The A3C eps diagnosis on Pong (README, Results): hogwild at 1, 2 and 4 workers and the gradient server, RMSprop
 # eps 1e-5 against 1e-4 and 1e-3, CPU workers; a few hundred thousand steps show whether the value loss falls from
 # its constant-value level (about 0.065) or stays there. Each run's checkpoint holds its final model.
@@ -230,6 +241,7 @@ SUITES = {
     "cartpole": (lambda: CARTPOLE, 475.0),
     "pendulum": (lambda: PENDULUM, -200.0),
     "atari-smoke": (lambda: ATARI_SMOKE, None),
+    "pong-cpu-impala": (lambda: PONG_CPU_IMPALA, None),
     "a3c-eps": (lambda: A3C_EPS_SWEEP, None),
     "atari-paper": (atari_paper, None),
 }
