@@ -1,13 +1,14 @@
-"""What the script tests share: running a script in a subprocess, finding its run directory, reading what it wrote
-to TensorBoard, the tags every script must write, finding a process's children, a fixed-logits policy with an env
-that records the actions it is given (for checking how a script's evaluation picks actions), files --resume must
-refuse, and a small disk that fills up.
+"""What the script tests share: running a script in a subprocess (to its end, or in the background until training is
+under way), finding its run directory, reading what it wrote to TensorBoard, the tags every script must write, finding
+a process's children, a fixed-logits policy with an env that records the actions it is given (for checking how a
+script's evaluation picks actions), files --resume must refuse, and a small disk that fills up.
 
 The test files import it as `from helpers import ...` (tests/ has no __init__.py, so pytest puts tests/ on sys.path)."""
 
 import contextlib
 import math
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -54,6 +55,29 @@ def run_script(script, args, log_dir, timeout=180, env=None, launcher=()):
             proc.communicate()
             raise
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
+CONSOLE_LINE = re.compile(r"^global_step=(\d+) SPS=(\d+) mean_return=(\S+)")
+
+
+def start_run(script, args, log_dir, env=None):
+    """Start `script` with `--log-dir log_dir` and `args` in the background and return its Popen once training is under
+    way: the first console line (`global_step=N SPS=M mean_return=R`, the format every script prints) with N > 0.
+    SIGINT is reset to its default in the child (a shell's background job would hand it an ignored SIGINT). The
+    caller stops it (SIGINT, SIGTERM or SIGKILL) and reads the rest of its output. Fails with the script's stderr
+    if it exits before that line."""
+    cmd = [sys.executable, script, "--log-dir", str(log_dir), *args]
+    env = {**(os.environ if env is None else env), "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )  # fmt: skip
+    for line in proc.stdout:
+        match = CONSOLE_LINE.match(line)
+        if match and int(match.group(1)) > 0:
+            return proc
+    proc.wait()
+    pytest.fail(f"{script} exited ({proc.returncode}) before training got under way: {proc.stderr.read()[-2000:]}")
 
 
 def only_run_dir(log_dir):
