@@ -28,7 +28,7 @@ more envs each (`--num-executors 1`: one C++ vector env of all `num_envs`, one f
     python hts_a2c.py --env-id ALE/Breakout-v5
     python hts_a2c.py --env-id CartPole-v1 --num-envs 8 --num-executors 8 --num-actors 2 --total-timesteps 200000
     python hts_a2c.py --env-id ALE/Breakout-v5 --sync  # the synchronous A2C baseline
-    STRAGGLER_STD_MS=8 python hts_a2c.py --env-id benchmarks.straggler:Straggler-v0 --num-envs 8 --num-executors 8
+    STRAGGLER_STD_MS=8 python hts_a2c.py --env-id benchmarks.measure:Straggler-v0 --num-envs 8 --num-executors 8
 """
 
 from __future__ import annotations

@@ -1,217 +1,557 @@
-"""Agent steps/s of every script and mode at one comparable configuration, and the straggler sweep for all of them.
+"""The benchmark driver: agent steps/s of every script against this machine's ceiling, memory over long runs, HTS-RL's
+straggler sweep, the env alone, and any peer's command side by side, all measured the way `benchmarks/measure.py`
+defines (steady rate, ceiling, CPU bound, PSS growth; the JSON it writes is documented there).
 
-1. Breakout table: every script/mode on `ALE/Breakout-v5` (deepmind protocol, Nature CNN) with 16 environments in
-   total (split over its workers as listed in `CONFIGS`), run for `--seconds` and stopped with SIGINT. Its steps/s
-   is the steady rate from the TensorBoard wall times of `charts/SPS` (the first `--warmup` fraction of the logged
-   span dropped: start-up, compilation of the first update). Beside it: the raw env ceiling, `make_vector_env` with
-   16 envs and random actions, measured in the same run (what `benchmarks/env_throughput.py` measures).
-2. Straggler sweep (the HTS-RL paper's Fig. 4 left, extended to every architecture): the same scripts/modes on
-   `benchmarks.straggler:Straggler-v0`, whose every step sleeps for a Gamma-distributed time of mean `--mean-ms` and
-   standard deviation from `--stds-ms`, with 8 envs in total and an MLP; steps/s against the step-time std. A
-   synchronous design waits for the slowest env at every step, so its rate falls as the variance grows.
-Scripts run one at a time (they measure CPU throughput; never run this beside other jobs). Writes JSON, prints tables.
+Each script has a small adapter (`ADAPTERS`): the flags that launch one of its modes with N envs in total over W
+workers, and the pieces of its ceiling, read from those same flags. Every configuration runs for `--seconds` and is
+stopped with SIGINT; scripts run one at a time (they measure CPU throughput: never run this beside other jobs).
+`--rounds R` alternates pieces and runs (pieces A, run A, pieces B, run B, ..., then the externals; R times): a shared
+VM's speed drifts from one minute to the next, so each run is taken against the ceiling measured just before it,
+and the JSON keeps every round beside the medians.
 
-    python benchmarks/throughput.py
-    python benchmarks/throughput.py --only hts_a2c a3c_hogwild --seconds 30 --no-straggler
+Modes (one per call):
+- default: every label on `--env-id` (Breakout, deepmind protocol, Nature CNN) with its ceiling and efficiency;
+  `--bound` adds the CPU bound from the same pieces at one thread (any round's sps above it is flagged).
+- `--memory`: long runs (600 s unless `--seconds`), no pieces; PSS samples go into the JSON.
+- `--straggler`: HTS-RL's Fig. 4 (left) for any label: runs on `benchmarks.measure:Straggler-v0`, whose steps sleep
+  for a Gamma time of mean `--mean-ms` and std `--stds-ms`, with Eq. 7's asynchronous bound and predicted speedup.
+- `--env-table`: the vector env alone over `--num-envs` x `--env-threads`, its async batch mode, ale-py without our
+  wrapper, gymnasium's AsyncVectorEnv over Python-wrapped envs (opencv) and one plain env.
+`--external NAME=COMMAND` runs a user's installed command (a peer such as CleanRL's ppo_atari.py or TorchBeast's
+monobeast.py) in the same rounds and the same way: started in a fresh directory (`{log_dir}` in COMMAND names it),
+stopped with SIGINT to its process group, its rate read from its TensorBoard events, CSV log or console lines.
+
+    python benchmarks/throughput.py                                         # every label, Breakout, 16 envs
+    python benchmarks/throughput.py --only cleanba_ppo cleanba_ppo_sync --num-envs 8 --rounds 3 --bound
+    python benchmarks/throughput.py --only a3c_hogwild a3c_server --workers 2 4 --num-envs 32 2
+    python benchmarks/throughput.py --only cleanba_ppo --num-envs 8 --rounds 4 --seconds 90 \\
+        --external "cleanrl_ppo=python $HOME/cleanrl/cleanrl/ppo_atari.py --env-id BreakoutNoFrameskip-v4"
+    python benchmarks/throughput.py --memory --only cleanba_ppo impala_batched gala_gossip a3c_hogwild
+    python benchmarks/throughput.py --straggler --only hts_a2c hts_a2c_sync --num-envs 8
+    python benchmarks/throughput.py --env-table --num-envs 1 8 16 32 64
 """
 
 from __future__ import annotations
 
-import json
-import os
-import platform
-import signal
-import subprocess
+import itertools
+import shlex
 import sys
 import tempfile
-import time
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+import measure
 import numpy as np
 import tyro
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from measure import Pieces
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = measure.ROOT
 sys.path.insert(0, str(ROOT))
-from common.atari import make_vector_env  # noqa: E402
+from common.atari import EnvError, ale_game, make_vector_env  # noqa: E402
 
-STRAGGLER = "benchmarks.straggler:Straggler-v0"
-
-# label -> (script, flags giving N envs in total). `{n}`, `{half}` and `{quarter}` are N, N/2 and N/4.
-CONFIGS: dict[str, tuple[str, list[str]]] = {
-    "cleanba_ppo": ("cleanba_ppo_impala.py", ["--num-envs", "{n}"]),
-    "cleanba_ppo_sync": ("cleanba_ppo_impala.py", ["--num-envs", "{n}", "--sync"]),
-    "cleanba_impala": ("cleanba_ppo_impala.py", ["--algo", "impala", "--num-envs", "{n}"]),
-    "hts_a2c": ("hts_a2c.py", ["--num-envs", "{n}"]),
-    "hts_a2c_sync": ("hts_a2c.py", ["--num-envs", "{n}", "--sync"]),
-    "hts_ppo": ("hts_ppo.py", ["--num-envs", "{n}"]),
-    "impala_actor": (
-        "impala_monobeast.py",
-        ["--inference", "actor", "--num-actors", "4", "--num-envs-per-actor", "{quarter}"],
-    ),
-    "impala_batched": ("impala_monobeast.py", ["--num-actors", "4", "--num-envs-per-actor", "{quarter}"]),
-    "gala_gossip": ("gala_a2c.py", ["--num-learners", "2", "--num-envs", "{half}"]),
-    "gala_allreduce": ("gala_a2c.py", ["--num-learners", "2", "--num-envs", "{half}", "--mode", "allreduce"]),
-    "a3c_hogwild": ("a3c_large_batch.py", ["--num-workers", "2", "--num-envs-per-worker", "{half}"]),
-    "a3c_server": (
-        "a3c_large_batch.py",
-        ["--num-workers", "2", "--num-envs-per-worker", "{half}", "--update", "server"],
-    ),
-    # Ape-X: actor-side agent steps/s (the learner samples the replay at its own pace); a small replay for a short run
-    "apex_dqn": (
-        "apex.py",
-        [
-            "--num-actors",
-            "2",
-            "--num-envs-per-actor",
-            "{half}",
-            "--buffer-size",
-            "20000",
-            "--learning-starts",
-            "2000",
-            "--eval-interval",
-            "0",
-        ],
-    ),
-}
+STRAGGLER = "benchmarks.measure:Straggler-v0"
 
 
 @dataclass
 class Args:
-    only: list[str] = field(default_factory=lambda: list(CONFIGS))
-    """labels to measure (default: all of CONFIGS)"""
-    seconds: float = 45.0
-    """wall time of each Breakout run"""
+    only: list[str] = field(default_factory=list)
+    """labels to run (default: every label the env suits; see ADAPTERS)"""
+    env_id: str = "ALE/Breakout-v5"
+    """env of the table and memory runs (ALE ids run with the deepmind protocol and the Nature CNN)"""
+    num_envs: list[int] = field(default_factory=list)
+    """environments in total per run, one configuration each (default 16; straggler 8)"""
+    workers: list[int] = field(default_factory=list)
+    """workers per run (actor threads, executors and actors, actors, learners, worker processes), one configuration
+    each (default: each label's own)"""
+    seconds: float | None = None
+    """wall time of each run after its first logged point (default 45; memory 600; straggler 40; env table: of each
+    row)"""
     warmup: float = 0.25
-    """fraction of the logged span dropped before the steady rate is taken"""
-    num_envs: int = 16
-    """environments in total for the Breakout table"""
-    breakout: bool = True
-    """run the Breakout table"""
-    straggler: bool = True
-    """run the straggler sweep"""
-    straggler_envs: int = 8
-    """environments in total for the straggler sweep"""
+    """share of the logged span left out of the steady rate, and of the run before the PSS baseline"""
+    rounds: int = 1
+    """rounds of (pieces, run) per configuration, alternating between configurations; the table gives medians"""
+    piece_seconds: float = 3.0
+    """measuring time of each ceiling piece"""
+    bound: bool = False
+    """also measure the CPU bound (each piece alone at one thread; measure on an idle machine)"""
+    memory: bool = False
+    """memory mode: long runs, no pieces, PSS samples kept"""
+    straggler: bool = False
+    """straggler mode: runs on the straggler env over --stds-ms"""
     mean_ms: float = 10.0
     """straggler mean step time (ms)"""
-    stds_ms: list[float] = field(default_factory=lambda: [0.0, 10.0, 40.0])
-    """straggler step-time standard deviations (ms)"""
-    straggler_seconds: float = 25.0
-    """wall time of each straggler run"""
-    out: str = "benchmarks/results/throughput.json"
-    """where the JSON goes"""
+    stds_ms: list[float] = field(default_factory=lambda: [0.0, 10.0, 20.0, 40.0])
+    """straggler step-time standard deviations (ms); std = mean: exponential step times (HTS-RL Fig. 3)"""
+    env_table: bool = False
+    """env mode: the vector env alone and its baselines"""
+    env_threads: list[int] = field(default_factory=lambda: [1, 2])
+    """stepping threads of the env table"""
+    external: list[str] = field(default_factory=list)
+    """NAME=COMMAND: a user's installed command timed in the same rounds ({log_dir}: its fresh directory and cwd)"""
+    extra: list[str] = field(default_factory=list)
+    """LABEL=FLAGS: more flags for one label's script (they also shape its pieces), e.g. 'cleanba_ppo=--num-steps 64'"""
+    interval: float = 2.0
+    """seconds between PSS samples"""
+    out: str | None = None
+    """where the JSON goes (default benchmarks/results/throughput_{table,memory,straggler,env}.json)"""
 
 
-def steady_rate(run_dir: Path, warmup: float) -> tuple[float, int]:
-    """Agent steps/s between the first event after `warmup` of the logged span and the last event of `charts/SPS`."""
-    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
-    acc.Reload()
-    events = acc.Scalars("charts/SPS") if "charts/SPS" in acc.Tags()["scalars"] else []
-    if len(events) < 3:
-        return float("nan"), events[-1].step if events else 0
-    walls = np.array([e.wall_time for e in events])
-    k = int(np.searchsorted(walls, walls[0] + warmup * (walls[-1] - walls[0])))
-    k = min(k, len(events) - 2)
-    return (events[-1].step - events[k].step) / (walls[-1] - walls[k]), events[-1].step
+# ----------------------------------------------------------------------------------------------------------------
+# Adapters: how to launch each script and what its pieces are
+# ----------------------------------------------------------------------------------------------------------------
 
 
-def run_script(label: str, env_id: str, n: int, extra: list[str], seconds: float, warmup: float, env=None) -> dict:
-    script, flags = CONFIGS[label]
-    flags = [f.format(n=n, half=n // 2, quarter=n // 4) for f in flags]
-    with tempfile.TemporaryDirectory() as log_dir:
-        cmd = [sys.executable, script, "--env-id", env_id, "--total-timesteps", "1000000000", "--log-dir", log_dir]
-        cmd += ["--exp-name", label, *flags, *extra]
-        t0 = time.time()
-        proc = subprocess.Popen(
-            cmd,
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env={**os.environ, **(env or {})},
+def opt(flags: list[str], name: str, default, cast=int):
+    """The value of the last `name` in `flags` (the one the script's parser keeps), else `default`."""
+    values = [flags[i + 1] for i, f in enumerate(flags[:-1]) if f == name]
+    return cast(values[-1]) if values else default
+
+
+def _env(flags: list[str], env_id: str) -> dict:
+    return dict(env_id=env_id, protocol=opt(flags, "--atari-protocol", "deepmind", str),
+                network=opt(flags, "--network", "auto", str))  # fmt: skip
+
+
+def cleanba_pieces(flags: list[str], env_id: str, cores: int) -> Pieces:
+    """cleanba_ppo_impala.py: actor threads with N/A envs each, a learner thread (PPO: epochs x minibatches after a
+    bootstrap pass over next_obs, the actors' stored values; IMPALA: one pass over minibatches of whole unrolls)."""
+    n, a = opt(flags, "--num-envs", 8), opt(flags, "--num-actor-threads", 1)
+    ppo = opt(flags, "--algo", "ppo", str) == "ppo"
+    t = opt(flags, "--num-steps", 128 if ppo else 20)
+    env = _env(flags, env_id)
+    if env["network"] == "auto" and not ppo and ale_game(env_id):
+        env["network"] = "impala"  # the script's `auto` for IMPALA on frames: Cleanba's ResNet
+    shared = dict(num_envs=n // a, actor_batch=n // a, env_threads=opt(flags, "--env-threads", 0) or max(1, cores // a),
+                  env_copies=a, infer_copies=a, samples=t * n, minibatches=opt(flags, "--num-minibatches", 4),
+                  train_threads=opt(flags, "--torch-threads", 0) or cores, **env)  # fmt: skip
+    if ppo:
+        return Pieces(**shared, learner_obs=t * n, epochs=opt(flags, "--update-epochs", 4), extra_forward_obs=n,
+                      optimizer="adam")  # fmt: skip
+    return Pieces(**shared, learner_obs=(t + 1) * n, optimizer="rmsprop")
+
+
+def hts_pieces(flags: list[str], env_id: str, cores: int) -> Pieces:
+    """hts_a2c.py / hts_ppo.py: E executors with N/E envs, A actors serving one executor's batch, the learner (A2C:
+    one pass over T+1 observations per env; PPO: a value pass over T+1, then epochs x minibatches over T)."""
+    ppo = flags[0] == "hts_ppo.py"
+    n, e, a = opt(flags, "--num-envs", 16), opt(flags, "--num-executors", 4), opt(flags, "--num-actors", 4)
+    t = opt(flags, "--sync-interval", 128 if ppo else 5)
+    threads = opt(flags, "--torch-threads", 0) or max(1, cores - e - a)
+    shared = dict(num_envs=n // e, actor_batch=n // e, env_copies=e, infer_copies=a, samples=t * n,
+                  train_threads=threads, **_env(flags, env_id))  # fmt: skip
+    if ppo:
+        return Pieces(**shared, learner_obs=t * n, epochs=opt(flags, "--update-epochs", 4), optimizer="adam",
+                      minibatches=opt(flags, "--num-minibatches", 4), extra_forward_obs=(t + 1) * n)  # fmt: skip
+    return Pieces(**shared, learner_obs=(t + 1) * n, optimizer="rmsprop")
+
+
+def impala_pieces(flags: list[str], env_id: str, cores: int) -> Pieces:
+    """impala_monobeast.py: A actor processes with their envs; acting in one inference thread at batch A x envs on the
+    main process's threads (`batched`) or in each actor at 1 thread (`actor`); the learner's V-trace update on B
+    unrolls of T + 1 observations."""
+    a, per = opt(flags, "--num-actors", 4), opt(flags, "--num-envs-per-actor", 1)
+    t, b = opt(flags, "--unroll-length", 80), opt(flags, "--batch-size", 8)
+    main_threads = opt(flags, "--torch-threads", 0) or max(1, cores - a)
+    batched = opt(flags, "--inference", "batched", str) == "batched"
+    return Pieces(num_envs=per, env_copies=a, actor_batch=a * per if batched else per,
+                  infer_threads=main_threads if batched else 1, infer_copies=1 if batched else a,
+                  learner_obs=(t + 1) * b * per, samples=t * b * per, optimizer="rmsprop", train_threads=main_threads,
+                  **_env(flags, env_id))  # fmt: skip
+
+
+def gala_pieces(flags: list[str], env_id: str, cores: int) -> Pieces:
+    """gala_a2c.py: L learner processes, each stepping its envs, acting and updating in turn on its share of cores."""
+    n, L, t = opt(flags, "--num-envs", 16), opt(flags, "--num-learners", 4), opt(flags, "--num-steps", 5)
+    threads = opt(flags, "--torch-threads", 0) or max(1, cores // L)
+    return Pieces(num_envs=n, actor_batch=n, env_threads=opt(flags, "--env-threads", 0) or max(1, cores // L),
+                  env_copies=L, infer_threads=threads, infer_copies=L, learner_obs=(t + 1) * n, samples=t * n,
+                  train_threads=threads, train_copies=L, **_env(flags, env_id))  # fmt: skip
+
+
+def a3c_pieces(flags: list[str], env_id: str, cores: int) -> Pieces:
+    """a3c_large_batch.py: W worker processes, each stepping its envs, acting and computing its gradient in turn."""
+    w, n, t = opt(flags, "--num-workers", 4), opt(flags, "--num-envs-per-worker", 16), opt(flags, "--num-steps", 5)
+    threads = opt(flags, "--torch-threads", 1)
+    return Pieces(num_envs=n, actor_batch=n, env_copies=w, infer_threads=threads, infer_copies=w,
+                  learner_obs=(t + 1) * n, samples=t * n, train_threads=threads, train_copies=w,
+                  **_env(flags, env_id))  # fmt: skip
+
+
+def apex_pieces(flags: list[str], env_id: str, cores: int) -> Pieces:
+    """apex_dqn.py / apex_ddpg.py with the learner held back: A actors stepping and acting; the learner samples the
+    replay at its own pace, so it has no train term."""
+    a, per = opt(flags, "--num-actors", 4), opt(flags, "--num-envs-per-actor", 1)
+    model = "ddpg" if flags[0] == "apex_ddpg.py" else "q"
+    return Pieces(num_envs=per, env_copies=a, actor_batch=per, infer_threads=opt(flags, "--actor-torch-threads", 1),
+                  infer_copies=a, model=model, **_env(flags, env_id))  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Adapter:
+    script: str
+    flags: tuple[str, ...]  # {n}: envs in total, {w}: workers, {nw}: envs per worker, {replay}: Ape-X replay size
+    pieces: Callable[[list[str], str, int], Pieces]
+    workers: int = 1  # the default {w}
+    straggler_flags: tuple[str, ...] | None = None  # on the straggler env (default: flags)
+    baseline: str | None = None  # the label this mode is compared with (speedup_vs_baseline)
+    eq7_alpha: bool = False  # HTS-RL: --sync-interval is Eq. 7's alpha
+    continuous: bool = False  # needs a Box action space
+
+
+def _mode(base: Adapter, flags: tuple[str, ...], straggler_flags: tuple[str, ...] | None = None) -> Adapter:
+    """The baseline mode of a pair: `base` launched with other flags."""
+    return replace(base, flags=flags, straggler_flags=straggler_flags, baseline=None, eq7_alpha=False)
+
+
+CLEANBA = ("--num-envs", "{n}", "--num-actor-threads", "{w}")
+HTS = ("--num-envs", "{n}", "--num-executors", "{w}", "--num-actors", "{w}")
+# one executor per env (Sec. 5); a TensorBoard point per update, since an update takes alpha x mean step time
+HTS_STRAGGLER = ("--num-envs", "{n}", "--num-executors", "{n}", "--num-actors", "2", "--log-frequency", "1")
+IMPALA = ("--num-actors", "{w}", "--num-envs-per-actor", "{nw}", "--batch-size", "8", "--unroll-length", "80")
+GALA = ("--num-learners", "{w}", "--num-envs", "{nw}")
+A3C = ("--num-workers", "{w}", "--num-envs-per-worker", "{nw}")
+# Ape-X: actor-side agent steps/s with the learner held back until the replay is full (as Ape-X's actors run while
+# the learner samples at its own pace); --log-interval 1: its console lines carry the rate until the learner logs
+APEX = ("--num-actors", "{w}", "--num-envs-per-actor", "{nw}", "--buffer-size", "{replay}", "--learning-starts",
+        "{replay}", "--eval-interval", "0", "--log-interval", "1")  # fmt: skip
+_ADAPTERS = dict(
+    cleanba_ppo=Adapter("cleanba_ppo_impala.py", ("--algo", "ppo", *CLEANBA), cleanba_pieces,
+                        baseline="cleanba_ppo_sync"),
+    cleanba_impala=Adapter("cleanba_ppo_impala.py", ("--algo", "impala", *CLEANBA), cleanba_pieces,
+                           baseline="cleanba_impala_sync"),
+    hts_a2c=Adapter("hts_a2c.py", HTS, hts_pieces, 4, (*HTS_STRAGGLER, "--sync-interval", "512"), "hts_a2c_sync", True),
+    hts_ppo=Adapter("hts_ppo.py", HTS, hts_pieces, 4, (*HTS_STRAGGLER, "--sync-interval", "512"), "hts_ppo_sync", True),
+    impala_batched=Adapter("impala_monobeast.py", ("--inference", "batched", *IMPALA), impala_pieces, 4,
+                           baseline="impala_actor"),
+    gala_gossip=Adapter("gala_a2c.py", ("--mode", "gossip", *GALA), gala_pieces, 2,
+                        (*GALA, "--torch-threads", "1", "--sync-interval", "20", "--mode", "gossip"), "gala_allreduce"),
+    a3c_hogwild=Adapter("a3c_large_batch.py", ("--update", "hogwild", *A3C), a3c_pieces, 2),
+    apex_dqn=Adapter("apex_dqn.py", APEX, apex_pieces, 2),
+    apex_ddpg=Adapter("apex_ddpg.py", APEX, apex_pieces, 2, continuous=True),
+)  # fmt: skip
+# the baseline modes: `--sync` (lockstep; HTS-RL's with a 64-step rollout), MonoBeast's actor-side inference, the
+# all-reduce A2C, the gradient server
+_ADAPTERS |= dict(
+    cleanba_ppo_sync=_mode(_ADAPTERS["cleanba_ppo"], ("--algo", "ppo", *CLEANBA, "--sync")),
+    cleanba_impala_sync=_mode(_ADAPTERS["cleanba_impala"], ("--algo", "impala", *CLEANBA, "--sync")),
+    hts_a2c_sync=_mode(_ADAPTERS["hts_a2c"], (*HTS, "--sync"), (*HTS_STRAGGLER, "--sync", "--sync-interval", "64")),
+    hts_ppo_sync=_mode(_ADAPTERS["hts_ppo"], (*HTS, "--sync"), (*HTS_STRAGGLER, "--sync", "--sync-interval", "64")),
+    impala_actor=_mode(_ADAPTERS["impala_batched"], ("--inference", "actor", *IMPALA)),
+    gala_allreduce=_mode(_ADAPTERS["gala_gossip"], ("--mode", "allreduce", *GALA),
+                         (*GALA, "--torch-threads", "1", "--sync-interval", "20", "--mode", "allreduce")),
+    a3c_server=_mode(_ADAPTERS["a3c_hogwild"], ("--update", "server", *A3C)),
+)  # fmt: skip
+ADAPTERS = dict(sorted(_ADAPTERS.items()))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Configurations and runs
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Config:
+    label: str
+    command: list[str]  # for our scripts: [script, *flags] without --log-dir; for externals: bash -c COMMAND
+    env_id: str
+    num_envs: int | None = None
+    workers: int | None = None
+    std_ms: float | None = None
+    pieces: Pieces | None = None
+    external: bool = False
+    rounds: list[dict] = field(default_factory=list)
+
+
+def our_configs(args: Args, labels: list[str], env_id: str, cores: int) -> list[Config]:
+    configs = []
+    stds = args.stds_ms if args.straggler else [None]
+    for label, n, std in itertools.product(labels, args.num_envs, stds):
+        adapter = ADAPTERS[label]
+        template = adapter.straggler_flags if args.straggler and adapter.straggler_flags else adapter.flags
+        uses_workers = any("{w}" in f or "{nw}" in f for f in template)
+        for w in (args.workers or [adapter.workers]) if uses_workers else [None]:
+            if "{nw}" in template and n % w:
+                raise ValueError(f"{label}: --num-envs {n} does not split evenly over {w} workers")
+            replay = "30000" if ale_game(env_id) else "1000000"
+            flags = [f.format(n=n, w=w, nw=n // (w or 1), replay=replay) for f in template]
+            flags = [adapter.script, "--env-id", env_id, "--total-timesteps", str(10**9), "--exp-name", label, *flags]
+            if ale_game(env_id):
+                flags += ["--atari-protocol", "deepmind"] + ([] if adapter.continuous else ["--network", "nature"])
+            flags += [f for e in args.extra if e.split("=", 1)[0] == label for f in shlex.split(e.split("=", 1)[1])]
+            pieces = None if args.memory or args.straggler else adapter.pieces(flags, env_id, cores)
+            configs.append(Config(label, flags, env_id, n, w, std, pieces))
+    return configs
+
+
+def run_config(cfg: Config, args: Args, seconds: float) -> dict:
+    """One run of `cfg`: steady rate, policy lag, timing means, PSS over the run."""
+    with tempfile.TemporaryDirectory(prefix="throughput-") as log_dir:
+        if cfg.external:
+            cmd, cwd = ["bash", "-c", cfg.command[-1].replace("{log_dir}", log_dir)], Path(log_dir)
+        else:
+            cmd, cwd = [sys.executable, *cfg.command, "--log-dir", log_dir], ROOT
+        env = {"STRAGGLER_MEAN_MS": str(args.mean_ms), "STRAGGLER_STD_MS": str(cfg.std_ms)} if args.straggler else None
+        run = measure.run_command(cmd, seconds, cwd=cwd, log_dir=Path(log_dir), env=env, interval=args.interval,
+                                  whole_group=cfg.external)  # fmt: skip
+        record = measure.run_rate(Path(log_dir), run.console, args.warmup)
+    t, pss, start = [s for s, _ in run.pss], [m for _, m in run.pss], run.started or 0.0
+    record |= measure.pss_growth(t, pss, start + args.warmup * seconds, max(0.1 * seconds, 2 * args.interval))
+    record |= dict(seconds=run.seconds, startup_seconds=run.started, exit_code=run.exit_code)
+    if args.memory:
+        record["pss_samples"] = [[round(s, 1), round(m, 1)] for s, m in run.pss]
+    if not np.isfinite(record["sps"]) or run.exit_code not in (0, 130, -2):
+        print(f"  {cfg.label}: exit {run.exit_code}, rate {record['sps']:.1f}; last output:\n    "
+              + "\n    ".join(run.tail[-8:]), flush=True)  # fmt: skip
+    return record
+
+
+def median(values: list) -> float | None:
+    values = [v for v in values if v is not None and np.isfinite(v)]
+    return float(np.median(values)) if values else None
+
+
+def summarise(cfg: Config, args: Args, by_key: dict) -> dict:
+    """One JSON row: the configuration, medians (maxima for peaks and the bound) over rounds, comparisons."""
+    rs = cfg.rounds
+    command = cfg.command[-1] if cfg.external else shlex.join(["python", *cfg.command])
+    row = dict(label=cfg.label, external=cfg.external, command=command, env_id=cfg.env_id,
+               num_envs=cfg.num_envs, workers=cfg.workers)  # fmt: skip
+    for key in ("sps", "env", "infer", "train", "ceiling", "efficiency", "pss_growth_pct", "policy_lag_mean"):
+        if any(key in r for r in rs):
+            row[key] = median([r.get(key) for r in rs])
+    row["pss_peak_mib"] = max((r["pss_peak_mib"] for r in rs if r["pss_peak_mib"] is not None), default=None)
+    if any("bound" in r for r in rs):
+        row["bound"] = max(r["bound"] for r in rs)
+        row["exceeds_bound"] = any((r["sps"] or 0) > row["bound"] for r in rs)
+    adapter = None if cfg.external else ADAPTERS[cfg.label]
+    base = by_key.get((adapter.baseline, cfg.num_envs, cfg.workers, cfg.std_ms)) if adapter else None
+    if base and base.rounds and row["sps"] and (base_sps := median([r["sps"] for r in base.rounds])):
+        row["speedup_vs_baseline"] = row["sps"] / base_sps
+    if args.straggler:
+        row |= straggler_fields(cfg, args, row)
+    return row | dict(rounds=rs)
+
+
+def straggler_fields(cfg: Config, args: Args, row: dict) -> dict:
+    """Eq. 7 beside a straggler row: the asynchronous bound for its n envs, and for HTS-RL the predicted speedup of
+    synchronizing every alpha steps over lockstep, with Sec. 5's targets."""
+    n, mean_s, std_s = cfg.num_envs, args.mean_ms / 1000, cfg.std_ms / 1000
+    K = median([r["steps_measured"] for r in cfg.rounds]) or float(n)
+    out = dict(mean_ms=args.mean_ms, std_ms=cfg.std_ms, eq7_async_sps=K / measure.eq7_time(n, K, K / n, mean_s, std_s))
+    if row["sps"]:
+        out["runtime_vs_async"] = out["eq7_async_sps"] / row["sps"]
+    if ADAPTERS[cfg.label].eq7_alpha:
+        alpha = opt(cfg.command, "--sync-interval", 1)
+        out |= dict(eq7_alpha=alpha, eq7_speedup=measure.eq7_time(n, K, 1, mean_s, std_s)
+                    / measure.eq7_time(n, K, alpha, mean_s, std_s))  # fmt: skip
+        if "speedup_vs_baseline" in row:
+            out["speedup_target_5x_met"] = row["speedup_vs_baseline"] >= 5.0
+        if "runtime_vs_async" in out:
+            out["runtime_within_1.25x_async_met"] = out["runtime_vs_async"] <= 1.25
+    return out
+
+
+def fmt(value, spec: str = ",.0f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def print_table(rows: list[dict], args: Args) -> None:
+    cols = ["label", "workers", "envs"] + (["std ms"] if args.straggler else [])
+    cols += ["steps/s"] + ([] if args.memory or args.straggler else ["env", "infer", "train", "ceiling", "eff."])
+    cols += (["bound"] if args.bound else []) + ["vs base", "PSS peak MiB", "PSS growth", "lag"]
+    cols += ["Eq. 7 async", "Eq. 7 x"] if args.straggler else []
+    print("\n| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
+    for r in rows:
+        cells = [r["label"], fmt(r["workers"], "d"), fmt(r["num_envs"], "d")]
+        cells += [fmt(r.get("std_ms"), "g")] if args.straggler else []
+        cells += [fmt(r.get("sps"))]
+        if not (args.memory or args.straggler):
+            cells += [fmt(r.get(k)) for k in ("env", "infer", "train", "ceiling")] + [fmt(r.get("efficiency"), ".2f")]
+        cells += [fmt(r.get("bound")) + (" (!)" if r.get("exceeds_bound") else "")] if args.bound else []
+        cells += [fmt(r.get("speedup_vs_baseline"), ".2f"), fmt(r.get("pss_peak_mib")),
+                  fmt(r.get("pss_growth_pct"), "+.2f"), fmt(r.get("policy_lag_mean"), ".2f")]  # fmt: skip
+        cells += [fmt(r.get("eq7_async_sps")), fmt(r.get("eq7_speedup"), ".2f")] if args.straggler else []
+        print("| " + " | ".join(cells) + " |")
+    if any(r.get("exceeds_bound") for r in rows):
+        print("(!) a run beat its CPU bound: the bound was measured on a loaded machine or its pieces miss what the "
+              "script saves; re-measure it idle")  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The env table
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def python_wrapped_env(env_id: str):
+    """(env, label): the classic Python pipeline, gymnasium's AtariPreprocessing (84x84, opencv) or without opencv
+    grayscale full frames, then a 4-frame stack."""
+    import gymnasium as gym
+
+    try:
+        env = gym.make(env_id, frameskip=1, repeat_action_probability=0.0)
+        env = gym.wrappers.AtariPreprocessing(env, noop_max=30, frame_skip=4, screen_size=84)
+        label = "AtariPreprocessing 84x84"
+    except gym.error.DependencyNotInstalled:
+        env = gym.make(env_id, frameskip=4, repeat_action_probability=0.0, obs_type="grayscale")
+        label = "grayscale 210x160, no resize (no opencv)"
+    return gym.wrappers.FrameStackObservation(env, 4), label
+
+
+def env_table(args: Args) -> list[dict]:
+    """Agent steps/s of the vector env alone (random actions) in its settings, and of the baselines it replaces."""
+    import gymnasium as gym
+
+    def stepper(envs, n: int, async_batch: bool = False):
+        actions = itertools.cycle(np.random.default_rng(0).integers(0, envs.single_action_space.n, (64, n)))
+        if async_batch:
+            return lambda: (envs.send(next(actions)), envs.recv())
+        return lambda: envs.step(next(actions))
+
+    def row(name: str, n: int, threads, batch: int, envs, fn) -> dict:
+        sps = measure.timed(fn, batch, args.seconds)[0]
+        envs.close()
+        print(f"{name:<60} {n:>5} {threads!s:>7} {batch:>5} {sps:>12,.0f}", flush=True)
+        return dict(env=name, num_envs=n, num_threads=threads, batch=batch, agent_steps_per_s=sps, frames_per_s=4 * sps)
+
+    print(f"{'env':<60} {'envs':>5} {'threads':>7} {'batch':>5} {'steps/s':>12}")
+    rows, top = [], max(args.env_threads)
+    for n, t in itertools.product(args.num_envs, args.env_threads):
+        if t <= n:
+            envs = make_vector_env(args.env_id, n, 0, num_threads=t)
+            envs.reset()
+            rows.append(row("make_vector_env (ale-py C++ vector env)", n, t, n, envs, stepper(envs, n)))
+    for n in (n for n in args.num_envs if n >= 16):
+        envs = make_vector_env(args.env_id, n, 0, num_threads=top, batch_size=n // 2)
+        envs.reset()
+        rows.append(
+            row("make_vector_env async, batch_size=num_envs/2", n, top, n // 2, envs, stepper(envs, n // 2, True))
         )
-        try:
-            proc.wait(timeout=seconds)
-        except subprocess.TimeoutExpired:
-            proc.send_signal(signal.SIGINT)
-        output, _ = proc.communicate(timeout=60)
-        runs = list(Path(log_dir).glob("*/events.out.tfevents.*"))
-        sps, steps = steady_rate(runs[0].parent, warmup) if runs else (float("nan"), 0)
-    if proc.returncode not in (0, -signal.SIGINT, 130):
-        tail = "\n".join(output.splitlines()[-5:])
-        print(f"  {label}: exit {proc.returncode}\n{tail}", flush=True)
-    return dict(label=label, command=" ".join(cmd[1:3] + cmd[7:]), sps=sps, agent_steps=steps, wall=time.time() - t0)
+    from ale_py.vector_env import AtariVectorEnv
 
-
-def env_ceiling(env_id: str, num_envs: int, seconds: float = 5.0) -> float:
-    envs = make_vector_env(env_id, num_envs, seed=0, protocol="deepmind")
+    n = max(args.num_envs)
+    envs = AtariVectorEnv(ale_game(args.env_id), n, num_threads=top, autoreset_mode="SameStep")
     envs.reset(seed=0)
+    rows.append(row("ale-py AtariVectorEnv alone (no wrapper)", n, top, n, envs, stepper(envs, n)))
+    import ale_py
+
+    gym.register_envs(ale_py)
+    n = min(8, n)
+    label = python_wrapped_env(args.env_id)[1]
+    envs = gym.vector.AsyncVectorEnv([lambda: python_wrapped_env(args.env_id)[0]] * n,
+                                     autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)  # fmt: skip
+    envs.reset(seed=0)
+    rows.append(row(f"gymnasium AsyncVectorEnv, {label}", n, "procs", n, envs, stepper(envs, n)))
+    env, label = python_wrapped_env(args.env_id)
+    env.reset(seed=0)
     rng = np.random.default_rng(0)
-    steps, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        envs.step(rng.integers(0, envs.single_action_space.n, size=num_envs))
-        steps += num_envs
-    rate = steps / (time.perf_counter() - t0)
-    envs.close()
-    return rate
+
+    def single():
+        if any(env.step(int(rng.integers(env.action_space.n)))[2:4]):
+            env.reset()
+
+    rows.append(row(f"one env, {label}", 1, "-", 1, env, single))
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# main
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def validate(args: Args) -> str | None:
+    """The error line for bad flags, else None (and the defaults filled in)."""
+    if sum([args.memory, args.straggler, args.env_table]) > 1:
+        return "--memory, --straggler and --env-table are separate modes: pick one"
+    args.seconds = args.seconds or (
+        3.0 if args.env_table else 600.0 if args.memory else 40.0 if args.straggler else 45.0
+    )
+    args.num_envs = args.num_envs or [8 if args.straggler else 16]
+    if args.seconds <= 0 or args.piece_seconds <= 0 or args.interval <= 0 or args.rounds < 1:
+        return "--seconds, --piece-seconds and --interval must be > 0 and --rounds >= 1"
+    if not 0 <= args.warmup < 1:
+        return f"--warmup is a share of the run in [0, 1), got {args.warmup}"
+    if min(args.num_envs + args.workers + args.env_threads) < 1:
+        return "--num-envs, --workers and --env-threads must be >= 1"
+    try:
+        game = ale_game(args.env_id)
+    except EnvError as e:
+        return f"--env-id: {e}"
+    if args.env_table and game is None:
+        return f"--env-table steps ALE envs: --env-id must be an ALE id, got {args.env_id!r}"
+    unknown = sorted(set(args.only) - set(ADAPTERS))
+    if unknown:
+        return f"unknown label(s) {unknown}; known: {', '.join(ADAPTERS)}"
+    items = [(e, "--external NAME=COMMAND") for e in args.external] + [(e, "--extra LABEL=FLAGS") for e in args.extra]
+    for item, what in items:
+        if "=" not in item or not item.split("=", 1)[0] or not item.split("=", 1)[1].strip():
+            return f"{what} expected, got {item!r}"
+    if args.external and (args.straggler or args.env_table):
+        return "--external runs beside the table or --memory runs, not --straggler or --env-table"
+    if bad := sorted({e.split("=", 1)[0] for e in args.extra} - set(ADAPTERS)):
+        return f"--extra names unknown label(s) {bad}"
+    return None
+
+
+def continuous_env(env_id: str) -> bool:
+    import gymnasium as gym
+
+    if env_id == STRAGGLER or ale_game(env_id):
+        return False
+    env = gym.make(env_id)
+    env.close()
+    return isinstance(env.action_space, gym.spaces.Box)
 
 
 def main(args: Args) -> None:
-    unknown = sorted(set(args.only) - set(CONFIGS))
-    if unknown:
-        sys.exit(f"error: unknown label(s) {unknown}; known: {sorted(CONFIGS)}")
-    result = dict(
-        machine=f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores", args=asdict(args)
-    )
-    ceiling = env_ceiling("ALE/Breakout-v5", args.num_envs)
-    result["env_ceiling_sps"] = ceiling
-    print(f"env ceiling (make_vector_env, {args.num_envs} envs, random actions): {ceiling:,.0f} agent steps/s")
-    breakout = []
-    nature = ["--atari-protocol", "deepmind", "--network", "nature"]
-    for label in args.only if args.breakout else []:
-        r = run_script(label, "ALE/Breakout-v5", args.num_envs, nature, args.seconds, args.warmup)
-        r["fraction_of_env_ceiling"] = r["sps"] / ceiling
-        breakout.append(r)
-        print(f"  {label:16s} {r['sps']:8,.0f} steps/s  ({r['fraction_of_env_ceiling']:.2f} of env)", flush=True)
-    result["breakout"] = breakout
-    sweep = []
-    if args.straggler:
-        for label in args.only:
-            row = dict(label=label)
-            for std in args.stds_ms:
-                env = {"STRAGGLER_MEAN_MS": str(args.mean_ms), "STRAGGLER_STD_MS": str(std)}
-                r = run_script(
-                    label,
-                    STRAGGLER,
-                    args.straggler_envs,
-                    ["--network", "mlp"],
-                    args.straggler_seconds,
-                    args.warmup,
-                    env,
-                )
-                row[f"std_{std:g}ms"] = r["sps"]
-            sweep.append(row)
-            print(f"  straggler {label:16s} " + "  ".join(f"{k}={v:,.0f}" for k, v in row.items() if k != "label"))
-    result["straggler"] = sweep
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1))
-
-    print(f"\n| script / mode | Breakout agent steps/s ({args.num_envs} envs, Nature CNN) | fraction of env ceiling |")
-    print("|---|---|---|")
-    print(f"| env alone (random actions) | {ceiling:,.0f} | 1.00 |")
-    for r in breakout:
-        print(f"| {r['label']} | {r['sps']:,.0f} | {r['fraction_of_env_ceiling']:.2f} |")
-    if sweep:
-        cols = [f"std_{s:g}ms" for s in args.stds_ms]
-        print(
-            f"\n| script / mode ({args.straggler_envs} envs, mean step {args.mean_ms:g} ms) | "
-            + " | ".join(cols)
-            + " |"
-        )
-        print("|---|" + "---|" * len(cols))
-        for row in sweep:
-            print(f"| {row['label']} | " + " | ".join(f"{row[c]:,.0f}" for c in cols) + " |")
+    if error := validate(args):
+        print(f"error: {error}", file=sys.stderr)
+        raise SystemExit(2)
+    mode = "env" if args.env_table else "memory" if args.memory else "straggler" if args.straggler else "table"
+    out = args.out or f"benchmarks/results/throughput_{mode}.json"
+    meta = measure.machine_meta() | dict(mode=mode, args=asdict(args))
+    if args.env_table:
+        measure.write_json(out, meta, env_table(args))
+        print(f"wrote {out}")
+        return
+    env_id = STRAGGLER if args.straggler else args.env_id
+    continuous = continuous_env(env_id)
+    suits = [label for label, a in ADAPTERS.items() if a.continuous == continuous]
+    labels = args.only or suits
+    if bad := [label for label in labels if label not in suits]:
+        print(f"error: {bad} need {'a Discrete' if continuous else 'a Box'} action space; {env_id} has the other",
+              file=sys.stderr)  # fmt: skip
+        raise SystemExit(2)
+    cores = meta["usable_cores"]
+    try:
+        configs = our_configs(args, labels, env_id, cores)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    configs += [
+        Config(e.split("=", 1)[0], ["bash", "-c", e.split("=", 1)[1]], env_id, external=True) for e in args.external
+    ]
+    for r in range(1, args.rounds + 1):
+        for cfg in configs:
+            record = dict(round=r)
+            if cfg.pieces is not None:
+                record |= measure.measure_pieces(cfg.pieces, args.piece_seconds)
+                if args.bound:
+                    record |= measure.measure_bound(cfg.pieces, args.piece_seconds, cores)
+            record |= run_config(cfg, args, args.seconds)
+            if "ceiling" in record:
+                record["efficiency"] = record["sps"] / record["ceiling"]
+            cfg.rounds.append(record)
+            print(f"round {r} {cfg.label} ({cfg.workers or '-'} workers, {cfg.num_envs or '-'} envs"
+                  + (f", std {cfg.std_ms:g} ms" if cfg.std_ms is not None else "")
+                  + "): " + ", ".join(f"{k} {v:,.1f}" for k, v in record.items()
+                                      if k in ("sps", "env", "infer", "train", "ceiling", "bound", "pss_peak_mib")
+                                      and v is not None), flush=True)  # fmt: skip
+    by_key = {(c.label, c.num_envs, c.workers, c.std_ms): c for c in configs}
+    rows = [summarise(cfg, args, by_key) for cfg in configs]
+    measure.write_json(out, meta, rows)
+    print_table(rows, args)
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

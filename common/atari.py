@@ -68,7 +68,7 @@ def ale_game(env_id: str) -> str | None:
     """The ale-py ROM name (`breakout`) behind a registered ALE id, or None for any other gymnasium id.
 
     Raises EnvError for an id gymnasium does not know, suggesting close matches. Like `gym.make`, it accepts
-    `module:EnvId` and imports `module` first (e.g. `benchmarks.straggler:Straggler-v0`), so a user's own
+    `module:EnvId` and imports `module` first (e.g. `benchmarks.measure:Straggler-v0`), so a user's own
     registered env needs no change here.
     """
     registry = _registry()
