@@ -11,7 +11,6 @@ of stderr of every launch that was not clean.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
@@ -20,10 +19,25 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
+
+import tyro
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_ARGS = ["--env-id", "CartPole-v1", "--num-envs", "4", "--total-timesteps", "20000"]
+
+
+@dataclass
+class Args:
+    launches: int = 20
+    """two-node launches to run"""
+    script: str = "cleanba_ppo_impala.py"
+    """the script both ranks run; its flags go after `--` (default: a 20k-step CartPole run)"""
+    timeout: float = 300.0
+    """seconds one launch may take"""
+    out: str | None = None
+    """JSON path (default benchmarks/results/torchrun_soak_{script stem}.json)"""
 
 
 def free_port() -> int:
@@ -92,15 +106,8 @@ def launch_once(script: str, script_args: list[str], timeout: float) -> dict:
     )
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--launches", type=int, default=20)
-    parser.add_argument("--script", default="cleanba_ppo_impala.py")
-    parser.add_argument("--timeout", type=float, default=300.0, help="seconds one launch may take")
-    parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/torchrun_soak_{stem}.json)")
-    parser.add_argument("script_args", nargs="*", help=f"after `--`: the script's flags (default {DEFAULT_ARGS})")
-    opts = parser.parse_args()
-    script_args = opts.script_args or DEFAULT_ARGS
+def main(opts: Args, script_args: list[str]) -> None:
+    script_args = script_args or DEFAULT_ARGS
     out = Path(opts.out or ROOT / "benchmarks" / "results" / f"torchrun_soak_{Path(opts.script).stem}.json")
 
     launches = []
@@ -115,7 +122,7 @@ def main() -> None:
     print(f"{clean}/{len(launches)} launches clean ({aborted} aborted); wrote {out}")
 
 
-def write_summary(out: Path, opts, script_args: list[str], launches: list[dict]) -> None:
+def write_summary(out: Path, opts: Args, script_args: list[str], launches: list[dict]) -> None:
     summary = dict(
         command=" ".join(["python", "benchmarks/torchrun_soak.py", *sys.argv[1:]]),
         launch=" ".join(launcher_cmd(0, 0, opts.script, script_args, "LOG_DIR")[1:]).replace(
@@ -135,4 +142,6 @@ def write_summary(out: Path, opts, script_args: list[str], launches: list[dict])
 
 
 if __name__ == "__main__":
-    main()
+    argv = sys.argv[1:]
+    split = argv.index("--") if "--" in argv else len(argv)
+    main(tyro.cli(Args, args=argv[:split], description=__doc__), argv[split + 1 :])
