@@ -17,33 +17,34 @@ Definitions
   CPU-seconds (process time, all its threads) are measured alone in one process with one torch and one env thread,
   the least CPU any thread count spends on the same work: more threads add OpenMP spin-waits and serial sections
   counted on every thread. Taken on a loaded machine it comes out too low (cache and core sharing inflate CPU time), so
-  take the best round (`--rounds`) of an idle machine. It replaces the FLOP-count bound of the old `compute_bound.py`.
+  take the best round (`--rounds`) of an idle machine.
 - Memory (`tree_pss_mib`, `pss_growth`): PSS (proportional set size: a shared page is split between the processes
   that map it, so shared rollout buffers count once) summed over the run's whole process tree from
   /proc/PID/smaps_rollup every few seconds. Growth: mean PSS over the last `window` seconds minus the mean over the
   `window` seconds after `warmup` seconds, in percent of the latter; the least-squares slope after warm-up (MiB per
-  minute) beside it, since two endpoints can hide a steady creep or show noise as one.
+  minute) beside it, since two endpoints can hide a steady creep or show noise as one. throughput.py takes the
+  warm-up as the `--warmup` share of the run after its first logged point, and a tenth of the run as the window.
 
-JSON written by throughput.py (`write_json`): {"meta": {...}, "rows": [...]}.
-- meta: command, date (ISO 8601, local time with offset), cpu_model, cores (os.cpu_count), usable_cores (affinity),
-  python, torch, platform, load_average_start, load_average_end ([1, 5, 15] min), mode (table | memory | straggler |
-  env), args (every flag of the run).
-- rows (table, memory, straggler modes): one per configuration: label (an adapter's label or an external's NAME),
-  external (bool), command (the script's flags or the external command), env_id, num_envs, workers, then the medians
-  over rounds of: sps (steady agent steps/s), env, infer, train, ceiling, efficiency (sps / ceiling of the same
-  round), pss_growth_pct; the maxima over rounds of pss_peak_mib and bound (cores / CPU-seconds per step, with
-  --bound), exceeds_bound (a round's sps above the bound: the bound is wrong, re-measure it idle);
-  speedup_vs_baseline (sps / sps of the row's baseline mode, e.g. `--sync`, when both ran); and `rounds`, one record
-  per round: round, sps, rate_source (tensorboard | csv | console), agent_steps (last logged step), steps_measured,
-  seconds, exit_code, pss_peak_mib, pss_baseline_mib, pss_end_mib, pss_growth_pct, pss_slope_mib_per_min,
-  policy_lag_mean, policy_lag_max, scalars (means of every `timing/*` and `gossip/*` tag over the steady part),
-  env / infer / train / ceiling / efficiency (with pieces), cpu_us_per_step {env, infer, train} and bound (with
-  --bound), pss_samples [[seconds, MiB], ...] (memory mode). Straggler rows add mean_ms, std_ms, eq7_async_sps (Eq. 7's
-  asynchronous bound for this n, mean and std), runtime_vs_async (eq7_async_sps / sps), and for HTS-RL rows
-  eq7_alpha and eq7_speedup (Eq. 7's predicted speedup of alpha over lockstep), speedup_target_5x_met and
-  runtime_within_1.25x_async_met (HTS-RL Sec. 5's targets).
-- rows (env mode): env, num_envs, num_threads, batch, agent_steps_per_s, frames_per_s.
-Numbers are rounded to 4 significant digits; a value that could not be measured is null.
+JSON written by throughput.py (`write_json`): {"meta": {...}, "rows": [...]}, floats to 4 significant digits, a value
+that could not be measured as null.
+- meta: command, date (ISO 8601 with offset), cpu_model, cores (os.cpu_count), usable_cores (affinity), python,
+  torch, platform, load_average_start, load_average_end (1, 5, 15 min), mode (table | memory | straggler | env), args.
+- rows, modes table / memory / straggler: one per configuration, external commands last:
+  label, external, command (a runnable command line), env_id, num_envs (in total), workers;
+  medians over rounds: sps, env, infer, train, ceiling, efficiency (sps / the same round's ceiling), pss_growth_pct,
+  policy_lag_mean; maxima over rounds: pss_peak_mib, bound (with --bound); exceeds_bound (some round's sps above the
+  bound: re-measure the bound on an idle machine); speedup_vs_baseline (sps / sps of the label's baseline mode, such
+  as its `--sync`, when both ran with the same envs, workers and std);
+  straggler mode: mean_ms, std_ms, eq7_async_sps (Eq. 7's asynchronous bound for these n, mean, std),
+  runtime_vs_async (eq7_async_sps / sps), and for HTS-RL eq7_alpha, eq7_speedup (Eq. 7's predicted speedup of alpha
+  over lockstep), speedup_target_5x_met, runtime_within_1.25x_async_met (Sec. 5's targets);
+  rounds: one record per round: round, sps, rate_source (tensorboard | csv | console), agent_steps (last logged),
+  steps_measured, seconds (launch to exit), startup_seconds (launch to the first logged point: the run's clock starts
+  there), exit_code, pss_peak_mib, pss_baseline_mib, pss_end_mib, pss_growth_pct, pss_slope_mib_per_min,
+  policy_lag_mean, policy_lag_max, scalars (means of the `timing/*` and `gossip/*` tags over the steady part); with
+  pieces env, infer, train, ceiling, efficiency; with --bound cpu_us_per_step {env, infer, train} and bound; in
+  memory mode pss_samples [[seconds since launch, MiB], ...].
+- rows, env mode: env, num_envs, num_threads, batch, agent_steps_per_s, frames_per_s.
 
 HTS-RL's straggler env also lives here (`Straggler-v0`, id `benchmarks.measure:Straggler-v0`), with Eq. 7.
 """

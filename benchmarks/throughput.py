@@ -23,7 +23,7 @@ stopped with SIGINT to its process group, its rate read from its TensorBoard eve
 
     python benchmarks/throughput.py                                         # every label, Breakout, 16 envs
     python benchmarks/throughput.py --only cleanba_ppo cleanba_ppo_sync --num-envs 8 --rounds 3 --bound
-    python benchmarks/throughput.py --only a3c_hogwild a3c_server --workers 2 4 --num-envs 32 2
+    python benchmarks/throughput.py --only a3c_hogwild a3c_server --workers 2 4 --num-envs 16 1 --per-worker
     python benchmarks/throughput.py --only cleanba_ppo --num-envs 8 --rounds 4 --seconds 90 \\
         --external "cleanrl_ppo=python $HOME/cleanrl/cleanrl/ppo_atari.py --env-id BreakoutNoFrameskip-v4"
     python benchmarks/throughput.py --memory --only cleanba_ppo impala_batched gala_gossip a3c_hogwild
@@ -37,6 +37,7 @@ import itertools
 import shlex
 import sys
 import tempfile
+import threading
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -64,6 +65,8 @@ class Args:
     workers: list[int] = field(default_factory=list)
     """workers per run (actor threads, executors and actors, actors, learners, worker processes), one configuration
     each (default: each label's own)"""
+    per_worker: bool = False
+    """--num-envs counts envs per worker, not in total"""
     seconds: float | None = None
     """wall time of each run after its first logged point (default 45; memory 600; straggler 40; env table: of each
     row)"""
@@ -77,6 +80,8 @@ class Args:
     """also measure the CPU bound (each piece alone at one thread; measure on an idle machine)"""
     memory: bool = False
     """memory mode: long runs, no pieces, PSS samples kept"""
+    parallel: bool = False
+    """with --memory: run the configurations of a round at the same time (their speeds then share the cores)"""
     straggler: bool = False
     """straggler mode: runs on the straggler env over --stds-ms"""
     mean_ms: float = 10.0
@@ -271,16 +276,17 @@ def our_configs(args: Args, labels: list[str], env_id: str, cores: int) -> list[
         template = adapter.straggler_flags if args.straggler and adapter.straggler_flags else adapter.flags
         uses_workers = any("{w}" in f or "{nw}" in f for f in template)
         for w in (args.workers or [adapter.workers]) if uses_workers else [None]:
-            if "{nw}" in template and n % w:
+            total = n * w if args.per_worker and w else n
+            if "{nw}" in template and total % w:
                 raise ValueError(f"{label}: --num-envs {n} does not split evenly over {w} workers")
             replay = "30000" if ale_game(env_id) else "1000000"
-            flags = [f.format(n=n, w=w, nw=n // (w or 1), replay=replay) for f in template]
+            flags = [f.format(n=total, w=w, nw=total // (w or 1), replay=replay) for f in template]
             flags = [adapter.script, "--env-id", env_id, "--total-timesteps", str(10**9), "--exp-name", label, *flags]
             if ale_game(env_id):
                 flags += ["--atari-protocol", "deepmind"] + ([] if adapter.continuous else ["--network", "nature"])
             flags += [f for e in args.extra if e.split("=", 1)[0] == label for f in shlex.split(e.split("=", 1)[1])]
             pieces = None if args.memory or args.straggler else adapter.pieces(flags, env_id, cores)
-            configs.append(Config(label, flags, env_id, n, w, std, pieces))
+            configs.append(Config(label, flags, env_id, total, w, std, pieces))
     return configs
 
 
@@ -304,6 +310,24 @@ def run_config(cfg: Config, args: Args, seconds: float) -> dict:
         print(f"  {cfg.label}: exit {run.exit_code}, rate {record['sps']:.1f}; last output:\n    "
               + "\n    ".join(run.tail[-8:]), flush=True)  # fmt: skip
     return record
+
+
+def measure_round(cfg: Config, args: Args, r: int, cores: int) -> None:
+    """Round `r` of `cfg`: its pieces (and CPU bound) just before its run."""
+    record = dict(round=r)
+    if cfg.pieces is not None:
+        record |= measure.measure_pieces(cfg.pieces, args.piece_seconds)
+        if args.bound:
+            record |= measure.measure_bound(cfg.pieces, args.piece_seconds, cores)
+    record |= run_config(cfg, args, args.seconds)
+    if "ceiling" in record:
+        record["efficiency"] = record["sps"] / record["ceiling"]
+    cfg.rounds.append(record)
+    print(f"round {r} {cfg.label} ({cfg.workers or '-'} workers, {cfg.num_envs or '-'} envs"
+          + (f", std {cfg.std_ms:g} ms" if cfg.std_ms is not None else "") + "): "
+          + ", ".join(f"{k} {v:,.1f}" for k, v in record.items()
+                      if k in ("sps", "env", "infer", "train", "ceiling", "bound", "pss_peak_mib") and v is not None),
+          flush=True)  # fmt: skip
 
 
 def median(values: list) -> float | None:
@@ -486,6 +510,8 @@ def validate(args: Args) -> str | None:
     for item, what in items:
         if "=" not in item or not item.split("=", 1)[0] or not item.split("=", 1)[1].strip():
             return f"{what} expected, got {item!r}"
+    if args.parallel and not args.memory:
+        return "--parallel runs share the cores, so it goes with --memory only"
     if args.external and (args.straggler or args.env_table):
         return "--external runs beside the table or --memory runs, not --straggler or --env-table"
     if bad := sorted({e.split("=", 1)[0] for e in args.extra} - set(ADAPTERS)):
@@ -524,7 +550,7 @@ def main(args: Args) -> None:
         raise SystemExit(2)
     cores = meta["usable_cores"]
     try:
-        configs = our_configs(args, labels, env_id, cores)
+        configs = our_configs(args, labels, env_id, meta["cores"])  # the scripts size their threads by cpu_count
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -532,21 +558,14 @@ def main(args: Args) -> None:
         Config(e.split("=", 1)[0], ["bash", "-c", e.split("=", 1)[1]], env_id, external=True) for e in args.external
     ]
     for r in range(1, args.rounds + 1):
-        for cfg in configs:
-            record = dict(round=r)
-            if cfg.pieces is not None:
-                record |= measure.measure_pieces(cfg.pieces, args.piece_seconds)
-                if args.bound:
-                    record |= measure.measure_bound(cfg.pieces, args.piece_seconds, cores)
-            record |= run_config(cfg, args, args.seconds)
-            if "ceiling" in record:
-                record["efficiency"] = record["sps"] / record["ceiling"]
-            cfg.rounds.append(record)
-            print(f"round {r} {cfg.label} ({cfg.workers or '-'} workers, {cfg.num_envs or '-'} envs"
-                  + (f", std {cfg.std_ms:g} ms" if cfg.std_ms is not None else "")
-                  + "): " + ", ".join(f"{k} {v:,.1f}" for k, v in record.items()
-                                      if k in ("sps", "env", "infer", "train", "ceiling", "bound", "pss_peak_mib")
-                                      and v is not None), flush=True)  # fmt: skip
+        if args.parallel:  # memory only: all at once, sharing the cores
+            threads = [threading.Thread(target=measure_round, args=(cfg, args, r, cores)) for cfg in configs]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        for cfg in [] if args.parallel else configs:
+            measure_round(cfg, args, r, cores)
     by_key = {(c.label, c.num_envs, c.workers, c.std_ms): c for c in configs}
     rows = [summarise(cfg, args, by_key) for cfg in configs]
     measure.write_json(out, meta, rows)
