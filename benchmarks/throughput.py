@@ -41,6 +41,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Literal, get_args
 
 import measure
 import numpy as np
@@ -54,22 +55,25 @@ from common.atari import EnvError, ale_game, make_vector_env  # noqa: E402
 STRAGGLER = "benchmarks.measure:Straggler-v0"
 
 
+Label = Literal["a3c_hogwild", "a3c_server", "apex_ddpg", "apex_dqn", "cleanba_impala", "cleanba_impala_sync",
+                "cleanba_ppo", "cleanba_ppo_sync", "gala_allreduce", "gala_gossip", "hts_a2c", "hts_a2c_sync",
+                "hts_ppo", "hts_ppo_sync", "impala_actor", "impala_batched"]  # fmt: skip
+
+
 @dataclass
 class Args:
-    only: list[str] = field(default_factory=list)
-    """labels to run (default: every label the env suits; see ADAPTERS)"""
+    only: list[Label] = field(default_factory=list)
+    """labels to run (default: every label whose script suits the env's action space)"""
     env_id: str = "ALE/Breakout-v5"
     """env of the table and memory runs (ALE ids run with the deepmind protocol and the Nature CNN)"""
     num_envs: list[int] = field(default_factory=list)
     """environments in total per run, one configuration each (default 16; straggler 8)"""
     workers: list[int] = field(default_factory=list)
-    """workers per run (actor threads, executors and actors, actors, learners, worker processes), one configuration
-    each (default: each label's own)"""
+    """workers per run, one configuration each: actor threads, executors and actors, actors, learners or processes"""
     per_worker: bool = False
     """--num-envs counts envs per worker, not in total"""
     seconds: float | None = None
-    """wall time of each run after its first logged point (default 45; memory 600; straggler 40; env table: of each
-    row)"""
+    """wall time of a run after its first logged point (default 45; memory 600; straggler 40; env table 3 per row)"""
     warmup: float = 0.25
     """share of the logged span left out of the steady rate, and of the run before the PSS baseline"""
     rounds: int = 1
@@ -248,6 +252,7 @@ _ADAPTERS |= dict(
     a3c_server=_mode(_ADAPTERS["a3c_hogwild"], ("--update", "server", *A3C)),
 )  # fmt: skip
 ADAPTERS = dict(sorted(_ADAPTERS.items()))
+assert list(ADAPTERS) == list(get_args(Label)), "Label lists every adapter"
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -503,9 +508,6 @@ def validate(args: Args) -> str | None:
         return f"--env-id: {e}"
     if args.env_table and game is None:
         return f"--env-table steps ALE envs: --env-id must be an ALE id, got {args.env_id!r}"
-    unknown = sorted(set(args.only) - set(ADAPTERS))
-    if unknown:
-        return f"unknown label(s) {unknown}; known: {', '.join(ADAPTERS)}"
     items = [(e, "--external NAME=COMMAND") for e in args.external] + [(e, "--extra LABEL=FLAGS") for e in args.extra]
     for item, what in items:
         if "=" not in item or not item.split("=", 1)[0] or not item.split("=", 1)[1].strip():
@@ -574,4 +576,4 @@ def main(args: Args) -> None:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    main(tyro.cli(Args, description=__doc__))

@@ -50,6 +50,8 @@ def test_pieces_follow_the_scripts_flags():
     apex = c["apex_dqn"].pieces
     assert (apex.model, apex.learner_obs, apex.actor_batch, apex.infer_copies) == ("q", 0, 8, 2)
     assert tp.opt(c["apex_dqn"].command, "--learning-starts", 0) == tp.opt(c["apex_dqn"].command, "--buffer-size", 1)
+    c, _ = configs(["a3c_hogwild"], workers=[4], num_envs=[1], per_worker=True)  # A3C's original 1 env per worker
+    assert tp.opt(c["a3c_hogwild"].command, "--num-envs-per-worker", 0) == 1 and c["a3c_hogwild"].num_envs == 4
     c, _ = configs(["cleanba_ppo"], extra=["cleanba_ppo=--num-steps 64 --update-epochs 2"])
     assert (c["cleanba_ppo"].pieces.learner_obs, c["cleanba_ppo"].pieces.epochs) == (1024, 2)
     c, _ = configs(["hts_a2c", "hts_a2c_sync"], straggler=True)  # one executor per env, alpha 512 vs lockstep's 64
@@ -103,10 +105,10 @@ def test_summaries_take_medians_flag_a_beaten_bound_and_add_eq7():
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--only", "nope"], "unknown label"),
         (["--external", "no-command"], "--external NAME=COMMAND expected"),
         (["--extra", "nope=--x 1"], "unknown label"),
         (["--memory", "--straggler"], "separate modes"),
+        (["--parallel"], "with --memory only"),
         (["--env-table", "--env-id", "CartPole-v1"], "must be an ALE id"),
         (["--env-id", "Breakout-v9"], "unknown env id"),
         (["--only", "a3c_hogwild", "--num-envs", "15"], "does not split evenly"),
@@ -118,6 +120,9 @@ def test_bad_flags_exit_2_with_one_line(argv, message, capsys):
         tp.main(tyro.cli(tp.Args, args=argv))
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.startswith("error:") and message in err and len(err.strip().splitlines()) == 1
+    with pytest.raises(SystemExit) as e:  # labels are a Literal: tyro refuses an unknown one
+        tyro.cli(tp.Args, args=["--only", "nope"])
+    assert e.value.code == 2
 
 
 FAKE_PEER = """import sys, time
