@@ -327,7 +327,9 @@ def run_piece(kind: str, p: Pieces, seconds: float) -> tuple[float, float]:
                        "train": (p.train_copies, p.train_threads)}[kind]  # fmt: skip
     if copies == 1:
         return _timed_piece(kind, p, threads, seconds)
-    ctx = multiprocessing.get_context("spawn")  # a clean torch in each: no OpenMP pool inherited through fork
+    # forked from a server that has imported torch but run nothing: no OpenMP pool inherited, no import per copy
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "measure"])
     barrier, out = ctx.Barrier(copies), ctx.Queue()
     procs = [ctx.Process(target=_timed_piece, args=(kind, p, threads, seconds, r, barrier, out), daemon=True)
              for r in range(copies)]  # fmt: skip

@@ -155,3 +155,11 @@ def test_json_is_rounded_with_machine_metadata(tmp_path):
     data = json.loads((tmp_path / "out.json").read_text())
     assert data["rows"] == [dict(sps=1235.0, ceiling=None, ok=True)] and "load_average_end" in data["meta"]
     assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_pieces_in_several_processes_sum_their_rates():
+    p = measure.Pieces("CartPole-v1", 2, 2, env_copies=2)
+    rate, cpu = measure.run_piece("env", p, 0.2)  # two forked copies at once, behind a barrier
+    assert rate > 0 and cpu > 0
+    one_rate, _ = measure.run_piece("env", p.single(), 0.2)  # one copy, in this process
+    assert one_rate > 0
