@@ -62,6 +62,7 @@ import os
 import platform
 import queue
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -512,7 +513,7 @@ def machine_meta() -> dict:
     import torch
 
     return dict(
-        command=" ".join(["python", *[a if re.fullmatch(r"[\w./=:+-]*", a) else repr(a) for a in sys.argv]]),
+        command=shlex.join(["python", *sys.argv]),
         date=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         cpu_model=cpu_model(),
         cores=os.cpu_count(),
