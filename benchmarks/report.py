@@ -503,8 +503,8 @@ def fill(text: str, tables: dict[str, str]) -> str:
     """`text` with the body between each pair of markers replaced by its table; every table must have its markers."""
     found = [m["name"] for m in MARKER.finditer(text)]
     unknown, absent = sorted(set(found) - set(tables)), sorted(set(tables) - set(found))
-    if unknown or absent:
-        raise ValueError(f"markers without a table: {unknown}; tables without markers: {absent}")
+    if unknown or absent or len(found) != len(set(found)):
+        raise ValueError(f"markers without a table: {unknown}; tables without markers: {absent}; markers: {found}")
     return MARKER.sub(lambda m: m.group(1) + tables[m["name"]] + "\n" + m.group(4), text)
 
 
@@ -515,7 +515,11 @@ def render(root: Path) -> dict[Path, tuple[str, str, list[str]]]:
         old = (root / doc).read_text()
         tables = {name: make(results) for name, make in makers.items()}
         before = {m["name"]: m["body"] for m in MARKER.finditer(old)}
-        out[root / doc] = (old, fill(old, tables), [n for n, t in tables.items() if before.get(n) != t + "\n"])
+        try:
+            new = fill(old, tables)
+        except ValueError as e:
+            raise ValueError(f"{doc}: {e}") from None
+        out[root / doc] = (old, new, [n for n, t in tables.items() if before.get(n) != t + "\n"])
     return out
 
 
@@ -524,8 +528,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--check", action="store_true", help="write nothing; exit 1 if a committed table is out of date")
     p.add_argument("--root", type=Path, default=ROOT, help="repository root (default: this checkout)")
     a = p.parse_args(argv)
+    try:
+        documents = render(a.root)
+    except (ValueError, OSError, KeyError) as e:  # a marker pair missing, a JSON missing or without a field
+        print(f"error: {type(e).__name__}: {e}")
+        return 2
     stale = False
-    for path, (old, new, changed) in render(a.root).items():
+    for path, (old, new, changed) in documents.items():
         if new != old and a.check:
             stale = True
             print(f"{path.relative_to(a.root)}: out of date: {', '.join(changed)} (run python benchmarks/report.py)")
