@@ -40,9 +40,10 @@ MEMORY_SOURCES = ["memory_600s.json", "memory_cleanba_impala_600s.json", "memory
 SCRIPT_OF_PREFIX = [("cleanba_", "cleanba_ppo_impala.py"), ("hts_a2c", "hts_a2c.py"), ("hts_ppo", "hts_ppo.py"),
                     ("impala", "impala_monobeast.py"), ("gala", "gala_a2c.py"), ("a3c", "a3c_large_batch.py"),
                     ("apex_dqn", "apex_dqn.py"), ("apex_ddpg", "apex_ddpg.py")]  # fmt: skip
-# flags that name a run (learn.py's and the drivers'), not its settings; and the Atari protocol every Pong run shares
+# flags that name a run (learn.py's and the drivers'), not its settings; and the settings every row of a table shares
 NAMING_FLAGS = {"--env-id", "--seed", "--total-timesteps", "--exp-name", "--log-dir", "--resume"}
 PONG_FLAGS = {"--atari-protocol", "--checkpoint-interval"}
+SHARED_FLAGS = NAMING_FLAGS | {"--atari-protocol", "--network"}  # the drivers' Breakout runs: deepmind, Nature CNN
 
 # ----------------------------------------------------------------------------------------------------------------
 # Reading and formatting
@@ -96,7 +97,8 @@ def provenance(results: Path, name: str) -> str:
     data = load(results / name)
     meta = data.get("meta", data)
     cores = meta.get("cpus") or data.get("cpu_count")
-    bits = [meta.get("time"), f"{cores} CPUs" if cores else meta.get("machine"), meta.get("torch")]
+    bits = [meta.get("time"), f"{cores} CPUs" if cores else meta.get("machine")]
+    bits.append(f"torch {meta['torch']}" if meta.get("torch") else None)
     manifest = results / name.replace(".json", "_manifest.json")
     bits.append(load(manifest)["machine"] if manifest.exists() else None)
     return ", ".join(b for b in bits if b)
@@ -167,13 +169,13 @@ def pong_cpu_table(results: Path) -> str:
 def pong_h100_table(results: Path) -> str:
     name = "pong_h100.json"
     rows = [
-        f"`{r['exp']}` | {script_of(r['exp'])} | {num(statistics.median(r['agent_steps']))} | "
-        f"{num(r['final_return_mean'], 1)} | {num(r['sps_mean'])}"
+        f"`{r['exp']}` | {script_of(r['exp'])} | {run_flags(results, name, r['exp'])} | "
+        f"{num(statistics.median(r['agent_steps']))} | {num(r['final_return_mean'], 1)} | {num(r['sps_mean'])}"
         for r, _ in learning_runs(results, [name])
     ]
-    header = "run | script | agent steps | final return (last 20 episodes) | agent steps/s"
+    header = "run | script | flags | agent steps | final return (last 20 episodes) | agent steps/s"
     curves = f"\n\nCurves: {figure(results, name, 'ALE_Pong-v5', 'pong_h100_ALE_Pong-v5.png')}."
-    return table(header, "llrrr", rows) + curves + sources(results, [name])
+    return table(header, "lllrrr", rows) + curves + sources(results, [name])
 
 
 def a3c_eps_table(results: Path) -> str:
@@ -203,8 +205,8 @@ def ceiling(r: dict, env: str = "env", infer: str = "infer", train: str = "train
 def all_scripts_table(results: Path) -> str:
     names = ["throughput.json", "throughput_apex.json"]
     rows = [
-        f"`{r['label']}` | {script_of(r['label'])} | {flags_of(r['command'].split(), NAMING_FLAGS)} | {num(r['sps'])}"
-        f" | {num(d['env_ceiling_sps'])} | {r['fraction_of_env_ceiling']:.2f}"
+        f"`{r['label']}` | {script_of(r['label'])} | {flags_of(r['command'].split(), SHARED_FLAGS)} | "
+        f"{num(r['sps'])} | {num(d['env_ceiling_sps'])} | {r['fraction_of_env_ceiling']:.2f}"
         for d in (load(results / n) for n in names)
         for r in d["breakout"]
     ]
@@ -374,7 +376,7 @@ def memory_table(results: Path) -> str:
         for r in d["rows"]:
             others = [f"`{o}`" for o in d["args"]["only"] if o != r["label"]] if d["args"]["parallel"] else ["—"]
             rows.append(
-                f"`{r['label']}` | {flags_of(r['command'].split(), NAMING_FLAGS)} | {', '.join(others)} | "
+                f"`{r['label']}` | {flags_of(r['command'].split(), SHARED_FLAGS)} | {', '.join(others)} | "
                 f"{d['load_average_at_end'][0]:.1f} | {num(r['agent_steps'])} | {num(r['pss_baseline_mb'])} MiB | "
                 f"{num(r['pss_end_mb'])} MiB | {r['pss_growth_pct']:+.2f}% | {r['pss_slope_mb_per_min']:+.2f} MiB/min"
                 f" | {link(name)}"
