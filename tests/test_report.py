@@ -3,6 +3,7 @@ benchmarks/results/*.json, and its tables hold hand-computed values on a small s
 
 import json
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -151,3 +152,18 @@ def test_summary_row_takes_a_new_pong_result(tmp_path):
     assert {k: v for k, v in after.items() if "impala" not in k} == {
         k: v for k, v in before.items() if "impala" not in k
     }
+
+
+def anchor(heading: str) -> str:
+    """GitHub's anchor of a Markdown heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_links_to_results_sections_resolve():
+    results = (ROOT / "benchmarks" / "RESULTS.md").read_text()
+    sections = {anchor(h) for h in re.findall(r"^#+ (.+)$", results, re.M)}
+    readme = (ROOT / "README.md").read_text()
+    targets = re.findall(r"\]\(benchmarks/RESULTS\.md#([\w-]+)\)", readme) + re.findall(r"\]\(#([\w-]+)\)", results)
+    assert targets and not sorted(set(targets) - sections)
+    files = re.findall(r"\]\((results/[^)#]+)\)", results)
+    assert files and not [f for f in files if not (ROOT / "benchmarks" / f).exists()]
