@@ -1,19 +1,23 @@
 """What the script tests share: running a script in a subprocess (to its end, or in the background until training is
 under way), finding its run directory, reading what it wrote to TensorBoard, the tags every script must write, finding
 a process's children, a fixed-logits policy with an env that records the actions it is given (for checking how a
-script's evaluation picks actions), files --resume must refuse, and a small disk that fills up.
+script's evaluation picks actions), files --resume must refuse, a small disk that fills up, and what an offline
+Weights & Biases run recorded.
 
 The test files import it as `from helpers import ...` (tests/ has no __init__.py, so pytest puts tests/ on sys.path)."""
 
 import contextlib
+import json
 import math
 import os
 import re
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -248,3 +252,48 @@ def rank_pid(launcher_pid, rank, timeout=120):
                 return pid
         time.sleep(0.2)
     raise TimeoutError(f"no rank {rank} under launcher {launcher_pid}")
+
+
+@dataclass
+class WandbRun:
+    """What an offline Weights & Biases run recorded: display name, config, and each logged history row."""
+
+    name: str
+    config: dict
+    history: list[dict]
+
+
+def wandb_offline_runs(wandb_dir):
+    """Every offline run under `wandb_dir` (a run started with WANDB_MODE=offline and WANDB_DIR=wandb_dir), read from
+    its `run-*.wandb` file: a LevelDB-style log (a 7-byte header, then 32 KiB blocks of records, each with a 7-byte
+    header: crc32, length, type 1 full / 2 first / 3 middle / 4 last) of wandb's protobuf `Record`s."""
+    from wandb.proto import wandb_internal_pb2
+
+    out = []
+    for path in sorted(Path(wandb_dir).glob("wandb/offline-run-*/run-*.wandb")):
+        data = path.read_bytes()
+        assert data[:4] == b":W&B", path
+        name, config, history, chunks, pos = "", {}, [], [], 7
+        while pos + 7 <= len(data):
+            left = 32768 - pos % 32768
+            _, length, kind = struct.unpack("<IHB", data[pos : pos + 7]) if left >= 7 else (0, 0, 0)
+            if kind == 0:  # the zero padding that ends a block
+                pos += left
+                continue
+            chunks.append(data[pos + 7 : pos + 7 + length])
+            pos += 7 + length
+            if kind not in (1, 4):
+                continue
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(b"".join(chunks))
+            chunks = []
+            which = record.WhichOneof("record_type")
+            if which == "run":
+                name = record.run.display_name
+                config.update({i.key: json.loads(i.value_json) for i in record.run.config.update})
+            elif which == "config":
+                config.update({i.key: json.loads(i.value_json) for i in record.config.update})
+            elif which == "history":
+                history.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item})
+        out.append(WandbRun(name, config, history))
+    return out

@@ -1,6 +1,7 @@
 """Every third-party package that a script, a benchmark or a test imports is declared in `pyproject.toml`, in the
-place that installs it for that code: the scripts and `common/` in `dependencies`, `benchmarks/` in the `bench` extra,
-and `tests/` in the `test` extra (the suite runs the benchmark tools, so `test` must cover their imports too).
+place that installs it for that code: the scripts and `common/` in `dependencies` (or, behind a flag, in an extra of
+SCRIPT_EXTRAS: `--track`'s wandb), `benchmarks/` in the `bench` extra, and `tests/` in the `test` extra (the suite
+runs the benchmark tools, so `test` must cover their imports too).
 
 Imports are read as syntax (every `import` statement, at any depth, including those inside functions), so a package
 that is missing from this machine is still found. Import names map to distribution names through the installed
@@ -29,6 +30,9 @@ KNOWN_DISTRIBUTIONS = {
     "google": "protobuf",
     "wandb": "wandb",
 }
+# extras a script may import from behind its own flag (inside the function the flag reaches, never at module level):
+# `--track` needs wandb, from `pip install -e ".[track]"`
+SCRIPT_EXTRAS = ("track",)
 # distributions that provide the same import; declaring any one of them covers it
 ALTERNATIVES = {"opencv-python-headless": {"opencv-python", "opencv-contrib-python", "opencv-contrib-python-headless"}}
 
@@ -114,7 +118,9 @@ def undeclared_imports(root: Path) -> list[str]:
     local |= {p.stem for p in [*root.glob("*.py"), *(root / "tests").glob("*.py"), *(root / "benchmarks").glob("*.py")]}
     problems = []
     for group, files in places.items():
-        allowed = groups.get(group, groups["core"])
+        allowed = set(groups.get(group, groups["core"]))
+        if group == "core":
+            allowed |= set().union(*(groups.get(extra, set()) for extra in SCRIPT_EXTRAS))
         for name, users in sorted(third_party_imports(files, local).items()):
             dists = distribution_of(name)
             if not dists & allowed:

@@ -1,0 +1,550 @@
+"""Every table of benchmarks/RESULTS.md, and the README's summary table, generated from benchmarks/results/*.json.
+
+A table sits between `<!-- report:NAME -->` and `<!-- /report:NAME -->`: report.py rewrites what is between the two
+markers and nothing else, so the prose around a table is written by hand and its numbers are not. Each table ends
+with the JSON files its rows come from. Which JSON is current is data here (`CLASSIC_SOURCES`, ...): a row from a
+later file replaces the row of the same run from an earlier one. The Pong table takes every `pong_cpu*.json` there
+is, so a new Pong result is its JSON and manifest plus a re-run of this tool.
+
+    python benchmarks/report.py            # rewrite the tables in README.md and benchmarks/RESULTS.md
+    python benchmarks/report.py --check    # exit 1, naming the tables that differ from what report.py would write
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+MARKER = re.compile(r"(<!-- report:(?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /report:(?P=name) -->)", re.S)
+
+CLASSIC_SOURCES = [
+    "cartpole.json",
+    "cartpole_cleanba_impala_sum.json",
+    "cartpole_cleanba_ppo_actorvalues.json",
+    "cartpole_hts_ppo_clipvloss.json",
+    "cartpole_impala_cleanba_updates.json",
+    "cartpole_apex_peps.json",
+    "pendulum.json",
+]
+PONG_CPU_GLOB = "pong_cpu*.json"
+STRAGGLER_SOURCES = ["throughput.json", "throughput_apex.json", "throughput_cleanba_straggler.json"]
+MEMORY_SOURCES = ["memory_600s.json", "memory_cleanba_impala_600s.json", "memory_a3c_600s.json"]
+# learn.py and the benchmark drivers name a run after what it runs: the first matching prefix gives the script
+SCRIPT_OF_PREFIX = [("cleanba_", "cleanba_ppo_impala.py"), ("hts_a2c", "hts_a2c.py"), ("hts_ppo", "hts_ppo.py"),
+                    ("impala", "impala_monobeast.py"), ("gala", "gala_a2c.py"), ("a3c", "a3c_large_batch.py"),
+                    ("apex_dqn", "apex_dqn.py"), ("apex_ddpg", "apex_ddpg.py")]  # fmt: skip
+# flags that name a run (learn.py's and the drivers'), not its settings; and the settings every row of a table shares
+NAMING_FLAGS = {"--env-id", "--seed", "--total-timesteps", "--exp-name", "--log-dir", "--resume"}
+PONG_FLAGS = {"--atari-protocol", "--checkpoint-interval"}
+SHARED_FLAGS = NAMING_FLAGS | {"--atari-protocol", "--network"}  # the drivers' Breakout runs: deepmind, Nature CNN
+
+# ----------------------------------------------------------------------------------------------------------------
+# Reading and formatting
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def load(path: Path) -> dict:
+    return json.loads(path.read_text())  # plot.py writes NaN for a seed that never reached the bar
+
+
+def num(x, digits: int = 0) -> str:
+    missing = x is None or (isinstance(x, float) and math.isnan(x))
+    return "—" if missing else f"{x:,.{digits}f}"
+
+
+def nan_median(values: list[float]) -> float:
+    kept = [v for v in values if not math.isnan(v)]
+    return statistics.median(kept) if kept else math.nan
+
+
+def spread(values: list[float]) -> str:
+    return f"{num(min(values))}–{num(max(values))} ({max(values) / min(values) - 1:.0%})"
+
+
+def script_of(label: str) -> str:
+    return next((script for prefix, script in SCRIPT_OF_PREFIX if label.startswith(prefix)), "?")
+
+
+def flags_of(command: list[str], drop: set[str]) -> str:
+    """The `--flag [value]` pairs of a command (script first) less those in `drop`; 'defaults' when none is left."""
+    kept = []
+    for i, token in enumerate(command[1:], 1):
+        if token.startswith("--") and token not in drop:
+            value = command[i + 1] if i + 1 < len(command) and not command[i + 1].startswith("--") else ""
+            kept.append(f"{token} {value}".strip())
+    return f"`{' '.join(kept)}`" if kept else "defaults"
+
+
+def table(header: str, align: str, rows: list[str]) -> str:
+    """A Markdown table from ' | '-separated cells; `align` has one letter per column, l(eft) or r(ight)."""
+    rule = " | ".join("---:" if a == "r" else "---" for a in align)
+    return "\n".join(f"| {line} |" for line in [header, rule, *rows])
+
+
+def link(name: str) -> str:
+    return f"[`{name}`](results/{name})"
+
+
+def provenance(results: Path, name: str) -> str:
+    """When and where a JSON was measured, from what it records about itself and its learn.py manifest."""
+    data = load(results / name)
+    meta = data.get("meta", data)
+    cores = meta.get("cpus") or data.get("cpu_count")
+    bits = [meta.get("time"), f"{cores} CPUs" if cores else meta.get("machine")]
+    bits.append(f"torch {meta['torch']}" if meta.get("torch") else None)
+    manifest = results / name.replace(".json", "_manifest.json")
+    bits.append(load(manifest)["machine"] if manifest.exists() else None)
+    return ", ".join(b for b in bits if b)
+
+
+def sources(results: Path, names: list[str]) -> str:
+    parts = [link(n) + (f" ({p})" if (p := provenance(results, n)) else "") for n in dict.fromkeys(names)]
+    return "\n\nJSON: " + "; ".join(parts) + "."
+
+
+def figure(results: Path, name: str, env: str, text: str = "curves") -> str:
+    """plot.py's figure beside a learning JSON, `{stem}_{env}.png`, as a link ('—' when there is none)."""
+    png = f"{name.removesuffix('.json')}_{env}.png"
+    return f"[{text}](results/{png})" if (results / png).exists() else "—"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Learning (plot.py's JSON: one record per env and label, seeds pooled)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def learning_runs(results: Path, names: list[str]) -> list[tuple[dict, str]]:
+    """(run, JSON name) for every env and label in `names`, a later file's run replacing an earlier one's."""
+    runs = {(run["env"], run["exp"]): (run, name) for name in names for run in load(results / name)["runs"]}
+    return [runs[key] for key in sorted(runs)]
+
+
+def classic_control_table(results: Path) -> str:
+    rows = [
+        f"{r['env']} | `{r['exp']}` | {len(r['seeds'])} | {num(statistics.median(r['agent_steps']))} | "
+        f"{num(r['final_return_mean'], 1)} ({num(r['final_return_min'], 1)}) | {num(r['threshold'])} | "
+        f"{r['seeds_reaching_threshold']}/{len(r['seeds'])} | {num(nan_median(r['steps_to_threshold_per_seed']))} | "
+        f"{link(name)} | {figure(results, name, r['env'])}"
+        for r, name in learning_runs(results, CLASSIC_SOURCES)
+    ]
+    header = ("env | run | seeds | agent steps | final return: mean (worst seed) | bar | seeds reaching it | "
+              "agent steps to the bar (median) | JSON | curves")  # fmt: skip
+    return table(header, "llrrrrrrll", rows) + sources(results, CLASSIC_SOURCES)
+
+
+def pong_cpu_files(results: Path) -> list[str]:
+    return sorted(p.name for p in results.glob(PONG_CPU_GLOB) if not p.name.endswith("_manifest.json"))
+
+
+def run_flags(results: Path, name: str, label: str) -> str:
+    """A learn.py run's settings: the flags of its command in the JSON's manifest (its last piece, if resumed)."""
+    manifest = results / name.replace(".json", "_manifest.json")
+    commands = [r["command"] for r in load(manifest)["runs"] if r["label"] == label] if manifest.exists() else []
+    return flags_of(commands[-1], NAMING_FLAGS | PONG_FLAGS) if commands else "—"
+
+
+def pong_cpu_table(results: Path) -> str:
+    names = pong_cpu_files(results)
+    found = [(name, r) for name in names for r in load(results / name)["runs"]]
+    rows = []
+    for name, r in sorted(found, key=lambda item: (script_of(item[1]["exp"]), item[1]["exp"], item[0])):
+        steps = statistics.median(r["agent_steps"])
+        rows.append(
+            f"`{r['exp']}` | {script_of(r['exp'])} | {run_flags(results, name, r['exp'])} | {num(steps)} | "
+            f"{num(r['final_return_mean'], 1)} | {num(r['sps_mean'])} | {num(steps / r['sps_mean'] / 60)} | "
+            f"{link(name)} | {figure(results, name, r['env'])}"
+        )
+    header = ("run | script | flags | agent steps | final return (last 20 episodes) | agent steps/s | "
+              "running time (min) | JSON | curves")  # fmt: skip
+    return table(header, "lllrrrrll", rows) + sources(results, names)
+
+
+def pong_h100_table(results: Path) -> str:
+    name = "pong_h100.json"
+    rows = [
+        f"`{r['exp']}` | {script_of(r['exp'])} | {run_flags(results, name, r['exp'])} | "
+        f"{num(statistics.median(r['agent_steps']))} | {num(r['final_return_mean'], 1)} | {num(r['sps_mean'])}"
+        for r, _ in learning_runs(results, [name])
+    ]
+    header = "run | script | flags | agent steps | final return (last 20 episodes) | agent steps/s"
+    curves = f"\n\nCurves: {figure(results, name, 'ALE_Pong-v5', 'pong_h100_ALE_Pong-v5.png')}."
+    return table(header, "lllrrr", rows) + curves + sources(results, [name])
+
+
+def a3c_eps_table(results: Path) -> str:
+    loss, ret = "a3c_eps_h100_value_loss.json", "a3c_eps_h100.json"
+    returns = {r["exp"]: r["final_return_mean"] for r in load(results / ret)["runs"]}
+    rows = [  # plot.py calls the last-`window` mean of any tag its "final return"
+        f"`{r['exp']}` | {len(r['seeds'])} | {num(statistics.median(r['agent_steps']))} | "
+        f"{r['final_return_mean']:.3f} ({max(r['final_return_per_seed']):.3f}) | {num(returns.get(r['exp']), 1)}"
+        for r, _ in learning_runs(results, [loss])
+    ]
+    header = ("run (workers x envs, RMSprop eps) | seeds | agent steps (median) | "
+              "value loss, last 50 points: mean (worst seed) | return (last 20 episodes)")  # fmt: skip
+    curves = (f"\n\nCurves: {figure(results, loss, 'ALE_Pong-v5', 'value loss')}, "
+              f"{figure(results, ret, 'ALE_Pong-v5', 'return')}.")  # fmt: skip
+    return table(header, "lrrrr", rows) + curves + sources(results, [loss, ret])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Throughput and memory (the JSON of each benchmark driver)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def ceiling(r: dict, env: str = "env", infer: str = "infer", train: str = "train") -> str:
+    return f"{num(r['ceiling'])} ({num(r[env])} / {num(r[infer])} / {num(r[train])})"
+
+
+def all_scripts_table(results: Path) -> str:
+    names = ["throughput.json", "throughput_apex.json"]
+    rows = [
+        f"`{r['label']}` | {script_of(r['label'])} | {flags_of(r['command'].split(), SHARED_FLAGS)} | "
+        f"{num(r['sps'])} | {num(d['env_ceiling_sps'])} | {r['fraction_of_env_ceiling']:.2f}"
+        for d in (load(results / n) for n in names)
+        for r in d["breakout"]
+    ]
+    header = "run | script | flags | agent steps/s | env alone, same command | fraction of env alone"
+    return table(header, "lllrrr", rows) + sources(results, names)
+
+
+def straggler_table(results: Path) -> str:
+    found = {
+        r["label"]: (r, n)
+        for n in STRAGGLER_SOURCES
+        for r in load(results / n)["straggler"]
+        if r["std_0ms"] == r["std_0ms"]
+    }
+    rows = [
+        f"`{label}` | {script_of(label)} | {num(r['std_0ms'])} | {num(r['std_20ms'])} | {link(name)}"
+        for label, (r, name) in found.items()
+    ]
+    header = "run | script | agent steps/s, std 0 ms | agent steps/s, std 20 ms | JSON"
+    return table(header, "llrrl", rows) + sources(results, STRAGGLER_SOURCES)
+
+
+def env_table(results: Path) -> str:
+    name = "env_throughput.json"
+    rows = [
+        f"{r['env']} | {r['num_envs']} | {r['num_threads']} | {r['batch']} | {num(r['agent_steps_per_s'])} | "
+        f"{num(r['frames_per_s'])}"
+        for r in load(results / name)["rows"]
+    ]
+    return table("env | envs | threads | batch | agent steps/s | frames/s", "lrrrrr", rows) + sources(results, [name])
+
+
+def cleanba_table(results: Path) -> str:
+    name = "cleanba_throughput.json"
+    d = load(results / name)
+    sync = {r["algo"]: r["sps"] for r in d["rows"] if r["mode"] == "sync"}
+    rows = [
+        f"{r['algo']} | {'`--sync`' if r['mode'] == 'sync' else 'Cleanba'} | {c['num_envs']} x {c['num_steps']}, "
+        f"{c['network']} | {ceiling(c)} | {num(r['sps'])} | {r['efficiency']:.2f} | {r['sps'] / sync[r['algo']]:.2f}x"
+        f" | {r['learner_wait_rollout_share']:.0%} | {r['actor_wait_param_share']:.0%} | {num(r['peak_rss_mib'])} MiB"
+        for r in d["rows"]
+        for c in [d["components"][r["algo"]]]
+    ]
+    header = ("algo | mode | envs x steps, network | ceiling (env / infer / train) | agent steps/s | efficiency | "
+              "vs `--sync` | learner waits on `rollout_Q` | actor waits on `param_Q` | peak RSS")  # fmt: skip
+    return table(header, "lllrrrrrrr", rows) + sources(results, [name])
+
+
+def hts_table(results: Path) -> str:
+    name = "hts_throughput.json"
+    d = load(results / name)
+    sync = {r["script"]: r["sps"] for r in d["rows"] if r["mode"] == "sync"}
+    rows = [
+        f"`{r['script']}` | {'HTS-RL' if r['mode'] == 'hts' else '`--sync`'} | {ceiling(r)} | {num(r['sps'])} | "
+        f"{r['efficiency']:.2f} | {r['sps'] / sync[r['script']]:.2f}x | {num(r['peak_pss_mb'])} MiB"
+        for r in d["rows"]
+    ]
+    header = "script | mode | ceiling (env / infer / train) | agent steps/s | efficiency | vs `--sync` | peak PSS"
+    return table(header, "llrrrrr", rows) + sources(results, [name])
+
+
+def hts_straggler_table(results: Path) -> str:
+    name = "hts_straggler.json"
+    rows = [
+        f"{num(r['std_ms'])} ms | {num(r['sync_sps'])} | {num(r['hts_sps'])} | {r['speedup']:.2f}x | "
+        f"{num(r['eq7_async_sps'])} | {r['hts_runtime_vs_async']:.2f}"
+        for r in load(results / name)["rows"]
+    ]
+    header = ("step-time std | `--sync` agent steps/s | HTS-RL agent steps/s | speedup | Eq. 7 asynchronous bound | "
+              "HTS-RL runtime / bound")  # fmt: skip
+    return table(header, "rrrrrr", rows) + sources(results, [name])
+
+
+def hts_memory_table(results: Path) -> str:
+    name = "hts_memory_600s.json"
+    d = load(results / name)
+    rows = [
+        f"`{r['script']}` | {num(d['meta']['args']['seconds'])} | {num(r['sps'])} | {num(r['peak_pss_mb'])} MiB | "
+        f"{r['pss_growth_mb']:+.1f} MiB | {r['rss_growth_mb']:+.1f} MiB"
+        for r in d["rows"]
+    ]
+    header = "script | seconds | agent steps/s | peak PSS | PSS growth | RSS growth"
+    return table(header, "lrrrrr", rows) + sources(results, [name])
+
+
+def impala_table(results: Path) -> str:
+    name = "impala_throughput.json"
+    d = load(results / name)
+    actor = {r["actors"]: r["sps"] for r in d["rows"] if r["mode"] == "actor"}
+    rows = [
+        f"{r['mode']} | {r['actors']} | {ceiling(r)} | {num(r['sps'])} | {r['efficiency']:.2f} | "
+        f"{r['sps'] / actor[r['actors']]:.2f}x | {r['policy_lag']:.1f} | {num(r['peak_rss_mb'])} MiB"
+        for r in d["rows"]
+    ]
+    header = ("`--inference` | actors | ceiling (env / infer / train) | agent steps/s | efficiency | vs `actor` | "
+              "policy lag | peak RSS")  # fmt: skip
+    return table(header, "lrrrrrrr", rows) + sources(results, [name])
+
+
+def gala_straggler_table(results: Path) -> str:
+    name = "gala_throughput.json"
+    d = load(results / name)
+    share = {(r["std_ms"], r["learners"], r["mode"]): r for r in d["runs"] if r["env"] == "straggler"}
+    rows = [
+        f"{num(s['std_ms'])} ms | {s['learners']} | {num(s['gossip_sps'])} | {num(s['allreduce_sps'])} | "
+        f"{s['speedup']:.2f}x | {share[(s['std_ms'], s['learners'], 'gossip')]['gossip_share']:.1%} | "
+        f"{share[(s['std_ms'], s['learners'], 'allreduce')]['allreduce_share']:.1%}"
+        for s in d["summary"]
+    ]
+    header = ("step-time std | learners | gossip agent steps/s | all-reduce agent steps/s | gossip / all-reduce | "
+              "gossip share of an iteration | all-reduce share")  # fmt: skip
+    return table(header, "rrrrrrr", rows) + sources(results, [name])
+
+
+def gala_breakout_table(results: Path) -> str:
+    name = "gala_breakout_steady.json"
+    rows = [
+        f"{r['mode']} | {r['learners']} | {ceiling(r, 'env_sps', 'infer_sps', 'train_sps')} | "
+        f"{num(r['steady_sps'])} | {r['efficiency']:.2f} | {r['gossip_share']:.1%} | {r['allreduce_share']:.1%}"
+        for r in load(results / name)["runs"]
+    ]
+    header = ("mode | learners | ceiling (env / infer / train per learner) | agent steps/s (steady) | efficiency | "
+              "gossip share of an iteration | all-reduce share")  # fmt: skip
+    return table(header, "lrrrrrr", rows) + sources(results, [name])
+
+
+def a3c_table(results: Path) -> str:
+    name = "a3c_throughput_rounds.json"
+    rows = [
+        f"{r['update']} | {r['workers']} x {r['envs_per_worker']} | {ceiling(r)} | {num(r['agent_steps_per_s'])} | "
+        f"{r['efficiency']:.2f} | {' '.join(f'{e:.2f}' for e in r['efficiency_per_round'])} | "
+        f"{r['policy_lag_mean']:.2f} / {r['policy_lag_max']} | {num(r['peak_pss_mb'])} MiB"
+        for r in load(results / name)["rows"]
+    ]
+    header = ("update | workers x envs | ceiling (env / infer / train), median | agent steps/s | efficiency (median) | "
+              "efficiency per round | policy lag mean / max | peak PSS")  # fmt: skip
+    return table(header, "llrrrlrr", rows) + sources(results, [name])
+
+
+def a3c_lag_table(results: Path) -> str:
+    name = "a3c_throughput.json"
+    rows = [
+        f"{r['update']} | {r['workers']} x {r['envs_per_worker']} | {r['policy_lag_mean']:.2f} | {r['policy_lag_max']}"
+        for r in load(results / name)["rows"]
+    ]
+    return table("update | workers x envs | policy lag, mean | policy lag, max", "llrr", rows) + sources(
+        results, [name]
+    )
+
+
+def noise_table(results: Path) -> str:
+    """How far the same measurement moves between rounds a few minutes apart on this machine."""
+    name = "a3c_throughput_rounds.json"
+    rows = [
+        f"`a3c_large_batch.py --update {r['update']}`, {r['workers']} x {r['envs_per_worker']} envs | "
+        + " | ".join(spread([x[key] for x in r["rounds"]]) for key in ("env", "infer", "train", "agent_steps_per_s"))
+        for r in load(results / name)["rows"]
+    ]
+    header = "configuration | env piece, min–max (spread) | infer piece | train piece | the run's agent steps/s"
+    return table(header, "lrrrr", rows) + sources(results, [name])
+
+
+def memory_table(results: Path) -> str:
+    rows = []
+    for name in MEMORY_SOURCES:
+        d = load(results / name)
+        for r in d["rows"]:
+            others = [f"`{o}`" for o in d["args"]["only"] if o != r["label"]] if d["args"]["parallel"] else ["—"]
+            rows.append(
+                f"`{r['label']}` | {flags_of(r['command'].split(), SHARED_FLAGS)} | {', '.join(others)} | "
+                f"{d['load_average_at_end'][0]:.1f} | {num(r['agent_steps'])} | {num(r['pss_baseline_mb'])} MiB | "
+                f"{num(r['pss_end_mb'])} MiB | {r['pss_growth_pct']:+.2f}% | {r['pss_slope_mb_per_min']:+.2f} MiB/min"
+                f" | {link(name)}"
+            )
+    header = ("run | flags | side by side with | 1-min load at the end | agent steps | PSS after warm-up | "
+              "PSS at the end | growth | slope | JSON")  # fmt: skip
+    return table(header, "lllrrrrrrl", rows) + sources(results, MEMORY_SOURCES)
+
+
+def soak_table(results: Path) -> str:
+    names = sorted(p.name for p in results.glob("torchrun_soak_*.json"))
+    rows = [
+        f"`{next(t for t in d['launch'].split() if t.endswith('.py'))}` | {d['launches']} | {d['clean']} | "
+        f"{d['aborted']} | {num(statistics.median(d['seconds']))}"
+        for d in (load(results / n) for n in names)
+    ]
+    header = "script | launches | both launchers exit 0 | aborted | seconds per launch (median)"
+    return table(header, "lrrrr", rows) + sources(results, names)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The README's summary: one row per script
+# ----------------------------------------------------------------------------------------------------------------
+
+# (the row's script, its run in learn.py's classic-control suites, the prefix of its Pong runs' labels, its
+# throughput section in RESULTS.md)
+SUMMARY_ROWS = [
+    ("`cleanba_ppo_impala.py`", "cleanba_ppo", "cleanba_ppo", "cleanba"),
+    ("`cleanba_ppo_impala.py --algo impala`", "cleanba_impala", "cleanba_impala", "cleanba"),
+    ("`hts_a2c.py`", "hts_a2c", "hts_a2c", "hts-rl"),
+    ("`hts_ppo.py`", "hts_ppo", "hts_ppo", "hts-rl"),
+    ("`impala_monobeast.py`", "impala_batched", "impala", "impala-monobeast"),
+    ("`gala_a2c.py`", "gala_gossip", "gala", "gala"),
+    ("`a3c_large_batch.py`", "a3c_hogwild", "a3c", "a3c"),
+    ("`apex_dqn.py`", "apex_dqn", "apex_dqn", "every-script-at-one-configuration"),
+    ("`apex_ddpg.py`", "apex_ddpg", "apex_ddpg", ""),
+]
+
+
+def cell(ours: float, efficiency: float | None, base: float | None, design: str) -> str:
+    """'agent steps/s (efficiency) | N.NNx the design it replaces' ('—' where the script has no baseline mode)."""
+    eff = "" if efficiency is None else f" ({efficiency:.2f})"
+    return f"{num(ours)}{eff} | " + (f"{ours / base:.2f}x {design}" if base else "—")
+
+
+def breakout_throughput(results: Path) -> dict[str, str]:
+    """Classic-control run -> its `cell` on Breakout: the script against its baseline mode in the same JSON."""
+    c = {(r["algo"], r["mode"]): r for r in load(results / "cleanba_throughput.json")["rows"]}
+    h = {(r["script"], r["mode"]): r for r in load(results / "hts_throughput.json")["rows"]}
+    i = {(r["mode"], r["actors"]): r for r in load(results / "impala_throughput.json")["rows"]}
+    g = {r["mode"]: r for r in load(results / "gala_breakout_steady.json")["runs"]}
+    a = {(r["update"], r["envs_per_worker"]): r for r in load(results / "a3c_throughput_rounds.json")["rows"]}
+    apex = load(results / "throughput_apex.json")["breakout"][0]
+    out = {}
+    for algo in ("ppo", "impala"):
+        ours, base = c[algo, "cleanba"], c[algo, "sync"]
+        out[f"cleanba_{algo}"] = cell(ours["sps"], ours["efficiency"], base["sps"], "`--sync`")
+    for algo in ("a2c", "ppo"):
+        ours, base = h[f"hts_{algo}.py", "hts"], h[f"hts_{algo}.py", "sync"]
+        out[f"hts_{algo}"] = cell(ours["sps"], ours["efficiency"], base["sps"], "`--sync`")
+    ours, base = i["batched", 4], i["actor", 4]
+    out["impala_batched"] = cell(ours["sps"], ours["efficiency"], base["sps"], "MonoBeast")
+    ours, base = g["gossip"], g["allreduce"]
+    out["gala_gossip"] = cell(ours["steady_sps"], ours["efficiency"], base["steady_sps"], "all-reduce A2C")
+    ours, base = a["hogwild", 16], a["hogwild", 1]
+    rate, base_rate = ours["agent_steps_per_s"], base["agent_steps_per_s"]
+    out["a3c_hogwild"] = cell(rate, ours["efficiency"], base_rate, "one env per worker")
+    out["apex_dqn"] = cell(apex["sps"], None, None, "")
+    return out
+
+
+def summary_table(results: Path) -> str:
+    rel = "benchmarks/RESULTS.md#"
+    classic = {r["exp"]: r for r, _ in learning_runs(results, CLASSIC_SOURCES)}
+    pong = [r for n in pong_cpu_files(results) for r in load(results / n)["runs"]]
+    speed = breakout_throughput(results)
+    rows = []
+    for script, label, prefix, section in SUMMARY_ROWS:
+        learned, atari = "—", "—"
+        if run := classic.get(label):
+            env = "" if run["env"] == "CartPole-v1" else f" ({run['env']})"
+            learned = (f"[{run['final_return_mean']:.1f}, {run['seeds_reaching_threshold']}/{len(run['seeds'])} "
+                       f"seeds{env}]({rel}cartpole-and-pendulum)")  # fmt: skip
+        if ours := [r for r in pong if r["exp"].startswith(prefix)]:
+            best = max(ours, key=lambda r: r["final_return_mean"])
+            steps = statistics.median(best["agent_steps"]) / 1e6
+            atari = f"[{best['final_return_mean']:+.1f} after {steps:.2f}M steps]({rel}pong-on-2-cpu-cores)"
+        rate, versus = speed.get(label, "— | —").split(" | ")
+        rows.append(f"{script} | {learned} | {atari} | {f'[{rate}]({rel}{section})' if section else rate} | {versus}")
+    header = ("script | CartPole-v1: final return, seeds reaching 475 | Pong on 2 CPU cores: final return (best run) | "
+              "Breakout agent steps/s (efficiency) | against the design it replaces")  # fmt: skip
+    return table(header, "lrrrl", rows)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Filling the documents
+# ----------------------------------------------------------------------------------------------------------------
+
+DOCUMENTS: dict[str, dict[str, Callable[[Path], str]]] = {
+    "README.md": {"summary": summary_table},
+    "benchmarks/RESULTS.md": {
+        "noise": noise_table,
+        "classic-control": classic_control_table,
+        "pong-cpu": pong_cpu_table,
+        "pong-h100": pong_h100_table,
+        "a3c-eps": a3c_eps_table,
+        "all-scripts": all_scripts_table,
+        "straggler": straggler_table,
+        "env": env_table,
+        "cleanba": cleanba_table,
+        "hts": hts_table,
+        "hts-straggler": hts_straggler_table,
+        "hts-memory": hts_memory_table,
+        "impala": impala_table,
+        "gala-straggler": gala_straggler_table,
+        "gala-breakout": gala_breakout_table,
+        "a3c": a3c_table,
+        "a3c-lag": a3c_lag_table,
+        "memory": memory_table,
+        "soak": soak_table,
+    },
+}
+
+
+def fill(text: str, tables: dict[str, str]) -> str:
+    """`text` with the body between each pair of markers replaced by its table; every table must have its markers."""
+    found = [m["name"] for m in MARKER.finditer(text)]
+    unknown, absent = sorted(set(found) - set(tables)), sorted(set(tables) - set(found))
+    if unknown or absent or len(found) != len(set(found)):
+        raise ValueError(f"markers without a table: {unknown}; tables without markers: {absent}; markers: {found}")
+    return MARKER.sub(lambda m: m.group(1) + tables[m["name"]] + "\n" + m.group(4), text)
+
+
+def render(root: Path) -> dict[Path, tuple[str, str, list[str]]]:
+    """Each document: (its text now, its text with fresh tables, the names of the tables that differ)."""
+    results, out = root / "benchmarks" / "results", {}
+    for doc, makers in DOCUMENTS.items():
+        old = (root / doc).read_text()
+        tables = {name: make(results) for name, make in makers.items()}
+        before = {m["name"]: m["body"] for m in MARKER.finditer(old)}
+        try:
+            new = fill(old, tables)
+        except ValueError as e:
+            raise ValueError(f"{doc}: {e}") from None
+        out[root / doc] = (old, new, [n for n, t in tables.items() if before.get(n) != t + "\n"])
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--check", action="store_true", help="write nothing; exit 1 if a committed table is out of date")
+    p.add_argument("--root", type=Path, default=ROOT, help="repository root (default: this checkout)")
+    a = p.parse_args(argv)
+    try:
+        documents = render(a.root)
+    except (ValueError, OSError, KeyError) as e:  # a marker pair missing, a JSON missing or without a field
+        print(f"error: {type(e).__name__}: {e}")
+        return 2
+    stale = False
+    for path, (old, new, changed) in documents.items():
+        if new != old and a.check:
+            stale = True
+            print(f"{path.relative_to(a.root)}: out of date: {', '.join(changed)} (run python benchmarks/report.py)")
+        elif new != old:
+            path.write_text(new)
+            print(f"wrote {path.relative_to(a.root)}: {', '.join(changed)}")
+    return 1 if stale else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

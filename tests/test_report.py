@@ -1,0 +1,169 @@
+"""benchmarks/report.py: the committed tables of README.md and benchmarks/RESULTS.md are what it writes from
+benchmarks/results/*.json, and its tables hold hand-computed values on a small synthetic set of JSON files."""
+
+import json
+import math
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import report  # noqa: E402
+
+
+def test_committed_tables_are_what_report_writes():
+    for path, (old, new, changed) in report.render(ROOT).items():
+        assert new == old, f"{path.name}: tables {changed} differ from their JSON; run python benchmarks/report.py"
+
+
+def write(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data))
+
+
+def learning_run(exp, env="ALE_Pong-v5", **fields):
+    """One record of plot.py's JSON."""
+    run = dict(env=env, exp=exp, seeds=[1], agent_steps=[1000], episodes=[10], final_return_per_seed=[0.0],
+               final_return_mean=0.0, final_return_min=0.0, sps_mean=1.0)  # fmt: skip
+    return run | fields
+
+
+def manifest_run(label, *flags):
+    """One record of learn.py's manifest: the flags that name the run, then the run's own."""
+    command = [f"{label}.py", "--env-id", "ALE/Pong-v5", "--seed", "1", "--total-timesteps", "2500000",
+               "--exp-name", label, "--log-dir", "/tmp/runs", "--atari-protocol", "deepmind",
+               "--checkpoint-interval", "600", *flags]  # fmt: skip
+    return dict(label=label, seed=1, env_id="ALE/Pong-v5", command=command, log="x.log", returncode=0,
+                wall_seconds=1.0, stopped_at_time_limit=False)  # fmt: skip
+
+
+def table_rows(markdown: str) -> list[list[str]]:
+    """The body rows of the first Markdown table in `markdown`, as lists of cells."""
+    lines = [line for line in markdown.splitlines() if line.startswith("|")][2:]
+    return [[cell.strip() for cell in line.strip("|").split(" | ")] for line in lines]
+
+
+def test_pong_table_takes_every_pong_json_with_hand_computed_values(tmp_path):
+    write(tmp_path / "pong_cpu_hts.json", {"runs": [
+        learning_run("hts_ppo", agent_steps=[1_200_000], final_return_mean=-7.26, sps_mean=400.0),
+    ]})  # fmt: skip
+    hts_manifest = manifest_run("hts_ppo", "--num-envs", "8", "--no-clip-vloss", "--torch-threads", "2")
+    write(tmp_path / "pong_cpu_hts_manifest.json", {"suite": "atari-smoke", "machine": "2 CPU cores",
+                                                    "runs": [manifest_run("hts_ppo"), hts_manifest]})  # fmt: skip
+    (tmp_path / "pong_cpu_hts_ALE_Pong-v5.png").write_bytes(b"")
+    write(tmp_path / "pong_cpu_gala.json", {"runs": [
+        learning_run("gala_gossip", agent_steps=[2_500_000], final_return_mean=2.46, sps_mean=625.0),
+    ]})  # fmt: skip
+
+    rows = table_rows(report.pong_cpu_table(tmp_path))
+    # sorted by script: gala_a2c.py before hts_ppo.py
+    assert [r[:3] for r in rows] == [
+        ["`gala_gossip`", "gala_a2c.py", "—"],  # no manifest: no flags to show
+        ["`hts_ppo`", "hts_ppo.py", "`--num-envs 8 --no-clip-vloss --torch-threads 2`"],  # the last piece's flags
+    ]
+    # agent steps, final return, agent steps/s, running time: 2.5M / 625 / 60 = 66.67 min; 1.2M / 400 / 60 = 50 min
+    assert [r[3:7] for r in rows] == [["2,500,000", "2.5", "625", "67"], ["1,200,000", "-7.3", "400", "50"]]
+    assert rows[0][7:] == ["[`pong_cpu_gala.json`](results/pong_cpu_gala.json)", "—"]
+    assert rows[1][8] == "[curves](results/pong_cpu_hts_ALE_Pong-v5.png)"
+
+    # a new result is a new JSON: both IMPALA runs of it become rows, and the summary's best run per script
+    write(tmp_path / "pong_cpu_impala2.json", {"runs": [
+        learning_run("cleanba_impala_nature", agent_steps=[900_000], final_return_mean=5.0, sps_mean=300.0),
+        learning_run("impala_batched_small", agent_steps=[800_000], final_return_mean=-3.0, sps_mean=200.0),
+    ]})  # fmt: skip
+    rows = table_rows(report.pong_cpu_table(tmp_path))
+    assert [r[:2] for r in rows] == [
+        ["`cleanba_impala_nature`", "cleanba_ppo_impala.py"],
+        ["`gala_gossip`", "gala_a2c.py"],
+        ["`hts_ppo`", "hts_ppo.py"],
+        ["`impala_batched_small`", "impala_monobeast.py"],
+    ]
+    assert rows[0][3:7] == ["900,000", "5.0", "300", "50"]
+
+
+def test_classic_control_table_later_source_replaces_a_run(tmp_path, monkeypatch):
+    nan = math.nan
+    first = learning_run("algo_a", env="CartPole-v1", seeds=[1, 2, 3], agent_steps=[500_000] * 3,
+                         final_return_mean=100.0, final_return_min=50.0, threshold=475.0, seeds_reaching_threshold=0,
+                         steps_to_threshold_per_seed=[nan, nan, nan])  # fmt: skip
+    kept = learning_run("algo_b", env="CartPole-v1", seeds=[1, 2, 3], agent_steps=[499_712, 499_712, 500_224],
+                        final_return_mean=480.04, final_return_min=466.56, threshold=475.0, seeds_reaching_threshold=2,
+                        steps_to_threshold_per_seed=[100_000.0, nan, 300_000.0])  # fmt: skip
+    rerun = first | dict(final_return_mean=490.0, final_return_min=485.0, seeds_reaching_threshold=3,
+                         steps_to_threshold_per_seed=[120_000.0, 90_000.0, 150_000.0])  # fmt: skip
+    write(tmp_path / "suite.json", {"runs": [first, kept]})
+    write(tmp_path / "rerun.json", {"runs": [rerun]})
+    (tmp_path / "rerun_CartPole-v1.png").write_bytes(b"")
+    monkeypatch.setattr(report, "CLASSIC_SOURCES", ["suite.json", "rerun.json"])
+
+    markdown = report.classic_control_table(tmp_path)
+    rows = table_rows(markdown)
+    assert rows == [
+        # algo_a from the rerun: median of 120k, 90k, 150k
+        ["CartPole-v1", "`algo_a`", "3", "500,000", "490.0 (485.0)", "475", "3/3", "120,000",
+         "[`rerun.json`](results/rerun.json)", "[curves](results/rerun_CartPole-v1.png)"],
+        # algo_b: median agent steps 499,712; steps to the bar over the 2 seeds that reach it: (100k + 300k) / 2
+        ["CartPole-v1", "`algo_b`", "3", "499,712", "480.0 (466.6)", "475", "2/3", "200,000",
+         "[`suite.json`](results/suite.json)", "—"],
+    ]  # fmt: skip
+    assert markdown.endswith("JSON: [`suite.json`](results/suite.json); [`rerun.json`](results/rerun.json).")
+
+
+def test_fill_rewrites_only_between_markers_and_check_fails_when_stale(tmp_path, monkeypatch, capsys):
+    (tmp_path / "benchmarks").mkdir()
+    doc = tmp_path / "benchmarks" / "RESULTS.md"
+    prose = "# Results\n\nWritten by hand: 1.5x.\n\n<!-- report:demo -->\n| old |\n<!-- /report:demo -->\n\nAfter.\n"
+    doc.write_text(prose)
+    monkeypatch.setattr(report, "DOCUMENTS", {"benchmarks/RESULTS.md": {"demo": lambda results: "| new |"}})
+
+    assert report.main(["--check", "--root", str(tmp_path)]) == 1
+    assert "benchmarks/RESULTS.md: out of date: demo" in capsys.readouterr().out
+    assert doc.read_text() == prose  # --check writes nothing
+
+    assert report.main(["--root", str(tmp_path)]) == 0
+    assert doc.read_text() == prose.replace("| old |", "| new |")
+    assert report.main(["--check", "--root", str(tmp_path)]) == 0
+
+    doc.write_text(prose.replace("demo", "other"))  # a table without its markers is an error, not a silent skip
+    assert report.main(["--root", str(tmp_path)]) == 2
+    assert "tables without markers: ['demo']" in capsys.readouterr().out
+    with pytest.raises(ValueError):
+        report.fill("<!-- report:a -->\n<!-- /report:a -->\n<!-- report:a -->\n<!-- /report:a -->\n", {"a": "x"})
+
+
+def test_summary_row_takes_a_new_pong_result(tmp_path):
+    """The README's summary picks each script's best Pong run from whatever pong_cpu*.json exists."""
+    for path in (ROOT / "benchmarks" / "results").glob("*.json"):
+        (tmp_path / path.name).write_text(path.read_text())
+    before = {r[0]: r for r in table_rows(report.summary_table(tmp_path))}
+    assert before["`cleanba_ppo_impala.py --algo impala`"][2] == "—"
+
+    write(tmp_path / "pong_cpu_impala2.json", {"runs": [
+        learning_run("cleanba_impala_nature", agent_steps=[904_000], final_return_mean=5.04),
+        learning_run("impala_batched_small", agent_steps=[1_000_000], final_return_mean=-25.0),
+    ]})  # fmt: skip
+    after = {r[0]: r for r in table_rows(report.summary_table(tmp_path))}
+    link = "(benchmarks/RESULTS.md#pong-on-2-cpu-cores)"
+    assert after["`cleanba_ppo_impala.py --algo impala`"][2] == f"[+5.0 after 0.90M steps]{link}"
+    assert after["`impala_monobeast.py`"][2] == before["`impala_monobeast.py`"][2]  # -25.0 is not its best run
+    assert {k: v for k, v in after.items() if "impala" not in k} == {
+        k: v for k, v in before.items() if "impala" not in k
+    }
+
+
+def anchor(heading: str) -> str:
+    """GitHub's anchor of a Markdown heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_links_to_results_sections_resolve():
+    results = (ROOT / "benchmarks" / "RESULTS.md").read_text()
+    sections = {anchor(h) for h in re.findall(r"^#+ (.+)$", results, re.M)}
+    readme = (ROOT / "README.md").read_text()
+    targets = re.findall(r"\]\(benchmarks/RESULTS\.md#([\w-]+)\)", readme) + re.findall(r"\]\(#([\w-]+)\)", results)
+    assert targets and not sorted(set(targets) - sections)
+    files = re.findall(r"\]\((results/[^)#]+)\)", results)
+    assert files and not [f for f in files if not (ROOT / "benchmarks" / f).exists()]
