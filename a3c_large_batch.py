@@ -13,9 +13,10 @@ Data flow (`--num-workers` W worker processes, no synchronisation between them):
     workers (hogwild) / server --Update--> log_q --> main: TensorBoard, console, checkpoints, watches every process
 
 Policy lag (`charts/policy_lag`): updates applied to the shared model between a worker's pull and its gradient's
-application. Hogwild: each update of another worker falls between at most one pull and push of a worker, so the mean
-lag over a run is at most W - 1 (equal when the workers run in lockstep), and one worker has lag 0. Server: the lag
-also counts the worker's own earlier gradients still queued (at most 3: two slots and the one being applied).
+application. Hogwild: each update of another worker falls between the pull and the push of at most one update of a
+worker, so the mean lag over a run is at most W - 1 (equal in lockstep); one worker has lag 0. Server: a gradient's lag
+counts at most 3 of its worker's own (two slots and the one being applied), and each update of another worker counts
+in at most 4 of a worker's gradients (a push waits for the slot of the gradient two back): mean lag <= 4W - 1.
 Determinism: none across runs with several workers or in server mode (arrival order is the hardware's); one hogwild
 worker with `--torch-deterministic` on CPU is reproducible.
 
@@ -298,8 +299,8 @@ class SaveCheckpoint(NamedTuple):
 
 
 class Finish(NamedTuple):
-    """main -> gradient server, on `grad_q`, after the workers: apply what is queued (FIFO, so each gradient exactly
-    once), write the final checkpoint to `path` unless it is None, send ServerDone and return."""
+    """main -> gradient server, on `grad_q`, once the workers are done or stopped, so behind all their gradients: write
+    the final checkpoint to `path` unless it is None, send ServerDone and return."""
 
     path: str | None
     extra: dict
@@ -527,17 +528,14 @@ def gradient_server(model: nn.Module, args: Args, shared: Shared, device: torch.
             shared.log_q.put(update._replace(version=version, timing=timing))
         elif isinstance(message, WorkerDone):
             shared.log_q.put(message)
-        elif isinstance(message, SaveCheckpoint):
-            own = dict(model={k: v.cpu() for k, v in model.state_dict().items()}, optimizer=optimizer.state_dict())
-            checkpoint = {**own, "global_step": global_step, "version": shared.version.value, **message.extra}
-            atomic_save(checkpoint, Path(message.path))
-        elif isinstance(message, Finish):
-            if message.path is not None:  # behind every gradient queued so far
-                shared.grad_q.put(SaveCheckpoint(message.path, message.extra))
-                shared.grad_q.put(Finish(None, message.extra))
-                continue
-            shared.log_q.put(ServerDone(shared.version.value))
-            return
+        elif isinstance(message, (SaveCheckpoint, Finish)):
+            if message.path is not None:
+                own = dict(model={k: v.cpu() for k, v in model.state_dict().items()}, optimizer=optimizer.state_dict())
+                checkpoint = {**own, "global_step": global_step, "version": shared.version.value, **message.extra}
+                atomic_save(checkpoint, Path(message.path))
+            if isinstance(message, Finish):
+                shared.log_q.put(ServerDone(shared.version.value))
+                return
 
 
 # ---- Lifecycle ----
@@ -577,7 +575,7 @@ def validate(args: Args) -> str | None:
     if not isinstance(act_space, gym.spaces.Discrete):
         return (
             f"{args.env_id} has a continuous action space ({act_space}); a3c_large_batch.py handles Discrete "
-            f"action spaces only (for continuous actions: apex.py --algo ddpg)"
+            f"action spaces only (for continuous actions: apex_ddpg.py)"
         )
     return None
 
@@ -906,7 +904,9 @@ class Processes:
                 failure = self.failure() or "error: the gradient server did not finish; stopping"
         if interrupted and killed:  # e.g. Ctrl+C while a worker was still starting up: not a crash
             print(f"{', '.join(killed)} did not stop in time after the interrupt: killed", file=sys.stderr)
-        return failure or self.failure(ignore=tuple(killed) if interrupted else ())
+        done = [f"worker {w}" for w in progress.workers_done] + (["gradient server"] if progress.server_done else [])
+        slow = [name for name in killed if interrupted or name in done]  # killed while exiting, its work done
+        return failure or self.failure(ignore=tuple(slow))
 
 
 def make_processes(

@@ -187,8 +187,8 @@ def run_script(args: Args, update: str, workers: int, num_envs: int, log_dir: st
     def read_steps():
         with contextlib.suppress(ValueError):  # `communicate` below closes stdout under this thread at the end
             for line in proc.stdout:
-                if m := re.match(r"step\s+([\d,]+)", line):
-                    points.append((time.time(), int(m.group(1).replace(",", ""))))
+                if m := re.match(r"global_step=(\d+) ", line):
+                    points.append((time.time(), int(m.group(1))))
 
     threading.Thread(target=read_steps, daemon=True).start()
     start = time.time()
