@@ -2,23 +2,23 @@
 ICML 2016), in the large-batch variant of Stooke and Abbeel (2018) that the GALA paper (Assran et al., NeurIPS 2019)
 uses as its baseline (Appendix C.1, hyperparameters of Table 2), and as originally proposed (1 simulator per worker).
 
-Architecture: `--num-workers` worker processes, each stepping `--num-envs-per-worker` simulators (16: large batch;
-1: original A3C) with one batched forward pass per step on its device. A worker loops, with no synchronisation
-between workers: pull the latest shared parameters, take N = `--num-steps` steps, compute n-step returns and the A2C
-gradient (clipped to `--max-grad-norm`), push it to the shared model, repeat.
-- `--update hogwild` (Mnih et al. 2016): parameters and RMSprop statistics live in shared memory; each worker applies
-  its own gradient to them lock-free (Recht et al. 2011). Pull = copy the shared parameters into the local model.
-- `--update server` (the push-pull gradient server): a server process owns the model and optimizer (on the GPU when
-  there is one: the only mode that keeps a single model there). Workers write gradients into two preallocated
-  shared-memory slots each and put (worker, slot, pulled version) on `grad_q`; the server applies gradients in arrival
-  order and publishes versioned parameters (a flat shared buffer under a lock, version += 1 per gradient).
-Only the main process writes TensorBoard: workers (hogwild) or the server send one small record per update on
-`log_q`; it also watches every process and stops the run when one dies.
+Data flow (`--num-workers` W worker processes, no synchronisation between them):
+
+    worker w (x W): pull shared params -> N = --num-steps steps of --num-envs-per-worker envs (batched forward)
+                    -> n-step returns, A2C gradient clipped to --max-grad-norm -> push -> repeat
+      --update hogwild: push = lock-free RMSprop step on the shared-memory params and statistics (Recht et al. 2011)
+      --update server:  push = gradient into one of the worker's 2 shared slots, Gradient -> grad_q -> server
+    gradient server:    applies gradients in arrival order, publishes the flat params + version (+1 per gradient)
+                        under a lock; owns the model and optimizer (on the GPU when there is one)
+    workers (hogwild) / server --Update--> log_q --> main: TensorBoard, console, checkpoints, watches every process
+
 Policy lag (`charts/policy_lag`): updates applied to the shared model between a worker's pull and its gradient's
-  application; unbounded in principle, it grows with the number of workers (and, in server mode, includes the worker's
-  own earlier pushes still queued). One hogwild worker has lag 0.
+application. Hogwild: each update of another worker falls between the pull and the push of at most one update of a
+worker, so the mean lag over a run is at most W - 1 (equal in lockstep); one worker has lag 0. Server: a gradient's lag
+counts at most 3 of its worker's own (two slots and the one being applied), and each update of another worker counts
+in at most 4 of a worker's gradients (a push waits for the slot of the gradient two back): mean lag <= 4W - 1.
 Determinism: none across runs with several workers or in server mode (arrival order is the hardware's); one hogwild
-  worker with `--torch-deterministic` on CPU is reproducible.
+worker with `--torch-deterministic` on CPU is reproducible.
 
 Examples:
   python a3c_large_batch.py --env-id ALE/Breakout-v5                                  # 4 workers x 16 envs, hogwild
@@ -28,6 +28,8 @@ Examples:
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import ctypes
 import errno
 import io
@@ -41,8 +43,13 @@ import threading
 import time
 import traceback
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+from multiprocessing.process import BaseProcess
+from multiprocessing.queues import Queue
+from multiprocessing.sharedctypes import Synchronized
+from multiprocessing.synchronize import Event, Lock
 from pathlib import Path
+from typing import Literal, NamedTuple
 
 import gymnasium as gym
 import numpy as np
@@ -51,11 +58,10 @@ import torch.multiprocessing as mp
 import tyro
 from torch import nn
 
-from common.atari import PROTOCOLS, EnvError, check_env_args, finished_episodes, make_env, make_vector_env
-from common.models import NETWORKS, make_model
+from common.atari import EnvError, check_env_args, finished_episodes, make_env, make_vector_env
+from common.models import make_model
 
-UPDATE_MODES = ("hogwild", "server")
-OPTIMIZERS = ("rmsprop", "sgd")
+# ---- Args ----
 
 
 @dataclass
@@ -70,7 +76,7 @@ class Args:
     """use a GPU for the workers' inference and the server's model when one is present"""
     env_id: str = "ALE/Breakout-v5"
     """gymnasium id; ALE ids run in ale-py's C++ vector env"""
-    atari_protocol: str = "deepmind"
+    atari_protocol: Literal["deepmind", "machado"] = "deepmind"
     """ALE preprocessing: `deepmind` (the GALA paper's Table 2 setting) or `machado`"""
     total_timesteps: int = 10_000_000
     """agent steps summed over all envs of all workers"""
@@ -88,17 +94,20 @@ class Args:
     """evaluate with argmax actions (GALA Table 1's protocol for A3C); `--no-eval-greedy` samples from the policy"""
     capture_video: bool = False
     """record videos of the evaluation episodes to {run_dir}/videos"""
-    network: str = "auto"
+    network: Literal["auto", "nature", "impala", "mlp"] = "auto"
     """`nature` (GALA Appendix C.2), `impala`, `mlp`, or `auto` (nature for frames, mlp for flat observations)"""
 
-    update: str = "hogwild"
+    update: Literal["hogwild", "server"] = "hogwild"
     """`hogwild` (lock-free shared parameters and RMSprop statistics) or `server` (a gradient server process)"""
     num_workers: int = 4
     """worker processes (4 x 16 = the 64 simulators of GALA's Figure 4)"""
     num_envs_per_worker: int = 16
     """simulators per worker, stepped together with batched inference (16: Stooke & Abbeel; 1: original A3C)"""
+    env_threads: int = 1
+    """ale-py stepping threads per worker's vector env (0 = the machine's cores / workers)"""
     torch_threads: int = 1
-    """torch intra-op threads per process (the process count already uses the cores)"""
+    """torch intra-op threads of each worker (each is a learner) and of the gradient server (0 = the machine's cores /
+    workers); 1 by default, as the worker processes already use the cores"""
     # GALA Table 2 (A2C, GALA-A2C and A3C)
     num_steps: int = 5
     """horizon N: steps per env between pushes"""
@@ -106,14 +115,14 @@ class Args:
     """base learning rate (Table 2: no scaling with the number of learners for A3C)"""
     anneal_lr: bool = False
     """linearly anneal the learning rate to 0 over the run (Table 2 lists no schedule)"""
-    optimizer: str = "rmsprop"
+    optimizer: Literal["rmsprop", "sgd"] = "rmsprop"
     """`rmsprop` (Table 2) or `sgd` (plain p -= lr g, for checks)"""
     rmsprop_alpha: float = 0.99
     """RMSprop smoothing constant (Table 2: 0.99, momentum 0)"""
     rmsprop_eps: float = 1e-3
-    """RMSprop epsilon, added outside the square root as in PyTorch (GALA's implementation language), where Table 2's
+    """RMSprop epsilon, added outside the square root as in PyTorch (GALA's implementation language); there Table 2's
     0.01 turns the clipped gradients' steps into small plain-SGD steps and Pong does not learn, and GALA's code's 1e-5
-    lets 4 hogwild workers' first, stale steps kill the ReLUs; 1e-4 and 1e-3 learn (README)"""
+    lets the first, stale hogwild steps kill the ReLUs (the A3C eps study in benchmarks/RESULTS.md)"""
     max_grad_norm: float = 0.5
     """clip each pushed gradient to this global norm"""
     ent_coef: float = 0.01
@@ -128,9 +137,7 @@ class Args:
     """seconds between console lines"""
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Pure algorithm functions
-# ----------------------------------------------------------------------------------------------------------------
+# ---- Algorithm ----
 
 
 def n_step_returns(rewards: torch.Tensor, dones: torch.Tensor, bootstrap: torch.Tensor, gamma: float) -> torch.Tensor:
@@ -231,9 +238,7 @@ def copy_flat_into(tensors: list[torch.Tensor], flat: torch.Tensor) -> None:
         offset += t.numel()
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Shared state, pull/push, and the process bodies
-# ----------------------------------------------------------------------------------------------------------------
+# ---- Storage and messages ----
 
 
 class Stop(Exception):
@@ -244,26 +249,83 @@ class NonFiniteLoss(RuntimeError):
     pass
 
 
+class WriteError(RuntimeError):
+    """A checkpoint or model file could not be written: "<reason> while writing <path>"."""
+
+
+class Update(NamedTuple):
+    """worker (hogwild) or gradient server -> main, on `log_q`: one gradient applied to the shared model."""
+
+    worker: int
+    steps: int  # agent steps of the rollout behind the gradient
+    pulled: int  # version of the parameters the rollout acted with
+    version: int  # version this gradient made (in server mode the server sets it when it applies the gradient)
+    lr: float
+    losses: dict[str, float]  # policy_loss, value_loss, entropy, total_loss, grad_norm
+    episodes: list[tuple[float, int]]  # (return, length) of the games that ended in the rollout
+    timing: dict[str, float]  # seconds per phase: pull, rollout, train, then push (hogwild) or server_apply
+
+    @property
+    def lag(self) -> int:
+        """Updates applied to the shared model between this rollout's pull and this gradient."""
+        return self.version - 1 - self.pulled
+
+
+class WorkerDone(NamedTuple):
+    """worker -> main, on `log_q` (server mode: forwarded by the server after the worker's last gradient): the step
+    budget is used up."""
+
+    worker: int
+
+
+class ServerDone(NamedTuple):
+    """gradient server -> main, on `log_q`: every queued gradient is applied (and the final checkpoint written)."""
+
+    version: int
+
+
+class Gradient(NamedTuple):
+    """worker -> gradient server, on `grad_q`: a gradient waits in `grad_slots[update.worker, slot]`."""
+
+    slot: int
+    update: Update  # version 0: not applied yet
+
+
+class SaveCheckpoint(NamedTuple):
+    """main -> gradient server, on `grad_q`: write the model and optimizer it owns, with `extra`, to `path`."""
+
+    path: str
+    extra: dict  # args, meta, RNG state: what main adds to every checkpoint
+
+
+class Finish(NamedTuple):
+    """main -> gradient server, on `grad_q`, once the workers are done or stopped, so behind all their gradients: write
+    the final checkpoint to `path` unless it is None, send ServerDone and return."""
+
+    path: str | None
+    extra: dict
+
+
 @dataclass
 class Shared:
     """Everything the processes share (handed over at process start; tensors and locks live in shared memory)."""
 
-    stop: object  # mp.Event: the run is shutting down
-    log_q: object  # mp.Queue -> main: ("update", ...), ("done", worker), ("server_done", version)
-    error_q: object  # mp.Queue -> main: "<who> died:\n<traceback>"
-    steps_claimed: object  # mp.Value int64: agent steps handed out to rollouts (the budget counter)
+    stop: Event  # the run is shutting down
+    log_q: Queue  # -> main: Update, WorkerDone, ServerDone
+    error_q: Queue  # -> main: "<who> died:\n<traceback>"
+    steps_claimed: Synchronized  # int64: agent steps handed out to rollouts (the budget counter)
     parent_pid: int
     # hogwild
-    params: list | None = None  # shared-memory parameters of the model
+    params: list[torch.Tensor] | None = None  # shared-memory parameters of the model
     optimizer: SharedRMSprop | None = None
-    updates: object | None = None  # mp.Value int64: gradients applied so far (the parameters' version)
+    updates: Synchronized | None = None  # int64: gradients applied so far (the parameters' version)
     # server
-    grad_q: object | None = None  # mp.Queue workers/main -> server: ("grad", ...), ("save", ...), ("stop", ...)
+    grad_q: Queue | None = None  # workers -> server: Gradient, WorkerDone; main -> server: SaveCheckpoint, Finish
     grad_slots: torch.Tensor | None = None  # [W, 2, P] shared gradient slots
-    free_slots: list | None = None  # per worker mp.Queue of free slot indices (0, 1)
+    free_slots: list[Queue] | None = None  # per worker: its free slot indices (0, 1)
     published: torch.Tensor | None = None  # [P] latest parameters
-    version: object | None = None  # mp.Value int64: version of `published` = gradients applied
-    param_lock: object | None = None  # guards (published, version) so a pull never mixes two versions
+    version: ctypes.c_int64 | None = None  # version of `published` = gradients applied
+    param_lock: Lock | None = None  # guards (published, version) so a pull never mixes two versions
 
 
 def should_stop(shared: Shared) -> bool:
@@ -271,7 +333,7 @@ def should_stop(shared: Shared) -> bool:
     return shared.stop.is_set() or os.getppid() != shared.parent_pid
 
 
-def blocking_get(q, shared: Shared):
+def blocking_get(q: Queue, shared: Shared):
     """`q.get()` that gives up when the run stops (wakes once a second to look; no busy wait)."""
     while True:
         try:
@@ -313,51 +375,61 @@ def push_hogwild(shared: Shared, grads: list[torch.Tensor], lr: float) -> int:
         return shared.updates.value
 
 
-def push_server(shared: Shared, worker: int, grads: list[torch.Tensor], message: tuple) -> None:
-    """Write a gradient into a free slot of this worker and queue it for the server (returns before it is applied)."""
-    slot = blocking_get(shared.free_slots[worker], shared)  # a free slot: the server applied this slot's last gradient
-    copy_into_flat(shared.grad_slots[worker, slot], grads)
-    shared.grad_q.put(("grad", worker, slot, *message))
+def push_server(shared: Shared, grads: list[torch.Tensor], update: Update) -> None:
+    """Write a gradient into a free slot of its worker and queue it for the server (returns before it is applied)."""
+    slot = blocking_get(shared.free_slots[update.worker], shared)  # free: the server copied this slot's last gradient
+    copy_into_flat(shared.grad_slots[update.worker, slot], grads)
+    shared.grad_q.put(Gradient(slot, update))
+
+
+# ---- Workers ----
 
 
 def die_with_parent(parent_pid: int) -> None:
     """Linux: the kernel kills this process when the main process dies, even by kill -9, so no child outlives the run.
-    The main process may have died before prctl ran: then exit at once."""
+    The main process may have died before prctl ran: then exit at once. Signals are the main process's to handle."""
     try:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):  # no prctl (not Linux)
         pass
     if os.getppid() != parent_pid:
         os._exit(0)
-
-
-def worker_process(worker: int, args: Args, shared: Shared, device_name: str) -> None:
-    """Run `worker_loop`, reporting any exception with its traceback to the main process."""
-    die_with_parent(shared.parent_pid)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the main process coordinates Ctrl+C / SIGTERM
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})  # blocked by main around start()
+
+
+def threads(requested: int, workers: int) -> int:
+    """`--torch-threads` / `--env-threads`: the value given, or for 0 the machine's cores shared by the workers."""
+    return requested or max(1, (os.cpu_count() or 1) // workers)
+
+
+def child_process(who: str, shared: Shared, body, *body_args) -> None:
+    """A worker's or the gradient server's process: run `body`, reporting an error to the main process in one line
+    (a non-finite loss, a full disk) or with its traceback."""
+    die_with_parent(shared.parent_pid)
     try:
-        worker_loop(worker, args, shared, torch.device(device_name))
+        body(*body_args)
     except Stop:
         pass
-    except NonFiniteLoss as e:
-        shared.error_q.put(f"error: worker {worker}: {e}; stopping (the last checkpoint, if any, is kept)")
+    except (NonFiniteLoss, WriteError) as e:
+        shared.error_q.put(f"error: {e} ({who}); stopping (the last good checkpoint, if any, is kept)")
         raise SystemExit(1) from None
     except BaseException:
-        shared.error_q.put(f"error: worker {worker} died:\n{traceback.format_exc()}")
+        shared.error_q.put(f"error: {who} died:\n{traceback.format_exc()}")
         raise SystemExit(1) from None
 
 
 def worker_loop(worker: int, args: Args, shared: Shared, device: torch.device) -> None:
     """Mnih et al. 2016, Algorithm S3, for a batch of `num_envs_per_worker` simulators."""
-    torch.set_num_threads(args.torch_threads)
+    torch.set_num_threads(threads(args.torch_threads, args.num_workers))
     torch.use_deterministic_algorithms(args.torch_deterministic, warn_only=True)
     n, T = args.num_envs_per_worker, args.num_steps
     start_step = shared.steps_claimed.value  # > 0 after --resume: fresh action noise, not a replay
     envs = make_vector_env(
-        args.env_id, n, args.seed + 10_000 * worker + start_step, protocol=args.atari_protocol, num_threads=1
-    )
+        args.env_id, n, args.seed + 10_000 * worker + start_step, protocol=args.atari_protocol,
+        num_threads=threads(args.env_threads, args.num_workers),
+    )  # fmt: skip
     try:
         model = make_model(envs.single_observation_space, envs.single_action_space, args.network).to(device)
         params = list(model.parameters())
@@ -375,7 +447,7 @@ def worker_loop(worker: int, args: Args, shared: Shared, device: torch.device) -
             if not global_step:
                 break
             t0 = time.perf_counter()
-            version = pull(shared, params)
+            pulled = pull(shared, params)
             t1 = time.perf_counter()
             episodes = []
             for t in range(T):
@@ -400,54 +472,33 @@ def worker_loop(worker: int, args: Args, shared: Shared, device: torch.device) -
                 raise NonFiniteLoss(f"non-finite loss {losses['total_loss'].item()} at global step {global_step}")
             model.zero_grad(set_to_none=False)
             losses["total_loss"].backward()
-            grad_norm = nn.utils.clip_grad_norm_(params, args.max_grad_norm)
-            if not torch.isfinite(grad_norm):
+            losses["grad_norm"] = nn.utils.clip_grad_norm_(params, args.max_grad_norm)
+            if not torch.isfinite(losses["grad_norm"]):
                 raise NonFiniteLoss(f"non-finite gradient norm at global step {global_step}")
-            stats = tuple(torch.stack([*(losses[k].detach() for k in LOSS_NAMES[:4]), grad_norm]).tolist())
+            stats = dict(zip(losses, torch.stack([v.detach() for v in losses.values()]).tolist(), strict=True))
             lr = args.learning_rate
             if args.anneal_lr:
                 lr *= 1.0 - (global_step - batch) / args.total_timesteps
             obs_buf[0].copy_(obs_buf[T])
             t3 = time.perf_counter()
+            timing = dict(pull=t1 - t0, rollout=t2 - t1, train=t3 - t2)
+            update = Update(worker, batch, pulled, 0, lr, stats, episodes, timing)
             grads = [p.grad for p in params]
             if shared.grad_q is None:
-                new_version = push_hogwild(shared, grads, lr)
-                t4 = time.perf_counter()
-                timing = (t1 - t0, t2 - t1, t3 - t2, t4 - t3)
-                lag = new_version - 1 - version  # updates that landed between this pull and this update
-                shared.log_q.put(("update", worker, batch, new_version, lag, lr, stats, episodes, timing))
+                version = push_hogwild(shared, grads, lr)
+                shared.log_q.put(update._replace(version=version, timing={**timing, "push": time.perf_counter() - t3}))
             else:
-                push_server(shared, worker, grads, (version, batch, lr, stats, episodes, (t1 - t0, t2 - t1, t3 - t2)))
-        shared.log_q.put(("done", worker))
+                push_server(shared, grads, update)
+        # server mode: through the server, behind this worker's gradients, so that main's Finish cannot overtake them
+        (shared.log_q if shared.grad_q is None else shared.grad_q).put(WorkerDone(worker))
     finally:
         envs.close()
 
 
-LOSS_NAMES = ("policy_loss", "value_loss", "entropy", "total_loss", "grad_norm")
-# seconds per update: the worker's pull, rollout, gradient; then its lock-free apply (hogwild) or the server's apply
-TIMING_NAMES = {"hogwild": ("pull", "rollout", "train", "push"), "server": ("pull", "rollout", "train", "server_apply")}
-
-
-def gradient_server(model: nn.Module, args: Args, shared: Shared, device_name: str, state: dict | None) -> None:
+def gradient_server(model: nn.Module, args: Args, shared: Shared, device: torch.device, state: dict | None) -> None:
     """The push-pull gradient server: apply gradients in arrival order, publish versioned parameters."""
-    die_with_parent(shared.parent_pid)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
-    try:
-        torch.set_num_threads(args.torch_threads)
-        server_loop(model, args, shared, torch.device(device_name), state or {})
-    except Stop:
-        pass
-    except WriteError as e:
-        shared.error_q.put(f"{e}; stopping (the last good checkpoint is kept)")
-        raise SystemExit(1) from None
-    except BaseException:
-        shared.error_q.put(f"error: gradient server died:\n{traceback.format_exc()}")
-        raise SystemExit(1) from None
-
-
-def server_loop(model: nn.Module, args: Args, shared: Shared, device: torch.device, state: dict) -> None:
+    torch.set_num_threads(threads(args.torch_threads, args.num_workers))
+    state = state or {}
     model = model.to(device)
     params = list(model.parameters())
     optimizer = make_optimizer(params, args)
@@ -461,51 +512,41 @@ def server_loop(model: nn.Module, args: Args, shared: Shared, device: torch.devi
         except queue.Empty:
             if os.getppid() != shared.parent_pid:
                 raise Stop from None
-            continue  # the main process ends the server with a "stop" message, after the workers
-        kind = message[0]
-        if kind == "grad":
-            _, worker, slot, pulled, steps, lr, stats, episodes, timing = message
-            t0 = time.perf_counter()
-            copy_flat_into(grads, shared.grad_slots[worker, slot])
-            shared.free_slots[worker].put(slot)  # copied out: the worker may write this slot again
-            optimizer.step(grads, lr)
+            continue  # the main process ends the server with a Finish message, after the workers
+        if isinstance(message, Gradient):
+            update, t0 = message.update, time.perf_counter()
+            copy_flat_into(grads, shared.grad_slots[update.worker, message.slot])
+            shared.free_slots[update.worker].put(message.slot)  # copied out: the worker may write this slot again
+            optimizer.step(grads, update.lr)
             flat = flatten(params).cpu()
             with shared.param_lock:
                 shared.published.copy_(flat)
                 shared.version.value += 1
                 version = shared.version.value
-            global_step += steps
-            timing = (*timing, time.perf_counter() - t0)
-            shared.log_q.put(("update", worker, steps, version, version - 1 - pulled, lr, stats, episodes, timing))
-        elif kind == "save":  # ("save", path, extra): a checkpoint of the model and optimizer this process owns
-            _, path, extra = message
-            state = dict(model={k: v.cpu() for k, v in model.state_dict().items()}, optimizer=optimizer.state_dict())
-            atomic_save({**state, "global_step": global_step, "version": shared.version.value, **extra}, Path(path))
-        elif kind == "stop":  # after every queued gradient (FIFO): each one is applied exactly once
-            _, path, extra = message
-            if path is not None:
-                shared.grad_q.put(("save", path, extra))
-                shared.grad_q.put(("stop", None, None))
-                continue
-            shared.log_q.put(("server_done", shared.version.value))
-            return
+            global_step += update.steps
+            timing = {**update.timing, "server_apply": time.perf_counter() - t0}
+            shared.log_q.put(update._replace(version=version, timing=timing))
+        elif isinstance(message, WorkerDone):
+            shared.log_q.put(message)
+        elif isinstance(message, (SaveCheckpoint, Finish)):
+            if message.path is not None:
+                own = dict(model={k: v.cpu() for k, v in model.state_dict().items()}, optimizer=optimizer.state_dict())
+                checkpoint = {**own, "global_step": global_step, "version": shared.version.value, **message.extra}
+                atomic_save(checkpoint, Path(message.path))
+            if isinstance(message, Finish):
+                shared.log_q.put(ServerDone(shared.version.value))
+                return
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Setup helpers: validation, checkpoints, evaluation
-# ----------------------------------------------------------------------------------------------------------------
+# ---- Lifecycle ----
 
 
 def validate(args: Args) -> str | None:
-    """Every flag checked before anything is spawned; returns the error line or None."""
+    """Every flag checked before anything is spawned; returns the error line or None (tyro checks the choices)."""
     for name, value in asdict(args).items():
         if isinstance(value, float) and not math.isfinite(value):
             return f"--{name.replace('_', '-')} must be a finite number, got {value}"
-    if args.update not in UPDATE_MODES:
-        return f"--update must be one of {', '.join(UPDATE_MODES)}, got {args.update!r}"
-    if args.optimizer not in OPTIMIZERS:
-        return f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {args.optimizer!r}"
-    for name in ("num_workers", "num_envs_per_worker", "num_steps", "torch_threads", "log_frequency"):
+    for name in ("num_workers", "num_envs_per_worker", "num_steps", "log_frequency"):
         if getattr(args, name) < 1:
             return f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}"
     for name in ("learning_rate", "max_grad_norm", "rmsprop_eps"):
@@ -515,17 +556,13 @@ def validate(args: Args) -> str | None:
         return f"--rmsprop-alpha must be in [0, 1), got {args.rmsprop_alpha}"
     if not 0 < args.gamma <= 1:
         return f"--gamma must be in (0, 1], got {args.gamma}"
-    for name in ("ent_coef", "vf_coef", "checkpoint_interval", "eval_episodes", "log_interval"):
+    for name in ("env_threads", "torch_threads", "ent_coef", "vf_coef", "checkpoint_interval", "eval_episodes",
+                 "log_interval"):  # fmt: skip
         if getattr(args, name) < 0:
             return f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}"
-    if args.network not in NETWORKS:
-        return f"--network must be one of {', '.join(NETWORKS)}, got {args.network!r}"
-    if args.atari_protocol not in PROTOCOLS:
-        return f"--atari-protocol must be one of {', '.join(PROTOCOLS)}, got {args.atari_protocol!r}"
     if args.resume is not None and not Path(args.resume).is_file():
         return f"--resume {args.resume}: no such checkpoint file"
-    batch = args.num_envs_per_worker * args.num_steps
-    if args.total_timesteps < batch:
+    if args.total_timesteps < args.num_envs_per_worker * args.num_steps:
         return (
             f"--total-timesteps ({args.total_timesteps}) is less than one rollout "
             f"({args.num_envs_per_worker} envs x {args.num_steps} steps)"
@@ -538,12 +575,12 @@ def validate(args: Args) -> str | None:
     if not isinstance(act_space, gym.spaces.Discrete):
         return (
             f"{args.env_id} has a continuous action space ({act_space}); a3c_large_batch.py handles Discrete "
-            f"action spaces only (for continuous actions: apex.py --algo ddpg)"
+            f"action spaces only (for continuous actions: apex_ddpg.py)"
         )
     return None
 
 
-def env_spaces(args: Args):
+def env_spaces(args: Args) -> tuple[gym.Space, gym.Space]:
     """(observation space, action space) of one env of the training vector env."""
     probe = make_vector_env(args.env_id, 1, args.seed, protocol=args.atari_protocol, num_threads=1)
     spaces = probe.single_observation_space, probe.single_action_space
@@ -577,7 +614,7 @@ def new_run_dir(args: Args) -> Path:
             fail(f"cannot create the run directory {run_dir}: {e.strerror or e}")
 
 
-def checkpoint_meta(args: Args, obs_space, act_space) -> dict:
+def checkpoint_meta(args: Args, obs_space: gym.Space, act_space: gym.spaces.Discrete) -> dict:
     """What a checkpoint must match to be resumed by this run: script, update mode, env, network and shapes."""
     return dict(
         script=Path(__file__).name,
@@ -609,21 +646,27 @@ def load_checkpoint(path: str, meta: dict) -> dict:
     return checkpoint
 
 
+def os_error_reason(e: OSError) -> str:
+    return "no space left on device" if e.errno == errno.ENOSPC else (e.strerror or str(e))
+
+
 def events_error(e: OSError, run_dir: Path) -> str:
     """The error line for a TensorBoard events file that cannot be written (a full disk, most often). TensorBoard's
     writer thread dies of it and the main thread gets it at its next write; the thread is kept from printing its own
     traceback (`threading.excepthook`), so the run reports it in this one line."""
-    reason = "no space left on device" if e.errno == errno.ENOSPC else (e.strerror or str(e))
-    return f"error: {reason} while writing the TensorBoard events in {run_dir}; stopping"
+    return f"error: {os_error_reason(e)} while writing the TensorBoard events in {run_dir}; stopping"
 
 
-def quiet_writer_thread() -> None:
+def open_writer(run_dir: Path, args: Args):
+    """The run's TensorBoard writer, with the hyperparameter table; its thread's OSErrors are reported by main."""
+    from torch.utils.tensorboard import SummaryWriter  # after the forks: the writer runs a thread
+
     default = threading.excepthook
     threading.excepthook = lambda hook_args: None if issubclass(hook_args.exc_type, OSError) else default(hook_args)
-
-
-class WriteError(RuntimeError):
-    """A checkpoint or model file could not be written; the message is the error line."""
+    writer = SummaryWriter(str(run_dir))
+    table = "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items())
+    writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
+    return writer
 
 
 def atomic_save(obj, path: Path) -> None:
@@ -640,21 +683,44 @@ def atomic_save(obj, path: Path) -> None:
         os.replace(tmp, path)
     except OSError as e:
         tmp.unlink(missing_ok=True)
-        reason = "no space left on device" if e.errno == errno.ENOSPC else (e.strerror or str(e))
-        raise WriteError(f"error: {reason} while writing {path}") from None
+        raise WriteError(f"{os_error_reason(e)} while writing {path}") from None
+
+
+@dataclass
+class Checkpoints:
+    """checkpoint.pt of this run: main writes it in hogwild mode, the gradient server (which owns the model and the
+    optimizer) in server mode."""
+
+    args: Args
+    meta: dict
+    path: Path
+    model: nn.Module  # hogwild: the shared model
+    shared: Shared
+
+    def extra(self) -> dict:
+        return dict(update=self.args.update, args=asdict(self.args), torch_rng=torch.get_rng_state(), meta=self.meta)
+
+    def write(self, global_step: int) -> None:
+        if self.shared.grad_q is not None:
+            self.shared.grad_q.put(SaveCheckpoint(str(self.path), self.extra()))
+            return
+        own = dict(model=self.model.state_dict(), optimizer=self.shared.optimizer.state_dict())
+        atomic_save(
+            {**own, "global_step": global_step, "version": self.shared.updates.value, **self.extra()}, self.path
+        )
+
+    def finish_message(self) -> Finish:
+        return Finish(str(self.path) if self.args.checkpoint_interval else None, self.extra())
 
 
 def evaluate(model: nn.Module, args: Args, run_dir: Path) -> list[float]:
     """Play `eval_episodes` full games with the final policy, true returns; argmax actions with `--eval-greedy`
     (GALA Table 1), sampled ones otherwise."""
+    seed, video_dir = args.seed + 1_000_003, str(run_dir / "videos")
     env = make_env(
-        args.env_id,
-        args.seed + 1_000_003,
-        protocol=args.atari_protocol,
-        capture_video=args.capture_video,
-        video_dir=str(run_dir / "videos"),
+        args.env_id, seed, protocol=args.atari_protocol, capture_video=args.capture_video, video_dir=video_dir
     )
-    generator = torch.Generator().manual_seed(args.seed + 1_000_003)
+    generator = torch.Generator().manual_seed(seed)
     returns = []
     obs, _ = env.reset()
     while len(returns) < args.eval_episodes:
@@ -685,57 +751,265 @@ class StopSignals:
         self.requested.set()
 
 
-class Aggregate:
-    """Means over the last `log_frequency` update records, for TensorBoard."""
+@dataclass
+class Progress:
+    """Main's view of the run, from the messages on `log_q`: the step count, TensorBoard points (episodes as they
+    end; lag, losses and timings averaged over `log_frequency` updates) and the console line."""
 
-    def __init__(self, timing_names: tuple[str, ...]):
-        self.timing_names = timing_names
-        self.sums: dict[str, float] = {}
-        self.count, self.lag_max = 0, 0
+    writer: torch.utils.tensorboard.SummaryWriter  # imported after the forks: it runs a thread
+    log_frequency: int
+    global_step: int
+    lr: float
+    server_done: bool  # True from the start in hogwild mode
+    start_time: float = field(default_factory=time.time)
+    start_step: int = field(init=False)
+    updates: int = 0
+    lag: int = 0  # of the latest update
+    workers_done: set[int] = field(default_factory=set)
+    returns: deque[float] = field(default_factory=lambda: deque(maxlen=20))
+    sums: dict[str, float] = field(default_factory=dict)  # over the updates since the last TensorBoard point
+    count: int = 0
+    lag_max: int = 0
 
-    def add(self, lag: int, stats: tuple, timing: tuple) -> None:
-        values = {"charts/policy_lag": lag, **{f"losses/{k}": v for k, v in zip(LOSS_NAMES, stats, strict=True)}}
-        values.update({f"timing/{k}": v for k, v in zip(self.timing_names, timing, strict=True)})
+    def __post_init__(self):
+        self.start_step = self.global_step
+
+    def handle(self, update: Update | WorkerDone | ServerDone) -> None:
+        if isinstance(update, WorkerDone):
+            self.workers_done.add(update.worker)
+            return
+        if isinstance(update, ServerDone):
+            self.server_done = True
+            return
+        self.global_step += update.steps
+        self.updates += 1
+        self.lag, self.lr = update.lag, update.lr
+        for ret, length in update.episodes:
+            self.writer.add_scalar("charts/episodic_return", ret, self.global_step)
+            self.writer.add_scalar("charts/episodic_length", length, self.global_step)
+            self.returns.append(ret)
+        values = {"charts/policy_lag": update.lag, **{f"losses/{k}": v for k, v in update.losses.items()}}
+        values.update({f"timing/{k}": v for k, v in update.timing.items()})
         for k, v in values.items():
             self.sums[k] = self.sums.get(k, 0.0) + v
         self.count += 1
-        self.lag_max = max(self.lag_max, lag)
+        self.lag_max = max(self.lag_max, update.lag)
+        if self.count >= self.log_frequency:
+            self.write()
 
-    def write(self, writer, global_step: int) -> None:
+    def write(self) -> None:
+        """One TensorBoard point of the averages (and SPS, learning rate) if any update came since the last one."""
+        if not self.count:
+            return
         for k, v in self.sums.items():
-            writer.add_scalar(k, v / self.count, global_step)
-        writer.add_scalar("charts/policy_lag_max", self.lag_max, global_step)
+            self.writer.add_scalar(k, v / self.count, self.global_step)
+        self.writer.add_scalar("charts/policy_lag_max", self.lag_max, self.global_step)
+        self.writer.add_scalar("charts/SPS", self.sps(), self.global_step)
+        self.writer.add_scalar("charts/learning_rate", self.lr, self.global_step)
         self.sums, self.count, self.lag_max = {}, 0, 0
 
-
-def shutdown(procs: dict, shared: Shared, drain, grace: float) -> list[str]:
-    """Stop processes within `grace` seconds: set `stop`, keep draining the log queue while they exit (a process
-    waits for its queued messages to reach the pipe before exiting), kill what is left and return their names. After
-    a death the grace is short: a process killed while writing to a queue leaves its lock held, and the others' exits
-    would hang on it."""
-    shared.stop.set()
-    deadline = time.time() + grace
-    while any(p.is_alive() for p in procs.values()) and time.time() < deadline:
+    def drain(self, log_q: Queue, timeout: float) -> None:
+        """Handle every message on `log_q`, waiting up to `timeout` seconds for the first."""
         try:
-            drain(0.2)
-        except OSError:  # TensorBoard's events file cannot be written (reported by the caller): keep stopping
-            time.sleep(0.2)
-    killed = []
-    for name, p in procs.items():
-        if p.is_alive():
-            p.kill()
-            killed.append(name)
-        p.join(timeout=2.0)
+            self.handle(log_q.get(timeout=timeout) if timeout else log_q.get_nowait())
+            while True:
+                self.handle(log_q.get_nowait())
+        except queue.Empty:
+            pass
+
+    def sps(self) -> float:
+        return (self.global_step - self.start_step) / max(1e-9, time.time() - self.start_time)
+
+    def console_line(self) -> str:
+        mean_return = np.mean(self.returns) if self.returns else math.nan
+        return (
+            f"global_step={self.global_step} SPS={self.sps():.0f} mean_return={mean_return:.2f} "
+            f"updates={self.updates} policy_lag={self.lag}"
+        )
+
+
+class Processes:
+    """The worker processes and the gradient server: started together, watched, stopped workers first."""
+
+    def __init__(self, procs: dict[str, BaseProcess], shared: Shared):
+        self.procs, self.shared, self.finish_sent = procs, shared, False
+
+    def start(self) -> None:
+        """Children start with SIGINT/SIGTERM blocked, then ignore them: Ctrl+C reaches the whole process group."""
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        try:
+            for p in self.procs.values():
+                p.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+
+    def failure(self, ignore: tuple[str, ...] = ()) -> str | None:
+        """The error line of the first process that exited with an error: its own if it lived to send one (a process
+        killed by a signal did not)."""
+        for name, p in self.procs.items():
+            if name not in ignore and p.exitcode is not None and p.exitcode != 0:
+                if p.exitcode > 0:
+                    with contextlib.suppress(queue.Empty):
+                        return self.shared.error_q.get(timeout=2.0)
+                how = f"killed by signal {-p.exitcode}" if p.exitcode < 0 else f"exit status {p.exitcode}"
+                return f"error: {name} died ({how}); stopping the run"
+        return None
+
+    def finish_server(self, message: Finish) -> None:
+        if self.shared.grad_q is not None and not self.finish_sent:
+            self.shared.grad_q.put(message)
+            self.finish_sent = True
+
+    def stop(self, names: list[str], progress: Progress, grace: float) -> list[str]:
+        """Stop these processes within `grace` seconds: set `stop`, keep draining the log queue while they exit (a
+        process waits for its queued messages to reach the pipe before exiting), kill what is left and return their
+        names. After a death the grace is short: a process killed while writing to a queue leaves its lock held, and
+        the others' exits would hang on it."""
+        self.shared.stop.set()
+        procs = [(name, self.procs[name]) for name in names]
+        deadline = time.time() + grace
+        while any(p.is_alive() for _, p in procs) and time.time() < deadline:
+            try:
+                progress.drain(self.shared.log_q, 0.2)
+            except OSError:  # TensorBoard's events file cannot be written (reported by the caller): keep stopping
+                time.sleep(0.2)
+        killed = []
+        for name, p in procs:
+            if p.is_alive():
+                p.kill()
+                killed.append(name)
+            p.join(timeout=2.0)
+        try:
+            progress.drain(self.shared.log_q, 0.0)
+        except OSError:
+            pass
+        return killed
+
+    def shut_down(
+        self, progress: Progress, checkpoints: Checkpoints, failure: str | None, interrupted: bool
+    ) -> str | None:
+        """Stop the workers, then let the server apply what is queued and write the final checkpoint, then stop it.
+        Returns the run's failure line, if any."""
+        workers = [name for name in self.procs if name.startswith("worker")]
+        killed = self.stop(workers, progress, grace=4.0 if failure is None else 1.0)
+        server = self.procs.get("gradient server")
+        if server is not None:
+            if failure is None and server.is_alive():
+                self.finish_server(checkpoints.finish_message())
+                deadline = time.time() + 4.0
+                while not progress.server_done and server.is_alive() and time.time() < deadline:
+                    progress.drain(self.shared.log_q, 0.2)
+            killed += self.stop(["gradient server"], progress, grace=1.0)
+            if failure is None and not progress.server_done:
+                failure = self.failure() or "error: the gradient server did not finish; stopping"
+        if interrupted and killed:  # e.g. Ctrl+C while a worker was still starting up: not a crash
+            print(f"{', '.join(killed)} did not stop in time after the interrupt: killed", file=sys.stderr)
+        done = [f"worker {w}" for w in progress.workers_done] + (["gradient server"] if progress.server_done else [])
+        slow = [name for name in killed if interrupted or name in done]  # killed while exiting, its work done
+        return failure or self.failure(ignore=tuple(slow))
+
+
+def make_processes(
+    args: Args, model: nn.Module, checkpoint: dict | None, version: int, global_step: int, device: str
+) -> Processes:
+    """The shared state of `--update` and the (not yet started) processes; hogwild moves `model` to shared memory."""
+    ctx = mp.get_context("spawn" if device == "cuda" else "fork")  # CUDA cannot be used in forked children
+    shared = Shared(
+        stop=ctx.Event(),
+        log_q=ctx.Queue(),
+        error_q=ctx.Queue(),
+        steps_claimed=ctx.Value("q", global_step),
+        parent_pid=os.getpid(),
+    )
+    params = list(model.parameters())
+    procs: dict[str, BaseProcess] = {}
+    if args.update == "hogwild":
+        model.share_memory()
+        shared.params, shared.updates = params, ctx.Value("q", version)
+        shared.optimizer = make_optimizer(params, args).share_memory()
+        if checkpoint:
+            shared.optimizer.load_state_dict(checkpoint["optimizer"])
+    else:
+        shared.grad_q = ctx.Queue()
+        shared.grad_slots = torch.zeros((args.num_workers, 2, sum(p.numel() for p in params))).share_memory_()
+        shared.free_slots = [ctx.Queue() for _ in range(args.num_workers)]
+        for q in shared.free_slots:
+            q.put(0)
+            q.put(1)
+        shared.published = flatten(params).share_memory_()
+        shared.version, shared.param_lock = ctx.Value("q", version, lock=False), ctx.Lock()
+        server_model = copy.deepcopy(model)
+        state = {"global_step": global_step, **({"optimizer": checkpoint["optimizer"]} if checkpoint else {})}
+        body = (gradient_server, server_model, args, shared, torch.device(device), state)
+        procs["gradient server"] = ctx.Process(
+            target=child_process, args=("gradient server", shared, *body), daemon=True
+        )
+    for w in range(args.num_workers):
+        body = (worker_loop, w, args, shared, torch.device(device))
+        procs[f"worker {w}"] = ctx.Process(target=child_process, args=(f"worker {w}", shared, *body), daemon=True)
+    return Processes(procs, shared)
+
+
+def finish_run(
+    args: Args, model: nn.Module, processes: Processes, progress: Progress, checkpoints: Checkpoints, run_dir: Path,
+    failure: str | None, interrupted: bool,
+) -> str | None:  # fmt: skip
+    """After the processes stopped: main's model becomes the final one, the final checkpoint (hogwild), model.pt, the
+    last TensorBoard point, the final console line, the evaluation. Returns the failure line, if any."""
+    shared = processes.shared
+    if shared.grad_q is not None:  # main's view of the shared model: the latest published version
+        with torch.no_grad():
+            copy_flat_into(list(model.parameters()), shared.published)
     try:
-        drain(0.0)
-    except OSError:
-        pass
-    return killed
+        if failure is None and args.checkpoint_interval and shared.grad_q is None:
+            checkpoints.write(progress.global_step)
+        if failure is None and not interrupted and args.save_model:
+            atomic_save(model.state_dict(), run_dir / "model.pt")
+    except WriteError as e:
+        failure = f"error: {e}; stopping (the last good checkpoint is kept)"
+    try:
+        progress.write()
+    except OSError as e:
+        failure = failure or events_error(e, run_dir)
+    print(progress.console_line(), flush=True)
+    if failure is None and not interrupted and args.eval_episodes:
+        for i, ret in enumerate(evaluate(model, args, run_dir)):
+            progress.writer.add_scalar("eval/episodic_return", ret, i)
+            print(f"eval episode {i}: return {ret:.1f}")
+    try:
+        progress.writer.close()
+    except OSError as e:
+        failure = failure or events_error(e, run_dir)
+    return failure
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# main
-# ----------------------------------------------------------------------------------------------------------------
+# ---- Main ----
+
+
+def train(
+    args: Args, processes: Processes, progress: Progress, checkpoints: Checkpoints, signals: StopSignals
+) -> str | None:
+    """Log what the workers report, watch the processes and write checkpoints until every worker (and the server) is
+    done; returns the failure line of a process that died, or None. Raises KeyboardInterrupt on Ctrl+C / SIGTERM."""
+    last_print = last_checkpoint = last_check = time.time()
+    while len(progress.workers_done) < args.num_workers or not progress.server_done:
+        if signals.requested.is_set():
+            raise KeyboardInterrupt
+        if len(progress.workers_done) == args.num_workers and not processes.finish_sent:
+            processes.finish_server(checkpoints.finish_message())  # apply what is queued, final checkpoint, stop
+        progress.drain(processes.shared.log_q, 0.5)
+        now = time.time()
+        if now - last_check >= 0.5:
+            last_check = now
+            if failure := processes.failure():
+                return failure
+        if now - last_print >= args.log_interval:
+            print(progress.console_line(), flush=True)
+            last_print = now
+        if args.checkpoint_interval and now - last_checkpoint >= args.checkpoint_interval:
+            checkpoints.write(progress.global_step)
+            last_checkpoint = now
+    return None
 
 
 def main(args: Args) -> None:
@@ -746,9 +1020,8 @@ def main(args: Args) -> None:
     checkpoint = load_checkpoint(args.resume, meta) if args.resume else None
     signals = StopSignals()
 
-    use_cuda = args.cuda and torch.cuda.is_available()
-    device = "cuda" if use_cuda else "cpu"
-    torch.set_num_threads(args.torch_threads)
+    device = "cuda" if args.cuda and torch.cuda.is_available() else "cpu"
+    torch.set_num_threads(threads(args.torch_threads, args.num_workers))
     torch.manual_seed(args.seed)
     torch.backends.cudnn.deterministic = args.torch_deterministic
     torch.use_deterministic_algorithms(args.torch_deterministic, warn_only=True)
@@ -758,53 +1031,19 @@ def main(args: Args) -> None:
             fail(f"cannot write to the run directory {run_dir} of --resume {args.resume}")
     else:
         run_dir = new_run_dir(args)
-    checkpoint_path = run_dir / "checkpoint.pt"
 
     model = make_model(obs_space, act_space, args.network)  # hogwild: the shared model; server: main's view of it
     global_step, version = 0, 0
     if checkpoint:
         model.load_state_dict(checkpoint["model"])
         global_step, version = checkpoint["global_step"], checkpoint["version"]
-    params = list(model.parameters())
-
-    ctx = mp.get_context("spawn" if use_cuda else "fork")  # CUDA cannot be used in forked children
-    W, batch = args.num_workers, args.num_envs_per_worker * args.num_steps
-    shared = Shared(
-        stop=ctx.Event(),
-        log_q=ctx.Queue(),
-        error_q=ctx.Queue(),
-        steps_claimed=ctx.Value("q", global_step),
-        parent_pid=os.getpid(),
-    )
-    procs: dict[str, mp.Process] = {}
-    if args.update == "hogwild":
-        model.share_memory()
-        shared.params, shared.updates = params, ctx.Value("q", version)
-        shared.optimizer = make_optimizer(params, args).share_memory()
-        if checkpoint:
-            shared.optimizer.load_state_dict(checkpoint["optimizer"])
-    else:
-        num_params = sum(p.numel() for p in params)
-        shared.grad_q = ctx.Queue()
-        shared.grad_slots = torch.zeros((W, 2, num_params)).share_memory_()
-        shared.free_slots = [ctx.Queue() for _ in range(W)]
-        for q in shared.free_slots:
-            q.put(0)
-            q.put(1)
-        shared.published = flatten(params).share_memory_()
-        shared.version, shared.param_lock = ctx.Value("q", version, lock=False), ctx.Lock()
-        server_model = make_model(obs_space, act_space, args.network)
-        server_model.load_state_dict(model.state_dict())
-        state = {"global_step": global_step, **({"optimizer": checkpoint["optimizer"]} if checkpoint else {})}
-        procs["gradient server"] = ctx.Process(
-            target=gradient_server, args=(server_model, args, shared, device, state), daemon=True
-        )
-    for w in range(W):
-        procs[f"worker {w}"] = ctx.Process(target=worker_process, args=(w, args, shared, device), daemon=True)
+    processes = make_processes(args, model, checkpoint, version, global_step, device)
+    checkpoints = Checkpoints(args, meta, run_dir / "checkpoint.pt", model, processes.shared)
 
     print(
-        f"run directory: {run_dir}  ({W} workers x {args.num_envs_per_worker} envs, {args.update} updates, "
-        f"{args.num_steps}-step rollouts of {batch} agent steps, {device})",
+        f"run directory: {run_dir}  ({args.num_workers} workers x {args.num_envs_per_worker} envs, {args.update} "
+        f"updates, {args.num_steps}-step rollouts of {args.num_envs_per_worker * args.num_steps} agent steps, "
+        f"{device})",
         flush=True,
     )
     if signals.requested.is_set():  # Ctrl+C while setting up: stop before any process starts, leave nothing behind
@@ -812,168 +1051,25 @@ def main(args: Args) -> None:
             run_dir.rmdir()
         print("interrupted during start-up", file=sys.stderr)
         raise SystemExit(128 + signals.signum)
-    # children start with SIGINT/SIGTERM blocked, then ignore them: Ctrl+C reaches the whole process group
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    processes.start()
+    progress = Progress(open_writer(run_dir, args), args.log_frequency, global_step, args.learning_rate,
+                        server_done=args.update == "hogwild")  # fmt: skip
+
+    failure, interrupted = None, False
     try:
-        for p in procs.values():
-            p.start()
-    finally:
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
-
-    from torch.utils.tensorboard import SummaryWriter  # after the forks: the writer runs a thread
-
-    quiet_writer_thread()
-    writer = SummaryWriter(str(run_dir))
-    table = "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items())
-    writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
-
-    recent_returns: deque[float] = deque(maxlen=20)
-    aggregate = Aggregate(TIMING_NAMES[args.update])
-    start_time, start_step = time.time(), global_step
-    last_print = last_checkpoint = last_check = time.time()
-    workers_done, server_done = set(), args.update == "hogwild"
-    lr, last_lag, updates_seen = args.learning_rate, 0, 0
-    interrupted, failure, stop_sent = False, None, False
-
-    def handle(message) -> None:
-        nonlocal global_step, version, lr, last_lag, updates_seen, server_done
-        kind = message[0]
-        if kind == "update":
-            _, _, steps, version, last_lag, lr, stats, episodes, timing = message
-            global_step += steps
-            updates_seen += 1
-            for ret, length in episodes:
-                writer.add_scalar("charts/episodic_return", ret, global_step)
-                writer.add_scalar("charts/episodic_length", length, global_step)
-                recent_returns.append(ret)
-            aggregate.add(last_lag, stats, timing)
-            if aggregate.count >= args.log_frequency:
-                aggregate.write(writer, global_step)
-                writer.add_scalar("charts/SPS", sps(), global_step)
-                writer.add_scalar("charts/learning_rate", lr, global_step)
-        elif kind == "done":
-            workers_done.add(message[1])
-        elif kind == "server_done":
-            server_done = True
-
-    def sps() -> float:
-        return (global_step - start_step) / max(1e-9, time.time() - start_time)
-
-    def drain(timeout: float) -> None:
-        try:
-            handle(shared.log_q.get(timeout=timeout) if timeout else shared.log_q.get_nowait())
-            while True:
-                handle(shared.log_q.get_nowait())
-        except queue.Empty:
-            pass
-
-    def check_processes(ignore: tuple[str, ...] = ()) -> str | None:
-        for name, p in procs.items():
-            if name not in ignore and p.exitcode is not None and p.exitcode != 0:
-                try:  # its traceback, if it lived to send one
-                    return shared.error_q.get(timeout=2.0)
-                except queue.Empty:
-                    how = f"killed by signal {-p.exitcode}" if p.exitcode < 0 else f"exit status {p.exitcode}"
-                    return f"error: {name} died ({how}); stopping the run"
-        return None
-
-    def hogwild_checkpoint() -> dict:
-        return dict(
-            model=model.state_dict(),
-            optimizer=shared.optimizer.state_dict(),
-            global_step=global_step,
-            version=shared.updates.value,
-        )
-
-    def extra() -> dict:
-        return dict(update=args.update, args=asdict(args), torch_rng=torch.get_rng_state(), meta=meta)
-
-    def write_checkpoint() -> None:
-        if args.update == "hogwild":
-            atomic_save({**hogwild_checkpoint(), **extra()}, checkpoint_path)
-        else:
-            shared.grad_q.put(("save", str(checkpoint_path), extra()))
-
-    try:
-        while len(workers_done) < W or not server_done:
-            if signals.requested.is_set():
-                raise KeyboardInterrupt
-            if len(workers_done) == W and not server_done and not stop_sent:
-                # every worker finished: the server applies what is queued, writes the final checkpoint, stops
-                shared.grad_q.put(("stop", str(checkpoint_path) if args.checkpoint_interval else None, extra()))
-                stop_sent = True
-            drain(0.5)
-            now = time.time()
-            if now - last_check >= 0.5:
-                last_check = now
-                if failure := check_processes():
-                    break
-            if now - last_print >= args.log_interval:
-                mean_ret = f"{np.mean(recent_returns):.2f}" if recent_returns else "n/a"
-                print(
-                    f"step {global_step:>10,}  updates {updates_seen:,}  SPS {sps():,.0f}  "
-                    f"return(last {len(recent_returns)}) {mean_ret}  lag {last_lag}",
-                    flush=True,
-                )
-                last_print = now
-            if args.checkpoint_interval and now - last_checkpoint >= args.checkpoint_interval:
-                write_checkpoint()
-                last_checkpoint = now
+        failure = train(args, processes, progress, checkpoints, signals)
     except KeyboardInterrupt:
         interrupted = True
         print("interrupted: shutting down", file=sys.stderr, flush=True)
     except WriteError as e:
-        failure = f"{e}; stopping (the last good checkpoint is kept)"
+        failure = f"error: {e}; stopping (the last good checkpoint is kept)"
     except OSError as e:  # the TensorBoard events file
         failure = events_error(e, run_dir)
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl+C must not cut the shutdown short
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        server = procs.pop("gradient server", None)
-        killed = shutdown(procs, shared, drain, grace=4.0 if failure is None else 1.0)  # the workers
-        if server is not None:  # then the server: queued gradients, the final checkpoint, stop
-            if failure is None and server.is_alive():
-                if not stop_sent:
-                    shared.grad_q.put(("stop", str(checkpoint_path) if args.checkpoint_interval else None, extra()))
-                deadline = time.time() + 4.0
-                while not server_done and server.is_alive() and time.time() < deadline:
-                    drain(0.2)
-            killed += shutdown({"gradient server": server}, shared, drain, grace=1.0)
-            if failure is None and not server_done:
-                failure = check_processes() or "error: the gradient server did not finish; stopping"
-        if interrupted and killed:  # e.g. Ctrl+C while a worker was still starting up: not a crash
-            print(f"{', '.join(killed)} did not stop in time after the interrupt: killed", file=sys.stderr)
-        if failure is None:
-            failure = check_processes(ignore=tuple(killed) if interrupted else ())
-    if args.update == "server":  # main's view of the shared model: the latest published version
-        with torch.no_grad():
-            copy_flat_into(params, shared.published)
-    try:
-        if failure is None and args.checkpoint_interval and args.update == "hogwild":
-            atomic_save({**hogwild_checkpoint(), **extra()}, checkpoint_path)
-        if failure is None and not interrupted and args.save_model:
-            atomic_save(model.state_dict(), run_dir / "model.pt")
-    except WriteError as e:
-        failure = f"{e}; stopping (the last good checkpoint is kept)"
-    try:
-        if aggregate.count:
-            aggregate.write(writer, global_step)
-            writer.add_scalar("charts/SPS", sps(), global_step)
-            writer.add_scalar("charts/learning_rate", lr, global_step)
-    except OSError as e:
-        failure = failure or events_error(e, run_dir)
-    finished = failure is None and not interrupted
-    mean_ret = f"{np.mean(recent_returns):.2f}" if recent_returns else "n/a"
-    print(f"step {global_step:>10,}  updates {updates_seen:,}  SPS {sps():,.0f}  return {mean_ret}", flush=True)
-    if finished:
-        if args.eval_episodes:
-            for i, ret in enumerate(evaluate(model, args, run_dir)):
-                writer.add_scalar("eval/episodic_return", ret, i)
-                print(f"eval episode {i}: return {ret:.1f}")
-    try:
-        writer.close()
-    except OSError as e:
-        failure = failure or events_error(e, run_dir)
+        failure = processes.shut_down(progress, checkpoints, failure, interrupted)
+    failure = finish_run(args, model, processes, progress, checkpoints, run_dir, failure, interrupted)
     if failure:
         print(failure, file=sys.stderr)
         raise SystemExit(1)

@@ -1,6 +1,9 @@
 """a3c_large_batch.py: n-step returns, the A3C loss and the shared RMSprop against independent references; Hogwild and
-gradient-server pushes from two processes; end-to-end runs in both update modes; a killed or crashing worker;
-SIGINT / SIGTERM shutdown with checkpoint and resume; bad flags."""
+gradient-server pushes from two processes; end-to-end runs in both update modes with the policy lag each predicts; a
+killed or crashing worker; SIGINT / SIGTERM shutdown with checkpoint and resume; bad flags.
+
+Runs that end by themselves call `main` in this process (`run_main`: the workers fork from it, no interpreter start-up
+per run); runs that must be killed or signalled, and one bad-flag run, are subprocesses."""
 
 import math
 import multiprocessing
@@ -8,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -21,11 +25,13 @@ from helpers import (
     FixedLogitsPolicy,
     RecordingEnv,
     assert_finite_tags,
+    children_of,
     fill_disk,
     only_run_dir,
     run_script,
     scalars,
     small_tmpfs,
+    start_run,
     write_unusable_checkpoint,
 )
 from torch import nn
@@ -33,8 +39,11 @@ from torch import nn
 import a3c_large_batch as a3c
 from a3c_large_batch import (
     Args,
+    Finish,
+    ServerDone,
     Shared,
     SharedRMSprop,
+    Update,
     a2c_loss,
     flatten,
     gradient_server,
@@ -42,10 +51,12 @@ from a3c_large_batch import (
     n_step_returns,
     push_hogwild,
     push_server,
+    validate,
 )
 
 SCRIPT = "a3c_large_batch.py"
 TINY_CARTPOLE = ["--env-id", "CartPole-v1", "--num-workers", "2", "--num-envs-per-worker", "4", "--log-interval", "1"]
+CARTPOLE = dict(env_id="CartPole-v1", num_workers=2, num_envs_per_worker=4, log_interval=1.0)  # TINY_CARTPOLE's Args
 CTX = multiprocessing.get_context("fork")
 
 
@@ -186,8 +197,9 @@ class Tiny(nn.Module):
 
 
 def server_pusher(worker: int, shared: Shared, pushes: int) -> None:
-    for k in range(pushes):  # pulled version -1: only the arrival order matters here
-        push_server(shared, worker, known_grads(worker, k), (-1, 1, 0.5, (worker, k), [], (0.0, 0.0, 0.0)))
+    for k in range(pushes):  # pulled version -1: only the arrival order matters here; (worker, k) marks the gradient
+        update = Update(worker, 1, -1, 0, 0.5, dict(worker=worker, push=k), [], {})
+        push_server(shared, known_grads(worker, k), update)
 
 
 def test_server_applies_every_gradient_exactly_once_and_versions_count_them():
@@ -205,7 +217,7 @@ def test_server_applies_every_gradient_exactly_once_and_versions_count_them():
         q.put(0)
         q.put(1)
     args = Args(optimizer="sgd", torch_threads=1)
-    server = CTX.Process(target=gradient_server, args=(model, args, shared, "cpu", None))
+    server = CTX.Process(target=gradient_server, args=(model, args, shared, torch.device("cpu"), None))
     server.start()
     workers = [CTX.Process(target=server_pusher, args=(w, shared, pushes)) for w in range(2)]
     for p in workers:
@@ -213,20 +225,19 @@ def test_server_applies_every_gradient_exactly_once_and_versions_count_them():
     for p in workers:
         p.join(timeout=30)
         assert p.exitcode == 0
-    shared.grad_q.put(("stop", None, None))
+    shared.grad_q.put(Finish(None, {}))
     records = []
-    while True:
-        message = shared.log_q.get(timeout=30)
-        if message[0] == "server_done":
-            break
+    while not isinstance(message := shared.log_q.get(timeout=30), ServerDone):
         records.append(message)
     server.join(timeout=30)
     assert server.exitcode == 0
-    assert [r[3] for r in records] == list(range(1, 2 * pushes + 1))  # version + 1 per applied gradient
-    applied = sorted(r[6] for r in records)  # (worker, push index) of each applied gradient
+    assert [r.version for r in records] == list(range(1, 2 * pushes + 1))  # version + 1 per applied gradient
+    assert [r.lag for r in records] == [r.version for r in records]  # pulled -1: every earlier update counts
+    applied = sorted((r.losses["worker"], r.losses["push"]) for r in records)
     assert applied == [(w, k) for w in range(2) for k in range(pushes)]  # each exactly once
     for w in range(2):  # a worker's own gradients arrive in the order it pushed them
-        assert [r[6][1] for r in records if r[6][0] == w] == list(range(pushes))
+        assert [r.losses["push"] for r in records if r.losses["worker"] == w] == list(range(pushes))
+    assert all(set(r.timing) == {"server_apply"} for r in records)
     total = [sum(known_grads(w, k)[i] for w in range(2) for k in range(pushes)) for i in range(2)]
     want = torch.cat([(torch.zeros(3, 2) - 0.5 * total[0]).reshape(-1), torch.ones(2) - 0.5 * total[1]])
     torch.testing.assert_close(shared.published, want, rtol=0, atol=0)
@@ -236,95 +247,136 @@ def test_server_applies_every_gradient_exactly_once_and_versions_count_them():
 # ------------------------------------------------------------------ running the script
 
 
-def run(args, tmp_path, timeout=180):
-    return run_script(SCRIPT, args, tmp_path, timeout)
+@pytest.fixture
+def run_main(capsys):
+    """`main(Args(cuda=False, **kw))` in this process; returns (exit status, stdout, stderr). Puts back what main
+    sets process-wide: signal handlers, torch's threads, determinism flags and RNG, threading.excepthook."""
+
+    def run(**kw):
+        saved = (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM), torch.get_num_threads(),
+                 torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+                 torch.backends.cudnn.deterministic, torch.get_rng_state(), threading.excepthook)  # fmt: skip
+        try:
+            main(Args(cuda=False, **kw))
+            code = 0
+        except SystemExit as e:
+            code = e.code
+        finally:
+            signal.signal(signal.SIGINT, saved[0])
+            signal.signal(signal.SIGTERM, saved[1])
+            torch.set_num_threads(saved[2])
+            torch.use_deterministic_algorithms(saved[3], warn_only=saved[4])
+            torch.backends.cudnn.deterministic = saved[5]
+            torch.set_rng_state(saved[6])
+            threading.excepthook = saved[7]
+        out = capsys.readouterr()
+        return code, out.out, out.err
+
+    return run
 
 
 REQUIRED_TAGS = [*CORE_TAGS, "timing/pull", "timing/rollout", "timing/train"]
 
 
-def check_tags(logged, extra=(), skip=()):
-    assert_finite_tags(logged, [t for t in [*REQUIRED_TAGS, *extra] if t not in skip])
+def check_tags(logged, update, skip=()):
+    apply_tag = "timing/push" if update == "hogwild" else "timing/server_apply"
+    assert_finite_tags(logged, [t for t in [*REQUIRED_TAGS, apply_tag, "charts/policy_lag_max"] if t not in skip])
+
+
+def mean_lag(logged, updates: int, log_frequency: int) -> float:
+    """The run's mean policy lag, from its `charts/policy_lag` points (each the mean of `log_frequency` updates)."""
+    points = [v for _, v in logged["charts/policy_lag"]]
+    assert updates % log_frequency == 0 and len(points) == updates // log_frequency  # equal windows
+    return sum(points) / len(points)
+
+
+def test_cartpole_hogwild_end_to_end_with_the_predicted_lag(tmp_path, run_main):
+    """Each update of one worker falls between the pull and the push of at most one update of another, so over a run
+    the mean lag is at most W - 1 (module docstring)."""
+    total, workers = 2000, 2  # 100 pushes of 2 workers x 4 envs x 5 steps, one TensorBoard point per 10
+    code, out, err = run_main(**CARTPOLE, update="hogwild", total_timesteps=total, log_dir=str(tmp_path))
+    assert code == 0, err
+    assert out.splitlines()[-1].startswith(f"global_step={total} SPS=")  # the console line of every script
+    logged = scalars(only_run_dir(tmp_path))
+    check_tags(logged, "hogwild")
+    assert max(s for s, _ in logged["charts/SPS"]) == total  # every agent step counted once
+    assert mean_lag(logged, total // 20, 10) <= workers - 1 + 1e-6
 
 
 @pytest.mark.parametrize("update", ["hogwild", "server"])
-def test_cartpole_end_to_end(update, tmp_path):
-    total = 4000  # 100 pushes of 2 workers x 4 envs x 5 steps
-    proc = run(
-        [*TINY_CARTPOLE, "--update", update, "--total-timesteps", str(total), "--eval-episodes", "2", "--save-model",
-         "--checkpoint-interval", "3600"],
-        tmp_path,
+def test_original_a3c_one_worker_one_env_lag_checkpoint_and_evaluation(update, tmp_path, run_main):
+    """One worker, one env (Mnih et al.'s A3C worker), every update logged. Hogwild: the worker pulls what it pushed,
+    lag 0. Server: only its own gradients still queued can land between its pull and its gradient, at most 3 (its two
+    slots and the one being applied). The final checkpoint holds the final model, one version per gradient."""
+    total = 500  # 100 pushes of 1 env x 5 steps
+    code, _, err = run_main(
+        env_id="CartPole-v1", num_envs_per_worker=1, num_workers=1, update=update, total_timesteps=total,
+        log_frequency=1, eval_episodes=2, save_model=True, checkpoint_interval=3600.0, log_dir=str(tmp_path),
     )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
+    assert code == 0, err
     run_dir = only_run_dir(tmp_path)
     logged = scalars(run_dir)
-    check_tags(logged, ["eval/episodic_return", "timing/push" if update == "hogwild" else "timing/server_apply"])
-    assert max(s for s, _ in logged["charts/SPS"]) == total  # every agent step counted once
-    assert all(v >= 0 for _, v in logged["charts/policy_lag"])
-    assert len(logged["eval/episodic_return"]) == 2
-    assert (run_dir / "model.pt").is_file()
+    check_tags(logged, update, ["eval/episodic_return"])
+    assert len(logged["losses/total_loss"]) == 100 and len(logged["eval/episodic_return"]) == 2
+    lags = [v for _, v in logged["charts/policy_lag"]]
+    assert lags == [v for _, v in logged["charts/policy_lag_max"]]  # one update per point: mean = max = its lag
+    assert all(v == 0 for v in lags) if update == "hogwild" else all(0 <= v <= 3 for v in lags), lags
     checkpoint = torch.load(run_dir / "checkpoint.pt", weights_only=False)
-    assert checkpoint["global_step"] == total and checkpoint["version"] == total // 20  # one version per gradient
+    assert checkpoint["global_step"] == total and checkpoint["version"] == total // 5
     final = torch.load(run_dir / "model.pt")
-    for name, value in final.items():  # the final checkpoint holds the final model
+    for name, value in final.items():
         assert torch.equal(value, checkpoint["model"][name]), name
 
 
-@pytest.mark.parametrize("update", ["hogwild", "server"])
-def test_original_a3c_one_env_per_worker(update, tmp_path):
-    workers = "1" if update == "hogwild" else "2"
-    proc = run(
-        ["--env-id", "CartPole-v1", "--num-envs-per-worker", "1", "--num-workers", workers, "--update", update,
-         "--total-timesteps", "1500", "--log-frequency", "1"],
-        tmp_path,
+@pytest.mark.parametrize(("update", "envs"), [("hogwild", 4), ("server", 1)])
+def test_breakout_end_to_end(update, envs, tmp_path, run_main):
+    """The Nature CNN on frames. Server mode, W = 2: a gradient's lag counts at most 3 of its worker's own and each
+    other worker's update at most 4 times (it waits for a slot two gradients back), so the mean lag is <= 4W - 1."""
+    total = 10 * envs * 2 * 5  # 10 pushes per worker, one TensorBoard point per 5 updates
+    code, _, err = run_main(
+        env_id="ALE/Breakout-v5", update=update, num_workers=2, num_envs_per_worker=envs, total_timesteps=total,
+        log_frequency=5, log_dir=str(tmp_path),
     )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
+    assert code == 0, err
     logged = scalars(only_run_dir(tmp_path))
-    check_tags(logged)
-    assert len(logged["losses/total_loss"]) == 300  # 1500 steps / (1 env x 5 steps), one point per update
-    if update == "hogwild":  # a single Hogwild worker pulls what it pushed: no other update can land in between
-        assert all(v == 0 for _, v in logged["charts/policy_lag"])
-
-
-@pytest.mark.parametrize(("update", "envs"), [("hogwild", "4"), ("server", "1")])
-def test_breakout_end_to_end(update, envs, tmp_path):
-    total = 20 * int(envs) * 2 * 5  # 20 pushes per worker
-    proc = run(
-        ["--env-id", "ALE/Breakout-v5", "--update", update, "--num-workers", "2", "--num-envs-per-worker", envs,
-         "--total-timesteps", str(total), "--log-frequency", "5"],
-        tmp_path,
-        timeout=240,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
-    logged = scalars(only_run_dir(tmp_path))
-    check_tags(logged, skip=("charts/episodic_return", "charts/episodic_length"))  # no game ends this soon
+    check_tags(logged, update, skip=("charts/episodic_return", "charts/episodic_length"))  # no game ends this soon
     assert max(s for s, _ in logged["charts/SPS"]) == total
+    assert mean_lag(logged, 20, 5) <= (1 if update == "hogwild" else 7) + 1e-6
 
 
 @pytest.mark.parametrize(
     ("args", "message"),
     [
         (dict(env_id="ALE/Breakot-v5"), "did you mean ALE/Breakout-v5"),
-        (dict(update="allreduce"), "--update must be one of hogwild, server"),
         (dict(num_workers=0), "--num-workers must be >= 1"),
         (dict(num_envs_per_worker=0), "--num-envs-per-worker must be >= 1"),
+        (dict(env_threads=-1), "--env-threads must be >= 0"),
         (dict(learning_rate=-1.0), "--learning-rate must be > 0"),
         (dict(rmsprop_alpha=1.0), "--rmsprop-alpha must be in [0, 1)"),
         (dict(total_timesteps=10), "less than one rollout"),
         (dict(resume="/nonexistent/checkpoint.pt"), "no such checkpoint"),
-        (dict(atari_protocol="atari57"), "--atari-protocol must be one of"),
         (dict(env_id="CartPole-v1", learning_rate=math.inf), "--learning-rate must be a finite number, got inf"),
         (dict(env_id="CartPole-v1", max_grad_norm=math.nan), "--max-grad-norm must be a finite number, got nan"),
         (dict(env_id="Pendulum-v1"), "continuous action space"),
     ],
 )
-def test_bad_flags_one_line_error(args, message, tmp_path, capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        main(Args(log_dir=str(tmp_path), **args))
-    assert exit_info.value.code == 2
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
-    assert not any(Path(tmp_path).iterdir())  # nothing was created
+def test_bad_flags_are_one_error_line(args, message):
+    error = validate(Args(**args))
+    assert error is not None and message in error and "\n" not in error, error
+
+
+@pytest.mark.parametrize("flags", [["--update", "allreduce"], ["--atari-protocol", "atari57"], ["--optimizer", "adam"],
+                                   ["--network", "resnet"]])  # fmt: skip
+def test_bad_choice_is_a_usage_error(flags):
+    with pytest.raises(SystemExit) as e:
+        tyro.cli(Args, args=flags)
+    assert e.value.code == 2
+
+
+def test_bad_flag_from_the_command_line(tmp_path):
+    proc = run_script(SCRIPT, ["--num-workers", "0"], tmp_path, timeout=60)
+    assert proc.returncode == 2 and proc.stderr.strip() == "error: --num-workers must be >= 1, got 0", proc.stderr
+    assert not any(Path(tmp_path).iterdir())
 
 
 META = dict(script="a3c_large_batch.py", algo="hogwild", env_id="CartPole-v1", network="mlp", obs_shape=[4],
@@ -342,7 +394,7 @@ META = dict(script="a3c_large_batch.py", algo="hogwild", env_id="CartPole-v1", n
         ("other_update", "it is a a3c_large_batch.py checkpoint (algo server), this run is algo hogwild"),
     ],
 )
-def test_resume_refuses_a_checkpoint_it_cannot_continue(case, message, tmp_path, capsys):
+def test_resume_refuses_a_checkpoint_it_cannot_continue(case, message, tmp_path, run_main):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     if case == "other_update":
@@ -351,22 +403,22 @@ def test_resume_refuses_a_checkpoint_it_cannot_continue(case, message, tmp_path,
     else:
         path = write_unusable_checkpoint(run_dir, case, META)
     before = path.read_bytes()
-    with pytest.raises(SystemExit) as e:
-        main(Args(env_id="CartPole-v1", log_dir=str(tmp_path / "logs"), resume=str(path)))
-    assert e.value.code == 2
-    lines = capsys.readouterr().err.strip().splitlines()
+    code, _, err = run_main(env_id="CartPole-v1", log_dir=str(tmp_path / "logs"), resume=str(path))
+    assert code == 2
+    lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: cannot resume from {path}: ") and message in lines[0], lines
     assert list(run_dir.iterdir()) == [path] and path.read_bytes() == before  # no events file, checkpoint unchanged
     assert not (tmp_path / "logs").exists()
 
 
 @pytest.mark.parametrize("log_dir", ["/proc/x", "a_file/runs"])
-def test_unusable_log_dir_is_one_error_line(log_dir, tmp_path, capsys):
+def test_unusable_log_dir_is_one_error_line(log_dir, tmp_path, run_main):
     (tmp_path / "a_file").write_text("")
-    with pytest.raises(SystemExit) as e:
-        main(Args(env_id="CartPole-v1", log_dir=log_dir if log_dir.startswith("/") else str(tmp_path / log_dir)))
-    assert e.value.code == 2
-    lines = capsys.readouterr().err.strip().splitlines()
+    code, _, err = run_main(
+        env_id="CartPole-v1", log_dir=log_dir if log_dir.startswith("/") else str(tmp_path / log_dir)
+    )
+    assert code == 2
+    lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: cannot create the run directory "), lines
 
 
@@ -377,20 +429,7 @@ def test_runs_started_in_the_same_second_get_their_own_directories(tmp_path, mon
     assert [d.name for d in dirs] == [f"CartPole-v1__a3c_large_batch__1__1700000000{s}" for s in ("", "-2", "-3")]
 
 
-def test_bad_flag_from_the_command_line(tmp_path):
-    proc = run(["--num-workers", "0"], tmp_path, timeout=60)
-    assert proc.returncode == 2 and proc.stderr.strip() == "error: --num-workers must be >= 1, got 0", proc.stderr
-    assert not any(Path(tmp_path).iterdir())
-
-
 # ------------------------------------------------------------------ failures and shutdown
-
-
-def children(pid: int) -> list[int]:
-    try:
-        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    except FileNotFoundError:
-        return []
 
 
 def cmdline(pid: int) -> str:
@@ -408,15 +447,10 @@ def alive(pid: int) -> bool:
     return "State:\tZ" not in status
 
 
-def start_long_run(tmp_path, extra):
-    cmd = [sys.executable, SCRIPT, "--log-dir", str(tmp_path), *TINY_CARTPOLE, "--total-timesteps", "100000000", *extra]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    for line in proc.stdout:  # wait until training is under way
-        if line.startswith("step") and not line.startswith("step          0"):
-            break
-    workers = [c for c in children(proc.pid) if SCRIPT in cmdline(c)]
-    return proc, workers
+def start_long_run(log_dir, extra):
+    """The script on CartPole with an endless budget, once training is under way, and its worker (and server) pids."""
+    proc = start_run(SCRIPT, [*TINY_CARTPOLE, "--total-timesteps", "100000000", *extra], log_dir)
+    return proc, sorted(c for c in children_of(proc.pid) if SCRIPT in cmdline(c))
 
 
 def shm_segments(pids) -> list[str]:
@@ -426,9 +460,8 @@ def shm_segments(pids) -> list[str]:
 @pytest.mark.parametrize("update", ["hogwild", "server"])
 def test_killed_worker_stops_the_run_naming_it(update, tmp_path):
     proc, workers = start_long_run(tmp_path, ["--update", update])
-    assert len(workers) == (2 if update == "hogwild" else 3)  # the workers (and the gradient server)
-    victim = workers[-1]  # the last started: worker 1
-    os.kill(victim, signal.SIGKILL)
+    assert len(workers) == (2 if update == "hogwild" else 3)  # the workers (and the gradient server, started first)
+    os.kill(workers[-1], signal.SIGKILL)  # the last started: worker 1
     start = time.time()
     _, err = proc.communicate(timeout=60)
     assert time.time() - start < 10, err
@@ -436,31 +469,27 @@ def test_killed_worker_stops_the_run_naming_it(update, tmp_path):
     assert not any(alive(pid) for pid in workers)
 
 
-def test_crashing_worker_stops_the_run_with_its_traceback(tmp_path):
-    proc = run(
-        ["--env-id", "tests.faulty_env:CrashingCartPole-v0", "--num-workers", "2", "--num-envs-per-worker", "1",
-         "--total-timesteps", "100000000"],
-        tmp_path,
-        timeout=120,
+def test_crashing_worker_stops_the_run_with_its_traceback(tmp_path, run_main):
+    code, _, err = run_main(
+        env_id="tests.faulty_env:CrashingCartPole-v0", num_workers=2, num_envs_per_worker=1,
+        total_timesteps=100_000_000, log_dir=str(tmp_path),
     )  # fmt: skip
-    assert proc.returncode == 1
-    assert "error: worker" in proc.stderr and "died" in proc.stderr and "injected env failure" in proc.stderr
+    assert code == 1
+    assert "error: worker" in err and "died" in err and "injected env failure" in err, err
 
 
-def test_non_finite_loss_stops_with_a_clear_message(tmp_path):
-    proc = run(
-        ["--env-id", "tests.faulty_env:NaNCartPole-v0", "--num-workers", "1", "--num-envs-per-worker", "1",
-         "--total-timesteps", "100000000", "--checkpoint-interval", "0.000001"],
-        tmp_path,
-        timeout=120,
+def test_non_finite_loss_stops_with_a_clear_message(tmp_path, run_main):
+    code, _, err = run_main(
+        env_id="tests.faulty_env:NaNCartPole-v0", num_workers=1, num_envs_per_worker=1, total_timesteps=100_000_000,
+        checkpoint_interval=0.000001, log_dir=str(tmp_path),
     )  # fmt: skip
-    assert proc.returncode == 1 and "non-finite loss" in proc.stderr and "Traceback" not in proc.stderr
+    assert code == 1 and "non-finite loss" in err and "Traceback" not in err, err
     checkpoint = torch.load(only_run_dir(tmp_path) / "checkpoint.pt", weights_only=False)
     assert all(torch.isfinite(v).all() for v in checkpoint["model"].values())  # the last good one, kept
 
 
 @pytest.mark.parametrize(("update", "sig"), [("hogwild", signal.SIGINT), ("server", signal.SIGTERM)])
-def test_signal_stops_cleanly_with_checkpoint_and_resume_continues(update, sig, tmp_path):
+def test_signal_stops_cleanly_with_checkpoint_and_resume_continues(update, sig, tmp_path, run_main):
     proc, workers = start_long_run(tmp_path, ["--update", update, "--checkpoint-interval", "3600"])
     pids = [proc.pid, *workers]
     proc.send_signal(sig)
@@ -476,12 +505,9 @@ def test_signal_stops_cleanly_with_checkpoint_and_resume_continues(update, sig, 
     assert stopped_at > 0 and stopped_at == max(s for s, _ in scalars(run_dir)["charts/SPS"])  # TensorBoard flushed
     assert checkpoint["version"] == stopped_at // 20
 
-    resumed = run(
-        [*TINY_CARTPOLE, "--update", update, "--total-timesteps", str(stopped_at + 400), "--resume",
-         str(run_dir / "checkpoint.pt")],
-        tmp_path,
-    )  # fmt: skip
-    assert resumed.returncode == 0, resumed.stderr
+    code, _, err = run_main(**CARTPOLE, update=update, total_timesteps=stopped_at + 400,
+                            resume=str(run_dir / "checkpoint.pt"), log_dir=str(tmp_path))  # fmt: skip
+    assert code == 0, err
     assert only_run_dir(tmp_path) == run_dir
     assert max(s for s, _ in scalars(run_dir)["charts/SPS"]) == stopped_at + 400
 
@@ -496,7 +522,7 @@ def test_ctrl_c_during_start_up_stops_cleanly(tmp_path):
     start = time.time()
     _, err = proc.communicate(timeout=60)
     assert time.time() - start < 10 and proc.returncode == 130 and "Traceback" not in err, err
-    assert not children(proc.pid)
+    assert not children_of(proc.pid)
 
 
 def test_full_disk_stops_cleanly_and_keeps_the_last_checkpoint(tmp_path):
