@@ -855,7 +855,7 @@ class Learner:
             self.optimizer = torch.optim.Adam(self.model.parameters(), args.learning_rate, eps=args.adam_eps)
 
     def flat_params(self) -> torch.Tensor:
-        return nn.utils.parameters_to_vector(self.model.parameters()).detach()
+        return torch.cat([p.detach().reshape(-1) for p in self.model.parameters()])  # logical order, any layout
 
     def update(self, data: Transitions, weights: torch.Tensor) -> tuple[np.ndarray, dict[str, float]]:
         """One gradient step on an IS-weighted Huber loss; returns the new priorities [B] and scalar statistics."""
@@ -1346,8 +1346,7 @@ class LearnerRun:
         except WriteError as e:
             failure = str(e)
         try:
-            if self.means.count:
-                self.log_scalars()
+            self.log_scalars()  # the final step's point, whatever the update count
         except OSError as e:
             failure = failure or events_error(e, self.run_dir)
         print(self.console_line(), flush=True)

@@ -1,4 +1,4 @@
-"""apex.py actor-side throughput: agent steps/s against the number of actors, beside this machine's env ceiling.
+"""apex_dqn.py actor-side throughput: agent steps/s against the number of actors, beside this machine's env ceiling.
 
 For every env id and actor count it measures, in the same benchmark run:
 - `env`: agent steps/s of `actors` processes each stepping its own 1-env vector env with random actions (1 torch
@@ -95,10 +95,10 @@ def piece(kind: str, env_id: str, actors: int, seconds: float) -> float:
 
 
 def script_sps(env_id: str, actors: int, seconds: float, warmup: float) -> float:
-    """Agent steps/s of apex.py's actors after the warm-up (learner held back), from its console lines."""
+    """Agent steps/s of apex_dqn.py's actors after the warm-up (learner held back), from its console lines."""
     buffer = 1_000_000 if env_id == "CartPole-v1" else 20_000
     with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as log_dir:
-        cmd = [sys.executable, "apex.py", "--env-id", env_id, "--num-actors", str(actors), "--log-dir", log_dir,
+        cmd = [sys.executable, "apex_dqn.py", "--env-id", env_id, "--num-actors", str(actors), "--log-dir", log_dir,
                "--total-timesteps", "1000000000", "--buffer-size", str(buffer), "--learning-starts", str(buffer),
                "--eval-interval", "0", "--log-interval", "1"]  # fmt: skip
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -107,15 +107,15 @@ def script_sps(env_id: str, actors: int, seconds: float, warmup: float) -> float
 
         def read():
             for line in proc.stdout:
-                if m := re.match(r"step\s+([\d,]+)", line):
-                    points.append((time.time(), int(m.group(1).replace(",", ""))))
+                if m := re.match(r"global_step=(\d+) ", line):
+                    points.append((time.time(), int(m.group(1))))
 
         reader = threading.Thread(target=read, daemon=True)
         reader.start()
         while not points:  # start-up done when the first console line arrives
             time.sleep(0.2)
             if proc.poll() is not None:
-                raise RuntimeError(f"apex.py exited with {proc.returncode}")
+                raise RuntimeError(f"apex_dqn.py exited with {proc.returncode}")
         t0 = points[0][0]
         time.sleep(seconds)
         proc.send_signal(signal.SIGTERM)  # like Ctrl+C, and not ignored when this runs in a background job

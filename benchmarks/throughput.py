@@ -60,7 +60,7 @@ CONFIGS: dict[str, tuple[str, list[str]]] = {
     ),
     # Ape-X: actor-side agent steps/s (the learner samples the replay at its own pace); a small replay for a short run
     "apex_dqn": (
-        "apex.py",
+        "apex_dqn.py",
         [
             "--num-actors",
             "2",
