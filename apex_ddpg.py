@@ -571,27 +571,6 @@ def split_updates(batch: Batch, priorities: np.ndarray, num_buffers: int) -> lis
     return [PriorityUpdate(batch.slots[m], batch.versions[m], priorities[m]) if m.any() else None for m in masks]
 
 
-class StopFlag:
-    """The run is shutting down: one byte of shared memory, set by the main process only. Unlike mp.Event, setting it
-    takes no lock and waits for no one: mp.Event.set() waits until every process sleeping in wait() wakes, forever if
-    one of them is stopped (SIGSTOP) or frozen, and Ctrl+C could then not stop the run."""
-
-    def __init__(self, ctx):
-        self.flag = ctx.Value("b", 0, lock=False)
-
-    def set(self) -> None:
-        self.flag.value = 1
-
-    def is_set(self) -> bool:
-        return bool(self.flag.value)
-
-    def wait(self, timeout: float) -> bool:
-        """Sleep up to `timeout` seconds unless set; whether it is set."""
-        if not self.flag.value:
-            time.sleep(timeout)
-        return bool(self.flag.value)
-
-
 class ParamStore:
     """Versioned parameters: a flat shared tensor and its version under one lock, so a pull never mixes versions.
     Version = learner updates applied, -1 until the first publish (actors poll it: no event to set, which could
@@ -620,7 +599,10 @@ class ParamStore:
 class Shared:
     """Everything the processes of one machine share (tensors and locks in shared memory)."""
 
-    stop: StopFlag
+    # the run is shutting down: one byte, set by the main process only, polled by the others. Not an mp.Event: its
+    # set() waits until every process sleeping in wait() wakes, forever if one is stopped (SIGSTOP), and Ctrl+C could
+    # then not stop the run
+    stop: ctypes.c_byte
     log_q: Queue  # -> main: ActorReport, EvalReport
     error_q: Queue  # -> main: "error: <who> died:\n<traceback>"
     steps_claimed: Synchronized  # int64 under its lock: agent steps handed out (this machine's budget counter)
@@ -664,13 +646,13 @@ def play_episodes(args: Args, model: nn.Module, env, episodes: int) -> list[floa
 
 def should_stop(shared: Shared) -> bool:
     """The run is stopping, or the main process is gone (then no one would ever tell us)."""
-    return shared.stop.is_set() or os.getppid() != shared.parent_pid
+    return bool(shared.stop.value) or os.getppid() != shared.parent_pid
 
 
 def sleep_until(shared: Shared, ready, period: float) -> None:
     """Sleep `period` at a time until `ready()`; raise Stop if the run stops meanwhile."""
     while not ready():
-        shared.stop.wait(period)
+        time.sleep(period)
         if should_stop(shared):
             raise Stop
 
@@ -1012,7 +994,7 @@ def setup_machine(
         for _ in range(num_actors)
     ]
     shared = Shared(
-        stop=StopFlag(ctx),
+        stop=ctx.Value("b", 0, lock=False),
         log_q=ctx.Queue(),
         error_q=ctx.Queue(),
         steps_claimed=ctx.Value("q", start_step),
@@ -1075,7 +1057,7 @@ def dead_process(procs: dict, shared: Shared) -> str | None:
 def shutdown(procs: dict, shared: Shared, drain, grace: float) -> None:
     """Stop processes within `grace` seconds: set `stop`, keep draining the log queue while they exit (a process
     waits for its queued messages to reach the pipe before exiting), kill what is left."""
-    shared.stop.set()
+    shared.stop.value = 1
     deadline = time.time() + grace
     while any(p.is_alive() for p in procs.values()) and time.time() < deadline:
         try:
