@@ -62,6 +62,7 @@ from torch.distributed import rpc
 from common.atari import EnvError, check_env_args, finished_episodes, make_env, make_vector_env
 from common.models import make_ddpg_model
 
+ALGORITHM = "Ape-X DDPG"
 LOCK_TIMEOUT = 5.0  # seconds a replay buffer's lock may be held before the learner gives up on it
 RPC_PERIOD = 0.25  # seconds between rank 0's exchanges with the actor hosts (torchrun), and between liveness checks
 HOST_SETUP_TIMEOUT = 600.0  # seconds an actor host may take to allocate its buffers and start its actors
@@ -526,6 +527,13 @@ class PrioritizedBuffer:
         return int((~fresh).sum())
 
 
+def new_buffer(capacity: int, obs_space, act_space, lock) -> PrioritizedBuffer:
+    """A buffer in shared memory for this env's transitions: float observations and actions."""
+    return PrioritizedBuffer(
+        capacity, obs_space.shape, torch.float32, act_space.shape, torch.float32, lock
+    ).share_memory_()
+
+
 class LocalReplay:
     """The learner's view of the buffers in this machine's shared memory (and an actor host's view of its own)."""
 
@@ -804,6 +812,18 @@ def evaluator_loop(args: Args, shared: Shared, obs_space, act_space) -> None:
         env.close()
 
 
+def final_evaluation(args: Args, spaces, state_dict: dict, run_dir: Path) -> list[float]:
+    """--eval-episodes episodes of the final model (videos with --capture-video)."""
+    env = make_env(args.env_id, args.seed + 2_000_003, capture_video=args.capture_video,
+                   video_dir=str(run_dir / "videos"))  # fmt: skip
+    model = build_model(args, *spaces)
+    model.load_state_dict(state_dict)
+    try:
+        return play_episodes(args, model, env, args.eval_episodes)
+    finally:
+        env.close()
+
+
 class Learner:
     """Actor and critic, their target networks and Adam optimizers; `update` is one Ape-X DPG learner step."""
 
@@ -814,6 +834,7 @@ class Learner:
         self.target.load_state_dict(self.model.state_dict())
         self.target.requires_grad_(False)
         self.version = 0  # learner updates so far
+        self.learning_rate = args.critic_learning_rate  # charts/learning_rate (the critic's)
         self.optimizers = {
             "critic": torch.optim.Adam(self.model.critic.parameters(), args.critic_learning_rate, eps=args.adam_eps),
             "actor": torch.optim.Adam(self.model.actor.parameters(), args.actor_learning_rate, eps=args.adam_eps),
@@ -986,13 +1007,6 @@ def setup_machine(
     start_step: int = 0,
 ) -> tuple[Shared, dict]:  # fmt: skip
     """This machine's buffers, parameter store and (unstarted) processes: actors, and the evaluator if asked."""
-    obs_space, act_space = spaces
-    buffers = [
-        PrioritizedBuffer(
-            args.buffer_size // num_total, obs_space.shape, torch.float32, act_space.shape, torch.float32, ctx.Lock()
-        )
-        for _ in range(num_actors)
-    ]
     shared = Shared(
         stop=ctx.Value("b", 0, lock=False),
         log_q=ctx.Queue(),
@@ -1003,7 +1017,7 @@ def setup_machine(
         global_step=ctx.Value("q", start_step, lock=False),
         learn_start=ctx.Value("d", math.nan, lock=False),
         store=ParamStore(sum(p.numel() for p in build_model(args, *spaces).parameters()), ctx),
-        buffers=[b.share_memory_() for b in buffers],
+        buffers=[new_buffer(args.buffer_size // num_total, *spaces, ctx.Lock()) for _ in range(num_actors)],
         parent_pid=os.getpid(),
     )
     procs = {
@@ -1277,7 +1291,7 @@ class LearnerRun:
         step, stats, size = self.global_step, self.stats, self.stats.sizes.sum()
         self.means.write(self.writer, step)
         self.writer.add_scalar("charts/SPS", self.sps(), step)
-        self.writer.add_scalar("charts/learning_rate", self.args.critic_learning_rate, step)
+        self.writer.add_scalar("charts/learning_rate", self.learner.learning_rate, step)
         self.writer.add_scalar("replay/size", size, step)
         self.writer.add_scalar("replay/priority_mean", stats.priority_sums.sum() / max(1.0, size), step)
         self.writer.add_scalar("replay/stale_updates", self.stale_updates, step)
@@ -1298,18 +1312,6 @@ class LearnerRun:
             with contextlib.suppress(queue.Empty):
                 self.failure = self.shared.error_q.get_nowait()
 
-    def final_evaluation(self, spaces) -> None:
-        args = self.args
-        env = make_env(args.env_id, args.seed + 2_000_003, capture_video=args.capture_video,
-                       video_dir=str(self.run_dir / "videos"))  # fmt: skip
-        model = build_model(args, *spaces)
-        model.load_state_dict(self.learner.model.state_dict())
-        returns = play_episodes(args, model, env, args.eval_episodes)
-        env.close()
-        for i, ret in enumerate(returns):
-            self.writer.add_scalar("eval/episodic_return", ret, self.global_step)
-            print(f"eval episode {i}: return {ret:.1f}")
-
     def finish(self, interrupted: bool, spaces) -> str | None:
         """Final checkpoint, model, TensorBoard points, console line and evaluation; returns the failure, if any."""
         args, failure = self.args, self.failure
@@ -1326,7 +1328,10 @@ class LearnerRun:
             failure = failure or events_error(e, self.run_dir)
         print(self.console_line(), flush=True)
         if failure is None and not interrupted and args.eval_episodes:
-            self.final_evaluation(spaces)
+            returns = final_evaluation(args, spaces, self.learner.model.state_dict(), self.run_dir)
+            for i, ret in enumerate(returns):
+                self.writer.add_scalar("eval/episodic_return", ret, self.global_step)
+                print(f"eval episode {i}: return {ret:.1f}")
         try:
             self.writer.close()
         except OSError as e:
@@ -1372,7 +1377,7 @@ def main(args: Args) -> None:
         torch.set_rng_state(checkpoint["torch_rng"])
     shared.store.publish(learner.flat_params(), learner.version)
     print(
-        f"run directory: {run_dir}  (Ape-X DDPG: {num_actors} actors x {args.num_envs_per_actor} envs, replay "
+        f"run directory: {run_dir}  ({ALGORITHM}: {num_actors} actors x {args.num_envs_per_actor} envs, replay "
         f"{args.buffer_size:,} in {num_actors} buffers, learner on {device}"
         f"{f', {world_size - 1} actor ranks over rpc' if distributed else ''})",
         flush=True,

@@ -69,9 +69,9 @@ REQUIRED_TAGS = ["charts/SPS", "charts/learning_rate", "charts/policy_lag", "los
                  "losses/grad_norm", "losses/q_values", "replay/size", "replay/priority_mean", "replay/stale_updates",
                  "timing/replay_wait"]  # fmt: skip
 # what differs between the two scripts: their flags, their algorithm and the code that calls it
-DIFFERENT = {"Args", "RENAMED_FLAGS", "validate", "td_errors", "build_model", "act", "play_episodes", "actor_loop",
-             "evaluator_loop", "Learner", "env_spaces", "setup_machine", "checkpoint_meta", "LearnerRun",
-             "main"}  # fmt: skip
+DIFFERENT = {"ALGORITHM", "Args", "RENAMED_FLAGS", "validate", "td_errors", "new_buffer", "build_model", "act",
+             "play_episodes", "actor_loop", "evaluator_loop", "final_evaluation", "Learner", "env_spaces",
+             "checkpoint_meta"}  # fmt: skip
 script_ids = pytest.mark.parametrize("m", SCRIPTS, ids=lambda m: m.__name__)
 
 
@@ -92,7 +92,7 @@ def test_shared_code_is_the_same_in_both_scripts():
 
     dqn, ddpg = definitions(apex_dqn), definitions(apex_ddpg)
     shared = sorted(set(dqn) & set(ddpg) - DIFFERENT)
-    assert {"PrioritizedBuffer", "sample_batch", "RemoteReplay", "ActorHost", "shutdown", "StopSignals"} <= set(shared)
+    assert {"PrioritizedBuffer", "RemoteReplay", "ActorHost", "setup_machine", "LearnerRun", "main"} <= set(shared)
     assert [name for name in shared if dqn[name] != ddpg[name]] == []
     assert DIFFERENT <= set(dqn) & set(ddpg)  # no stale entry hides a difference
 
