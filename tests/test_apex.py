@@ -459,6 +459,20 @@ def test_bad_flag_from_the_command_line(tmp_path):
     assert not any(Path(tmp_path).iterdir())
 
 
+@pytest.fixture
+def process_state():
+    """main() run in this process changes signal handlers and torch's global settings: put them back."""
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
+    fill = torch.utils.deterministic.fill_uninitialized_memory
+    yield
+    for sig, handler in handlers.items():
+        signal.signal(sig, handler)
+    torch.set_num_threads(threads)
+    torch.use_deterministic_algorithms(deterministic)
+    torch.utils.deterministic.fill_uninitialized_memory = fill
+
+
 def meta(m) -> dict:
     if m is apex_dqn:
         return dict(script="apex_dqn.py", env_id="CartPole-v1", network="mlp", hidden_sizes=[256, 256], obs_shape=[4],
@@ -478,7 +492,7 @@ def meta(m) -> dict:
         ("other_env", "(env_id Acrobot-v1, obs_shape [6], action_shape_or_n 3), this run is env_id "),
     ],
 )
-def test_resume_refuses_a_checkpoint_it_cannot_continue(m, case, message, tmp_path, capsys):
+def test_resume_refuses_a_checkpoint_it_cannot_continue(m, case, message, tmp_path, capsys, process_state):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     path = write_unusable_checkpoint(run_dir, case, meta(m))
@@ -494,7 +508,7 @@ def test_resume_refuses_a_checkpoint_it_cannot_continue(m, case, message, tmp_pa
 
 @script_ids
 @pytest.mark.parametrize("log_dir", ["/proc/x", "a_file/runs"])
-def test_unusable_log_dir_is_one_error_line(m, log_dir, tmp_path, capsys):
+def test_unusable_log_dir_is_one_error_line(m, log_dir, tmp_path, capsys, process_state):
     (tmp_path / "a_file").write_text("")
     env_id = "CartPole-v1" if m is apex_dqn else "Pendulum-v1"
     with pytest.raises(SystemExit) as e:
@@ -573,20 +587,6 @@ def test_sigint_stops_cleanly_with_a_checkpoint_even_with_a_stopped_process(tmp_
     assert not any(alive(pid) for pid in workers)  # no orphans
     checkpoint = torch.load(only_run_dir(tmp_path) / "checkpoint.pt", weights_only=False)
     assert checkpoint["global_step"] > 0 and checkpoint["learner"]["version"] > 0
-
-
-@pytest.fixture
-def process_state():
-    """main() run in this process changes signal handlers and torch's global settings: put them back."""
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-    threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
-    fill = torch.utils.deterministic.fill_uninitialized_memory
-    yield
-    for sig, handler in handlers.items():
-        signal.signal(sig, handler)
-    torch.set_num_threads(threads)
-    torch.use_deterministic_algorithms(deterministic)
-    torch.utils.deterministic.fill_uninitialized_memory = fill
 
 
 @script_ids
