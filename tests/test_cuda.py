@@ -47,7 +47,7 @@ CASES = {
                     "800", "--log-frequency", "5"], GPU_TAGS, None),
     "a3c_server": ("a3c_large_batch.py", ["--update", "server", "--num-workers", "2", "--num-envs-per-worker", "4",
                    "--total-timesteps", "800", "--log-frequency", "5"], GPU_TAGS, None),
-    "apex_dqn": ("apex.py", ["--num-actors", "2", "--total-timesteps", "600", "--buffer-size", "600",
+    "apex_dqn": ("apex_dqn.py", ["--num-actors", "2", "--total-timesteps", "600", "--buffer-size", "600",
                  "--learning-starts", "200", "--eval-interval", "0", "--batch-size", "16", "--log-frequency", "5"],
                  APEX_TAGS, "cuda"),
 }

@@ -1,0 +1,1433 @@
+"""Ape-X DDPG ("Ape-X DPG"): distributed prioritized experience replay (Horgan et al., "Distributed Prioritized
+Experience Replay", ICLR 2018, Appendix D) for continuous control, with DDPG's actor and critic (Lillicrap et al. 2016)
+and the replay distributed across the actors as in Machin's Ape-X: every actor owns a prioritized buffer with its own
+sum-tree and lock, the learner samples across buffers in proportion to their priority sums, and priority updates carry
+per-slot versions ("taint"), so a slot overwritten since it was sampled keeps its new priority. Ape-X DQN (discrete
+actions) is `apex_dqn.py`: this file with DQN's actor and learner.
+
+  actor i (process, CPU): mu(s) + noise of scale sigma (N - i) / N (Gaussian or OU) on --num-envs-per-actor envs
+      -> n-step transitions, initial priorities |TD| from its local networks every --actor-batch
+      -> append to buffer i (shared memory, under buffer i's lock; no global lock)
+      -> ActorReport (steps, episodes) on log_q -> main process (the only TensorBoard writer)
+  learner (main process, GPU if any): priority sums of all buffers -> split the batch -> sample each buffer
+      -> IS-weighted n-step critic update, deterministic policy gradient, soft target updates
+      -> new priorities back where slot versions match
+      -> ParamStore (flat shared tensor + version) -> pulled by actors every --actor-update-interval steps
+  evaluator (process): noise-free episodes every --eval-interval agent steps -> EvalReport on log_q
+  torchrun: rank 0 is the learner and the evaluator; rank 0 builds an ActorHost on every other rank over rpc
+      (`--num-actors` actors and their buffers) and calls it for buffer statistics, samples and priority updates,
+      and every 0.25 s to exchange parameters (out) for actor reports (back).
+
+Policy lag (`charts/policy_lag`): learner updates between the parameters that generated a sampled transition and the
+update that learns from it (batch mean); unbounded: it grows with replay age and --actor-update-interval.
+Determinism: none (actors, learner and evaluator race on the replay); the pure functions are deterministic.
+--resume restores the networks, optimizers and step count; the replay starts empty and refills to --learning-starts.
+
+  python apex_ddpg.py --env-id Pendulum-v1 --num-actors 2 --total-timesteps 40000 --buffer-size 40000 \\
+      --learning-starts 2000 --batch-size 128 --critic-learning-rate 1e-3 --actor-learning-rate 1e-3 \\
+      --actor-update-interval 50 --replay-ratio 64 --eval-interval 4000 --n-step 3 --anneal-beta
+  torchrun --standalone --nproc-per-node 3 apex_ddpg.py --env-id Pendulum-v1 --num-actors 2  # learner + 2 actor ranks
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import io
+import itertools
+import math
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+import traceback
+from collections import deque
+from dataclasses import asdict, dataclass
+from multiprocessing.queues import Queue
+from multiprocessing.sharedctypes import Synchronized
+from pathlib import Path
+from typing import Literal, NamedTuple
+
+import gymnasium as gym
+import numpy as np
+import torch
+import torch.multiprocessing as mp
+import tyro
+from torch import nn
+from torch.distributed import rpc
+
+from common.atari import EnvError, check_env_args, finished_episodes, make_env, make_vector_env
+from common.models import make_ddpg_model
+
+ALGORITHM = "Ape-X DDPG"
+LOCK_TIMEOUT = 5.0  # seconds a replay buffer's lock may be held before the learner gives up on it
+RPC_PERIOD = 0.25  # seconds between rank 0's exchanges with the actor hosts (torchrun), and between liveness checks
+HOST_SETUP_TIMEOUT = 600.0  # seconds an actor host may take to allocate its buffers and start its actors
+
+# ---- Args ----
+
+
+@dataclass
+class Args:
+    exp_name: str = Path(__file__).stem
+    """name of this experiment (part of the run directory)"""
+    seed: int = 1
+    """seed of the experiment"""
+    torch_deterministic: bool = True
+    """use deterministic torch algorithms"""
+    cuda: bool = True
+    """train the learner on a GPU when one is present (actors and the evaluator act on the CPU, as in Ape-X)"""
+    env_id: str = "Pendulum-v1"
+    """gymnasium id with flat observations and a bounded 1-D Box action space"""
+    total_timesteps: int = 10_000_000
+    """agent steps summed over all envs of all actors"""
+    log_dir: str = "runs"
+    """where run directories go"""
+    save_model: bool = False
+    """write the final model's state_dict to {run_dir}/model.pt"""
+    checkpoint_interval: float = 0.0
+    """seconds between checkpoints to {run_dir}/checkpoint.pt (0 = off)"""
+    resume: str | None = None
+    """path of a checkpoint.pt to continue from (networks, optimizers, step count; the replay starts empty)"""
+    eval_episodes: int = 0
+    """episodes to evaluate the final policy on (logged as eval/episodic_return at the final step)"""
+    capture_video: bool = False
+    """record videos of the final evaluation episodes to {run_dir}/videos"""
+    num_actors: int = 4
+    """actor processes (under torchrun: per actor rank); each owns one replay buffer"""
+    num_envs_per_actor: int = 1
+    """envs each actor steps with one batched forward pass (Ape-X: 1)"""
+    torch_threads: int = 1
+    """torch intra-op threads of the learner (0 = torch's default, one per core); 1 by default, since the actors
+    already use the cores and oversubscribed threads slow a small learner update many times over"""
+    actor_torch_threads: int = 1
+    """torch intra-op threads of each actor and of the evaluator"""
+    hidden_sizes: tuple[int, ...] = (256, 256)
+    """ReLU MLP widths of the actor and of the critic"""
+    # Horgan et al. 2018, Appendix D (Ape-X DPG); the rest as in Appendix C
+    buffer_size: int = 100_000
+    """replay capacity over all actors, split evenly"""
+    actor_batch: int = 50
+    """transitions an actor collects before computing their priorities and appending them (Ape-X: B = 50)"""
+    actor_update_interval: int = 400
+    """agent steps an actor plays between parameter pulls, summed over its envs (Ape-X: 400 frames, one frame an
+    agent step here)"""
+    learning_starts: int = 50_000
+    """transitions in the replay (all buffers) before the learner starts (Ape-X: 50,000)"""
+    batch_size: int = 512
+    """learner batch (Ape-X: 512), split across the buffers by their priority sums"""
+    n_step: int = 5
+    """n of the n-step returns (Ape-X DPG: 5)"""
+    gamma: float = 0.99
+    """discount factor"""
+    priority_alpha: float = 0.6
+    """priority exponent alpha: P(i) ~ p_i^alpha (Ape-X: 0.6)"""
+    priority_beta: float = 0.4
+    """importance-sampling exponent beta, fixed over the run as in Ape-X (0.4); see --anneal-beta"""
+    anneal_beta: bool = False
+    """anneal beta linearly from --priority-beta to 1 over the run (Schaul et al. 2016's schedule; Ape-X keeps it
+    fixed)"""
+    priority_eps: float = 1e-6
+    """added to |TD error| so that no transition has priority 0"""
+    critic_learning_rate: float = 1e-4
+    """Adam learning rate of the critic (Ape-X DPG: 1e-4)"""
+    actor_learning_rate: float = 1e-4
+    """Adam learning rate of the actor (Ape-X DPG: 1e-4)"""
+    adam_eps: float = 1e-8
+    """Adam epsilon"""
+    max_grad_norm: float = 40.0
+    """clip each network's gradients to this global norm (Ape-X: 40)"""
+    tau: float = 0.005
+    """soft target update rate, target <- tau online + (1 - tau) target"""
+    exploration_noise: float = 0.3
+    """action-noise scale of actor 0 as a fraction of the half action range; actor i uses sigma (N - i) / N"""
+    noise_type: Literal["gaussian", "ou"] = "gaussian"
+    """`gaussian` or `ou` (Ornstein-Uhlenbeck, Lillicrap et al. 2016) action noise"""
+    ou_theta: float = 0.15
+    """mean reversion of the OU noise"""
+    replay_ratio: float = 0.0
+    """sampled transitions per agent step once learning starts, a rate limiter like Reverb's SampleToInsertRatio: the
+    learner waits when ahead, actors wait when more than a small slack ahead (under torchrun only the learner side).
+    0 = off: actors and learner run free, as in Ape-X. CPU-only runs need it, or actors starve the learner"""
+    eval_interval: int = 100_000
+    """agent steps between noise-free evaluation rounds during training, logged as eval/episodic_return (0 = off)"""
+    eval_interval_episodes: int = 5
+    """episodes per evaluation round during training"""
+    log_frequency: int = 10
+    """learner updates per TensorBoard point for losses, lag and replay statistics (averaged over them)"""
+    log_interval: float = 10.0
+    """seconds between console lines"""
+
+
+# flags of the former apex.py that this script does not take: one error line instead of tyro's usage box
+RENAMED_FLAGS = {
+    "--learner-threads": "is now --torch-threads (the actors' threads are --actor-torch-threads)",
+    "--algo": "is gone: apex_ddpg.py is Ape-X DDPG; Ape-X DQN is apex_dqn.py",
+    "--learning-rate": "is --critic-learning-rate here (and --actor-learning-rate for the actor)",
+}
+
+
+def parse_args(argv: list[str]) -> Args:
+    for arg in argv:
+        if (name := arg.split("=")[0]) in RENAMED_FLAGS:
+            fail(f"{name} {RENAMED_FLAGS[name]}")
+    return tyro.cli(Args, args=argv)
+
+
+def validate(args: Args, world_size: int = 1) -> str | None:
+    """Every flag checked before anything is spawned; returns the error line (without `error: `) or None."""
+    for name, value in asdict(args).items():
+        if isinstance(value, float) and not math.isfinite(value):
+            return f"--{name.replace('_', '-')} must be a finite number, got {value}"
+    rules = (
+        (">= 1", lambda v: v >= 1, ("num_actors", "num_envs_per_actor", "actor_torch_threads", "actor_batch",
+                                    "actor_update_interval", "batch_size", "n_step", "log_frequency",
+                                    "eval_interval_episodes")),
+        ("> 0", lambda v: v > 0, ("critic_learning_rate", "actor_learning_rate", "max_grad_norm", "adam_eps",
+                                  "priority_eps")),
+        (">= 0", lambda v: v >= 0, ("torch_threads", "learning_starts", "checkpoint_interval", "eval_episodes",
+                                    "eval_interval", "replay_ratio", "log_interval", "exploration_noise",
+                                    "priority_alpha")),
+        ("in [0, 1]", lambda v: 0 <= v <= 1, ("gamma", "tau", "priority_beta", "ou_theta")),
+    )  # fmt: skip
+    for want, ok, names in rules:
+        for name in names:
+            if not ok(getattr(args, name)):
+                return f"--{name.replace('_', '-')} must be {want}, got {getattr(args, name)}"
+    if not args.hidden_sizes or min(args.hidden_sizes) < 1:
+        return f"--hidden-sizes must be one or more positive widths, got {args.hidden_sizes}"
+    if args.resume is not None and not Path(args.resume).is_file():
+        return f"--resume {args.resume}: no such checkpoint file"
+    if world_size > 1 and args.resume is not None:
+        return "--resume works with the single-machine launch only (the actor ranks' step counts are not saved)"
+    actors = args.num_actors * max(1, world_size - 1)
+    if args.buffer_size < actors * args.actor_batch:
+        return (
+            f"--buffer-size ({args.buffer_size}) must hold at least one --actor-batch ({args.actor_batch}) per "
+            f"actor ({actors} actors)"
+        )
+    if args.learning_starts > args.buffer_size:
+        return f"--learning-starts ({args.learning_starts}) must be <= --buffer-size ({args.buffer_size})"
+    if args.total_timesteps < actors * args.num_envs_per_actor:
+        return f"--total-timesteps ({args.total_timesteps}) is less than one step of every env of every actor"
+    try:
+        check_env_args(args.env_id, args.num_envs_per_actor)
+        obs_space, act_space = env_spaces(args)
+        if isinstance(act_space, gym.spaces.Discrete):
+            return (
+                f"{args.env_id} has a Discrete action space ({act_space}); Ape-X DDPG needs a Box action space: "
+                "use apex_dqn.py"
+            )
+        build_model(args, obs_space, act_space)
+    except EnvError as e:
+        return str(e)
+    except ValueError as e:
+        return f"{e} (Ape-X DDPG on {args.env_id})"
+    return None
+
+
+# ---- Algorithm ----
+
+
+def noise_scales(num_actors: int, sigma: float) -> list[float]:
+    """Actors' noise scales, evenly spread from sigma (actor 0) down to sigma / N (the last actor)."""
+    return [sigma * (num_actors - i) / num_actors for i in range(num_actors)]
+
+
+def ou_step(state: np.ndarray, theta: float, sigma: float, rng: np.random.Generator) -> np.ndarray:
+    """One Ornstein-Uhlenbeck step with dt = 1 and mean 0: x <- x - theta x + sigma N(0, 1)."""
+    return state - theta * state + sigma * rng.standard_normal(state.shape)
+
+
+def importance_exponent(beta: float, anneal: bool, progress: float) -> float:
+    """The IS exponent at `progress` in [0, 1] of the run: beta itself (Ape-X), or with `anneal` linear from beta to 1
+    (Schaul et al. 2016, Section 3.4)."""
+    return beta + (1.0 - beta) * min(1.0, progress) if anneal else beta
+
+
+def tree_capacity(capacity: int) -> int:
+    """Leaves of the sum/min trees: the next power of two >= capacity (trees are flat arrays of 2x that size)."""
+    return 1 << max(0, capacity - 1).bit_length()
+
+
+def tree_update(tree: np.ndarray, leaves: np.ndarray, values: np.ndarray, reduce) -> None:
+    """Set `tree`'s leaves [k] to values [k] and recompute their ancestors with `reduce` (np.add or np.minimum).
+
+    `tree` is a flat [2P] array: node j has children 2j and 2j+1, the root is 1, leaf i is P + i."""
+    P = len(tree) // 2
+    nodes = np.asarray(leaves, dtype=np.int64) + P
+    tree[nodes] = values
+    nodes = np.unique(nodes)
+    while nodes[0] > 1:  # all leaves sit at the same depth: one level per pass, each parent once
+        nodes = np.unique(nodes >> 1)
+        tree[nodes] = reduce(tree[2 * nodes], tree[2 * nodes + 1])
+
+
+def tree_find_prefix(tree: np.ndarray, prefix: np.ndarray) -> np.ndarray:
+    """Sum-tree search: for each prefix [k] in [0, total), the leaf i with sum(p[:i]) <= prefix < sum(p[:i+1])."""
+    P = len(tree) // 2
+    nodes = np.ones(len(prefix), dtype=np.int64)
+    prefix = np.asarray(prefix, dtype=np.float64).copy()
+    while P > 1 and nodes[0] < P:
+        left = tree[2 * nodes]
+        right = prefix >= left
+        prefix -= np.where(right, left, 0.0)
+        nodes = 2 * nodes + right
+    return nodes - P
+
+
+def split_counts(totals: np.ndarray, batch_size: int, rng: np.random.Generator) -> np.ndarray:
+    """How many of a batch each buffer gives: multinomial in the buffers' priority sums [K] -> counts [K]. Drawing
+    the buffer by its sum, then a slot by its priority within it, is exactly P(i) = p_i / sum_all p."""
+    totals = np.asarray(totals, dtype=np.float64)
+    return rng.multinomial(batch_size, totals / totals.sum())
+
+
+def importance_weights(priorities: np.ndarray, min_priority: float, beta: float) -> np.ndarray:
+    """w_i = (N P(i))^-beta / max_j (N P(j))^-beta with P(i) = p_i / sum p (Schaul et al. 2016, Section 3.4);
+    N and sum p cancel: w_i = (p_i / p_min)^-beta, p_min the smallest priority in *all* buffers."""
+    return (np.asarray(priorities, dtype=np.float64) / min_priority) ** -beta
+
+
+def n_step_window(rewards: list[float], gamma: float, terminated: bool) -> tuple[float, float]:
+    """R = sum_k gamma^k r_k over the window and the bootstrap discount: gamma^len, or 0 after a terminal state."""
+    ret = sum(gamma**k * r for k, r in enumerate(rewards))
+    return ret, 0.0 if terminated else gamma ** len(rewards)
+
+
+class NStepTransition(NamedTuple):
+    obs: np.ndarray  # s_t
+    action: np.ndarray  # a_t
+    ret: float  # sum_k gamma^k r_{t+k} over the window
+    discount: float  # gamma^len(window), 0 after a terminal state
+    next_obs: np.ndarray  # s_{t+len(window)}, the state to bootstrap from
+
+
+class NStepBuilder:
+    """Per env, the last n (obs, action, reward); emits n-step transitions. At an episode end every pending start is
+    emitted with its shortened window (discount 0 if terminated; a truncated episode bootstraps from its final
+    observation)."""
+
+    def __init__(self, num_envs: int, n: int, gamma: float):
+        self.n, self.gamma = n, gamma
+        self.windows = [deque() for _ in range(num_envs)]
+
+    def push(self, obs, actions, rewards, terminated, truncated, next_obs) -> list[NStepTransition]:
+        out = []
+        for e, window in enumerate(self.windows):
+            window.append((obs[e], actions[e], float(rewards[e])))
+            done = bool(terminated[e] or truncated[e])
+            while window and (done or len(window) == self.n):
+                ret, discount = n_step_window([r for _, _, r in window], self.gamma, bool(terminated[e]))
+                out.append(NStepTransition(window[0][0], window[0][1], ret, discount, next_obs[e]))
+                window.popleft()
+                if not done:
+                    break
+        return out
+
+
+def td_errors(online: nn.Module, target: nn.Module, data: Transitions) -> tuple[torch.Tensor, torch.Tensor]:
+    """n-step TD errors [B] of the critic, y = R + gamma^n Q'(s', mu'(s')) (Ape-X DPG), and Q(s, a) [B],
+    differentiable through `online`'s critic. The learner passes its target networks; an actor computing initial
+    priorities passes its one local copy twice."""
+    q = online.q(data.obs, data.actions)  # [B]
+    with torch.no_grad():
+        y = data.returns + data.discounts * target.q(data.next_obs, target(data.next_obs))
+    return y - q, q
+
+
+def priorities_of(td: torch.Tensor, alpha: float, eps: float) -> np.ndarray:
+    """Stored priorities p^alpha with p = |delta| + eps (Schaul et al. 2016, proportional variant)."""
+    return ((td.detach().abs().double() + eps) ** alpha).cpu().numpy()
+
+
+@torch.no_grad()
+def soft_update(target: nn.Module, online: nn.Module, tau: float) -> None:
+    """theta' <- tau theta + (1 - tau) theta' (Lillicrap et al. 2016)."""
+    for t, o in zip(target.parameters(), online.parameters(), strict=True):
+        t.lerp_(o, tau)
+
+
+# ---- Storage and messages ----
+
+
+class Stop(Exception):
+    """Raised inside a process when the run is shutting down."""
+
+
+class NonFiniteLoss(RuntimeError):
+    pass
+
+
+class LockTimeout(RuntimeError):
+    pass
+
+
+class WorkerError(RuntimeError):
+    """An actor host failed or stopped answering (torchrun); the message is the error line."""
+
+
+class WriteError(RuntimeError):
+    """A checkpoint or model file could not be written; the message is the error line."""
+
+
+class Transitions(NamedTuple):
+    """n-step transitions, tensors [k, ...]: what a buffer stores per slot and what the learner trains on."""
+
+    obs: torch.Tensor  # s_t
+    actions: torch.Tensor  # a_t
+    returns: torch.Tensor  # n-step discounted reward sums
+    discounts: torch.Tensor  # gamma^n, or 0 after a terminal state
+    next_obs: torch.Tensor  # s_{t+n}
+    policy_version: torch.Tensor  # learner version of the parameters that acted (for the policy lag)
+
+
+class Sample(NamedTuple):
+    """What one buffer gives to a batch: transitions, their slots, the slots' versions and their priorities."""
+
+    data: Transitions
+    slots: torch.Tensor
+    versions: torch.Tensor
+    priorities: torch.Tensor
+
+
+class Batch(NamedTuple):
+    data: Transitions  # [B, ...], all buffers' samples concatenated
+    weights: torch.Tensor  # [B] importance-sampling weights
+    slots: torch.Tensor  # [B] slot in its buffer
+    versions: torch.Tensor  # [B] the slot's version when sampled
+    buffer_ids: np.ndarray  # [B] the buffer each sample came from
+
+
+class PriorityUpdate(NamedTuple):
+    """New priorities for one buffer's sampled slots, applied where the slot versions still match."""
+
+    slots: torch.Tensor
+    versions: torch.Tensor
+    priorities: np.ndarray
+
+
+class ReplayStats(NamedTuple):
+    """Per buffer [K]: the sum of its priorities, its smallest priority, its size."""
+
+    priority_sums: np.ndarray
+    min_priorities: np.ndarray
+    sizes: np.ndarray
+
+    @classmethod
+    def concat(cls, stats: list[ReplayStats]) -> ReplayStats:
+        return cls(*(np.concatenate(column) for column in zip(*stats, strict=True)))
+
+
+class ActorReport(NamedTuple):
+    """actor -> main on log_q, after every append and once at the end."""
+
+    actor: int  # global actor id
+    steps: int  # agent steps since the last report
+    episodes: list[tuple[float, int]]  # (return, length) of the games finished since
+    done: bool  # the actor has used up its share of --total-timesteps
+
+
+class EvalReport(NamedTuple):
+    """evaluator -> main on log_q: the returns of one evaluation round at `step`."""
+
+    step: int
+    returns: list[float]
+
+
+class WorkerFailed(NamedTuple):
+    """actor host -> rank 0: the error line of one of its processes that died."""
+
+    error: str
+
+
+@contextlib.contextmanager
+def hold(lock, what: str):
+    """`with lock`, given up after LOCK_TIMEOUT seconds: a process killed while holding a shared lock leaves it held,
+    and the learner must then stop the run instead of hanging."""
+    if not lock.acquire(timeout=LOCK_TIMEOUT):
+        raise LockTimeout(f"{what}'s lock was held for {LOCK_TIMEOUT:.0f} s (a process died holding it?)")
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+class PrioritizedBuffer:
+    """A ring buffer of n-step transitions with a sum-tree and a min-tree over priorities p^alpha, in shared memory
+    (preallocated tensors; the trees are flat [2P] float64 arrays) behind one lock of its own. `slot_version[i]` is
+    incremented every time slot i is overwritten (Machin's taint table): a priority update carries the versions seen
+    at sampling and is skipped where they changed."""
+
+    def __init__(self, capacity: int, obs_shape, obs_dtype, action_shape, action_dtype, lock):
+        self.capacity, self.lock = capacity, lock
+        self.data = Transitions(
+            obs=torch.zeros((capacity, *obs_shape), dtype=obs_dtype),
+            actions=torch.zeros((capacity, *action_shape), dtype=action_dtype),
+            returns=torch.zeros(capacity),
+            discounts=torch.zeros(capacity),
+            next_obs=torch.zeros((capacity, *obs_shape), dtype=obs_dtype),
+            policy_version=torch.zeros(capacity, dtype=torch.int64),
+        )
+        self.slot_version = torch.zeros(capacity, dtype=torch.int64)
+        P = tree_capacity(capacity)
+        self.sum_tree = torch.zeros(2 * P, dtype=torch.float64)
+        self.min_tree = torch.full((2 * P,), math.inf, dtype=torch.float64)
+        self.next_slot = torch.zeros((), dtype=torch.int64)
+        self.size = torch.zeros((), dtype=torch.int64)
+
+    def share_memory_(self) -> PrioritizedBuffer:
+        for t in (*self.data, self.slot_version, self.sum_tree, self.min_tree, self.next_slot, self.size):
+            t.share_memory_()
+        return self
+
+    def append(self, data: Transitions, priorities: np.ndarray) -> None:
+        """Write k transitions with their priorities p^alpha [k]."""
+        k = len(priorities)
+        with hold(self.lock, "a replay buffer"):
+            slots = (int(self.next_slot) + torch.arange(k)) % self.capacity
+            for stored, new in zip(self.data, data, strict=True):
+                stored[slots] = new
+            self.slot_version[slots] += 1
+            tree_update(self.sum_tree.numpy(), slots.numpy(), priorities, np.add)
+            tree_update(self.min_tree.numpy(), slots.numpy(), priorities, np.minimum)
+            self.next_slot.fill_((int(self.next_slot) + k) % self.capacity)
+            self.size.fill_(min(int(self.size) + k, self.capacity))
+
+    def stats(self) -> ReplayStats:
+        with hold(self.lock, "a replay buffer"):
+            return ReplayStats(self.sum_tree[1:2].numpy(), self.min_tree[1:2].numpy(), self.size[None].numpy())
+
+    def sample(self, count: int, rng: np.random.Generator) -> Sample:
+        """`count` slots drawn in proportion to their priority, stratified over [0, total) (Schaul et al. 2016,
+        Appendix B.2.1)."""
+        with hold(self.lock, "a replay buffer"):
+            tree = self.sum_tree.numpy()
+            prefix = (np.arange(count) + rng.random(count)) * (tree[1] / count)
+            slots = np.minimum(tree_find_prefix(tree, prefix), int(self.size) - 1)  # float round-off can pass the end
+            index = torch.from_numpy(slots)
+            return Sample(
+                data=Transitions(*(t[index] for t in self.data)),
+                slots=index,
+                versions=self.slot_version[index],
+                priorities=torch.from_numpy(tree[len(tree) // 2 + slots]),
+            )
+
+    def update_priorities(self, update: PriorityUpdate) -> int:
+        """Set new priorities where the slot still holds the sampled transition; returns how many were stale."""
+        with hold(self.lock, "a replay buffer"):
+            fresh = (self.slot_version[update.slots] == update.versions).numpy()
+            if fresh.any():
+                keep = update.slots.numpy()[fresh]
+                tree_update(self.sum_tree.numpy(), keep, update.priorities[fresh], np.add)
+                tree_update(self.min_tree.numpy(), keep, update.priorities[fresh], np.minimum)
+        return int((~fresh).sum())
+
+
+def new_buffer(capacity: int, obs_space, act_space, lock) -> PrioritizedBuffer:
+    """A buffer in shared memory for this env's transitions: float observations and actions."""
+    return PrioritizedBuffer(
+        capacity, obs_space.shape, torch.float32, act_space.shape, torch.float32, lock
+    ).share_memory_()
+
+
+class LocalReplay:
+    """The learner's view of the buffers in this machine's shared memory (and an actor host's view of its own)."""
+
+    def __init__(self, buffers: list[PrioritizedBuffer], rng: np.random.Generator):
+        self.buffers, self.rng = buffers, rng
+
+    def stats(self) -> ReplayStats:
+        return ReplayStats.concat([b.stats() for b in self.buffers])
+
+    def sample(self, counts) -> list[Sample | None]:
+        return [b.sample(int(c), self.rng) if c else None for b, c in zip(self.buffers, counts, strict=True)]
+
+    def update(self, parts: list[PriorityUpdate | None]) -> int:
+        return sum(b.update_priorities(p) for b, p in zip(self.buffers, parts, strict=True) if p is not None)
+
+    def exchange(self, store: ParamStore) -> list:
+        return []  # actors on this machine pull from the store and report on log_q themselves
+
+    def close(self) -> None:
+        pass
+
+
+def sample_batch(replay, batch_size: int, beta: float, rng: np.random.Generator, stats: ReplayStats | None = None):
+    """Sample across buffers: split by priority sums, proportional inside each, IS weights normalised by the global
+    maximum weight (from the smallest priority of all buffers). `stats`: `replay.stats()`, if just read."""
+    stats = replay.stats() if stats is None else stats
+    counts = split_counts(stats.priority_sums, batch_size, rng)
+    parts = [p for p in replay.sample(counts) if p is not None]
+    priorities = torch.cat([p.priorities for p in parts]).numpy()
+    min_priority = min(stats.min_priorities[stats.sizes > 0].min(), priorities.min())  # appends since stats()
+    return Batch(
+        data=Transitions(*(torch.cat(column) for column in zip(*(p.data for p in parts), strict=True))),
+        weights=torch.from_numpy(importance_weights(priorities, min_priority, beta)).float(),
+        slots=torch.cat([p.slots for p in parts]),
+        versions=torch.cat([p.versions for p in parts]),
+        buffer_ids=np.repeat(np.arange(len(counts)), counts),
+    )
+
+
+def split_updates(batch: Batch, priorities: np.ndarray, num_buffers: int) -> list[PriorityUpdate | None]:
+    """Per buffer, its samples' new priorities, or None for a buffer that gave no sample."""
+    masks = [batch.buffer_ids == k for k in range(num_buffers)]
+    return [PriorityUpdate(batch.slots[m], batch.versions[m], priorities[m]) if m.any() else None for m in masks]
+
+
+class ParamStore:
+    """Versioned parameters: a flat shared tensor and its version under one lock, so a pull never mixes versions.
+    Version = learner updates applied, -1 until the first publish (actors poll it: no event to set, which could
+    block the learner as mp.Event.set does)."""
+
+    def __init__(self, num_params: int, ctx):
+        self.flat = torch.zeros(num_params).share_memory_()
+        self.version = ctx.Value("q", -1, lock=False)
+        self.lock = ctx.Lock()
+
+    @torch.no_grad()  # a copy of parameters must not join their autograd graph
+    def publish(self, flat: torch.Tensor, version: int) -> None:
+        with hold(self.lock, "the parameter store"):
+            self.flat.copy_(flat)
+            self.version.value = version
+
+    @torch.no_grad()
+    def pull(self, params: list[torch.Tensor]) -> int:
+        with hold(self.lock, "the parameter store"):
+            for p, new in zip(params, self.flat.split([p.numel() for p in params]), strict=True):
+                p.copy_(new.view_as(p))
+            return self.version.value
+
+
+@dataclass
+class Shared:
+    """Everything the processes of one machine share (tensors and locks in shared memory)."""
+
+    # the run is shutting down: one byte, set by the main process only, polled by the others. Not an mp.Event: its
+    # set() waits until every process sleeping in wait() wakes, forever if one is stopped (SIGSTOP), and Ctrl+C could
+    # then not stop the run
+    stop: ctypes.c_byte
+    log_q: Queue  # -> main: ActorReport, EvalReport
+    error_q: Queue  # -> main: "error: <who> died:\n<traceback>"
+    steps_claimed: Synchronized  # int64 under its lock: agent steps handed out (this machine's budget counter)
+    steps_limit: int  # this machine's share of --total-timesteps
+    global_step: ctypes.c_int64  # agent steps the learner has counted (the evaluator's clock); main writes it
+    learn_start: ctypes.c_double  # the rate limiter's origin, steps_claimed - updates * B / ratio (nan before)
+    store: ParamStore
+    buffers: list[PrioritizedBuffer]  # this machine's actors' buffers
+    parent_pid: int
+
+
+# ---- Workers ----
+
+
+def build_model(args: Args, obs_space, act_space) -> nn.Module:
+    return make_ddpg_model(obs_space, act_space, args.hidden_sizes)
+
+
+def act(model: nn.Module, obs: np.ndarray, noise: np.ndarray | None = None) -> np.ndarray:
+    """mu(s) [B, act_dim] for a [B, obs_dim] batch, plus `noise` in units of the half action range, clipped to the
+    action bounds."""
+    with torch.inference_mode():
+        actions = model(torch.as_tensor(obs)).numpy()
+    scale, bias = model.action_scale.numpy(), model.action_bias.numpy()
+    if noise is not None:
+        actions = actions + noise * scale
+    return np.clip(actions, bias - scale, bias + scale).astype(np.float32)
+
+
+def play_episodes(args: Args, model: nn.Module, env, episodes: int) -> list[float]:
+    """True returns of `episodes` noise-free evaluation episodes."""
+    returns = []
+    obs, _ = env.reset()
+    while len(returns) < episodes:
+        obs, _, terminated, truncated, info = env.step(act(model, np.asarray(obs)[None])[0])
+        if terminated or truncated:
+            returns.append(float(info["episode"]["r"]))
+            obs, _ = env.reset()
+    return returns
+
+
+def should_stop(shared: Shared) -> bool:
+    """The run is stopping, or the main process is gone (then no one would ever tell us)."""
+    return bool(shared.stop.value) or os.getppid() != shared.parent_pid
+
+
+def sleep_until(shared: Shared, ready, period: float) -> None:
+    """Sleep `period` at a time until `ready()`; raise Stop if the run stops meanwhile."""
+    while not ready():
+        time.sleep(period)
+        if should_stop(shared):
+            raise Stop
+
+
+def claim_steps(shared: Shared, steps: int) -> bool:
+    """Reserve agent steps within this machine's budget; False when none are left."""
+    with shared.steps_claimed.get_lock():
+        if shared.steps_claimed.value + steps > shared.steps_limit:
+            return False
+        shared.steps_claimed.value += steps
+        return True
+
+
+def wait_for_learner(args: Args, shared: Shared, slack: int) -> None:
+    """Rate limiter, actor side (`--replay-ratio`): sleep while this machine's agent steps since learning started run
+    more than `slack` ahead of what the learner's samples allow."""
+    start = shared.learn_start.value
+    if not args.replay_ratio or math.isnan(start):
+        return
+    per_update = args.batch_size / args.replay_ratio  # agent steps each learner update allows
+    sleep_until(
+        shared, lambda: shared.steps_claimed.value - start - shared.store.version.value * per_update <= slack, 0.02
+    )
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Linux: the kernel kills this process when the process that started it dies, even by kill -9, so no child
+    outlives the run. The main process may have died before prctl ran: then exit at once."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # no prctl (not Linux)
+        pass
+    if os.getppid() != parent_pid:
+        os._exit(0)
+
+
+def process_body(name: str, loop, shared: Shared, *loop_args) -> None:
+    """Run `loop(*loop_args)` in a child process, reporting any exception with its traceback to the main process."""
+    die_with_parent(shared.parent_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the main process coordinates Ctrl+C / SIGTERM
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})  # blocked by main around start()
+    try:
+        loop(*loop_args)
+    except Stop:
+        pass
+    except NonFiniteLoss as e:
+        shared.error_q.put(f"error: {name}: {e}; stopping (the last checkpoint, if any, is kept)")
+        raise SystemExit(1) from None
+    except BaseException:
+        shared.error_q.put(f"error: {name} died:\n{traceback.format_exc()}")
+        raise SystemExit(1) from None
+
+
+def bootstrap_obs(next_obs: np.ndarray, done: np.ndarray, info: dict) -> np.ndarray:
+    """The observations to bootstrap from: `next_obs`, except the last observation of each episode that ended (the
+    SAME_STEP autoreset puts it in `final_obs`; an ALE life loss ends no game and has none)."""
+    final = info.get("final_obs")
+    if not done.any() or final is None:
+        return next_obs
+    out = next_obs.copy()
+    for e in np.flatnonzero(done):
+        if final[e] is not None:
+            out[e] = final[e]
+    return out
+
+
+def actor_loop(actor: int, global_id: int, num_total: int, args: Args, shared: Shared) -> None:
+    """One Ape-X actor (Horgan et al. 2018, Algorithm 1): act, build n-step transitions, prioritise them with the
+    local network, append them to this actor's buffer, pull parameters every --actor-update-interval frames."""
+    torch.set_num_threads(args.actor_torch_threads)
+    n = args.num_envs_per_actor
+    start = shared.steps_claimed.value  # > 0 after --resume: new episodes, not a replay of the first ones
+    envs = make_vector_env(args.env_id, n, args.seed + 10_000 * global_id + start, num_threads=1)
+    try:
+        model = build_model(args, envs.single_observation_space, envs.single_action_space)
+        params, rng = list(model.parameters()), np.random.default_rng([args.seed, global_id, start])
+        sigma = noise_scales(num_total, args.exploration_noise)[global_id]
+        noise = np.zeros((n, *envs.single_action_space.shape))
+        buffer, builder = shared.buffers[actor], NStepBuilder(n, args.n_step, args.gamma)
+        # unreported steps of all actors stay below this slack, so the learner is never blocked by it
+        slack = 2 * len(shared.buffers) * n * (args.actor_batch + args.n_step)
+        sleep_until(shared, lambda: shared.store.version.value >= 0, 0.05)  # the learner's first parameters
+        version = shared.store.pull(params)
+        since_pull, steps, episodes, pending = 0, 0, [], []
+        obs, _ = envs.reset()
+        while not should_stop(shared) and claim_steps(shared, n):
+            if args.noise_type == "ou":
+                noise = ou_step(noise, args.ou_theta, sigma, rng)
+            else:
+                noise = sigma * rng.standard_normal(noise.shape)
+            actions = act(model, obs, noise)
+            next_obs, reward, terminated, truncated, info = envs.step(actions)
+            next_obs = next_obs.copy()  # transitions keep views of it
+            real_next = bootstrap_obs(next_obs, terminated | truncated, info)
+            noise[terminated | truncated] = 0.0  # each episode's OU process starts at its mean
+            pending += builder.push(obs, actions, reward, terminated, truncated, real_next)
+            episodes += finished_episodes(info)
+            obs = next_obs
+            steps, since_pull = steps + n, since_pull + n
+            if len(pending) >= args.actor_batch:
+                append_prioritised(args, model, buffer, pending, version)
+                shared.log_q.put(ActorReport(global_id, steps, episodes, done=False))
+                steps, episodes, pending = 0, [], []
+                wait_for_learner(args, shared, slack)
+            if since_pull >= args.actor_update_interval:
+                version, since_pull = shared.store.pull(params), 0
+        if pending:
+            append_prioritised(args, model, buffer, pending, version)
+        shared.log_q.put(ActorReport(global_id, steps, episodes, done=True))
+    finally:
+        envs.close()
+
+
+def append_prioritised(args: Args, model: nn.Module, buffer: PrioritizedBuffer, pending: list, version: int) -> None:
+    """Initial priorities from the actor's own n-step TD errors (Ape-X, Section 3), then one append."""
+    obs, actions, returns, discounts, next_obs = (np.stack(x) for x in zip(*pending, strict=True))
+    data = Transitions(
+        obs=torch.from_numpy(obs),
+        actions=torch.from_numpy(actions).to(buffer.data.actions.dtype),
+        returns=torch.from_numpy(returns).float(),
+        discounts=torch.from_numpy(discounts).float(),
+        next_obs=torch.from_numpy(next_obs),
+        policy_version=torch.full((len(pending),), version, dtype=torch.int64),
+    )
+    with torch.no_grad():
+        td, _ = td_errors(model, model, data)
+    priorities = priorities_of(td, args.priority_alpha, args.priority_eps)
+    if not np.isfinite(priorities).all():  # a NaN would poison the sum-tree, and with it every later sample
+        raise NonFiniteLoss("non-finite n-step TD error (reward or network output) for an initial priority")
+    buffer.append(data, priorities)
+
+
+def evaluator_loop(args: Args, shared: Shared, obs_space, act_space) -> None:
+    """Every --eval-interval agent steps: pull the newest parameters, play noise-free episodes, report the returns."""
+    torch.set_num_threads(args.actor_torch_threads)
+    env = make_env(args.env_id, args.seed + 1_000_003)
+    try:
+        model = build_model(args, obs_space, act_space)
+        params = list(model.parameters())
+        next_eval = (shared.global_step.value // args.eval_interval + 1) * args.eval_interval
+        while True:
+            sleep_until(shared, lambda: shared.global_step.value >= next_eval, 0.5)  # noqa: B023 (called at once)
+            step = shared.global_step.value
+            shared.store.pull(params)
+            shared.log_q.put(EvalReport(step, play_episodes(args, model, env, args.eval_interval_episodes)))
+            next_eval = (step // args.eval_interval + 1) * args.eval_interval
+    finally:
+        env.close()
+
+
+def final_evaluation(args: Args, spaces, state_dict: dict, run_dir: Path) -> list[float]:
+    """--eval-episodes episodes of the final model (videos with --capture-video)."""
+    env = make_env(args.env_id, args.seed + 2_000_003, capture_video=args.capture_video,
+                   video_dir=str(run_dir / "videos"))  # fmt: skip
+    model = build_model(args, *spaces)
+    model.load_state_dict(state_dict)
+    try:
+        return play_episodes(args, model, env, args.eval_episodes)
+    finally:
+        env.close()
+
+
+class Learner:
+    """Actor and critic, their target networks and Adam optimizers; `update` is one Ape-X DPG learner step."""
+
+    def __init__(self, args: Args, obs_space, act_space, device: torch.device):
+        self.args, self.device = args, device
+        self.model = build_model(args, obs_space, act_space).to(device)
+        self.target = build_model(args, obs_space, act_space).to(device)
+        self.target.load_state_dict(self.model.state_dict())
+        self.target.requires_grad_(False)
+        self.version = 0  # learner updates so far
+        self.learning_rate = args.critic_learning_rate  # charts/learning_rate (the critic's)
+        self.optimizers = {
+            "critic": torch.optim.Adam(self.model.critic.parameters(), args.critic_learning_rate, eps=args.adam_eps),
+            "actor": torch.optim.Adam(self.model.actor.parameters(), args.actor_learning_rate, eps=args.adam_eps),
+        }
+
+    def flat_params(self) -> torch.Tensor:
+        return torch.cat([p.detach().reshape(-1) for p in self.model.parameters()])  # logical order, any layout
+
+    def update(self, data: Transitions, weights: torch.Tensor) -> tuple[np.ndarray, dict[str, float]]:
+        """One critic step on the IS-weighted squared TD error, one actor step on the deterministic policy gradient,
+        a soft target update; returns the new priorities [B] and scalar statistics."""
+        data = Transitions(*(t.to(self.device, non_blocking=True) for t in data))
+        td, q = td_errors(self.model, self.target, data)
+        value_loss = 0.5 * (weights.to(self.device) * td.pow(2)).mean()
+        grad_norm = self.step("critic", value_loss)
+        policy_loss = -self.model.q(data.obs, self.model(data.obs)).mean()  # Silver et al. 2014, Eq. 6
+        self.step("actor", policy_loss)
+        soft_update(self.target, self.model, self.args.tau)
+        lag = self.version - data.policy_version.double().mean()  # updates between the acting parameters and this
+        values = dict(value_loss=value_loss, policy_loss=policy_loss, total_loss=value_loss + policy_loss,
+                      grad_norm=grad_norm, q_values=q.mean(), policy_lag=lag)  # fmt: skip
+        stats = dict(zip(values, torch.stack([v.detach().double() for v in values.values()]).tolist(), strict=True))
+        self.version += 1
+        return priorities_of(td, self.args.priority_alpha, self.args.priority_eps), stats
+
+    def step(self, name: str, loss: torch.Tensor) -> torch.Tensor:
+        """One clipped Adam step of the `name` network (critic or actor); its gradient norm before clipping."""
+        if not torch.isfinite(loss):
+            raise NonFiniteLoss(f"non-finite {name} loss {loss.item()} at learner update {self.version}")
+        self.optimizers[name].zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = nn.utils.clip_grad_norm_(getattr(self.model, name).parameters(), self.args.max_grad_norm)
+        self.optimizers[name].step()
+        return grad_norm.detach()
+
+    def state_dict(self) -> dict:
+        optimizers = {k: o.state_dict() for k, o in self.optimizers.items()}
+        return dict(model=self.model.state_dict(), target=self.target.state_dict(), optimizers=optimizers,
+                    version=self.version)  # fmt: skip
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.target.load_state_dict(state["target"])
+        for k, o in self.optimizers.items():
+            o.load_state_dict(state["optimizers"][k])
+        self.version = state["version"]
+
+
+class ActorHost(LocalReplay):
+    """An actor rank under torchrun: its actors and their buffers, built when rank 0 asks (`rpc.remote`), then
+    driven by rank 0's calls, one at a time: LocalReplay's methods, `relay` and `close`."""
+
+    def __init__(self, args: Args, rank: int, world_size: int):
+        hosts, total = world_size - 1, args.total_timesteps
+        self.rank = rank
+        self.shared, self.procs = setup_machine(
+            args, mp.get_context("fork"), env_spaces(args), num_actors=args.num_actors,
+            steps_limit=total // hosts + (total % hosts if rank == 1 else 0), first_actor=(rank - 1) * args.num_actors,
+            num_total=hosts * args.num_actors, evaluator=False,
+        )  # fmt: skip
+        super().__init__(self.shared.buffers, np.random.default_rng([args.seed, rank]))
+        start_processes(self.procs)
+
+    def relay(self, flat: torch.Tensor | None, version: int) -> list[ActorReport | WorkerFailed]:
+        """Publish rank 0's newer parameters (if any) to the actors; return their reports and any failure."""
+        if flat is not None:
+            self.shared.store.publish(flat, version)
+        messages = []
+        drain_into(self.shared.log_q, messages.append, 0.0)
+        if failure := dead_process(self.procs, self.shared):
+            messages.append(WorkerFailed(f"{failure} (on rank {self.rank})"))
+        return messages
+
+    def close(self) -> None:
+        shutdown(self.procs, self.shared, lambda t: drain_into(self.shared.log_q, lambda m: None, t), grace=4.0)
+
+
+class RemoteReplay:
+    """Rank 0's view of the buffers on the actor ranks (rank r holds buffers [(r-1) K, r K)), the same interface as
+    LocalReplay."""
+
+    def __init__(self, args: Args, world_size: int):
+        rpc.init_rpc("rank0", rank=0, world_size=world_size)
+        self.hosts = [rpc.remote(f"rank{r}", ActorHost, args=(args, r, world_size)) for r in range(1, world_size)]
+        self.per_host, self.sent_version = args.num_actors, -1
+        self.call("stats", timeout=HOST_SETUP_TIMEOUT)  # returns once every host is built
+
+    def call(self, method: str, per_host: list[tuple] | None = None, timeout: float = 60.0) -> list:
+        futures = [getattr(host.rpc_async(timeout=timeout), method)(*(per_host[i] if per_host else ()))
+                   for i, host in enumerate(self.hosts)]  # fmt: skip
+        results = []
+        for rank, future in enumerate(futures, start=1):
+            try:
+                results.append(future.wait())
+            except Exception as e:  # the host's own error, or a lost connection
+                reason = (str(e).strip().splitlines() or [type(e).__name__])[-1][:300]
+                raise WorkerError(f"error: actor host rank {rank} failed: {reason}; stopping the run") from None
+        return results
+
+    def chunks(self, items: list) -> list[tuple]:
+        return [(list(items[i * self.per_host : (i + 1) * self.per_host]),) for i in range(len(self.hosts))]
+
+    def stats(self) -> ReplayStats:
+        return ReplayStats.concat(self.call("stats"))
+
+    def sample(self, counts) -> list[Sample | None]:
+        return [part for parts in self.call("sample", self.chunks([int(c) for c in counts])) for part in parts]
+
+    def update(self, parts: list[PriorityUpdate | None]) -> int:
+        return sum(self.call("update", self.chunks(parts)))
+
+    def exchange(self, store: ParamStore) -> list[ActorReport | WorkerFailed]:
+        """Newer parameters out (a copy: rpc may send a tensor after the call returns), reports back."""
+        version = store.version.value
+        flat = store.flat.clone() if version > self.sent_version else None
+        self.sent_version = version
+        return [m for messages in self.call("relay", [(flat, version)] * len(self.hosts)) for m in messages]
+
+    def close(self) -> None:
+        """Stop the hosts' actors, then rpc: gracefully (waiting for every rank) if every host answered."""
+        try:
+            self.call("close", timeout=10.0)
+        except WorkerError:  # a host is gone already (torchrun tears down failed ranks)
+            rpc.shutdown(graceful=False)
+            return
+        rpc.shutdown()
+
+
+def serve_actor_host(rank: int, world_size: int) -> None:
+    """An actor rank's main thread: rank 0 builds an ActorHost here over rpc and drives it; this thread waits for the
+    end. Ctrl+C reaches every rank of a terminal's launch and rank 0 stops the run, so actor ranks ignore it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    rpc.init_rpc(f"rank{rank}", rank=rank, world_size=world_size)
+    try:
+        rpc.shutdown()  # returns once every rank has shut down
+    except RuntimeError as e:
+        print(f"error: actor rank {rank} lost the learner (rank 0): {e}", file=sys.stderr)
+        raise SystemExit(1) from None
+
+
+# ---- Lifecycle ----
+
+
+class StopSignals:
+    """Ctrl+C and SIGTERM only set `requested` (and `signum`, for the exit status 128 + signum): start-up checks it
+    before starting processes and the main loop at the top of every iteration, then unwinds through `finally`. An
+    exception raised from the handler could cut start-up between two process starts (orphans, a traceback), or leave
+    half a message in the pipe inside a `log_q.get` (`EOFError: Ran out of input` at the next read)."""
+
+    def __init__(self):
+        self.requested, self.signum = threading.Event(), 0
+        signal.signal(signal.SIGINT, self.handler)
+        signal.signal(signal.SIGTERM, self.handler)
+
+    def handler(self, signum, frame) -> None:
+        self.signum = self.signum or signum
+        self.requested.set()
+
+
+def env_spaces(args: Args):
+    """(observation space, action space) of one env, from a probe of the training vector env."""
+    probe = make_vector_env(args.env_id, 1, args.seed, num_threads=1)
+    spaces = probe.single_observation_space, probe.single_action_space
+    probe.close()
+    return spaces
+
+
+def setup_machine(
+    args: Args, ctx, spaces, *, num_actors: int, steps_limit: int, first_actor: int, num_total: int, evaluator: bool,
+    start_step: int = 0,
+) -> tuple[Shared, dict]:  # fmt: skip
+    """This machine's buffers, parameter store and (unstarted) processes: actors, and the evaluator if asked."""
+    shared = Shared(
+        stop=ctx.Value("b", 0, lock=False),
+        log_q=ctx.Queue(),
+        error_q=ctx.Queue(),
+        steps_claimed=ctx.Value("q", start_step),
+        steps_limit=steps_limit,
+        # no locks where main is the only writer: a child stopped or killed holding one would block main forever
+        global_step=ctx.Value("q", start_step, lock=False),
+        learn_start=ctx.Value("d", math.nan, lock=False),
+        store=ParamStore(sum(p.numel() for p in build_model(args, *spaces).parameters()), ctx),
+        buffers=[new_buffer(args.buffer_size // num_total, *spaces, ctx.Lock()) for _ in range(num_actors)],
+        parent_pid=os.getpid(),
+    )
+    procs = {
+        f"actor {first_actor + a}": ctx.Process(
+            target=process_body,
+            args=(f"actor {first_actor + a}", actor_loop, shared, a, first_actor + a, num_total, args, shared),
+            daemon=True,
+        )
+        for a in range(num_actors)
+    }
+    if evaluator:
+        procs["evaluator"] = ctx.Process(
+            target=process_body, args=("evaluator", evaluator_loop, shared, args, shared, *spaces), daemon=True
+        )
+    return shared, procs
+
+
+def start_processes(procs: dict) -> None:
+    """Children start with SIGINT/SIGTERM blocked, then ignore them: Ctrl+C reaches the whole process group."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        for p in procs.values():
+            p.start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+
+
+def drain_into(q, handle, timeout: float) -> None:
+    """Handle every queued message, waiting up to `timeout` for the first."""
+    try:
+        handle(q.get(timeout=timeout) if timeout else q.get_nowait())
+        while True:
+            handle(q.get_nowait())
+    except queue.Empty:
+        pass
+
+
+def dead_process(procs: dict, shared: Shared) -> str | None:
+    """The error line of the first process that died, with its traceback if it sent one (a process killed by a
+    signal sends none, so none is waited for)."""
+    for name, p in procs.items():
+        if p.exitcode is not None and p.exitcode != 0:
+            try:
+                return shared.error_q.get(timeout=2.0 if p.exitcode > 0 else 0.1)
+            except queue.Empty:
+                how = f"killed by signal {-p.exitcode}" if p.exitcode < 0 else f"exit status {p.exitcode}"
+                return f"error: {name} died ({how}); stopping the run"
+    return None
+
+
+def shutdown(procs: dict, shared: Shared, drain, grace: float) -> None:
+    """Stop processes within `grace` seconds: set `stop`, keep draining the log queue while they exit (a process
+    waits for its queued messages to reach the pipe before exiting), kill what is left."""
+    shared.stop.value = 1
+    deadline = time.time() + grace
+    while any(p.is_alive() for p in procs.values()) and time.time() < deadline:
+        try:
+            drain(0.2)
+        except OSError:  # TensorBoard's events file cannot be written (reported by the caller): keep stopping
+            time.sleep(0.2)
+    for p in procs.values():
+        if p.is_alive():
+            p.kill()
+        p.join(timeout=2.0)
+    with contextlib.suppress(OSError):
+        drain(0.0)
+
+
+def fail(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def new_run_dir(args: Args) -> Path:
+    """Create this run's directory, never one that exists: a run started in the same second with the same name gets
+    the suffix -2, -3, ... (mkdir is atomic, so two runs cannot both take one name). Exit 2 if it cannot be made."""
+    base = Path(args.log_dir) / f"{args.env_id.replace('/', '_')}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    try:
+        base.parent.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        fail(f"cannot create the run directory {base}: {base.parent} is not a directory")
+    except OSError as e:
+        fail(f"cannot create the run directory {base}: {e.strerror or e}")
+    for n in itertools.count(1):
+        run_dir = base if n == 1 else base.with_name(f"{base.name}-{n}")
+        try:
+            run_dir.mkdir()
+            return run_dir
+        except FileExistsError:
+            continue
+        except OSError as e:
+            fail(f"cannot create the run directory {run_dir}: {e.strerror or e}")
+
+
+def checkpoint_meta(args: Args, obs_space, act_space) -> dict:
+    """What a checkpoint must match to be resumed by this run: script, env, network widths and shapes."""
+    return dict(
+        script=Path(__file__).name,
+        env_id=args.env_id,
+        hidden_sizes=list(args.hidden_sizes),
+        obs_shape=list(obs_space.shape),
+        action_shape_or_n=list(act_space.shape),
+    )
+
+
+def load_checkpoint(path: str, meta: dict) -> dict:
+    """The checkpoint at `path` if this run can continue it; otherwise one error line and exit 2 (nothing started)."""
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:
+        reason = (str(e).strip().splitlines() or [""])[0][:120]
+        fail(f"cannot resume from {path}: not a checkpoint this script can read ({type(e).__name__}: {reason})")
+    theirs = checkpoint.get("meta") if isinstance(checkpoint, dict) else None
+    if not isinstance(theirs, dict):
+        fail(f'cannot resume from {path}: not a checkpoint this script can read (it has no "meta" entry)')
+    if differ := [k for k in meta if theirs.get(k) != meta[k]]:
+        fail(
+            f"cannot resume from {path}: it is a {theirs.get('script')} checkpoint "
+            f"({', '.join(f'{k} {theirs.get(k)}' for k in differ)}), this run is "
+            f"{', '.join(f'{k} {meta[k]}' for k in differ)}"
+        )
+    run_dir = Path(path).parent
+    if not os.access(run_dir, os.W_OK):
+        fail(f"cannot write to the run directory {run_dir} of --resume {path}")
+    return checkpoint
+
+
+def atomic_save(obj, path: Path) -> None:
+    """torch.save, atomic: a temporary file, then a rename over the old file, so a full disk leaves the last good one.
+    Serialised in memory first: torch.save to a full disk raises a cryptic "unexpected pos" instead of ENOSPC."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    tmp = path.with_suffix(".tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(buffer.getbuffer())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        reason = "no space left on device" if e.errno == errno.ENOSPC else (e.strerror or str(e))
+        raise WriteError(f"error: {reason} while writing {path}; stopping (the last good checkpoint is kept)") from None
+
+
+def events_error(e: OSError, run_dir: Path) -> str:
+    """The error line for a TensorBoard events file that cannot be written (a full disk, most often). TensorBoard's
+    writer thread dies of it and the main thread gets it at its next write; the thread is kept from printing its own
+    traceback (`threading.excepthook`), so the run reports it in this one line."""
+    reason = "no space left on device" if e.errno == errno.ENOSPC else (e.strerror or str(e))
+    return f"error: {reason} while writing the TensorBoard events in {run_dir}; stopping"
+
+
+def quiet_writer_thread() -> None:
+    default = threading.excepthook
+    threading.excepthook = lambda hook_args: None if issubclass(hook_args.exc_type, OSError) else default(hook_args)
+
+
+class Means:
+    """Means of the learner's statistics over the last --log-frequency updates."""
+
+    def __init__(self):
+        self.sums: dict[str, float] = {}
+        self.count = 0
+
+    def add(self, values: dict[str, float]) -> None:
+        for k, v in values.items():
+            self.sums[k] = self.sums.get(k, 0.0) + v
+        self.count += 1
+
+    def write(self, writer, global_step: int) -> None:
+        for k, v in self.sums.items():
+            writer.add_scalar(f"charts/{k}" if k == "policy_lag" else f"losses/{k}", v / self.count, global_step)
+        self.sums, self.count = {}, 0
+
+
+class LearnerRun:
+    """The learner's loop state and what one iteration does: take the workers' messages, train when the replay and
+    the rate limiter allow, log, check on the workers, checkpoint."""
+
+    def __init__(self, args: Args, learner: Learner, replay, shared: Shared, procs: dict, writer, run_dir: Path,
+                 meta: dict, global_step: int, num_actors: int):  # fmt: skip
+        self.args, self.learner, self.replay, self.shared, self.procs = args, learner, replay, shared, procs
+        self.writer, self.run_dir, self.meta, self.num_actors = writer, run_dir, meta, num_actors
+        self.global_step = self.start_step = global_step
+        self.start_time = self.last_print = self.last_checkpoint = self.last_check = time.time()
+        self.returns: deque[float] = deque(maxlen=20)  # the console line's mean return
+        self.actors_done: set[int] = set()
+        self.failure: str | None = None
+        self.stale_updates, self.replay_wait = 0, 0.0
+        self.learn_start, self.start_version = -1, 0  # the rate limiter's origin: step and version at the 1st update
+        self.stats = ReplayStats(np.zeros(1), np.ones(1), np.zeros(1, dtype=np.int64))  # until the loop reads it
+        self.means, self.rng = Means(), np.random.default_rng([args.seed, 1])
+
+    def running(self) -> bool:
+        return len(self.actors_done) < self.num_actors and self.failure is None
+
+    def handle(self, message: ActorReport | EvalReport | WorkerFailed) -> None:
+        if isinstance(message, ActorReport):
+            self.global_step += message.steps
+            self.shared.global_step.value = self.global_step
+            for ret, length in message.episodes:
+                self.writer.add_scalar("charts/episodic_return", ret, self.global_step)
+                self.writer.add_scalar("charts/episodic_length", length, self.global_step)
+                self.returns.append(ret)
+            if message.done:
+                self.actors_done.add(message.actor)
+        elif isinstance(message, EvalReport):
+            for ret in message.returns:
+                self.writer.add_scalar("eval/episodic_return", ret, message.step)
+        else:
+            self.failure = self.failure or message.error
+
+    def can_learn(self) -> bool:
+        """Enough transitions in the replay, and with --replay-ratio the learner is not ahead of the actors."""
+        args = self.args
+        if self.stats.sizes.sum() < max(args.learning_starts, 1):
+            return False
+        sampled = (self.learner.version - self.start_version) * args.batch_size
+        steps = self.global_step - self.learn_start
+        return not args.replay_ratio or self.learn_start < 0 or sampled < args.replay_ratio * steps
+
+    def learn(self) -> None:
+        """One update: sample across the buffers, train, write the new priorities back, publish the parameters."""
+        args, learner = self.args, self.learner
+        if self.learn_start < 0:
+            self.learn_start, self.start_version = self.global_step, learner.version
+            if args.replay_ratio:  # steps_claimed read without its lock (actors hold it)
+                claimed = self.shared.steps_claimed.get_obj().value
+                self.shared.learn_start.value = claimed - self.start_version * args.batch_size / args.replay_ratio
+        drain_into(self.shared.log_q, self.handle, 0.0)
+        beta = importance_exponent(args.priority_beta, args.anneal_beta, self.global_step / args.total_timesteps)
+        batch = sample_batch(self.replay, args.batch_size, beta, self.rng, self.stats)
+        priorities, values = learner.update(batch.data, batch.weights)
+        self.stale_updates += self.replay.update(split_updates(batch, priorities, len(self.stats.sizes)))
+        self.shared.store.publish(learner.flat_params(), learner.version)
+        self.means.add(values)
+        if self.means.count >= args.log_frequency:
+            self.log_scalars()
+
+    def wait_for_data(self) -> None:
+        """Too little data (or the rate limiter): block on the actors' reports."""
+        t0 = time.perf_counter()
+        drain_into(self.shared.log_q, self.handle, RPC_PERIOD)
+        self.replay_wait += time.perf_counter() - t0
+
+    def housekeeping(self) -> None:
+        """Exchange with the actor hosts and check on the processes every RPC_PERIOD; console line; checkpoint."""
+        now = time.time()
+        if now - self.last_check >= RPC_PERIOD:
+            self.last_check = now
+            for message in self.replay.exchange(self.shared.store):
+                self.handle(message)
+            self.failure = self.failure or dead_process(self.procs, self.shared)
+        if now - self.last_print >= self.args.log_interval:
+            print(self.console_line(), flush=True)
+            self.last_print = now
+        if self.args.checkpoint_interval and now - self.last_checkpoint >= self.args.checkpoint_interval:
+            self.write_checkpoint()
+            self.last_checkpoint = now
+
+    def sps(self) -> float:
+        return (self.global_step - self.start_step) / max(1e-9, time.time() - self.start_time)
+
+    def console_line(self) -> str:
+        mean_return = f"{np.mean(self.returns):.2f}" if self.returns else "nan"
+        return (f"global_step={self.global_step} SPS={self.sps():.0f} mean_return={mean_return} "
+                f"updates={self.learner.version} replay={int(self.stats.sizes.sum())}")  # fmt: skip
+
+    def log_scalars(self) -> None:
+        step, stats, size = self.global_step, self.stats, self.stats.sizes.sum()
+        self.means.write(self.writer, step)
+        self.writer.add_scalar("charts/SPS", self.sps(), step)
+        self.writer.add_scalar("charts/learning_rate", self.learner.learning_rate, step)
+        self.writer.add_scalar("replay/size", size, step)
+        self.writer.add_scalar("replay/priority_mean", stats.priority_sums.sum() / max(1.0, size), step)
+        self.writer.add_scalar("replay/stale_updates", self.stale_updates, step)
+        self.writer.add_scalar("timing/replay_wait", self.replay_wait, step)
+
+    def write_checkpoint(self) -> None:
+        state = dict(learner=self.learner.state_dict(), global_step=self.global_step, args=asdict(self.args))
+        atomic_save({**state, "torch_rng": torch.get_rng_state(), "meta": self.meta}, self.run_dir / "checkpoint.pt")
+
+    def stop_workers(self) -> None:
+        """Stop every process (and the actor hosts), whatever ended the loop; a second Ctrl+C must not cut it short."""
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        shutdown(self.procs, self.shared, lambda t: drain_into(self.shared.log_q, self.handle, t),
+                 grace=4.0 if self.failure is None else 1.0)  # fmt: skip
+        self.replay.close()
+        if self.failure is None:  # an error a process sent before the stop (ones killed by `shutdown` are not failures)
+            with contextlib.suppress(queue.Empty):
+                self.failure = self.shared.error_q.get_nowait()
+
+    def finish(self, interrupted: bool, spaces) -> str | None:
+        """Final checkpoint, model, TensorBoard points, console line and evaluation; returns the failure, if any."""
+        args, failure = self.args, self.failure
+        try:
+            if failure is None and args.checkpoint_interval:
+                self.write_checkpoint()
+            if failure is None and not interrupted and args.save_model:
+                atomic_save(self.learner.model.state_dict(), self.run_dir / "model.pt")
+        except WriteError as e:
+            failure = str(e)
+        try:
+            self.log_scalars()  # the final step's point, whatever the update count
+        except OSError as e:
+            failure = failure or events_error(e, self.run_dir)
+        print(self.console_line(), flush=True)
+        if failure is None and not interrupted and args.eval_episodes:
+            returns = final_evaluation(args, spaces, self.learner.model.state_dict(), self.run_dir)
+            for i, ret in enumerate(returns):
+                self.writer.add_scalar("eval/episodic_return", ret, self.global_step)
+                print(f"eval episode {i}: return {ret:.1f}")
+        try:
+            self.writer.close()
+        except OSError as e:
+            failure = failure or events_error(e, self.run_dir)
+        return failure
+
+
+# ---- Main ----
+
+
+def main(args: Args) -> None:
+    """The learner (single machine, or rank 0 under torchrun), or an actor rank."""
+    world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    if args.torch_threads >= 1:  # before validation builds a model: oversubscribed threads make that slow too
+        torch.set_num_threads(args.torch_threads)
+    if error := validate(args, world_size):
+        fail(error)
+    torch.manual_seed(args.seed)
+    torch.backends.cudnn.deterministic = args.torch_deterministic
+    torch.use_deterministic_algorithms(args.torch_deterministic, warn_only=True)
+    # deterministic mode would also NaN-fill every new tensor; nothing here reads uninitialised memory
+    torch.utils.deterministic.fill_uninitialized_memory = False
+    if rank > 0:
+        serve_actor_host(rank, world_size)
+        return
+    spaces = env_spaces(args)
+    meta = checkpoint_meta(args, *spaces)
+    checkpoint = load_checkpoint(args.resume, meta) if args.resume else None
+    signals = StopSignals()
+    device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
+    run_dir = Path(args.resume).parent if checkpoint else new_run_dir(args)
+    global_step = checkpoint["global_step"] if checkpoint else 0
+    distributed = world_size > 1
+    num_actors = args.num_actors * (world_size - 1 if distributed else 1)
+    ctx = mp.get_context("spawn" if device.type == "cuda" else "fork")  # CUDA cannot be used in forked children
+    shared, procs = setup_machine(
+        args, ctx, spaces, num_actors=0 if distributed else args.num_actors, steps_limit=args.total_timesteps,
+        first_actor=0, num_total=num_actors, evaluator=args.eval_interval > 0, start_step=global_step,
+    )  # fmt: skip
+    learner = Learner(args, *spaces, device)
+    if checkpoint:
+        learner.load_state_dict(checkpoint["learner"])
+        torch.set_rng_state(checkpoint["torch_rng"])
+    shared.store.publish(learner.flat_params(), learner.version)
+    print(
+        f"run directory: {run_dir}  ({ALGORITHM}: {num_actors} actors x {args.num_envs_per_actor} envs, replay "
+        f"{args.buffer_size:,} in {num_actors} buffers, learner on {device}"
+        f"{f', {world_size - 1} actor ranks over rpc' if distributed else ''})",
+        flush=True,
+    )
+    if signals.requested.is_set():  # Ctrl+C while setting up: stop before any process starts, leave nothing behind
+        if not checkpoint:
+            run_dir.rmdir()
+        print("interrupted during start-up", file=sys.stderr)
+        raise SystemExit(128 + signals.signum)
+    start_processes(procs)
+    rng = np.random.default_rng([args.seed, 0])
+    replay = RemoteReplay(args, world_size) if distributed else LocalReplay(shared.buffers, rng)
+
+    from torch.utils.tensorboard import SummaryWriter  # after the forks: the writer runs a thread
+
+    quiet_writer_thread()
+    writer = SummaryWriter(str(run_dir))
+    table = "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items())
+    writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
+    run = LearnerRun(args, learner, replay, shared, procs, writer, run_dir, meta, global_step, num_actors)
+    interrupted = False
+    try:
+        while run.running():
+            if signals.requested.is_set():
+                raise KeyboardInterrupt
+            run.stats = replay.stats()
+            if run.can_learn():
+                run.learn()
+            else:
+                run.wait_for_data()
+            run.housekeeping()
+    except KeyboardInterrupt:
+        interrupted = True
+        print("interrupted: shutting down", file=sys.stderr, flush=True)
+    except NonFiniteLoss as e:
+        run.failure = f"error: learner: {e}; stopping (the last checkpoint, if any, is kept)"
+    except LockTimeout as e:
+        run.failure = dead_process(procs, shared) or f"error: learner: {e}; stopping"
+    except (WriteError, WorkerError) as e:
+        run.failure = str(e)
+    except OSError as e:  # the TensorBoard events file
+        run.failure = events_error(e, run_dir)
+    finally:
+        run.stop_workers()
+    if failure := run.finish(interrupted, spaces):
+        print(failure, file=sys.stderr)
+        raise SystemExit(1)
+    if interrupted:
+        raise SystemExit(128 + signals.signum)
+
+
+if __name__ == "__main__":
+    main(parse_args(sys.argv[1:]))
