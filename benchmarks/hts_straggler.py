@@ -82,7 +82,7 @@ def measure(args: Args, std_ms: float, sync: bool) -> dict:
     with tempfile.TemporaryDirectory() as log_dir:
         cmd = [sys.executable, "hts_a2c.py", "--env-id", ENV_ID, "--num-envs", str(args.num_envs), "--num-executors",
                str(args.num_envs), "--num-actors", str(args.num_actors), "--sync-interval", str(alpha),
-               "--total-timesteps", str(args.num_envs * alpha * (rollouts + 1)), "--log-interval", "1",
+               "--total-timesteps", str(args.num_envs * alpha * (rollouts + 1)), "--log-frequency", "1",
                "--log-dir", log_dir, *(["--sync"] if sync else [])]  # fmt: skip
         subprocess.run(cmd, cwd=ROOT, check=True, env=env, capture_output=True, timeout=600)
         acc = EventAccumulator(str(next(Path(log_dir).iterdir())), size_guidance={"scalars": 0})

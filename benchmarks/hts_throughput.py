@@ -152,7 +152,7 @@ def run_script(args: Args, script: str, mode: str) -> dict:
     with tempfile.TemporaryDirectory() as log_dir:
         cmd = [sys.executable, script, "--env-id", args.env_id, "--num-envs", str(args.num_envs), "--num-executors",
                str(args.num_executors), "--num-actors", str(args.num_actors), "--total-timesteps", "10000000000",
-               "--log-dir", log_dir, "--console-interval", "10", *(["--sync"] if mode == "sync" else [])]  # fmt: skip
+               "--log-dir", log_dir, "--log-interval", "10", *(["--sync"] if mode == "sync" else [])]  # fmt: skip
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         rss, pss, start = [], [], time.time()
         while time.time() - start < args.seconds and proc.poll() is None:
