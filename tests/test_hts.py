@@ -523,37 +523,72 @@ def alive(pid):
     return state != "Z"
 
 
-def start_long_run(script, log_dir, *extra):
-    settings = {**TINY[script], "total_timesteps": 100_000_000, "log_interval": 0.2}
-    if script == "hts_ppo.py":
-        settings |= {"sync_interval": 8, "num_minibatches": 1}
-    return start_run(script, [*cli(settings), *extra], log_dir)
+def at_collection(monkeypatch, module, j, action):
+    """Call `action(workers)` in the learner (the main thread) when it starts waiting for collection j."""
+    wait = module.Workers.wait_collection
+
+    def wait_collection(workers, k, stop):
+        if k == j:
+            action(workers)
+        return wait(workers, k, stop)
+
+    monkeypatch.setattr(module.Workers, "wait_collection", wait_collection)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_signal_stops_everything_and_writes_a_final_checkpoint(sig, tmp_path):
-    script = "hts_a2c.py" if sig == signal.SIGINT else "hts_ppo.py"
-    proc = start_long_run(script, tmp_path, "--checkpoint-interval", "3600")
+def long_run(script, log_dir, **overrides):
+    return tiny_args(script, log_dir, total_timesteps=100_000_000, **overrides)
+
+
+def test_ctrl_c_stops_everything_and_writes_a_final_checkpoint(tmp_path):
+    """From the command line, as a user's Ctrl+C (SIGINT to the main process) arrives at any time."""
+    settings = {**TINY["hts_ppo.py"], "total_timesteps": 100_000_000, "log_interval": 0.2, "checkpoint_interval": 3600}
+    proc = start_run("hts_ppo.py", cli(settings), tmp_path)
     workers = children_of(proc.pid)
     assert len(workers) >= 4 + 4  # 4 executors and 4 actors (the queue's feeder thread is not a process)
-    proc.send_signal(sig)
+    proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 128 + sig, err
-    assert f"stopped by {sig.name}" in err and "Traceback" not in err
+    assert proc.returncode == 130, err
+    assert "stopped by SIGINT" in err and "Traceback" not in err
     assert not [w for w in workers if alive(w)]
     run_dir = only_run_dir(tmp_path)
     assert torch.load(run_dir / "checkpoint.pt", weights_only=False)["global_step"] > 0
     assert scalars(run_dir)["charts/SPS"]
 
 
-def test_killed_worker_stops_the_run(tmp_path):
-    proc = start_long_run("hts_a2c.py", tmp_path)
-    workers = children_of(proc.pid)
-    os.kill(workers[-1], signal.SIGKILL)
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 1
-    assert re.search(r"error: (executor|actor) \d+ died \(exit code -9\)", err), err
-    assert not [w for w in workers if alive(w)]
+def test_sigterm_stops_everything_and_writes_a_final_checkpoint(tmp_path, monkeypatch, capsys, in_process):
+    pids = []
+
+    def terminate(workers):
+        pids.extend(p.pid for p in workers.procs.values())
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    at_collection(monkeypatch, hts_a2c, 3, terminate)
+    with pytest.raises(SystemExit) as exc:
+        hts_a2c.main(long_run("hts_a2c.py", tmp_path, checkpoint_interval=3600))
+    assert exc.value.code == 143
+    err = capsys.readouterr().err
+    assert re.fullmatch(r"stopped by SIGTERM at global step 96; checkpoint written to \S+checkpoint.pt\n", err), err
+    assert len(pids) == 8 and not [pid for pid in pids if alive(pid)]
+    run_dir = only_run_dir(tmp_path)
+    assert torch.load(run_dir / "checkpoint.pt", weights_only=False)["global_step"] == 96  # 3 updates of 4 x 8
+    assert len(scalars(run_dir)["charts/SPS"]) == 3
+
+
+def test_killed_worker_stops_the_run(tmp_path, monkeypatch, capsys, in_process):
+    """A killed actor leaves the executors and other actors running: the learner still names it and stops."""
+    pids = []
+
+    def kill_an_actor(workers):
+        pids.extend(p.pid for p in workers.procs.values())
+        os.kill(workers.procs["actor 3"].pid, signal.SIGKILL)
+
+    at_collection(monkeypatch, hts_a2c, 3, kill_an_actor)
+    with pytest.raises(SystemExit) as exc:
+        hts_a2c.main(long_run("hts_a2c.py", tmp_path))
+    assert exc.value.code == 1
+    err = capsys.readouterr().err
+    assert err == "error: actor 3 died (exit code -9) without a traceback\n", err
+    assert len(pids) == 8 and not [pid for pid in pids if alive(pid)]
 
 
 @pytest.mark.parametrize(
@@ -582,22 +617,18 @@ def test_a_failing_worker_or_loss_stops_the_run_with_one_message(script, env_id,
     assert checkpoint["global_step"] > 0 and all(torch.isfinite(v).all() for v in checkpoint["model"].values())
 
 
-def test_full_disk_stops_cleanly_and_keeps_the_last_checkpoint(tmp_path):
+def test_full_disk_stops_cleanly_and_keeps_the_last_checkpoint(tmp_path, monkeypatch, capsys, in_process):
     with small_tmpfs(tmp_path / "disk", "4m") as disk:
-        proc = start_long_run("hts_a2c.py", disk, "--checkpoint-interval", "0.2")
-        workers = children_of(proc.pid)
-        checkpoint = only_run_dir(disk) / "checkpoint.pt"
-        deadline = time.time() + 60
-        while not checkpoint.exists() and time.time() < deadline:
-            time.sleep(0.1)
-        fill_disk(disk)
-        _, err = proc.communicate(timeout=60)
-        assert proc.returncode == 1 and "Traceback" not in err, err
+        at_collection(monkeypatch, hts_a2c, 5, lambda workers: fill_disk(disk))
+        with pytest.raises(SystemExit) as exc:
+            hts_a2c.main(long_run("hts_a2c.py", disk, checkpoint_interval=1e-6))  # one checkpoint per update
+        err = capsys.readouterr().err
+        assert exc.value.code == 1 and "Traceback" not in err, err
         # whichever write hits the full disk first: the checkpoint or the TensorBoard events file
         assert "error: no space left on device while writing " in err and len(err.strip().splitlines()) <= 2, err
-        assert torch.load(checkpoint, weights_only=False)["global_step"] > 0  # the last good one, intact
+        checkpoint = only_run_dir(disk) / "checkpoint.pt"
+        assert torch.load(checkpoint, weights_only=False)["global_step"] == 5 * 32  # the last good one, intact
         assert not list(checkpoint.parent.glob("*.tmp"))
-        assert not [w for w in workers if alive(w)]
 
 
 # ---- The straggler env and benchmark ---------------------------------------------------------------------------------
@@ -617,10 +648,19 @@ def test_straggler_step_times_have_the_requested_mean_and_std(monkeypatch):
     assert (env.mean_s, env.std_s) == (0.007, 0.001)
 
 
-def test_straggler_benchmark_writes_json_and_table(tmp_path, capsys):
-    """benchmarks/hts_straggler.py compares HTS-RL with the script's own --sync mode (tiny settings here)."""
+def test_straggler_benchmark_writes_json_and_table(tmp_path, capsys, monkeypatch, in_process):
+    """benchmarks/hts_straggler.py compares HTS-RL with the script's own --sync mode (tiny settings here; its runs of
+    hts_a2c.py parse their command line with tyro and call main in this process)."""
     from benchmarks import hts_straggler
 
+    def run_here(cmd, env, **_):
+        assert cmd[1] == "hts_a2c.py"
+        for key in ("STRAGGLER_MEAN_MS", "STRAGGLER_STD_MS"):  # read by the env in the executors
+            monkeypatch.setenv(key, env[key])
+        with contextlib.redirect_stdout(io.StringIO()):
+            hts_a2c.main(tyro.cli(hts_a2c.Args, args=cmd[2:]))
+
+    monkeypatch.setattr(hts_straggler.subprocess, "run", run_here)
     out = tmp_path / "straggler.json"
     hts_straggler.main(hts_straggler.Args(num_envs=2, mean_ms=1, stds_ms=[1], alpha=16, hts_rollouts=1,
                                           sync_rollout=8, sync_rollouts=1, num_actors=1, out=str(out)))  # fmt: skip
