@@ -99,8 +99,8 @@ class Args:
     log_interval: float = 10.0
     """seconds between console lines"""
     log_frequency: int = 1
-    """updates per TensorBoard point of the losses, timings, policy lag, learning rate and SPS (those of that one
-    update, not averaged)"""
+    """updates per TensorBoard point of the losses, timings, policy lag, learning rate and SPS (that update's values,
+    not averaged over the updates between)"""
     torch_threads: int = 0
     """torch intra-op threads of the learner (0 = the cores not taken by executors and actors, at least 1)"""
 
@@ -110,7 +110,7 @@ class Args:
     num_envs: int = 16
     """parallel environments (Table A6 batch size: 16)"""
     num_executors: int = 4
-    """executor processes; each steps num_envs / num_executors envs, inferred as one batch (the paper: one each)"""
+    """executor processes, each stepping num_envs / num_executors envs as one inference batch (the paper: one env)"""
     num_actors: int = 4
     """actor processes doing inference (Table A6: 4)"""
     sync_interval: int = 128
@@ -345,8 +345,9 @@ class Shared:
         s, version = j % 2, int(self.policy_version.item())
         if not (bool((self.storage_collections[s] == j).all()) and bool((self.storage_versions[s] == version).all())):
             raise RuntimeError(f"storage {s} is not entirely collection {j} by policy version {version}")
-        tensors = self.storage_obs, self.storage_actions, self.storage_rewards, self.storage_dones
-        return Rollout(*(t[s].to(device) for t in tensors)), version
+        batch = Rollout(obs=self.storage_obs[s].to(device), actions=self.storage_actions[s].to(device),
+                        rewards=self.storage_rewards[s].to(device), dones=self.storage_dones[s].to(device))  # fmt: skip
+        return batch, version
 
 
 # ---- Workers ---------------------------------------------------------------------------------------------------------
@@ -697,11 +698,13 @@ class Workers:
         self.results: Queue = ctx.Queue()  # CollectionDone and WorkerFailed messages
         self.requests: SimpleQueue = ctx.SimpleQueue()  # ids of executors waiting for actions; None stops an actor
         self.commands: list[SimpleQueue] = [ctx.SimpleQueue() for _ in range(E)]  # Commands; None stops an executor
-        pipes = [ctx.Pipe(duplex=False) for _ in range(E)]  # (executor end, actor end): "your actions are written"
-        lockstep = ctx.Barrier(E) if args.sync else None
-        bodies = {f"executor {e}": (executor, e, args, shared, self.commands[e], self.requests, pipes[e][0], lockstep,
-                                    self.results) for e in range(E)}  # fmt: skip
-        action_conns = [p[1] for p in pipes]
+        # kept for the run, not only passed on: a spawned child rebuilds the barrier's semaphore from its name, which
+        # is gone once the parent drops it
+        self.pipes = [ctx.Pipe(duplex=False) for _ in range(E)]  # (executor end, actor end): "your actions are ready"
+        self.lockstep: Barrier | None = ctx.Barrier(E) if args.sync else None  # --sync: every env step waits for all
+        bodies = {f"executor {e}": (executor, e, args, shared, self.commands[e], self.requests, self.pipes[e][0],
+                                    self.lockstep, self.results) for e in range(E)}  # fmt: skip
+        action_conns = [p[1] for p in self.pipes]
         bodies |= {f"actor {a}": (actor, a, args, shared, self.requests, action_conns) for a in range(args.num_actors)}
         self.procs = {
             name: ctx.Process(target=run_worker, args=(name, self.results, os.getpid(), *body), daemon=True)

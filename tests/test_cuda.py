@@ -41,6 +41,8 @@ CASES = {
                        "--total-timesteps", "800"], GPU_TAGS, None),
     "hts_a2c": ("hts_a2c.py", ["--num-envs", "4", "--num-executors", "2", "--num-actors", "2", "--total-timesteps",
                 "800", "--log-frequency", "1"], GPU_TAGS, "cuda"),
+    "hts_a2c_sync": ("hts_a2c.py", ["--sync", "--num-envs", "4", "--num-executors", "2", "--num-actors", "2",
+                     "--total-timesteps", "800", "--log-frequency", "1"], GPU_TAGS, "cuda"),
     "hts_ppo": ("hts_ppo.py", ["--num-envs", "4", "--num-executors", "2", "--num-actors", "2", "--sync-interval", "32",
                 "--num-minibatches", "2", "--total-timesteps", "512", "--log-frequency", "1"], GPU_TAGS, "cuda"),
     "a3c_hogwild": ("a3c_large_batch.py", ["--num-workers", "2", "--num-envs-per-worker", "4", "--total-timesteps",
