@@ -45,7 +45,7 @@ import time
 import traceback
 from collections import deque
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.queues import Queue, SimpleQueue
 from multiprocessing.synchronize import Barrier
@@ -771,41 +771,6 @@ class Workers:
         self.results.cancel_join_thread()
 
 
-@dataclass
-class Progress:
-    """TensorBoard scalars and the console line, with the SPS and mean return they report."""
-
-    writer: SummaryWriter
-    start_step: int
-    start_time: float = field(default_factory=time.time)
-    last_console: float = field(default_factory=time.time)
-    recent_returns: deque[float] = field(default_factory=lambda: deque(maxlen=100))
-
-    def log_episodes(self, episodes: list[Episode]) -> None:
-        for e in episodes:
-            self.writer.add_scalar("charts/episodic_return", e.episodic_return, e.step)
-            self.writer.add_scalar("charts/episodic_length", e.length, e.step)
-            self.recent_returns.append(e.episodic_return)
-
-    def sps(self, global_step: int) -> float:
-        return (global_step - self.start_step) / max(time.time() - self.start_time, 1e-9)
-
-    def log_update(self, global_step: int, **groups: dict[str, float]) -> None:
-        """One update's scalars: group name -> {name: value}, logged as `group/name`."""
-        for group, values in groups.items():
-            for name, value in values.items():
-                self.writer.add_scalar(f"{group}/{name}", value, global_step)
-
-    def console(self, global_step: int, interval: float, force: bool = False) -> None:
-        """The console line, every `interval` seconds (and when `force`)."""
-        if force or time.time() - self.last_console >= interval:
-            mean_return = np.mean(self.recent_returns) if self.recent_returns else float("nan")
-            print(
-                f"global_step={global_step} SPS={self.sps(global_step):.0f} mean_return={mean_return:.2f}", flush=True
-            )
-            self.last_console = time.time()
-
-
 def evaluate(model: nn.Module, args: Args, run_dir: Path, device: torch.device) -> list[float]:
     """Play `eval_episodes` full games with the final policy (sampling, seeded), unclipped returns."""
     env = make_env(args.env_id, args.seed + 10_000, protocol=args.atari_protocol, capture_video=args.capture_video,
@@ -878,19 +843,23 @@ def main(args: Args) -> None:
     writer.add_text(
         "hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items())
     )
-    progress = Progress(writer, learner.global_step)
     steps_per_collection = args.num_envs * args.sync_interval
     num_collections = args.total_timesteps // steps_per_collection
     workers = Workers(args, shared, "spawn" if use_cuda else "fork", num_collections)  # CUDA cannot be forked
     stop = StopSignals()
-    checkpoint_path, last_checkpoint = run_dir / "checkpoint.pt", time.time()
-    exit_code, message = 0, None
+    checkpoint_path, exit_code, message = run_dir / "checkpoint.pt", 0, None
+    start_step, start_time = learner.global_step, time.time()
+    last_console = last_checkpoint = time.time()
+    recent_returns: deque[float] = deque(maxlen=100)
     try:
         workers.start_collection(learner.update, learner.global_step)
         while learner.update < num_collections:
             j = learner.update
             episodes, timing = workers.wait_collection(j, stop)
-            progress.log_episodes(episodes)
+            for e in episodes:
+                writer.add_scalar("charts/episodic_return", e.episodic_return, e.step)
+                writer.add_scalar("charts/episodic_length", e.length, e.step)
+                recent_returns.append(e.episodic_return)
             # Storage j % 2 holds D_j, collected by the published parameters: they become the behavior copy.
             batch, behavior_version = shared.rollout(j, device)
             learner.behavior.load_state_dict(shared.policy.state_dict())
@@ -908,11 +877,17 @@ def main(args: Args) -> None:
                 shared.publish(learner.target, learner.update)
                 workers.start_collection(j + 1, learner.global_step)
             last = learner.update == num_collections
+            sps = (learner.global_step - start_step) / max(time.time() - start_time, 1e-9)
             if learner.update % args.log_frequency == 0 or last:
-                charts = {"policy_lag": policy_lag, "learning_rate": lr, "SPS": progress.sps(learner.global_step)}
+                charts = {"policy_lag": policy_lag, "learning_rate": lr, "SPS": sps}
                 timing |= {"actor_wait_requests": shared.actor_wait.mean().item(), "learner_update": learn_time}
-                progress.log_update(learner.global_step, losses=stats, charts=charts, timing=timing)
-            progress.console(learner.global_step, args.log_interval, force=last)
+                for group, scalars in (("losses", stats), ("charts", charts), ("timing", timing)):
+                    for name, value in scalars.items():
+                        writer.add_scalar(f"{group}/{name}", value, learner.global_step)
+            if last or time.time() - last_console >= args.log_interval:
+                mean_return = np.mean(recent_returns) if recent_returns else float("nan")
+                print(f"global_step={learner.global_step} SPS={sps:.0f} mean_return={mean_return:.2f}", flush=True)
+                last_console = time.time()
             if args.checkpoint_interval > 0 and time.time() - last_checkpoint >= args.checkpoint_interval:
                 learner.save(checkpoint_path, args, meta)
                 last_checkpoint = time.time()
