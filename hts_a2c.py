@@ -18,8 +18,7 @@ Policy lag: exactly 1 update (0 for the first after start or resume), 0 with `--
 versions the actors stamp on every transition (`charts/policy_lag`).
 Determinism: sampling randomness comes from per-env generators in the executors, and an actor forwards one executor's
 observations per pass (oneDNN results depend on the batch composition): a run is bitwise reproducible for a given
-seed, num_envs, num_executors, sync_interval and --sync, whatever num_actors and the OS scheduling. `--resume`
-continues from the checkpoint's parameters and optimizer (envs start new episodes), same run directory and step count.
+seed, num_envs, num_executors, sync_interval and --sync, whatever num_actors and the OS scheduling.
 
     python hts_a2c.py --env-id ALE/Breakout-v5
     python hts_a2c.py --env-id CartPole-v1 --num-envs 8 --num-executors 8 --num-actors 2 --total-timesteps 200000
@@ -90,7 +89,8 @@ class Args:
     checkpoint_interval: float = 0.0
     """seconds between checkpoints to {run_dir}/checkpoint.pt (0 = off)"""
     resume: str | None = None
-    """path of a checkpoint.pt to continue (same run directory and step count)"""
+    """path of a checkpoint.pt to continue: its parameters, optimizer, run directory and step count (envs start new
+    episodes)"""
     eval_episodes: int = 0
     """episodes played by the final policy after training, logged as eval/episodic_return"""
     capture_video: bool = False
