@@ -100,7 +100,7 @@ class Args:
     """seconds between console lines"""
     log_frequency: int = 1
     """updates per TensorBoard point of the losses, timings, policy lag, learning rate and SPS (that update's values,
-    not averaged over the updates between)"""
+    its losses averaged over its epochs and minibatches, not over the updates between)"""
     torch_threads: int = 0
     """torch intra-op threads of the learner (0 = the cores not taken by executors and actors, at least 1)"""
 
@@ -229,7 +229,7 @@ def learn(behavior: nn.Module, optimizer: torch.optim.Optimizer, batch: Rollout,
     old_log_probs = torch.empty(T * B, device=actions.device)
     values = torch.empty(T + 1, B, device=actions.device)
     with torch.no_grad():  # pi_old and V_old: the behavior policy itself; in minibatch-sized chunks, so the learner
-        # never holds float copies and activations of the whole rollout at once (flat memory, see benchmarks)
+        # never holds float copies and activations of the whole rollout at once (its memory stays flat)
         all_obs = obs.reshape((T + 1) * B, *obs.shape[2:])  # a view: storages are contiguous
         for start in range(0, (T + 1) * B, minibatch_size):
             stop = min(start + minibatch_size, (T + 1) * B)
