@@ -1,30 +1,25 @@
 """HTS-RL with PPO: High-Throughput Synchronous Deep RL (Liu, Yeh & Schwing, NeurIPS 2020), Section 4.
 
-Architecture (Fig. 1e, Fig. 2d), one machine:
-- `num_executors` executor processes each own `num_envs / num_executors` envs (one common.atari vector env). Per
-  step an executor writes its observations and one pseudo-random number per env into the *state buffer* (shared
-  memory), puts its id on the `requests` queue and blocks on its own pipe until an actor has answered.
-- `num_actors` actor processes take executor ids from `requests` as they come (whichever actor is free), forward
-  the published policy (shared-memory parameters) on that executor's observations, sample with the executor's
-  random numbers (inverse CDF), write the actions into the *action buffer* and wake the executor.
-- Executors write (obs, action, reward, done) into one of two *storages* while the learner (the main process) reads
-  the other: rollout and learning run concurrently. Every `sync_interval` steps per env (alpha, Sec. 4.1) the
-  learner waits for all executors (batch synchronization), publishes the new policy, and the storages swap roles.
-- Delayed update (Eq. 6 for PPO): theta_{j+1} = theta_j + Delta(theta_{j-1}, D^{theta_{j-1}}): PPO's epochs of
-  clipped-surrogate minibatch steps (Adam) run on a copy of the behavior parameters theta_{j-1} that collected the
-  data, so it is exactly on-policy there, and the displacement Delta is added to theta_j.
-- `--sync`: the synchronous PPO baseline (Fig. 2a) on the same executors and actors: executors step in lockstep (a
-  barrier after every env step, alpha = 1 in Eq. 7); after each rollout of `sync_interval` steps the learner
-  updates the current parameters (no delayed gradient) and the executors wait for them before the next rollout.
-Policy lag: exactly 1 update (0 for the first update after start or resume); 0 with `--sync`. Measured from version
-stamps the actors write beside every transition, logged as `charts/policy_lag`. `--resume` restarts the pipeline
-from the checkpoint's parameters and optimizer (envs start new episodes), in the same run directory and step count.
-Determinism: all sampling randomness comes from per-env generators in the executors, and an actor forwards ONE
-executor's observations per forward pass, never every observation waiting across executors: oneDNN convolution and
-matmul results depend on the batch composition, so such batches would make actions depend on timing and on
-`num_actors`. A run is thus bitwise reproducible for a given seed, `num_envs`, `num_executors`, `sync_interval` and
-`--sync`, whatever `num_actors` and however the OS schedules. For large inference batches use fewer executors with
-more envs each (`--num-executors 1`: one C++ vector env of all `num_envs`, one forward of `num_envs` per step).
+Who runs where (Fig. 1e, Fig. 2d): the learner (main process), E executors and A actors (processes), N envs.
+
+  executor e (N/E envs): obs + uniforms -> state buffer (shared memory), e -> `requests` queue, waits on pipe e
+  actor (whichever is free): e <- `requests`, forwards the published policy on e's obs, samples with e's uniforms
+      (inverse CDF) -> action buffer + policy version, wakes pipe e
+  executor e: steps its envs, (obs, action, reward, done, version) -> storage j % 2; after alpha = sync_interval
+      steps CollectionDone(j) -> `results` queue, then waits for Command(j + 1) on `commands[e]`
+  learner: waits for every executor's CollectionDone(j) (batch synchronization), publishes theta_j, sends
+      Command(j + 1) (into storage (j + 1) % 2) and learns from storage j % 2 meanwhile.
+
+Delayed update (Eq. 6 for PPO): theta_{j+1} = theta_j + Delta(theta_{j-1}, D^{theta_{j-1}}): PPO's epochs of clipped-
+surrogate minibatch steps (Adam) run on a copy of the behavior parameters theta_{j-1} that collected the data (so
+exactly on-policy there), and the displacement Delta is added to theta_j. `--sync` is the synchronous PPO baseline
+(Fig. 2a) on the same processes: executors step in lockstep (alpha = 1 in Eq. 7), the learner updates the current
+parameters and the executors wait for them.
+Policy lag: exactly 1 update (0 for the first after start or resume), 0 with `--sync`, measured from the policy
+versions the actors stamp on every transition (`charts/policy_lag`).
+Determinism: sampling randomness comes from per-env generators in the executors, and an actor forwards one executor's
+observations per pass (oneDNN results depend on the batch composition): a run is bitwise reproducible for a given
+seed, num_envs, num_executors, sync_interval and --sync, whatever num_actors and the OS scheduling.
 
     python hts_ppo.py --env-id ALE/Breakout-v5
     python hts_ppo.py --env-id CartPole-v1 --num-envs 8 --num-executors 8 --num-actors 2 --total-timesteps 200000
@@ -50,7 +45,11 @@ import traceback
 from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from multiprocessing.connection import Connection
+from multiprocessing.queues import Queue, SimpleQueue
+from multiprocessing.synchronize import Barrier
 from pathlib import Path
+from typing import Literal, NamedTuple, NoReturn
 
 import gymnasium as gym
 import numpy as np
@@ -60,8 +59,10 @@ import tyro
 from torch import nn
 from torch.utils.tensorboard import SummaryWriter
 
-from common.atari import PROTOCOLS, EnvError, check_env_args, finished_episodes, make_env, make_vector_env
-from common.models import NETWORKS, make_model
+from common.atari import EnvError, check_env_args, finished_episodes, make_env, make_vector_env
+from common.models import make_model
+
+# ---- Args ------------------------------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -76,10 +77,10 @@ class Args:
     """learn and infer on the GPU when one is present"""
     env_id: str = "ALE/Breakout-v5"
     """gymnasium env id (ALE ids go through common.atari; `module:EnvId` imports `module` first)"""
-    atari_protocol: str = "deepmind"
-    """ALE preprocessing protocol: deepmind or machado"""
-    network: str = "auto"
-    """auto (nature for frames, mlp for vectors), nature, impala or mlp"""
+    atari_protocol: Literal["deepmind", "machado"] = "deepmind"
+    """ALE preprocessing protocol"""
+    network: Literal["auto", "nature", "impala", "mlp"] = "auto"
+    """auto: nature for frames, mlp for vectors"""
     total_timesteps: int = 10_000_000
     """agent steps summed over all envs"""
     log_dir: str = "runs"
@@ -89,11 +90,19 @@ class Args:
     checkpoint_interval: float = 0.0
     """seconds between checkpoints to {run_dir}/checkpoint.pt (0 = off)"""
     resume: str | None = None
-    """path of a checkpoint.pt to continue (same run directory and step count)"""
+    """path of a checkpoint.pt to continue: its parameters, optimizer, run directory and step count (envs start new
+    episodes)"""
     eval_episodes: int = 0
     """episodes played by the final policy after training, logged as eval/episodic_return"""
     capture_video: bool = False
     """record the evaluation episodes to {run_dir}/videos (needs --eval-episodes)"""
+    log_interval: float = 10.0
+    """seconds between console lines"""
+    log_frequency: int = 1
+    """updates per TensorBoard point of the losses, timings, policy lag, learning rate and SPS (that update's values,
+    its losses averaged over its epochs and minibatches, not over the updates between)"""
+    torch_threads: int = 0
+    """torch intra-op threads of the learner (0 = the cores not taken by executors and actors, at least 1)"""
 
     # HTS-RL / PPO settings. Table A6 ("PPO / PPO(Ours)") is for GFootball: its values are taken where they apply to
     # Atari (rollout shape, actors, value coefficient); the rest are the standard Atari PPO settings of Schulman et
@@ -101,7 +110,7 @@ class Args:
     num_envs: int = 16
     """parallel environments (Table A6 batch size: 16)"""
     num_executors: int = 4
-    """executor processes; each steps num_envs / num_executors envs (the paper runs one env per executor)"""
+    """executor processes, each stepping num_envs / num_executors envs as one inference batch (the paper: one env)"""
     num_actors: int = 4
     """actor processes doing inference (Table A6: 4)"""
     sync_interval: int = 128
@@ -134,21 +143,16 @@ class Args:
     """minibatches per epoch (CleanRL ppo_atari: 4, i.e. 512 samples at 16 envs x 128 steps)"""
     max_grad_norm: float = 0.5
     """gradient norm clip (CleanRL ppo_atari, from baselines' ppo2)"""
-    log_interval: int = 1
-    """updates between TensorBoard loss scalars"""
-    console_interval: float = 10.0
-    """seconds between console lines"""
-    torch_threads: int = 0
-    """torch intra-op threads of the learner (0 = cores not taken by executors and actors, at least 1)"""
 
 
-# ----------------------------------------------------------------------------------------------------------------------
-# Pure algorithm functions
+# flags renamed for one vocabulary across the scripts: the old name fails with one line naming the new one
+RENAMED_FLAGS = {"--console-interval": "--log-interval"}
+
+# ---- Algorithm -------------------------------------------------------------------------------------------------------
 
 
-def gae(
-    rewards: torch.Tensor, dones: torch.Tensor, values: torch.Tensor, gamma: float, lam: float
-) -> tuple[torch.Tensor, torch.Tensor]:
+def gae(rewards: torch.Tensor, dones: torch.Tensor, values: torch.Tensor, gamma: float,
+        lam: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Generalized advantage estimation (Schulman et al. 2016, Eq. 11-16).
 
     rewards, dones: [T, B] (dones[t]: the episode ended with transition t); values: [T+1, B] (values[T] bootstraps).
@@ -165,18 +169,9 @@ def gae(
     return advantages, advantages + values[:-1]
 
 
-def ppo_loss(
-    logits: torch.Tensor,
-    values: torch.Tensor,
-    actions: torch.Tensor,
-    old_log_probs: torch.Tensor,
-    advantages: torch.Tensor,
-    returns: torch.Tensor,
-    clip_coef: float,
-    vf_coef: float,
-    ent_coef: float,
-    old_values: torch.Tensor | None = None,
-) -> dict[str, torch.Tensor]:
+def ppo_loss(logits: torch.Tensor, values: torch.Tensor, actions: torch.Tensor, old_log_probs: torch.Tensor,
+             advantages: torch.Tensor, returns: torch.Tensor, clip_coef: float, vf_coef: float, ent_coef: float,
+             old_values: torch.Tensor | None = None) -> dict[str, torch.Tensor]:  # fmt: skip
     """PPO clipped surrogate (Schulman et al. 2017, Eq. 7) on a minibatch: logits [M, A], the rest [M].
 
     Advantages are normalized per minibatch (as in CleanRL's ppo_atari). The value loss is 0.5 (R - V)^2, or, given
@@ -199,14 +194,8 @@ def ppo_loss(
     with torch.no_grad():
         approx_kl = ((ratio - 1.0) - log_ratio).mean()  # k3 estimator of KL(old || new)
         clip_fraction = ((ratio - 1.0).abs() > clip_coef).float().mean()
-    return {
-        "policy_loss": policy_loss,
-        "value_loss": value_loss,
-        "entropy": entropy,
-        "total_loss": total_loss,
-        "approx_kl": approx_kl,
-        "clip_fraction": clip_fraction,
-    }
+    return {"policy_loss": policy_loss, "value_loss": value_loss, "entropy": entropy, "total_loss": total_loss,
+            "approx_kl": approx_kl, "clip_fraction": clip_fraction}  # fmt: skip
 
 
 def sample_actions(logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
@@ -230,13 +219,9 @@ def delayed_update(target: nn.Module, behavior: nn.Module, step: Callable[[], di
     return stats
 
 
-# ----------------------------------------------------------------------------------------------------------------------
-# Learner update (runs on the behavior copy inside `delayed_update`)
-
-
-def learn(behavior: nn.Module, optimizer: torch.optim.Optimizer, batch: dict, args: Args) -> dict:
+def learn(behavior: nn.Module, optimizer: torch.optim.Optimizer, batch: Rollout, args: Args) -> dict[str, float]:
     """PPO epochs of `behavior` on a rollout it collected: obs [T+1, B, ...], actions/rewards/dones [T, B]."""
-    obs, actions, rewards, dones = batch["obs"], batch["actions"], batch["rewards"], batch["dones"]
+    obs, actions, rewards, dones = batch.obs, batch.actions, batch.rewards, batch.dones
     T, B = actions.shape
     flat_obs = obs[:T].reshape(T * B, *obs.shape[2:])  # [T B, ...]: a view of the storage, no copy
     flat_actions = actions.reshape(-1)  # [T B]
@@ -244,7 +229,7 @@ def learn(behavior: nn.Module, optimizer: torch.optim.Optimizer, batch: dict, ar
     old_log_probs = torch.empty(T * B, device=actions.device)
     values = torch.empty(T + 1, B, device=actions.device)
     with torch.no_grad():  # pi_old and V_old: the behavior policy itself; in minibatch-sized chunks, so the learner
-        # never holds float copies and activations of the whole rollout at once (flat memory, see benchmarks)
+        # never holds float copies and activations of the whole rollout at once (its memory stays flat)
         all_obs = obs.reshape((T + 1) * B, *obs.shape[2:])  # a view: storages are contiguous
         for start in range(0, (T + 1) * B, minibatch_size):
             stop = min(start + minibatch_size, (T + 1) * B)
@@ -267,7 +252,7 @@ def learn(behavior: nn.Module, optimizer: torch.optim.Optimizer, batch: dict, ar
                               returns[idx], args.clip_coef, args.vf_coef, args.ent_coef,
                               old_values[idx] if args.clip_vloss else None)  # fmt: skip
             if not torch.isfinite(losses["total_loss"]):
-                raise FloatingPointError(f"non-finite loss {losses['total_loss'].item()}")
+                raise NonFiniteLoss(f"non-finite loss {losses['total_loss'].item()}")
             optimizer.zero_grad(set_to_none=True)
             losses["total_loss"].backward()
             grad_norm = nn.utils.clip_grad_norm_(behavior.parameters(), args.max_grad_norm)
@@ -281,13 +266,97 @@ def make_optimizer(model: nn.Module, args: Args) -> torch.optim.Optimizer:
     return torch.optim.Adam(model.parameters(), lr=args.learning_rate, eps=args.adam_eps)
 
 
-# ----------------------------------------------------------------------------------------------------------------------
-# Worker bodies
+# ---- Storage and messages --------------------------------------------------------------------------------------------
 
 
-def _worker_setup(parent_pid: int) -> None:
-    """Let the main process decide about Ctrl+C, die with it (no orphans), one intra-op thread per worker. The main
-    process may have died before prctl ran: then exit at once."""
+class Rollout(NamedTuple):
+    """One storage as the learner's batch: obs [T+1, B, ...] (obs[T] bootstraps), actions/rewards/dones [T, B]."""
+
+    obs: torch.Tensor
+    actions: torch.Tensor
+    rewards: torch.Tensor
+    dones: torch.Tensor  # dones[t]: the episode ended with transition t
+
+
+class Command(NamedTuple):
+    """Learner -> executor (its `commands` queue): collect rollout `collection` into storage `storage`."""
+
+    collection: int  # j: the update that learns from it
+    storage: int  # j % 2
+    base_step: int  # global step at its start
+
+
+class Episode(NamedTuple):
+    step: int  # global step at which it ended
+    episodic_return: float
+    length: int
+
+
+class CollectionDone(NamedTuple):
+    """Executor -> learner (`results` queue): one collection written, its finished episodes, seconds waited."""
+
+    executor: int
+    collection: int
+    episodes: list[Episode]
+    wait_actors: float
+    wait_learner: float
+    wait_lockstep: float
+
+
+class WorkerFailed(NamedTuple):
+    """Worker -> learner (`results` queue): a worker raised; the run stops naming it."""
+
+    worker: str
+    traceback: str
+
+
+class Shared:
+    """The shared memory of all processes (Fig. 1e): the published policy, the state buffer (latest obs and the
+    executors' uniforms), the action buffer, and two storages of one rollout each."""
+
+    def __init__(self, args: Args, observation_space: gym.Space, policy: nn.Module, version: int) -> None:
+        N, T = args.num_envs, args.sync_interval
+        obs_shape, obs_dtype = observation_space.shape, torch.from_numpy(np.zeros(1, observation_space.dtype)).dtype
+        self.policy = copy.deepcopy(policy).cpu().share_memory()  # theta_j as the actors run it
+        self.policy_version = torch.full((1,), version, dtype=torch.int64)  # updates applied to `policy`
+        self.state_obs = torch.zeros((N, *obs_shape), dtype=obs_dtype)
+        self.state_uniforms = torch.zeros(N, dtype=torch.float64)  # one per env and step, for the actors' sampling
+        self.actions = torch.zeros(N, dtype=torch.int64)  # the action buffer
+        self.action_versions = torch.zeros(N, dtype=torch.int64)  # policy version that chose each action
+        self.actor_wait = torch.zeros(args.num_actors, dtype=torch.float64)  # seconds each actor waited on requests
+        self.storage_obs = torch.zeros((2, T + 1, N, *obs_shape), dtype=obs_dtype)
+        self.storage_actions = torch.zeros((2, T, N), dtype=torch.int64)
+        self.storage_rewards = torch.zeros((2, T, N))
+        self.storage_dones = torch.zeros((2, T, N))
+        self.storage_versions = torch.full((2, T, N), -1, dtype=torch.int64)  # policy version that chose each action
+        self.storage_collections = torch.full((2, T, N), -1, dtype=torch.int64)  # collection that wrote each one
+        for value in vars(self).values():
+            if isinstance(value, torch.Tensor):
+                value.share_memory_()
+
+    def publish(self, model: nn.Module, version: int) -> None:
+        """Make `model` the actors' policy; called between collections, when no actor is forwarding."""
+        self.policy.load_state_dict(model.state_dict())
+        self.policy_version[0] = version
+
+    def rollout(self, j: int, device: torch.device) -> tuple[Rollout, int]:
+        """Storage j % 2 as the learner's batch, and the policy version that collected it: the published one, checked
+        against the stamps of every transition."""
+        s, version = j % 2, int(self.policy_version.item())
+        if not (bool((self.storage_collections[s] == j).all()) and bool((self.storage_versions[s] == version).all())):
+            raise RuntimeError(f"storage {s} is not entirely collection {j} by policy version {version}")
+        batch = Rollout(obs=self.storage_obs[s].to(device), actions=self.storage_actions[s].to(device),
+                        rewards=self.storage_rewards[s].to(device), dones=self.storage_dones[s].to(device))  # fmt: skip
+        return batch, version
+
+
+# ---- Workers ---------------------------------------------------------------------------------------------------------
+
+
+def run_worker(name: str, results: Queue, parent_pid: int, body: Callable, *body_args) -> None:
+    """Run a worker body: let the main process decide about Ctrl+C, die with it (no orphans; it may have died before
+    prctl ran: then exit at once), one intra-op thread; on an exception, report name and traceback to the main
+    process and exit non-zero."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     if sys.platform.startswith("linux"):
@@ -295,26 +364,10 @@ def _worker_setup(parent_pid: int) -> None:
     if os.getppid() != parent_pid:
         os._exit(0)
     torch.set_num_threads(1)
-
-
-def fixed_mmap_threshold(nbytes: int = 4 << 20) -> None:
-    """Serve allocations >= nbytes with mmap, returned to the OS when freed (glibc's default threshold grows up to 32
-    MiB after such frees). The learner's per-minibatch float frames and activations then never pile up in the heap:
-    without this, hts_ppo.py's learner RSS crept up by tens of MiB per minute on Breakout (benchmarks/)."""
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL("libc.so.6").mallopt(-3, nbytes)  # M_MMAP_THRESHOLD; also turns off the dynamic threshold
-        except (OSError, AttributeError):  # not glibc
-            pass
-
-
-def _run_worker(name: str, results, parent_pid: int, body: Callable, *body_args) -> None:
-    """Run a worker body; on an exception, report name and traceback to the main process and exit non-zero."""
-    _worker_setup(parent_pid)
     try:
         body(*body_args)
     except BaseException:
-        results.put(("error", name, traceback.format_exc()))
+        results.put(WorkerFailed(name, traceback.format_exc()))
         results.close()
         results.join_thread()
         os._exit(1)
@@ -322,95 +375,127 @@ def _run_worker(name: str, results, parent_pid: int, body: Callable, *body_args)
     results.join_thread()
 
 
-def executor(eid: int, lo: int, hi: int, args: Args, shared: dict, commands, requests, action_conn, lockstep,
-             results) -> None:  # fmt: skip
-    """Step envs lo..hi-1 for `sync_interval` per command, writing transitions into the storage the command names.
+def executor(eid: int, args: Args, shared: Shared, commands: SimpleQueue, requests: SimpleQueue,
+             action_conn: Connection, lockstep: Barrier | None, results: Queue) -> None:  # fmt: skip
+    """Step this executor's envs for `sync_interval` steps per Command, writing transitions into the storage it names.
     `lockstep` (a barrier of all executors, `--sync` only) makes every env step wait for the slowest one (alpha = 1)."""
-    envs = make_vector_env(args.env_id, hi - lo, args.seed + lo, protocol=args.atari_protocol, num_threads=1)
+    k = args.num_envs // args.num_executors
+    lo, hi = eid * k, (eid + 1) * k
+    envs = make_vector_env(args.env_id, k, args.seed + lo, protocol=args.atari_protocol, num_threads=1)
     obs, _ = envs.reset()
-    shared["storage_obs"][:, :, lo:hi].zero_()  # map our slices of both storages now: RSS is flat after start-up
+    shared.storage_obs[:, :, lo:hi].zero_()  # map our slices of both storages now: RSS is flat after start-up
     rngs = None
-    N, T = args.num_envs, args.sync_interval
     while True:
         start = time.perf_counter()
         command = commands.get()  # the batch-synchronization point: wait for the learner's go
         wait_learner = time.perf_counter() - start
         if command is None:
             break
-        j, s, base_step = command  # collection index, storage index, global step at its start
+        j, s = command.collection, command.storage
         if rngs is None:  # per-env generators: sampling does not depend on how envs are split among executors
             rngs = [np.random.default_rng([args.seed, i, j]) for i in range(lo, hi)]
-        episodes, wait_actor, wait_lockstep = [], 0.0, 0.0
-        for t in range(T):
+        episodes, wait_actors, wait_lockstep = [], 0.0, 0.0
+        for t in range(args.sync_interval):
             obs_t = torch.from_numpy(obs)
-            shared["state_obs"][lo:hi] = obs_t
-            shared["state_u"][lo:hi] = torch.from_numpy(np.array([g.random() for g in rngs]))
-            shared["storage_obs"][s, t, lo:hi] = obs_t
+            shared.state_obs[lo:hi] = obs_t
+            shared.state_uniforms[lo:hi] = torch.from_numpy(np.array([g.random() for g in rngs]))
+            shared.storage_obs[s, t, lo:hi] = obs_t
             start = time.perf_counter()
             requests.put(eid)
             action_conn.recv_bytes()  # an actor wrote our actions
-            wait_actor += time.perf_counter() - start
-            actions = shared["action"][lo:hi]
+            wait_actors += time.perf_counter() - start
+            actions = shared.actions[lo:hi]
             obs, reward, terminated, truncated, info = envs.step(actions.numpy())
-            shared["storage_actions"][s, t, lo:hi] = actions
-            shared["storage_version"][s, t, lo:hi] = shared["action_version"][lo:hi]
-            shared["storage_collection"][s, t, lo:hi] = j
-            shared["storage_rewards"][s, t, lo:hi] = torch.from_numpy(reward)
-            shared["storage_dones"][s, t, lo:hi] = torch.from_numpy((terminated | truncated).astype(np.float32))
-            step = base_step + (t + 1) * N
-            episodes += [(step, r, n) for r, n in finished_episodes(info)]
+            shared.storage_actions[s, t, lo:hi] = actions
+            shared.storage_versions[s, t, lo:hi] = shared.action_versions[lo:hi]
+            shared.storage_collections[s, t, lo:hi] = j
+            shared.storage_rewards[s, t, lo:hi] = torch.from_numpy(reward)
+            shared.storage_dones[s, t, lo:hi] = torch.from_numpy((terminated | truncated).astype(np.float32))
+            step = command.base_step + (t + 1) * args.num_envs
+            episodes += [Episode(step, r, n) for r, n in finished_episodes(info)]
             if lockstep is not None:
                 start = time.perf_counter()
                 lockstep.wait()
                 wait_lockstep += time.perf_counter() - start
-        shared["storage_obs"][s, T, lo:hi] = torch.from_numpy(obs)
-        results.put(("done", eid, j, episodes, wait_actor, wait_learner, wait_lockstep))
+        shared.storage_obs[s, args.sync_interval, lo:hi] = torch.from_numpy(obs)
+        results.put(CollectionDone(eid, j, episodes, wait_actors, wait_learner, wait_lockstep))
     envs.close()
 
 
-def actor(aid: int, args: Args, shared: dict, model: nn.Module, version: torch.Tensor, requests, action_conns) -> None:
+def actor(aid: int, args: Args, shared: Shared, requests: SimpleQueue, action_conns: list[Connection]) -> None:
     """Serve executors as their requests arrive: forward, sample with their uniforms, answer through their pipe."""
     device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
-    local, local_version = (copy.deepcopy(model).to(device), -1) if device.type == "cuda" else (model, None)
-    sizes = args.num_envs // args.num_executors
-    wait = shared["actor_wait"]
+    on_gpu = device.type == "cuda"
+    policy, policy_version = (copy.deepcopy(shared.policy).to(device), -1) if on_gpu else (shared.policy, None)
+    k = args.num_envs // args.num_executors
     while True:
         start = time.perf_counter()
         eid = requests.get()
-        wait[aid] += time.perf_counter() - start
+        shared.actor_wait[aid] += time.perf_counter() - start
         if eid is None:
             return
-        v = int(version.item())  # stable during a collection: the learner publishes only between collections
-        if local_version is not None and local_version != v:
-            local.load_state_dict(model.state_dict())
-            local_version = v
-        lo, hi = eid * sizes, (eid + 1) * sizes
+        version = int(shared.policy_version.item())  # stable during a collection: published only between them
+        if on_gpu and policy_version != version:
+            policy.load_state_dict(shared.policy.state_dict())
+            policy_version = version
+        lo, hi = eid * k, (eid + 1) * k
         with torch.no_grad():  # one executor's batch per forward: same shapes whatever the timing (determinism)
-            logits, _ = local(shared["state_obs"][lo:hi].to(device))
-            actions = sample_actions(logits.cpu(), shared["state_u"][lo:hi])
-        shared["action"][lo:hi] = actions
-        shared["action_version"][lo:hi] = v
+            logits, _ = policy(shared.state_obs[lo:hi].to(device))
+            actions = sample_actions(logits.cpu(), shared.state_uniforms[lo:hi])
+        shared.actions[lo:hi] = actions
+        shared.action_versions[lo:hi] = version
         action_conns[eid].send_bytes(b"")
 
 
-# ----------------------------------------------------------------------------------------------------------------------
-# Main: validate, set up, spawn, train, shut down
+# ---- Lifecycle -------------------------------------------------------------------------------------------------------
 
 
-def fail(message: str) -> None:
+class Stop(Exception):
+    """SIGINT or SIGTERM arrived (StopSignals.signum says which)."""
+
+
+class NonFiniteLoss(FloatingPointError):
+    """The loss is NaN or infinite; raised before any parameter changes."""
+
+
+class WorkerError(RuntimeError):
+    """A worker process raised or died; the message names it and carries its traceback."""
+
+
+class WriteError(RuntimeError):
+    """A checkpoint or model file could not be written; the message is the error line."""
+
+
+class StopSignals:
+    """Records the first SIGINT or SIGTERM of the main process; the learner stops at its next wait (`check`)."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self.previous = {s: signal.signal(s, self.handle) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def handle(self, signum: int, _frame) -> None:
+        self.signum = self.signum or signum
+
+    def check(self) -> None:
+        if self.signum is not None:
+            raise Stop
+
+    def restore(self) -> None:
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
+
+
+def fail(message: str) -> NoReturn:
     print(f"error: {message}", file=sys.stderr)
     raise SystemExit(2)
 
 
-def validate(args: Args) -> tuple:
-    """Check every flag before anything is spawned; returns the env's observation and action spaces."""
+def validate(args: Args) -> str | None:
+    """The one-line message of the first bad flag (env, network and --resume checkpoint included), or None."""
     for key, value in asdict(args).items():
         if isinstance(value, float) and not math.isfinite(value):
-            fail(f"--{key.replace('_', '-')} must be a finite number, got {value}")
-    if args.network not in NETWORKS:
-        fail(f"--network must be one of {', '.join(NETWORKS)}, got {args.network!r}")
-    if args.atari_protocol not in PROTOCOLS:
-        fail(f"--atari-protocol must be one of {', '.join(PROTOCOLS)}, got {args.atari_protocol!r}")
+            return f"--{key.replace('_', '-')} must be a finite number, got {value}"
+    rollout = args.num_envs * args.sync_interval
     checks = [
         (args.num_envs >= 1, f"--num-envs must be >= 1, got {args.num_envs}"),
         (1 <= args.num_executors <= args.num_envs and args.num_envs % args.num_executors == 0,
@@ -418,50 +503,53 @@ def validate(args: Args) -> tuple:
         (args.num_actors >= 1, f"--num-actors must be >= 1, got {args.num_actors}"),
         (args.torch_threads >= 0, f"--torch-threads must be >= 0 (0 = auto), got {args.torch_threads}"),
         (args.sync_interval >= 1, f"--sync-interval must be >= 1, got {args.sync_interval}"),
-        (args.total_timesteps >= args.num_envs * args.sync_interval,
-         f"--total-timesteps must be >= num_envs * sync_interval = {args.num_envs * args.sync_interval} (one rollout), "
-         f"got {args.total_timesteps}"),
+        (args.total_timesteps >= rollout, f"--total-timesteps must be >= num_envs * sync_interval = {rollout} (one "
+         f"rollout), got {args.total_timesteps}"),
         (0.0 <= args.gamma <= 1.0, f"--gamma must be in [0, 1], got {args.gamma}"),
         (0.0 <= args.gae_lambda <= 1.0, f"--gae-lambda must be in [0, 1], got {args.gae_lambda}"),
         (args.clip_coef > 0, f"--clip-coef must be > 0, got {args.clip_coef}"),
         (args.update_epochs >= 1, f"--update-epochs must be >= 1, got {args.update_epochs}"),
-        (1 <= args.num_minibatches <= args.num_envs * args.sync_interval
-         and args.num_envs * args.sync_interval % args.num_minibatches == 0,
-         f"--num-minibatches must divide num_envs * sync_interval = {args.num_envs * args.sync_interval}, got "
-         f"{args.num_minibatches}"),
+        (1 <= args.num_minibatches <= rollout and rollout % args.num_minibatches == 0,
+         f"--num-minibatches must divide num_envs * sync_interval = {rollout}, got {args.num_minibatches}"),
         (args.learning_rate > 0, f"--learning-rate must be > 0, got {args.learning_rate}"),
         (args.adam_eps > 0, f"--adam-eps must be > 0, got {args.adam_eps}"),
         (args.vf_coef >= 0, f"--vf-coef must be >= 0, got {args.vf_coef}"),
         (args.ent_coef >= 0, f"--ent-coef must be >= 0, got {args.ent_coef}"),
         (args.max_grad_norm > 0, f"--max-grad-norm must be > 0, got {args.max_grad_norm}"),
-        (args.log_interval >= 1, f"--log-interval must be >= 1, got {args.log_interval}"),
-        (args.console_interval > 0, f"--console-interval must be > 0, got {args.console_interval}"),
-        (args.checkpoint_interval >= 0, f"--checkpoint-interval must be >= 0 seconds (0 = off), got "
-         f"{args.checkpoint_interval}"),
+        (args.log_frequency >= 1, f"--log-frequency must be >= 1 update, got {args.log_frequency}"),
+        (args.log_interval > 0, f"--log-interval must be > 0 seconds, got {args.log_interval}"),
+        (args.checkpoint_interval >= 0,
+         f"--checkpoint-interval must be >= 0 seconds (0 = off), got {args.checkpoint_interval}"),
         (args.eval_episodes >= 0, f"--eval-episodes must be >= 0, got {args.eval_episodes}"),
         (not args.capture_video or args.eval_episodes > 0,
          "--capture-video records the evaluation episodes; add --eval-episodes N (N >= 1)"),
-        (bool(args.exp_name) and "/" not in args.exp_name, f"--exp-name must be a non-empty name without '/', got "
-         f"{args.exp_name!r}"),
+        (bool(args.exp_name) and "/" not in args.exp_name,
+         f"--exp-name must be a non-empty name without '/', got {args.exp_name!r}"),
+        (args.resume is None or Path(args.resume).is_file(),
+         f"--resume {args.resume!r}: no such file; pass the checkpoint.pt of an earlier run"),
     ]  # fmt: skip
     for ok, message in checks:
         if not ok:
-            fail(message)
-    if args.resume is not None and not Path(args.resume).is_file():
-        fail(f"--resume {args.resume!r}: no such file; pass the checkpoint.pt of an earlier run")
+            return message
     try:
-        check_env_args(args.env_id, args.num_envs, args.atari_protocol)
-        envs = make_vector_env(args.env_id, 1, args.seed, protocol=args.atari_protocol, num_threads=1)
-        spaces = envs.single_observation_space, envs.single_action_space
-        envs.close()
-        if not isinstance(spaces[1], gym.spaces.Discrete):
-            fail(f"{args.env_id} has a continuous action space ({spaces[1]}); hts_ppo.py handles Discrete action "
-                 f"spaces only (for continuous actions: apex.py --algo ddpg)")  # fmt: skip
-        make_model(*spaces, args.network)
+        observation_space, action_space = env_spaces(args)
+        if not isinstance(action_space, gym.spaces.Discrete):
+            return (f"{args.env_id} has a continuous action space ({action_space}); {Path(__file__).name} handles "
+                    "Discrete action spaces only (for continuous actions: apex_ddpg.py)")  # fmt: skip
+        make_model(observation_space, action_space, args.network)
+        if args.resume is not None:
+            load_checkpoint(args.resume, checkpoint_meta(args, observation_space, action_space))
     except (EnvError, ValueError) as e:
-        fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
-    if args.resume is not None:
-        load_checkpoint(args.resume, checkpoint_meta(args, *spaces))
+        return str(e).splitlines()[0] if str(e) else type(e).__name__
+    return None
+
+
+def env_spaces(args: Args) -> tuple[gym.Space, gym.Space]:
+    """The observation and action space of one env of the run."""
+    check_env_args(args.env_id, args.num_envs, args.atari_protocol)
+    envs = make_vector_env(args.env_id, 1, args.seed, protocol=args.atari_protocol, num_threads=1)
+    spaces = envs.single_observation_space, envs.single_action_space
+    envs.close()
     return spaces
 
 
@@ -486,55 +574,39 @@ def new_run_dir(args: Args) -> Path:
             fail(f"cannot create the run directory {run_dir}: {e.strerror or e}")
 
 
-def checkpoint_meta(args: Args, observation_space, action_space) -> dict:
+def checkpoint_meta(args: Args, observation_space: gym.Space, action_space: gym.Space) -> dict:
     """What a checkpoint must match to be resumed by this run: script, env, network and shapes."""
+    network = args.network if args.network != "auto" else ("nature" if len(observation_space.shape) == 3 else "mlp")
     return {
         "script": Path(__file__).name,
         "algo": None,
         "env_id": args.env_id,
         "atari_protocol": args.atari_protocol,
-        "network": args.network
-        if args.network != "auto"
-        else ("nature" if len(observation_space.shape) == 3 else "mlp"),
+        "network": network,
         "obs_shape": list(observation_space.shape),
         "action_shape_or_n": int(action_space.n),
     }
 
 
 def load_checkpoint(path: str, meta: dict) -> dict:
-    """The checkpoint at `path` if this run can continue it; otherwise one error line and exit 2 (nothing started)."""
+    """The checkpoint at `path` if this run can continue it; otherwise ValueError with the one-line reason."""
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as e:
         reason = (str(e).strip().splitlines() or [""])[0][:120]
-        fail(f"cannot resume from {path}: not a checkpoint this script can read ({type(e).__name__}: {reason})")
+        raise ValueError(f"cannot resume from {path}: not a checkpoint this script can read ({type(e).__name__}: "
+                         f"{reason})") from None  # fmt: skip
     theirs = checkpoint.get("meta") if isinstance(checkpoint, dict) else None
     if not isinstance(theirs, dict):
-        fail(f'cannot resume from {path}: not a checkpoint this script can read (it has no "meta" entry)')
+        raise ValueError(f'cannot resume from {path}: not a checkpoint this script can read (it has no "meta" entry)')
     differ = [k for k in meta if theirs.get(k) != meta[k]]
     if differ:
-        fail(
+        raise ValueError(
             f"cannot resume from {path}: it is a {theirs.get('script')} checkpoint "
             f"({', '.join(f'{k} {theirs.get(k)}' for k in differ)}), this run is "
             f"{', '.join(f'{k} {meta[k]}' for k in differ)}"
         )
     return checkpoint
-
-
-class WorkerError(RuntimeError):
-    """A worker process raised or died; the message names it and carries its traceback."""
-
-
-class Stop(Exception):
-    """SIGINT or SIGTERM arrived."""
-
-
-def hyperparameter_table(args: Args) -> str:
-    return "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items())
-
-
-class WriteError(RuntimeError):
-    """A checkpoint or model file could not be written; the message is the error line."""
 
 
 def atomic_save(obj, path: Path) -> None:
@@ -562,19 +634,141 @@ def quiet_writer_thread() -> None:
     threading.excepthook = lambda hook_args: None if issubclass(hook_args.exc_type, OSError) else default(hook_args)
 
 
-def save_checkpoint(path: Path, target: nn.Module, optimizer, global_step: int, update: int, args: Args,
-                    meta: dict) -> None:  # fmt: skip
-    """Write everything needed to continue the run (atomically)."""
-    state = {
-        "model": target.state_dict(),
-        "optimizer": optimizer.state_dict(),
-        "global_step": global_step,
-        "update": update,
-        "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},  # executors reseed per collection
-        "args": asdict(args),
-        "meta": meta,
-    }
-    atomic_save(state, path)
+def fixed_mmap_threshold(nbytes: int = 4 << 20) -> None:
+    """Serve allocations >= nbytes with mmap, returned to the OS when freed. glibc's default threshold grows up to 32
+    MiB after such frees, and the learner's float frames and activations would then pile up in the heap: its RSS
+    would creep up over a long run."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6").mallopt(-3, nbytes)  # M_MMAP_THRESHOLD; also turns off the dynamic threshold
+        except (OSError, AttributeError):  # not glibc
+            pass
+
+
+@dataclass
+class Learner:
+    """The main process's parameters, optimizer and counters: what a checkpoint holds besides args and RNG states."""
+
+    target: nn.Module  # theta_j: the policy updated and published
+    behavior: nn.Module  # theta_{j-1}, which collected the data being learned: the optimizer steps here
+    optimizer: torch.optim.Optimizer
+    global_step: int = 0
+    update: int = 0  # updates applied = version of `target` = the collection learned from next
+
+    @classmethod
+    def create(cls, args: Args, spaces: tuple[gym.Space, gym.Space], device: torch.device,
+               checkpoint: dict | None) -> Learner:  # fmt: skip
+        target = make_model(*spaces, args.network).to(device)
+        behavior = copy.deepcopy(target)
+        learner = cls(target, behavior, make_optimizer(behavior, args))
+        if checkpoint is not None:
+            target.load_state_dict(checkpoint["model"])
+            behavior.load_state_dict(checkpoint["model"])
+            learner.optimizer.load_state_dict(checkpoint["optimizer"])
+            learner.global_step, learner.update = checkpoint["global_step"], checkpoint["update"]
+            torch.set_rng_state(checkpoint["rng"]["torch"])
+            random.setstate(checkpoint["rng"]["python"])
+        return learner
+
+    def step(self, batch: Rollout, lr: float, args: Args) -> dict[str, float]:
+        """Learn from `batch`, collected by the parameters in `behavior`: a delayed update of `target` (Eq. 6), or with
+        --sync (behavior == target) a plain update of the current parameters."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        if not args.sync:
+            return delayed_update(self.target, self.behavior, lambda: learn(self.behavior, self.optimizer, batch, args))
+        stats = learn(self.behavior, self.optimizer, batch, args)
+        self.target.load_state_dict(self.behavior.state_dict())
+        return stats
+
+    def save(self, path: Path, args: Args, meta: dict) -> None:
+        """Write everything needed to continue the run (atomically); executors reseed per collection."""
+        rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
+        atomic_save({"model": self.target.state_dict(), "optimizer": self.optimizer.state_dict(),
+                     "global_step": self.global_step, "update": self.update, "rng": rng, "args": asdict(args),
+                     "meta": meta}, path)  # fmt: skip
+
+
+class Workers:
+    """The executor and actor processes, the queues between them and the learner, and how they stop."""
+
+    def __init__(self, args: Args, shared: Shared, start_method: str, num_collections: int) -> None:
+        ctx = mp.get_context(start_method)
+        E, self.num_actors, self.num_collections = args.num_executors, args.num_actors, num_collections
+        self.results: Queue = ctx.Queue()  # CollectionDone and WorkerFailed messages
+        self.requests: SimpleQueue = ctx.SimpleQueue()  # ids of executors waiting for actions; None stops an actor
+        self.commands: list[SimpleQueue] = [ctx.SimpleQueue() for _ in range(E)]  # Commands; None stops an executor
+        # kept for the run, not only passed on: a spawned child rebuilds the barrier's semaphore from its name, which
+        # is gone once the parent drops it
+        self.pipes = [ctx.Pipe(duplex=False) for _ in range(E)]  # (executor end, actor end): "your actions are ready"
+        self.lockstep: Barrier | None = ctx.Barrier(E) if args.sync else None  # --sync: every env step waits for all
+        bodies = {f"executor {e}": (executor, e, args, shared, self.commands[e], self.requests, self.pipes[e][0],
+                                    self.lockstep, self.results) for e in range(E)}  # fmt: skip
+        action_conns = [p[1] for p in self.pipes]
+        bodies |= {f"actor {a}": (actor, a, args, shared, self.requests, action_conns) for a in range(args.num_actors)}
+        self.procs = {
+            name: ctx.Process(target=run_worker, args=(name, self.results, os.getpid(), *body), daemon=True)
+            for name, body in bodies.items()
+        }
+        for p in self.procs.values():
+            p.start()
+
+    def start_collection(self, j: int, base_step: int) -> None:
+        """Start collection j into storage j % 2, if the run has one."""
+        if j < self.num_collections:
+            for q in self.commands:
+                q.put(Command(j, j % 2, base_step))
+
+    def wait_collection(self, j: int, stop: StopSignals) -> tuple[list[Episode], dict[str, float]]:
+        """Block until every executor finished collection j (the batch synchronization); its episodes in step order
+        (not the executors' timing-dependent one) and timing/ scalars. Raises Stop on a signal and WorkerError when a
+        worker failed or died."""
+        E, start = len(self.commands), time.perf_counter()
+        pending, episodes = set(range(E)), []
+        timings = dict.fromkeys(("executor_wait_actors", "executor_wait_learner", "executor_wait_lockstep"), 0.0)
+        while pending:
+            stop.check()
+            try:
+                message = self.results.get(timeout=0.5)
+            except queue.Empty:
+                message = None
+            if isinstance(message, WorkerFailed):
+                raise WorkerError(f"{message.worker} failed:\n{message.traceback}")
+            for name, p in self.procs.items():  # a killed actor leaves the others running: check every time
+                if p.exitcode is not None:
+                    raise WorkerError(f"{name} died (exit code {p.exitcode}) without a traceback")
+            if message is None:
+                continue
+            if message.collection != j:
+                raise RuntimeError(f"executor {message.executor} finished collection {message.collection} while "
+                                   f"collection {j} was expected")  # fmt: skip
+            pending.discard(message.executor)
+            episodes += message.episodes
+            for key in timings:  # the executors' mean
+                timings[key] += getattr(message, key.removeprefix("executor_")) / E
+        timings["learner_wait_executors"] = time.perf_counter() - start
+        return sorted(episodes), timings
+
+    def shutdown(self, graceful: bool) -> None:
+        """Stop every worker within a few seconds: after a normal finish ask them (sentinels), otherwise (signal, dead
+        worker: a killed process may hold a queue's lock) terminate; kill what is left."""
+        if graceful:
+            for q in self.commands:
+                q.put(None)
+            for _ in range(self.num_actors):
+                self.requests.put(None)
+            deadline = time.time() + 3.0
+            for p in self.procs.values():
+                p.join(timeout=max(0.0, deadline - time.time()))
+        for p in self.procs.values():
+            if p.is_alive():
+                p.terminate()
+        for p in self.procs.values():
+            p.join(timeout=2.0)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        self.results.cancel_join_thread()
 
 
 def evaluate(model: nn.Module, args: Args, run_dir: Path, device: torch.device) -> list[float]:
@@ -596,236 +790,19 @@ def evaluate(model: nn.Module, args: Args, run_dir: Path, device: torch.device) 
     return returns
 
 
-def main(args: Args) -> None:
-    observation_space, action_space = validate(args)
-    if args.resume:
-        checkpoint = torch.load(args.resume, map_location="cpu", weights_only=False)
-        run_dir = Path(args.resume).resolve().parent
-    else:
-        checkpoint = None
-        run_dir = new_run_dir(args)
-    if not os.access(run_dir, os.W_OK):
-        fail(f"cannot write to the run directory {run_dir}")
-    meta = checkpoint_meta(args, observation_space, action_space)
-    random.seed(args.seed)
-    torch.manual_seed(args.seed)
-    torch.backends.cudnn.deterministic = args.torch_deterministic
-    use_cuda = args.cuda and torch.cuda.is_available()
-    device = torch.device("cuda" if use_cuda else "cpu")
-    # By default the learner gets the cores the workers leave: oversubscribed intra-op threads spin and slowed updates
-    # 10x here. A learner-bound run does better with more: on Pong, 2 cores, 2 threads beat 1 by 1.5x (199 vs 134 SPS).
-    torch.set_num_threads(args.torch_threads or max(1, (os.cpu_count() or 1) - args.num_executors - args.num_actors))
-    fixed_mmap_threshold()  # inherited by the workers
-
-    target = make_model(observation_space, action_space, args.network).to(device)  # theta_j, the policy updated
-    behavior = copy.deepcopy(target)  # theta_{j-1}, which collected the data being learned: the optimizer steps here
-    optimizer = make_optimizer(behavior, args)
-    global_step, update = 0, 0
-    if checkpoint is not None:
-        target.load_state_dict(checkpoint["model"])
-        behavior.load_state_dict(checkpoint["model"])
-        optimizer.load_state_dict(checkpoint["optimizer"])
-        global_step, update = checkpoint["global_step"], checkpoint["update"]
-        torch.set_rng_state(checkpoint["rng"]["torch"])
-        random.setstate(checkpoint["rng"]["python"])
-    published = copy.deepcopy(target).cpu().share_memory()  # what the actors run
-    version = torch.zeros(1, dtype=torch.int64).share_memory_()
-    version[0] = update  # parameters version = number of updates applied
-
-    N, T, E = args.num_envs, args.sync_interval, args.num_executors
-    obs_shape, obs_dtype = observation_space.shape, torch.from_numpy(np.zeros(1, observation_space.dtype)).dtype
-    shared = {
-        "state_obs": torch.zeros((N, *obs_shape), dtype=obs_dtype),  # state buffer: latest obs of every env
-        "state_u": torch.zeros(N, dtype=torch.float64),  # executor-drawn uniforms for the actors' sampling
-        "action": torch.zeros(N, dtype=torch.int64),  # action buffer
-        "action_version": torch.zeros(N, dtype=torch.int64),  # parameters version that chose each action
-        "actor_wait": torch.zeros(args.num_actors, dtype=torch.float64),  # seconds each actor waited on requests
-        "storage_obs": torch.zeros((2, T + 1, N, *obs_shape), dtype=obs_dtype),  # two storages (Fig. 1e)
-        "storage_actions": torch.zeros((2, T, N), dtype=torch.int64),
-        "storage_rewards": torch.zeros((2, T, N)),
-        "storage_dones": torch.zeros((2, T, N)),
-        "storage_version": torch.full((2, T, N), -1, dtype=torch.int64),
-        "storage_collection": torch.full((2, T, N), -1, dtype=torch.int64),
-    }
-    for tensor in shared.values():
-        tensor.share_memory_()
-
-    quiet_writer_thread()
-    writer = SummaryWriter(str(run_dir))
-    writer.add_text("hyperparameters", hyperparameter_table(args))
-    checkpoint_path = run_dir / "checkpoint.pt"
-    ctx = mp.get_context("spawn" if use_cuda else "fork")  # CUDA cannot be used in forked children
-    results = ctx.Queue()
-    requests = ctx.SimpleQueue()
-    commands = [ctx.SimpleQueue() for _ in range(E)]
-    pipes = [ctx.Pipe(duplex=False) for _ in range(E)]  # (executor end, actor end)
-    lockstep = ctx.Barrier(E) if args.sync else None
-    procs: dict[str, mp.Process] = {}
-    parent_pid = os.getpid()
-    k = N // E
-    for e in range(E):
-        procs[f"executor {e}"] = ctx.Process(
-            target=_run_worker,
-            args=(f"executor {e}", results, parent_pid, executor, e, e * k, (e + 1) * k, args, shared, commands[e],
-                  requests, pipes[e][0], lockstep, results),
-            daemon=True,
-        )  # fmt: skip
-    action_conns = [p[1] for p in pipes]
-    for a in range(args.num_actors):
-        procs[f"actor {a}"] = ctx.Process(
-            target=_run_worker,
-            args=(f"actor {a}", results, parent_pid, actor, a, args, shared, published, version, requests,
-                  action_conns),
-            daemon=True,
-        )  # fmt: skip
-    for p in procs.values():
-        p.start()
-
-    stop_signal = []
-    previous_handlers = {
-        s: signal.signal(s, lambda signum, _: stop_signal.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)
-    }
-
-    def wait_collection(j: int) -> dict:
-        """Block until every executor finished collection j (the batch-synchronization barrier)."""
-        pending, start = set(range(E)), time.perf_counter()
-        out = {"episodes": [], "executor_wait_actors": 0.0, "executor_wait_learner": 0.0, "executor_wait_lockstep": 0.0}
-        while pending:
-            if stop_signal:
-                raise Stop
-            try:
-                message = results.get(timeout=0.5)
-            except queue.Empty:
-                message = None
-            if message is not None and message[0] == "error":
-                raise WorkerError(f"{message[1]} failed:\n{message[2]}")
-            for name, p in procs.items():  # a killed actor leaves the others running: check every time
-                if p.exitcode is not None:
-                    raise WorkerError(f"{name} died (exit code {p.exitcode}) without a traceback")
-            if message is None:
-                continue
-            _, eid, jj, episodes, wait_actors, wait_learner, wait_lockstep = message
-            if jj != j:
-                raise RuntimeError(f"executor {eid} finished collection {jj} while collection {j} was expected")
-            pending.discard(eid)
-            out["episodes"] += episodes
-            out["executor_wait_actors"] += wait_actors / E
-            out["executor_wait_learner"] += wait_learner / E
-            out["executor_wait_lockstep"] += wait_lockstep / E
-        out["learner_wait_executors"] = time.perf_counter() - start
-        return out
-
-    def start_collection(j: int, base_step: int) -> None:
-        for q in commands:
-            q.put((j, j % 2, base_step))
-
-    def publish_and_start(j: int, base_step: int) -> None:
-        """Publish the target parameters (version = updates applied so far), then start collection j if any."""
-        published.load_state_dict(target.state_dict())
-        version[0] = update
-        if j < num_collections:
-            start_collection(j, base_step)
-
-    steps_per_collection = N * T
-    num_collections = args.total_timesteps // steps_per_collection
-    exit_code, message = 0, None
-    start_time, last_console, last_checkpoint = time.time(), time.time(), time.time()
-    start_step = global_step
-    recent_returns: deque[float] = deque(maxlen=100)
-    try:
-        j = update
-        if j < num_collections:
-            start_collection(j, global_step)
-        while j < num_collections:
-            collected = wait_collection(j)
-            for step, r, n in sorted(collected.pop("episodes")):  # not in the executors' (timing-dependent) order
-                writer.add_scalar("charts/episodic_return", r, step)
-                writer.add_scalar("charts/episodic_length", n, step)
-                recent_returns.append(r)
-            s = j % 2
-            # Storage s holds D_j, collected by the published parameters: they become the behavior copy.
-            behavior.load_state_dict(published.state_dict())
-            behavior_version = int(version.item())
-            stamps = shared["storage_version"][s]
-            if not (bool((shared["storage_collection"][s] == j).all()) and bool((stamps == behavior_version).all())):
-                raise RuntimeError(f"storage {s} is not entirely collection {j} by policy version {behavior_version}")
-            batch = {
-                "obs": shared["storage_obs"][s].to(device),
-                "actions": shared["storage_actions"][s].to(device),
-                "rewards": shared["storage_rewards"][s].to(device),
-                "dones": shared["storage_dones"][s].to(device),
-            }
-            if not args.sync:  # HTS-RL: publish theta_j, executors fill the other storage while we learn from this one
-                publish_and_start(j + 1, global_step + steps_per_collection)
-            lr = args.learning_rate * (1.0 - j / num_collections if args.anneal_lr else 1.0)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            learn_start = time.perf_counter()
-            if args.sync:  # behavior == target: a plain update of the current parameters
-                stats = learn(behavior, optimizer, batch, args)
-                target.load_state_dict(behavior.state_dict())
-            else:
-                stats = delayed_update(target, behavior, lambda: learn(behavior, optimizer, batch, args))  # noqa: B023
-            learn_time = time.perf_counter() - learn_start
-            policy_lag = update - behavior_version  # updates between the acting policy and the updated one
-            update += 1
-            global_step += steps_per_collection
-            j += 1
-            if args.sync:  # the executors waited for the new parameters
-                publish_and_start(j, global_step)
-            sps = (global_step - start_step) / max(time.time() - start_time, 1e-9)
-            if update % args.log_interval == 0 or j == num_collections:
-                for key, value in stats.items():
-                    writer.add_scalar(f"losses/{key}", value, global_step)
-                writer.add_scalar("charts/policy_lag", policy_lag, global_step)
-                writer.add_scalar("charts/learning_rate", lr, global_step)
-                writer.add_scalar("charts/SPS", sps, global_step)
-                for key, value in collected.items():
-                    writer.add_scalar(f"timing/{key}", value, global_step)
-                writer.add_scalar("timing/actor_wait_requests", shared["actor_wait"].mean().item(), global_step)
-                writer.add_scalar("timing/learner_update", learn_time, global_step)
-            if time.time() - last_console >= args.console_interval or j == num_collections:
-                mean_return = np.mean(recent_returns) if recent_returns else float("nan")
-                print(f"global_step={global_step} SPS={sps:.0f} mean_return={mean_return:.2f}", flush=True)
-                last_console = time.time()
-            if args.checkpoint_interval > 0 and time.time() - last_checkpoint >= args.checkpoint_interval:
-                save_checkpoint(checkpoint_path, target, optimizer, global_step, update, args, meta)
-                last_checkpoint = time.time()
-        if args.checkpoint_interval > 0:
-            save_checkpoint(checkpoint_path, target, optimizer, global_step, update, args, meta)
-    except Stop:
-        exit_code = 128 + stop_signal[0]
-        message = f"stopped by {signal.Signals(stop_signal[0]).name} at global step {global_step}"
-        if args.checkpoint_interval > 0:
-            try:
-                save_checkpoint(checkpoint_path, target, optimizer, global_step, update, args, meta)
-                message += f"; checkpoint written to {checkpoint_path}"
-            except WriteError as e:
-                exit_code, message = 1, f"{e}; stopping (the last good checkpoint is kept)"
-    except WriteError as e:
-        exit_code, message = 1, f"{e}; stopping (the last good checkpoint is kept)"
-    except OSError as e:  # from the TensorBoard writer: the events file
-        reason = "no space left on device" if e.errno == errno.ENOSPC else (e.strerror or str(e))
-        exit_code, message = 1, f"error: {reason} while writing the TensorBoard events in {run_dir}; stopping"
-    except WorkerError as e:
-        exit_code, message = 1, f"error: {e}"
-    except FloatingPointError as e:
-        exit_code = 1
-        message = f"error: {e} at update {update}; stopping (the last good checkpoint, if any, is kept)"
-    finally:
-        shutdown(procs, commands, requests, args.num_actors, results, graceful=exit_code == 0 and message is None)
-        for signum, handler in previous_handlers.items():
-            signal.signal(signum, handler)
+def finish(args: Args, learner: Learner, writer: SummaryWriter, run_dir: Path, device: torch.device, exit_code: int,
+           message: str | None) -> None:  # fmt: skip
+    """After the workers stopped: save the model and evaluate it (after a clean finish), close TensorBoard, print the
+    error line if any and exit with `exit_code`."""
     if exit_code == 0 and args.save_model:
         try:
-            atomic_save(target.state_dict(), run_dir / "model.pt")
+            atomic_save(learner.target.state_dict(), run_dir / "model.pt")
         except WriteError as e:
             exit_code, message = 1, str(e)
-    if exit_code == 0:
-        if args.eval_episodes > 0:
-            for i, r in enumerate(evaluate(target, args, run_dir, device)):
-                writer.add_scalar("eval/episodic_return", r, global_step + i)
-                print(f"eval episode {i}: return {r:.2f}", flush=True)
+    if exit_code == 0 and args.eval_episodes > 0:
+        for i, r in enumerate(evaluate(learner.target, args, run_dir, device)):
+            writer.add_scalar("eval/episodic_return", r, learner.global_step + i)
+            print(f"eval episode {i}: return {r:.2f}", flush=True)
     try:
         writer.close()
     except OSError as e:  # the events file could not be flushed: the error above, or this one
@@ -837,27 +814,112 @@ def main(args: Args) -> None:
         raise SystemExit(exit_code)
 
 
-def shutdown(procs: dict, commands: list, requests, num_actors: int, results, graceful: bool) -> None:
-    """Stop every worker within a few seconds: after a normal finish ask them (sentinels), otherwise (signal, dead
-    worker: a killed process may hold a queue's lock) terminate; kill what is left."""
-    if graceful:
-        for q in commands:
-            q.put(None)
-        for _ in range(num_actors):
-            requests.put(None)
-        deadline = time.time() + 3.0
-        for p in procs.values():
-            p.join(timeout=max(0.0, deadline - time.time()))
-    for p in procs.values():
-        if p.is_alive():
-            p.terminate()
-    for p in procs.values():
-        p.join(timeout=2.0)
-        if p.is_alive():
-            p.kill()
-            p.join()
-    results.cancel_join_thread()
+# ---- Main ------------------------------------------------------------------------------------------------------------
+
+
+def main(args: Args) -> None:
+    error = validate(args)
+    if error is not None:
+        fail(error)
+    spaces = env_spaces(args)
+    meta = checkpoint_meta(args, *spaces)
+    checkpoint = load_checkpoint(args.resume, meta) if args.resume else None
+    run_dir = Path(args.resume).resolve().parent if args.resume else new_run_dir(args)
+    if not os.access(run_dir, os.W_OK):
+        fail(f"cannot write to the run directory {run_dir}")
+    random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    torch.backends.cudnn.deterministic = args.torch_deterministic
+    use_cuda = args.cuda and torch.cuda.is_available()
+    device = torch.device("cuda" if use_cuda else "cpu")
+    # the learner gets the cores the workers leave: intra-op threads beyond the free cores spin and slow its update
+    torch.set_num_threads(args.torch_threads or max(1, (os.cpu_count() or 1) - args.num_executors - args.num_actors))
+    fixed_mmap_threshold()  # inherited by the workers
+
+    learner = Learner.create(args, spaces, device, checkpoint)
+    shared = Shared(args, spaces[0], learner.target, learner.update)
+    quiet_writer_thread()
+    writer = SummaryWriter(str(run_dir))
+    writer.add_text(
+        "hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items())
+    )
+    steps_per_collection = args.num_envs * args.sync_interval
+    num_collections = args.total_timesteps // steps_per_collection
+    workers = Workers(args, shared, "spawn" if use_cuda else "fork", num_collections)  # CUDA cannot be forked
+    stop = StopSignals()
+    checkpoint_path, exit_code, message = run_dir / "checkpoint.pt", 0, None
+    start_step, start_time = learner.global_step, time.time()
+    last_console = last_checkpoint = time.time()
+    recent_returns: deque[float] = deque(maxlen=100)
+    try:
+        workers.start_collection(learner.update, learner.global_step)
+        while learner.update < num_collections:
+            j = learner.update
+            episodes, timing = workers.wait_collection(j, stop)
+            for e in episodes:
+                writer.add_scalar("charts/episodic_return", e.episodic_return, e.step)
+                writer.add_scalar("charts/episodic_length", e.length, e.step)
+                recent_returns.append(e.episodic_return)
+            # Storage j % 2 holds D_j, collected by the published parameters: they become the behavior copy.
+            batch, behavior_version = shared.rollout(j, device)
+            learner.behavior.load_state_dict(shared.policy.state_dict())
+            if not args.sync:  # HTS-RL: publish theta_j, executors fill the other storage while we learn from this one
+                shared.publish(learner.target, learner.update)
+                workers.start_collection(j + 1, learner.global_step + steps_per_collection)
+            lr = args.learning_rate * (1.0 - j / num_collections if args.anneal_lr else 1.0)
+            learn_start = time.perf_counter()
+            stats = learner.step(batch, lr, args)
+            learn_time = time.perf_counter() - learn_start
+            policy_lag = learner.update - behavior_version  # updates between the acting policy and the updated one
+            learner.update += 1
+            learner.global_step += steps_per_collection
+            if args.sync:  # the executors waited for the new parameters
+                shared.publish(learner.target, learner.update)
+                workers.start_collection(j + 1, learner.global_step)
+            last = learner.update == num_collections
+            sps = (learner.global_step - start_step) / max(time.time() - start_time, 1e-9)
+            if learner.update % args.log_frequency == 0 or last:
+                charts = {"policy_lag": policy_lag, "learning_rate": lr, "SPS": sps}
+                timing |= {"actor_wait_requests": shared.actor_wait.mean().item(), "learner_update": learn_time}
+                for group, scalars in (("losses", stats), ("charts", charts), ("timing", timing)):
+                    for name, value in scalars.items():
+                        writer.add_scalar(f"{group}/{name}", value, learner.global_step)
+            if last or time.time() - last_console >= args.log_interval:
+                mean_return = np.mean(recent_returns) if recent_returns else float("nan")
+                print(f"global_step={learner.global_step} SPS={sps:.0f} mean_return={mean_return:.2f}", flush=True)
+                last_console = time.time()
+            if args.checkpoint_interval > 0 and time.time() - last_checkpoint >= args.checkpoint_interval:
+                learner.save(checkpoint_path, args, meta)
+                last_checkpoint = time.time()
+        if args.checkpoint_interval > 0:
+            learner.save(checkpoint_path, args, meta)
+    except Stop:
+        exit_code = 128 + stop.signum
+        message = f"stopped by {signal.Signals(stop.signum).name} at global step {learner.global_step}"
+        if args.checkpoint_interval > 0:
+            try:
+                learner.save(checkpoint_path, args, meta)
+                message += f"; checkpoint written to {checkpoint_path}"
+            except WriteError as write_error:
+                exit_code, message = 1, f"{write_error}; stopping (the last good checkpoint is kept)"
+    except WriteError as e:
+        exit_code, message = 1, f"{e}; stopping (the last good checkpoint is kept)"
+    except OSError as e:  # from the TensorBoard writer: the events file
+        reason = "no space left on device" if e.errno == errno.ENOSPC else (e.strerror or str(e))
+        exit_code, message = 1, f"error: {reason} while writing the TensorBoard events in {run_dir}; stopping"
+    except WorkerError as e:
+        exit_code, message = 1, f"error: {e}"
+    except NonFiniteLoss as e:
+        exit_code = 1
+        message = f"error: {e} at update {learner.update}; stopping (the last good checkpoint, if any, is kept)"
+    finally:
+        workers.shutdown(graceful=exit_code == 0 and message is None)
+        stop.restore()
+    finish(args, learner, writer, run_dir, device, exit_code, message)
 
 
 if __name__ == "__main__":
+    for old, new in RENAMED_FLAGS.items():
+        if any(arg.split("=", 1)[0] == old for arg in sys.argv[1:]):
+            fail(f"{old} is now {new} (see --help)")
     main(tyro.cli(Args))

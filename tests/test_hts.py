@@ -1,12 +1,16 @@
 """hts_a2c.py and hts_ppo.py: pure functions against slow loops written from the definitions, then the scripts end to
-end on tiny budgets (TensorBoard tags, policy lag, determinism, storage role swap, resume, bad flags, shutdown)."""
+end on tiny budgets (TensorBoard tags, policy lag, determinism, storage role swap, resume, bad flags, shutdown).
 
+Runs that only compare results call `main` in this process (no interpreter start-up per run); the command-line path,
+signals, killed workers and a full disk run the scripts as subprocesses."""
+
+import contextlib
+import io
 import math
 import os
 import re
 import signal
-import subprocess
-import sys
+import threading
 import time
 from pathlib import Path
 
@@ -14,41 +18,27 @@ import gymnasium as gym
 import numpy as np
 import pytest
 import torch
-from gymnasium.envs.classic_control.cartpole import CartPoleEnv
+import tyro
+from helpers import (
+    CORE_TAGS,
+    assert_finite_tags,
+    children_of,
+    event_accumulator,
+    fill_disk,
+    only_run_dir,
+    run_script,
+    scalars,
+    small_tmpfs,
+    start_run,
+    write_unusable_checkpoint,
+)
 from torch import nn
 
 import hts_a2c
 import hts_ppo
 from common.models import make_model
 
-try:
-    from helpers import (
-        CORE_TAGS,
-        ROOT,
-        children_of,
-        event_accumulator,
-        fill_disk,
-        only_run_dir,
-        run_script,
-        scalars,
-        small_tmpfs,
-        write_unusable_checkpoint,
-    )
-except ModuleNotFoundError:  # imported as tests.test_hts by a script run with --env-id tests.test_hts:FaultyCartPole-v0
-    from tests.helpers import (
-        CORE_TAGS,
-        ROOT,
-        children_of,
-        event_accumulator,
-        fill_disk,
-        only_run_dir,
-        run_script,
-        scalars,
-        small_tmpfs,
-        write_unusable_checkpoint,
-    )
-
-SCRIPTS = ["hts_a2c.py", "hts_ppo.py"]
+MODULES = {"hts_a2c.py": hts_a2c, "hts_ppo.py": hts_ppo}
 REQUIRED_TAGS = [
     *CORE_TAGS,
     "timing/learner_wait_executors",
@@ -61,31 +51,48 @@ REQUIRED_TAGS = [
 # Tiny CartPole runs: 4 envs, one per executor (so 4 actors all get work); A2C 8-step rollouts (30 updates), PPO
 # 16-step rollouts with 2 minibatches (15 updates).
 TOTAL = 960
+COMMON = {"env_id": "CartPole-v1", "num_envs": 4, "num_executors": 4, "log_frequency": 1}
 TINY = {
-    "hts_a2c.py": ["--sync-interval", "8", "--total-timesteps", str(TOTAL)],
-    "hts_ppo.py": ["--sync-interval", "16", "--num-minibatches", "2", "--total-timesteps", str(TOTAL)],
+    "hts_a2c.py": {**COMMON, "sync_interval": 8, "total_timesteps": TOTAL},
+    "hts_ppo.py": {**COMMON, "sync_interval": 16, "num_minibatches": 2, "total_timesteps": TOTAL},
 }
-COMMON = ["--env-id", "CartPole-v1", "--num-envs", "4", "--num-executors", "4", "--log-interval", "1"]
 
 
-class FaultyCartPole(CartPoleEnv):
-    """Raises in its 30th step: a worker that fails mid-run (used as --env-id tests.test_hts:FaultyCartPole-v0)."""
-
-    steps = 0
-
-    def step(self, action):
-        self.steps += 1
-        if self.steps == 30:
-            raise RuntimeError("injected env failure")
-        return super().step(action)
+def updates(script, total=TOTAL):
+    return total // (4 * TINY[script]["sync_interval"])
 
 
-if "FaultyCartPole-v0" not in gym.registry:
-    gym.register("FaultyCartPole-v0", entry_point=FaultyCartPole, max_episode_steps=500)
+def cli(settings):
+    """Command-line flags for Args field values."""
+    flags = []
+    for key, value in settings.items():
+        if value is not False:
+            flags += [f"--{key.replace('_', '-')}", *([] if value is True else [str(value)])]
+    return flags
 
 
-# ----------------------------------------------------------------------------------------------------------------------
-# Pure functions
+def tiny_args(script, log_dir, **overrides):
+    return MODULES[script].Args(**{**TINY[script], "log_dir": str(log_dir), **overrides})
+
+
+@contextlib.contextmanager
+def process_state_kept():
+    """Undo what a script's `main` called in this process sets process-wide: torch threads, the thread excepthook."""
+    excepthook, threads = threading.excepthook, torch.get_num_threads()
+    try:
+        yield
+    finally:
+        threading.excepthook = excepthook
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def in_process():
+    with process_state_kept():
+        yield
+
+
+# ---- Pure functions --------------------------------------------------------------------------------------------------
 
 
 def random_rollout(T=7, B=3, seed=0):
@@ -96,9 +103,9 @@ def random_rollout(T=7, B=3, seed=0):
     return rewards, dones, values
 
 
-def test_nstep_returns_match_discounted_sums():
+def test_n_step_returns_match_discounted_sums():
     rewards, dones, values = random_rollout()
-    returns = hts_a2c.nstep_returns(rewards, dones, values[-1], 0.9)
+    returns = hts_a2c.n_step_returns(rewards, dones, values[-1], 0.9)
     T, B = rewards.shape
     for b in range(B):
         for t in range(T):  # R_t = sum_k gamma^k r_{t+k} up to the episode end, + gamma^{T-t} V(s_T) if none
@@ -130,7 +137,7 @@ def test_gae_matches_sum_of_discounted_td_errors():
             assert returns[t, b].item() == pytest.approx(total + values[t, b].item(), abs=1e-10)
     # lambda = 1 gives the n-step returns of A2C
     _, returns_1 = hts_ppo.gae(rewards, dones, values, gamma, 1.0)
-    torch.testing.assert_close(returns_1, hts_a2c.nstep_returns(rewards, dones, values[-1], gamma))
+    torch.testing.assert_close(returns_1, hts_a2c.n_step_returns(rewards, dones, values[-1], gamma))
 
 
 def softmax_rows(logits):
@@ -253,47 +260,46 @@ def test_non_finite_loss_stops_before_any_parameter_changes(module):
     obs_space, act_space = gym.spaces.Box(-1, 1, (4,), np.float32), gym.spaces.Discrete(2)
     model = make_model(obs_space, act_space)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    args = module.Args(env_id="CartPole-v1", num_envs=2, sync_interval=4, num_minibatches=1) if module is hts_ppo else (
-        module.Args(env_id="CartPole-v1", num_envs=2, sync_interval=4))  # fmt: skip
-    batch = {"obs": torch.randn(5, 2, 4), "actions": torch.zeros(4, 2, dtype=torch.int64),
-             "rewards": torch.tensor([[1.0, float("nan")]] * 4), "dones": torch.zeros(4, 2)}  # fmt: skip
-    with pytest.raises(FloatingPointError, match="non-finite loss"):
+    extra = {"num_minibatches": 1} if module is hts_ppo else {}
+    args = module.Args(env_id="CartPole-v1", num_envs=2, sync_interval=4, **extra)
+    batch = module.Rollout(obs=torch.randn(5, 2, 4), actions=torch.zeros(4, 2, dtype=torch.int64),
+                           rewards=torch.tensor([[1.0, float("nan")]] * 4), dones=torch.zeros(4, 2))  # fmt: skip
+    with pytest.raises(module.NonFiniteLoss, match="non-finite loss"):
         module.learn(model, module.make_optimizer(model, args), batch, args)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
-# ----------------------------------------------------------------------------------------------------------------------
-# The scripts end to end
+# ---- The scripts end to end ------------------------------------------------------------------------------------------
 
 
-def tiny_flags(script, mode, num_actors):
-    return [*COMMON, *TINY[script], *(["--sync"] if mode == "sync" else []), "--num-actors", str(num_actors)]
-
-
-@pytest.fixture(scope="module", params=[(script, mode) for script in SCRIPTS for mode in ("hts", "sync")],
+@pytest.fixture(scope="module", params=[(script, mode) for script in MODULES for mode in ("hts", "sync")],
                 ids=lambda p: f"{p[0][:-3]}-{p[1]}")  # fmt: skip
 def tiny_run(request, tmp_path_factory):
-    """One tiny CartPole run per script and mode (HTS-RL, --sync) with 2 actors, evaluation and a saved model."""
+    """One tiny CartPole run per script and mode with 2 actors, evaluation, a checkpoint and a saved model: HTS-RL
+    from the command line, --sync through `main` in this process. Returns what it printed on stdout."""
     script, mode = request.param
     log_dir = tmp_path_factory.mktemp(f"{script[:-3]}_{mode}")
-    extra = ["--eval-episodes", "2", "--save-model", "--checkpoint-interval", "3600"]
-    proc = run_script(script, [*tiny_flags(script, mode, 2), *extra], log_dir)
-    assert proc.returncode == 0, proc.stderr
-    return script, mode, only_run_dir(log_dir), proc
+    settings = {**TINY[script], "sync": mode == "sync", "num_actors": 2, "eval_episodes": 2, "save_model": True,
+                "checkpoint_interval": 3600}  # fmt: skip
+    if mode == "hts":
+        proc = run_script(script, cli(settings), log_dir)
+        assert proc.returncode == 0, proc.stderr
+        return script, mode, only_run_dir(log_dir), proc.stdout
+    with process_state_kept(), contextlib.redirect_stdout(io.StringIO()) as stdout:
+        MODULES[script].main(MODULES[script].Args(**settings, log_dir=str(log_dir)))
+    return script, mode, only_run_dir(log_dir), stdout.getvalue()
 
 
 def test_tensorboard_tags_are_logged_and_finite(tiny_run):
-    script, _, run_dir, proc = tiny_run
-    data, acc = scalars(run_dir), event_accumulator(run_dir)
-    for tag in REQUIRED_TAGS:
-        assert tag in data, f"{script}: {tag} missing"
-        assert all(math.isfinite(v) for _, v in data[tag]), tag
-    assert any(tag.startswith("hyperparameters") for tag in acc.Tags()["tensors"])
-    assert max(step for step, _ in data["charts/SPS"]) == TOTAL - TOTAL % (4 * int(TINY[script][1]))
-    assert re.search(r"global_step=\d+ SPS=\d+ mean_return=", proc.stdout)
+    script, _, run_dir, stdout = tiny_run
+    data = scalars(run_dir)
+    assert_finite_tags(data, REQUIRED_TAGS)
+    assert any(tag.startswith("hyperparameters") for tag in event_accumulator(run_dir).Tags()["tensors"])
+    assert max(step for step, _ in data["charts/SPS"]) == updates(script) * 4 * TINY[script]["sync_interval"]
+    assert re.search(r"^global_step=\d+ SPS=\d+ mean_return=", stdout, re.M)
     assert (run_dir / "model.pt").is_file() and (run_dir / "checkpoint.pt").is_file()
     checkpoint = torch.load(run_dir / "checkpoint.pt", weights_only=False)
-    assert {"model", "optimizer", "global_step", "update", "rng", "args"} <= set(checkpoint)
+    assert {"model", "optimizer", "global_step", "update", "rng", "args", "meta"} <= set(checkpoint)
     assert not list(run_dir.glob("*.tmp"))
 
 
@@ -303,7 +309,7 @@ def test_policy_lag_is_one_update_and_zero_with_sync(tiny_run):
     script, mode, run_dir, _ = tiny_run
     data = scalars(run_dir)
     lags = [v for _, v in data["charts/policy_lag"]]
-    assert len(lags) == TOTAL // (4 * int(TINY[script][1]))
+    assert len(lags) == updates(script)
     if mode == "sync":
         assert set(lags) == {0.0}
     else:
@@ -312,25 +318,17 @@ def test_policy_lag_is_one_update_and_zero_with_sync(tiny_run):
 
 
 def final_model_and_returns(run_dir):
-    returns = [(s, v) for s, v in scalars(run_dir)["charts/episodic_return"]]
-    return torch.load(run_dir / "model.pt"), returns
+    return torch.load(run_dir / "model.pt"), scalars(run_dir)["charts/episodic_return"]
 
 
-def test_runs_are_deterministic_whatever_the_number_of_actors(tiny_run, tmp_path):
+def test_runs_are_deterministic_whatever_the_number_of_actors(tiny_run, tmp_path, in_process):
     """Same seed with 1, 2 and 4 actors: bitwise the same final parameters and the same training episodes (step and
     return) after 15-30 synchronizations, in both modes (actors sample with executor-drawn uniforms and forward one
     executor's observations at a time). Another seed gives other parameters."""
     script, mode, run_dir, _ = tiny_run
-    runs = {"1": ["--num-actors", "1"], "4": ["--num-actors", "4"]}
-    if mode == "hts":
-        runs["seed2"] = ["--seed", "2"]
-    procs = {}  # the runs at once: most of their time is start-up and waiting, and the machine has 2 cores
-    for name, flags in runs.items():
-        log_dir = str(tmp_path / name)
-        cmd = [sys.executable, script, *tiny_flags(script, mode, 2), *flags, "--save-model", "--log-dir", log_dir]
-        procs[name] = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    for proc in procs.values():
-        assert proc.wait(timeout=180) == 0, proc.stderr.read()
+    runs = {"1": {"num_actors": 1}, "4": {"num_actors": 4}} | ({"seed2": {"seed": 2}} if mode == "hts" else {})
+    for name, overrides in runs.items():
+        MODULES[script].main(tiny_args(script, tmp_path / name, sync=mode == "sync", save_model=True, **overrides))
     model, returns = final_model_and_returns(run_dir)
     assert len(returns) >= 20  # CartPole episodes of a random-ish policy: tens of them in 960 steps
     for name in ("1", "4"):
@@ -343,45 +341,52 @@ def test_runs_are_deterministic_whatever_the_number_of_actors(tiny_run, tmp_path
         assert not all(torch.equal(model[k], other[k]) for k in model)
 
 
-def test_storages_swap_roles_and_rollout_overlaps_learning(monkeypatch, tmp_path):
-    """In process: at update j the learner reads storage j % 2 while executors fill the other one (collection j+1
-    overwrites its bootstrap observations during the update; waited for as a condition, not timed)."""
-    seen = []
-    learn = hts_a2c.learn
+@pytest.mark.parametrize("sync", [False, True], ids=["hts", "sync"])
+@pytest.mark.parametrize("script", MODULES)
+def test_each_update_learns_from_the_previous_policy_while_the_next_rollout_runs(script, sync, monkeypatch, tmp_path,
+                                                                                  in_process):  # fmt: skip
+    """HTS-RL's one step of delay, read off the parameters: update k's gradient is taken at behavior = theta_{k-1}
+    (the target before update k-1; theta_0 for k = 0), on storage k % 2, while the executors fill the other storage
+    (collection k+1 overwrites its bootstrap observations during the update; waited for as a condition, not timed).
+    --sync: behavior = theta_k, the parameters being updated."""
+    module = MODULES[script]
+    seen = []  # per update: (storage, target before it, behavior)
+    step = module.Learner.step
 
-    def watching_learn(behavior, optimizer, batch, args):
-        obs = batch["obs"]
-        storages = obs._base  # [2, T+1, N, ...]: the shared storages the learner's batch is a view of
-        s = (obs.data_ptr() - storages.data_ptr()) // storages[0].nbytes
-        other_last = storages[1 - s, -1].clone()
-        seen.append(s)
-        if len(seen) < 6:  # all but the last update have a collection running concurrently
-            deadline = time.time() + 60
+    def watching_step(learner, batch, lr, args):
+        storages = batch.obs._base  # [2, T+1, N, ...]: the shared storages the learner's batch is a view of
+        s = (batch.obs.data_ptr() - storages.data_ptr()) // storages[0].nbytes
+        params = [nn.utils.parameters_to_vector(m.parameters()).clone() for m in (learner.target, learner.behavior)]
+        seen.append((s, *params))
+        if not sync and len(seen) < 6:  # all but the last update have a collection running concurrently
+            other_last, deadline = storages[1 - s, -1].clone(), time.time() + 60
             while torch.equal(storages[1 - s, -1], other_last) and time.time() < deadline:
                 time.sleep(0.01)
             assert not torch.equal(storages[1 - s, -1], other_last), "executors did not fill the other storage"
-        return learn(behavior, optimizer, batch, args)
+        return step(learner, batch, lr, args)
 
-    monkeypatch.setattr(hts_a2c, "learn", watching_learn)
-    args = hts_a2c.Args(env_id="CartPole-v1", num_envs=2, num_executors=2, num_actors=1, sync_interval=4,
-                        total_timesteps=6 * 8, log_dir=str(tmp_path), console_interval=100.0)  # fmt: skip
-    hts_a2c.main(args)
-    assert seen == [0, 1, 0, 1, 0, 1]
+    monkeypatch.setattr(module.Learner, "step", watching_step)
+    module.main(tiny_args(script, tmp_path, num_envs=2, num_executors=2, num_actors=1, sync_interval=4,
+                          total_timesteps=6 * 8, sync=sync, log_interval=100.0))  # fmt: skip
+    assert [s for s, _, _ in seen] == [0, 1, 0, 1, 0, 1]
+    targets, behaviors = [t for _, t, _ in seen], [b for _, _, b in seen]
+    expected = targets if sync else [targets[0], *targets[:-1]]
+    for k in range(6):
+        assert torch.equal(behaviors[k], expected[k]), f"update {k}"
+        assert k == 0 or not torch.equal(targets[k], targets[k - 1])  # every update moved the parameters
 
 
-@pytest.mark.parametrize("script", SCRIPTS)
-def test_resume_continues_the_run_directory_and_step_count(script, tmp_path):
-    args = [*COMMON, *TINY[script][:2], "--checkpoint-interval", "3600", "--num-actors", "1"]
-    proc = run_script(script, [*args, "--total-timesteps", "640"], tmp_path)
-    assert proc.returncode == 0, proc.stderr
+@pytest.mark.parametrize("script", MODULES)
+def test_resume_continues_the_run_directory_and_step_count(script, tmp_path, in_process):
+    settings = {"checkpoint_interval": 3600, "num_actors": 1}
+    MODULES[script].main(tiny_args(script, tmp_path, total_timesteps=640, **settings))
     run_dir = only_run_dir(tmp_path)
     assert torch.load(run_dir / "checkpoint.pt", weights_only=False)["global_step"] == 640
-    proc = run_script(script, [*args, "--total-timesteps", "1280", "--resume", str(run_dir / "checkpoint.pt")],
-                      tmp_path)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
+    resume = str(run_dir / "checkpoint.pt")
+    MODULES[script].main(tiny_args(script, tmp_path, total_timesteps=1280, resume=resume, **settings))
     assert only_run_dir(tmp_path) == run_dir
     checkpoint = torch.load(run_dir / "checkpoint.pt", weights_only=False)
-    assert checkpoint["global_step"] == 1280 and checkpoint["update"] == 1280 // (4 * int(TINY[script][1]))
+    assert checkpoint["global_step"] == 1280 and checkpoint["update"] == updates(script, 1280)
     lags = scalars(run_dir)["charts/policy_lag"]
     steps = [s for s, _ in lags]
     assert max(steps) == 1280 and min(steps) > 0
@@ -396,26 +401,48 @@ def test_resume_continues_the_run_directory_and_step_count(script, tmp_path):
         ({"num_executors": 3}, "--num-executors must divide --num-envs"),
         ({"env_id": "CartPol-v1"}, "did you mean CartPole-v1"),
         ({"network": "nature"}, "needs [C, H, W] image observations"),
-        ({"network": "resnet"}, "--network must be one of"),
+        ({"network": "resnet"}, "--network must be one of"),  # from Python; tyro refuses it on the command line
         ({"atari_protocol": "openai"}, "--atari-protocol must be one of"),
         ({"total_timesteps": 3}, "--total-timesteps must be >="),
         ({"resume": "/nonexistent/checkpoint.pt"}, "no such file"),
         ({"capture_video": True}, "--eval-episodes"),
         ({"gamma": 1.5}, "--gamma must be in [0, 1]"),
         ({"torch_threads": -1}, "--torch-threads must be >= 0"),
+        ({"log_frequency": 0}, "--log-frequency must be >= 1 update"),
+        ({"log_interval": 0.0}, "--log-interval must be > 0 seconds"),
         ({"learning_rate": math.inf}, "--learning-rate must be a finite number, got inf"),
         ({"max_grad_norm": math.nan}, "--max-grad-norm must be a finite number, got nan"),
         ({"env_id": "Pendulum-v1"}, "continuous action space"),
     ],
 )
-def test_bad_flags_give_one_error_line_and_status_2(module, flags, message, capsys):
+def test_validate_names_the_bad_flag_in_one_line(module, flags, message):
     flags = dict(flags)  # parametrize shares the dict between the two modules
-    args = module.Args(env_id=flags.pop("env_id", "CartPole-v1"), num_envs=4, **flags)
-    with pytest.raises(SystemExit) as exc:
-        module.validate(args)
-    assert exc.value.code == 2
-    err = capsys.readouterr().err
-    assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err
+    error = module.validate(module.Args(env_id=flags.pop("env_id", "CartPole-v1"), num_envs=4, **flags))
+    assert error is not None and message in error and "\n" not in error, error
+
+
+@pytest.mark.parametrize("module", [hts_a2c, hts_ppo])
+def test_good_flags_pass_and_choices_are_checked_by_tyro(module, capsys):
+    assert module.validate(module.Args(env_id="CartPole-v1", num_envs=4)) is None
+    for flags in (["--network", "resnet"], ["--atari-protocol", "openai"]):
+        with pytest.raises(SystemExit) as exc:
+            tyro.cli(module.Args, args=flags)
+        assert exc.value.code == 2
+    assert "resnet" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("script", "flags", "error"),
+    [
+        ("hts_a2c.py", ["--rms-alpha", "0.9"], "error: --rms-alpha is now --rmsprop-alpha (see --help)"),
+        ("hts_ppo.py", ["--num-minibatches", "7"], "error: --num-minibatches must divide num_envs * sync_interval"),
+    ],
+)
+def test_bad_flag_on_the_command_line_is_one_error_line_and_status_2(script, flags, error, tmp_path):
+    proc = run_script(script, ["--env-id", "ALE/Breakout-v5", *flags], tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith(error) and proc.stderr.count("\n") == 1, proc.stderr
+    assert not tmp_path.exists() or not any(tmp_path.iterdir())
 
 
 @pytest.mark.parametrize("module", [hts_a2c, hts_ppo])
@@ -431,7 +458,7 @@ def test_bad_flags_give_one_error_line_and_status_2(module, flags, message, caps
 )
 def test_resume_refuses_a_checkpoint_it_cannot_continue(module, case, message, tmp_path, capsys):
     args = module.Args(env_id="CartPole-v1", num_envs=4, log_dir=str(tmp_path / "logs"))
-    path = write_unusable_checkpoint(tmp_path, case, module.checkpoint_meta(args, *module.validate(args)))
+    path = write_unusable_checkpoint(tmp_path, case, module.checkpoint_meta(args, *module.env_spaces(args)))
     args.resume = str(path)
     with pytest.raises(SystemExit) as exc:
         module.main(args)
@@ -441,19 +468,20 @@ def test_resume_refuses_a_checkpoint_it_cannot_continue(module, case, message, t
     assert list(tmp_path.iterdir()) == [path]  # no run directory, no events file
 
 
-def test_hts_ppo_refuses_an_hts_a2c_checkpoint_before_starting(tmp_path):
+def test_hts_ppo_refuses_an_hts_a2c_checkpoint_before_starting(tmp_path, capsys):
     args = hts_a2c.Args(env_id="CartPole-v1", num_envs=4)
-    spaces = hts_a2c.validate(args)
+    spaces = hts_a2c.env_spaces(args)
     model = make_model(*spaces, "auto")
+    learner = hts_a2c.Learner(model, model, hts_a2c.make_optimizer(model, args), global_step=4096, update=32)
     path = tmp_path / "checkpoint.pt"
-    hts_a2c.save_checkpoint(path, model, hts_a2c.make_optimizer(model, args), 4096, 32, args,
-                            hts_a2c.checkpoint_meta(args, *spaces))  # fmt: skip
+    learner.save(path, args, hts_a2c.checkpoint_meta(args, *spaces))
     before = path.read_bytes()
-    proc = run_script("hts_ppo.py", [*COMMON, "--resume", str(path)], tmp_path / "logs", timeout=120)
-    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+    with pytest.raises(SystemExit) as exc:
+        hts_ppo.main(hts_ppo.Args(**COMMON, resume=str(path), log_dir=str(tmp_path / "logs")))
+    assert exc.value.code == 2 and capsys.readouterr().err.strip().splitlines() == [
         f"error: cannot resume from {path}: it is a hts_a2c.py checkpoint (script hts_a2c.py), this run is script "
         "hts_ppo.py"
-    ], proc.stderr
+    ]
     assert list(tmp_path.iterdir()) == [path] and path.read_bytes() == before
 
 
@@ -477,20 +505,12 @@ def test_runs_started_in_the_same_second_get_their_own_directories(module, tmp_p
     assert [d.name for d in dirs] == [f"CartPole-v1__{stem}__1__1700000000{s}" for s in ("", "-2", "-3")]
 
 
-def test_bad_flag_on_the_command_line_has_no_traceback(tmp_path):
-    proc = run_script("hts_ppo.py", ["--env-id", "ALE/Breakout-v5", "--num-minibatches", "7"], tmp_path)
-    assert proc.returncode == 2
-    assert proc.stderr.startswith("error: --num-minibatches must divide") and "Traceback" not in proc.stderr
-    assert not Path(tmp_path).exists() or not any(Path(tmp_path).iterdir())
-
-
-def test_atari_tiny_run(tmp_path):
+def test_atari_tiny_run(tmp_path, in_process):
     """The frame path: Breakout through common.atari's C++ vector env, the nature network, uint8 storages."""
-    proc = run_script("hts_a2c.py", ["--num-envs", "2", "--num-executors", "2", "--num-actors", "1",
-                      "--total-timesteps", "400", "--log-interval", "1"], tmp_path)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
+    hts_a2c.main(hts_a2c.Args(num_envs=2, num_executors=2, num_actors=1, total_timesteps=200, log_frequency=1,
+                              log_dir=str(tmp_path)))  # fmt: skip
     data = scalars(only_run_dir(tmp_path))
-    assert max(s for s, _ in data["losses/total_loss"]) == 400
+    assert max(s for s, _ in data["losses/total_loss"]) == 200
     assert all(math.isfinite(v) for _, v in data["losses/total_loss"])
 
 
@@ -502,70 +522,109 @@ def alive(pid):
     return state != "Z"
 
 
-def start_long_run(script, log_dir, *extra):
-    flags = [*COMMON, "--sync-interval", "8", "--total-timesteps", "100000000", "--console-interval", "0.2"]
-    if script == "hts_ppo.py":
-        flags += ["--num-minibatches", "1"]
-    proc = subprocess.Popen(
-        [sys.executable, script, *flags, "--log-dir", str(log_dir), *extra],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    line = proc.stdout.readline()  # training is under way once the first console line is out
-    assert line.startswith("global_step="), proc.stderr.read() if proc.poll() is not None else line
-    return proc
+def at_collection(monkeypatch, module, j, action):
+    """Call `action(workers)` in the learner (the main thread) when it starts waiting for collection j."""
+    wait = module.Workers.wait_collection
+
+    def wait_collection(workers, k, stop):
+        if k == j:
+            action(workers)
+        return wait(workers, k, stop)
+
+    monkeypatch.setattr(module.Workers, "wait_collection", wait_collection)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_signal_stops_everything_and_writes_a_final_checkpoint(sig, tmp_path):
-    script = "hts_a2c.py" if sig == signal.SIGINT else "hts_ppo.py"
-    proc = start_long_run(script, tmp_path, "--checkpoint-interval", "3600")
+def long_run(script, log_dir, **overrides):
+    return tiny_args(script, log_dir, total_timesteps=100_000_000, **overrides)
+
+
+def test_ctrl_c_stops_everything_and_writes_a_final_checkpoint(tmp_path):
+    """From the command line, as a user's Ctrl+C (SIGINT to the main process) arrives at any time."""
+    settings = {**TINY["hts_ppo.py"], "total_timesteps": 100_000_000, "log_interval": 0.2, "checkpoint_interval": 3600}
+    proc = start_run("hts_ppo.py", cli(settings), tmp_path)
     workers = children_of(proc.pid)
-    assert len(workers) >= 4  # 2 executors + 4 actors (+ the queue's feeder thread is not a process)
-    proc.send_signal(sig)
+    assert len(workers) >= 4 + 4  # 4 executors and 4 actors (the queue's feeder thread is not a process)
+    proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 128 + sig, err
-    assert f"stopped by {sig.name}" in err and "Traceback" not in err
+    assert proc.returncode == 130, err
+    assert "stopped by SIGINT" in err and "Traceback" not in err
     assert not [w for w in workers if alive(w)]
     run_dir = only_run_dir(tmp_path)
     assert torch.load(run_dir / "checkpoint.pt", weights_only=False)["global_step"] > 0
-    data = scalars(run_dir)
-    assert data["charts/SPS"]
+    assert scalars(run_dir)["charts/SPS"]
 
 
-def test_killed_worker_stops_the_run(tmp_path):
-    proc = start_long_run("hts_a2c.py", tmp_path)
-    workers = children_of(proc.pid)
-    os.kill(workers[-1], signal.SIGKILL)
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 1
-    assert re.search(r"error: (executor|actor) \d+ died \(exit code -9\)", err), err
-    assert not [w for w in workers if alive(w)]
+def test_sigterm_stops_everything_and_writes_a_final_checkpoint(tmp_path, monkeypatch, capsys, in_process):
+    pids = []
+
+    def terminate(workers):
+        pids.extend(p.pid for p in workers.procs.values())
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    at_collection(monkeypatch, hts_a2c, 3, terminate)
+    with pytest.raises(SystemExit) as exc:
+        hts_a2c.main(long_run("hts_a2c.py", tmp_path, checkpoint_interval=3600))
+    assert exc.value.code == 143
+    err = capsys.readouterr().err
+    assert re.fullmatch(r"stopped by SIGTERM at global step 96; checkpoint written to \S+checkpoint.pt\n", err), err
+    assert len(pids) == 8 and not [pid for pid in pids if alive(pid)]
+    run_dir = only_run_dir(tmp_path)
+    assert torch.load(run_dir / "checkpoint.pt", weights_only=False)["global_step"] == 96  # 3 updates of 4 x 8
+    assert len(scalars(run_dir)["charts/SPS"]) == 3
 
 
-def test_worker_exception_is_reported_with_its_traceback(tmp_path):
-    proc = run_script("hts_ppo.py", [*COMMON[2:], "--env-id", "tests.test_hts:FaultyCartPole-v0",
-                      "--total-timesteps", "100000"], tmp_path)  # fmt: skip
-    assert proc.returncode == 1
-    assert re.search(r"error: executor \d failed:\nTraceback", proc.stderr), proc.stderr
-    assert "RuntimeError: injected env failure" in proc.stderr
+def test_killed_worker_stops_the_run(tmp_path, monkeypatch, capsys, in_process):
+    """A killed actor leaves the executors and other actors running: the learner still names it and stops."""
+    pids = []
+
+    def kill_an_actor(workers):
+        pids.extend(p.pid for p in workers.procs.values())
+        os.kill(workers.procs["actor 3"].pid, signal.SIGKILL)
+
+    at_collection(monkeypatch, hts_a2c, 3, kill_an_actor)
+    with pytest.raises(SystemExit) as exc:
+        hts_a2c.main(long_run("hts_a2c.py", tmp_path))
+    assert exc.value.code == 1
+    err = capsys.readouterr().err
+    assert err == "error: actor 3 died (exit code -9) without a traceback\n", err
+    assert len(pids) == 8 and not [pid for pid in pids if alive(pid)]
 
 
-def test_full_disk_stops_cleanly_and_keeps_the_last_checkpoint(tmp_path):
+@pytest.mark.parametrize(
+    ("script", "env_id", "error"),
+    [
+        (
+            "hts_ppo.py",
+            "CrashingCartPole-v0",
+            r"error: executor \d failed:\nTraceback(.|\n)*RuntimeError: injected env",
+        ),
+        ("hts_a2c.py", "NaNCartPole-v0", r"^error: non-finite loss nan at update \d+; stopping"),
+    ],
+)
+def test_a_failing_worker_or_loss_stops_the_run_with_one_message(script, env_id, error, tmp_path, capsys, in_process):
+    """The env fails after 300 of its steps: a worker's exception arrives with its traceback, a NaN reward stops the
+    learner before it changes a parameter; exit status 1 either way, and the checkpoint of the last good update (one
+    after every update here) stays intact."""
+    args = tiny_args(script, tmp_path, env_id=f"tests.faulty_env:{env_id}", total_timesteps=100_000,
+                     checkpoint_interval=1e-6)  # fmt: skip
+    with pytest.raises(SystemExit) as exc:
+        MODULES[script].main(args)
+    assert exc.value.code == 1
+    err = capsys.readouterr().err
+    assert re.search(error, err), err
+    checkpoint = torch.load(only_run_dir(tmp_path) / "checkpoint.pt", weights_only=False)
+    assert checkpoint["global_step"] > 0 and all(torch.isfinite(v).all() for v in checkpoint["model"].values())
+
+
+def test_full_disk_stops_cleanly_and_keeps_the_last_checkpoint(tmp_path, monkeypatch, capsys, in_process):
     with small_tmpfs(tmp_path / "disk", "4m") as disk:
-        proc = start_long_run("hts_a2c.py", disk, "--checkpoint-interval", "0.2")
-        workers = children_of(proc.pid)
-        checkpoint = only_run_dir(disk) / "checkpoint.pt"
-        deadline = time.time() + 60
-        while not checkpoint.exists() and time.time() < deadline:
-            time.sleep(0.1)
-        fill_disk(disk)
-        _, err = proc.communicate(timeout=60)
-        assert proc.returncode == 1 and "Traceback" not in err, err
+        at_collection(monkeypatch, hts_a2c, 5, lambda workers: fill_disk(disk))
+        with pytest.raises(SystemExit) as exc:
+            hts_a2c.main(long_run("hts_a2c.py", disk, checkpoint_interval=1e-6))  # one checkpoint per update
+        err = capsys.readouterr().err
+        assert exc.value.code == 1 and "Traceback" not in err, err
         # whichever write hits the full disk first: the checkpoint or the TensorBoard events file
         assert "error: no space left on device while writing " in err and len(err.strip().splitlines()) <= 2, err
-        assert torch.load(checkpoint, weights_only=False)["global_step"] > 0  # the last good one, intact
+        checkpoint = only_run_dir(disk) / "checkpoint.pt"
+        assert torch.load(checkpoint, weights_only=False)["global_step"] == 5 * 32  # the last good one, intact
         assert not list(checkpoint.parent.glob("*.tmp"))
-        assert not [w for w in workers if alive(w)]
