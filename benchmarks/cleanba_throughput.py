@@ -95,21 +95,20 @@ def ceiling_components(env_id: str, algo: str, extra: list[str], seconds: float)
     infer_sps = timed_rate(infer, n, seconds)
 
     T, N = args.num_steps, args.num_envs
-    data = dict(
+    data = cleanba.Rollout(
         obs=torch.randint(0, 256, (T, N, *obs.shape[1:]), dtype=torch.uint8),
         actions=torch.randint(0, envs.single_action_space.n, (T, N)),
         logprobs=torch.full((T, N), -1.0),
+        values=torch.zeros(T, N),
         rewards=torch.rand(T, N),
         dones=(torch.rand(T, N) < 0.01).float(),
         next_obs=torch.randint(0, 256, (N, *obs.shape[1:]), dtype=torch.uint8),
     )
-    if args.algo == "ppo":
-        optimizer = torch.optim.Adam(model.parameters(), lr=args.learning_rate, eps=args.adam_eps)
-        update = cleanba.ppo_update
-    else:
-        optimizer = torch.optim.RMSprop(model.parameters(), lr=args.learning_rate, eps=args.rmsprop_eps)
-        update = cleanba.impala_update
-    train_sps = timed_rate(lambda: update(model, optimizer, data, args, gen, 1, threading.Event()), T * N, seconds)
+    algorithm = cleanba.algorithm(args)
+    optimizer = algorithm.optimizer(model.parameters())
+    train_sps = timed_rate(
+        lambda: algorithm.update(model, optimizer, data, args, gen, 1, threading.Event()), T * N, seconds
+    )
     envs.close()
     ceiling = 1.0 / (1.0 / env_sps + 1.0 / infer_sps + 1.0 / train_sps)
     return dict(
