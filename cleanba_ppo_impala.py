@@ -1097,7 +1097,7 @@ def main(args: Args) -> None:
             thread.join(timeout=max(0.0, deadline - time.time()))
         signals.restore_defaults()
 
-    failure = failure or next(iter(control.errors), None)
+    failure = failure or (control.errors[0] if control.errors else None)
     if signals.signum:
         print(f"interrupted at step {learner.global_step}: shutting down", file=sys.stderr)
     finished = failure is None and not signals.signum
@@ -1108,7 +1108,8 @@ def main(args: Args) -> None:
         failure = failure or end_run(args, run_dir, log, model, final_state, finished, device)
     if failure:
         print(failure, file=sys.stderr)
-    leave(1 if failure else 128 + signals.signum if signals.signum else 0, threads, teardown=world_size == 1)
+    code = 1 if failure else (128 + signals.signum if signals.signum else 0)
+    leave(code, threads, teardown=world_size == 1)
 
 
 if __name__ == "__main__":
