@@ -100,7 +100,7 @@ class Args:
     """record videos of the evaluation episodes to {run_dir}/videos"""
 
     algo: Literal["ppo", "impala"] = "ppo"
-    """learning algorithm (everything it switches is in `algorithm()`)"""
+    """`ppo` (Adam, clipped surrogate, GAE) or `impala` (RMSprop, V-trace), each with Cleanba's defaults"""
     sync: bool = False
     """the paper's Synchronous architecture: rollout, then learn, no overlap (policy lag 0)"""
     network: Literal["auto", "nature", "impala", "mlp"] = "auto"
