@@ -340,9 +340,8 @@ def test_end_to_end_tags_policy_lag_and_console_line(mode, runs):
 def test_deterministic_even_when_the_learner_is_slowed(mode, tmp_path, runs):
     """The paper's Figure 2 experiment as a test: slowing the learner must not change what it learns."""
     fast, slow = runs[mode], train(tmp_path, [*MODES[mode], "--learner-delay", "0.05"])
-    assert values(fast, "charts/episodic_return") and values(fast, "charts/episodic_return") == values(
-        slow, "charts/episodic_return"
-    )
+    returns = values(fast, "charts/episodic_return")
+    assert returns and returns == values(slow, "charts/episodic_return")
     assert values(slow, "charts/policy_lag") == expected_lags(mode == "sync")
     for name, value in fast.params.items():
         assert torch.equal(value, slow.params[name]), name
