@@ -1,34 +1,30 @@
 """Cleanba: reproducible actor-learner PPO and IMPALA (Huang et al., "Cleanba: a reproducible and efficient
 distributed reinforcement learning platform", ICLR 2024; the paper's Figure 1 and Table 1).
 
-Architecture, per rank (one process per learner device; `torchrun` starts several, on one node or many):
-  actor threads (`--num-actor-threads`) each step `--num-envs / threads` envs (ale-py C++ vector env) and run one
-  batched forward pass over all of them per step on the actor device. Learner = the main thread.
-  param_Q[i]   (size 1, one per actor thread): learner -> actor, (version, flat parameter snapshot)
-  rollout_Q[i] (size 1, one per actor thread): actor -> learner, index of a filled preallocated Rollout buffer
-  Actor iteration k: get params from param_Q (skipped at k = 2), fill a rollout, put it on rollout_Q. Learner
-  iteration j: get one rollout from every actor thread, update, all-reduce gradients across ranks (gloo on CPU,
-  NCCL on GPU), put the new parameters on every param_Q.
-Policy lag (the paper's Table 1): update 1 trains pi_1 on D(pi_1); from then on the learner always trains on data
-  of the second latest policy, pi_i --D(pi_{i-1})--> pi_{i+1}, so `charts/policy_lag` is 0, 1, 1, 1, ... `--sync` gives
-  the Synchronous architecture (rollout, then learn; lag always 0). The size-1 queues keep an actor at most one
-  rollout ahead, so hardware speed never changes which policy produced which data.
-Determinism: which data each update sees is fixed by the queue protocol, actions are sampled from per-thread
-  seeded generators, envs are seeded per rank and thread; with `--torch-deterministic` on CPU two runs with the same
-  seed and flags give bitwise equal parameters, however slow either side is (`--learner-delay`).
-Algorithms: `--algo ppo` (clipped surrogate, GAE on the values the actor stored, epochs x minibatches) or `--algo
-  impala` (V-trace, one pass over minibatches of whole unrolls, the loss summed over each minibatch). Defaults are
-  Cleanba's (cleanba_ppo.py / cleanba_impala.py); the network defaults to the Nature CNN for PPO (CleanRL's ppo_atari
-  comparison) and the IMPALA ResNet for IMPALA. The envs reset in the same step an episode ends (common.atari), so no
-  stored transition crosses an auto-reset: the (1 - done) discount is the whole mask, and GAE / V-trace traces stop
-  at every episode end. Step t pairs x_t and a_t with the reward and done of its own transition x_t -> x_{t+1};
-  Cleanba's cleanba_impala.py pairs x_t with the reward and done that arrived with x_t (one step earlier), so its
-  IMPALA curves are not expected to match these step for step.
+One process per learner device (`torchrun` starts several, on one node or many); in each:
+  actor thread i (`--num-actor-threads`): `--num-envs / threads` envs (ale-py C++ vector env), one batched forward
+      pass per step on the actor device. Iteration k: Params <- param_Q[i] (skipped at k = 2), fill Rollout buffer
+      k % 2, rollout_Q[i] <- that buffer.
+  learner (the main thread). Update j: one Rollout from every rollout_Q[i], concatenated over envs -> PPO epochs x
+      minibatches or V-trace minibatches -> gradients all-reduced over ranks (gloo on CPU, NCCL on GPU) -> every
+      param_Q[i] <- Params(j, a flat copy of the parameters).
+  param_Q[i], rollout_Q[i]: size 1, so an actor is at most one rollout ahead of the learner.
+Policy lag (Table 1): update 1 trains on data of the initial parameters; update k >= 2 trains on the rollout of the
+  parameters after update k - 2 (the second latest policy, pi_i --D(pi_{i-1})--> pi_{i+1}), so `charts/policy_lag`
+  = (k - 1) - version is 0, 1, 1, 1, ... (again from 0 after --resume). `--sync` is the paper's Synchronous
+  architecture: rollout, then learn, lag always 0.
+Determinism: the queue protocol fixes which parameters produced which data, whatever the hardware speed; actions
+  come from per-thread seeded generators and envs are seeded per rank and thread, so with `--torch-deterministic` on
+  CPU two runs with the same seed and flags end with bitwise equal parameters however slow either side is
+  (`--learner-delay`).
+Algorithms (`--algo`, all it switches is in `algorithm()`): PPO (clipped surrogate, GAE on the values the actor
+  stored, epochs x minibatches) or IMPALA (V-trace, one pass over minibatches of whole unrolls, the loss summed), with
+  Cleanba's defaults. Episodes reset in the step they end (common.atari), so the (1 - done) discount is the whole
+  mask. Step t pairs x_t and a_t with the reward and done of its own transition; Cleanba's cleanba_impala.py pairs x_t
+  with those that arrived with x_t, one step earlier, so its IMPALA curves are not expected to match step for step.
 
-Examples:
   python cleanba_ppo_impala.py --env-id ALE/Breakout-v5
   python cleanba_ppo_impala.py --algo impala --env-id ALE/Pong-v5 --num-envs 32 --num-actor-threads 2
-  torchrun --standalone --nproc-per-node 2 cleanba_ppo_impala.py --env-id ALE/Breakout-v5        # one node, 2 ranks
   torchrun --nnodes 2 --node-rank $NODE_RANK --nproc-per-node 8 --rdzv-backend c10d \\
       --rdzv-endpoint $HEAD_NODE:29500 cleanba_ppo_impala.py --env-id ALE/Breakout-v5           # two nodes
 """
@@ -38,6 +34,7 @@ from __future__ import annotations
 import copy
 import errno
 import io
+import itertools
 import math
 import os
 import queue
@@ -47,9 +44,10 @@ import threading
 import time
 import traceback
 from collections import deque
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import gymnasium as gym
 import numpy as np
@@ -58,8 +56,18 @@ import torch.distributed as dist
 import tyro
 from torch import nn
 
-from common.atari import EnvError, ale_game, check_env_args, finished_episodes, make_env, make_vector_env
-from common.models import NETWORKS, make_model
+from common.atari import (
+    EnvError,
+    EpisodeStatistics,
+    ale_game,
+    check_env_args,
+    finished_episodes,
+    make_env,
+    make_vector_env,
+)
+from common.models import make_model
+
+# ---- Args ----
 
 
 @dataclass
@@ -74,7 +82,7 @@ class Args:
     """use a GPU for actors and learner when one is present"""
     env_id: str = "ALE/Breakout-v5"
     """gymnasium id; ALE ids run in ale-py's C++ vector env"""
-    atari_protocol: str = "machado"
+    atari_protocol: Literal["deepmind", "machado"] = "machado"
     """ALE preprocessing: `machado` (sticky actions, full action set; Cleanba's evaluation) or `deepmind`"""
     total_timesteps: int = 10_000_000
     """agent steps summed over all envs of all ranks"""
@@ -92,11 +100,11 @@ class Args:
     """record videos of the evaluation episodes to {run_dir}/videos"""
 
     algo: Literal["ppo", "impala"] = "ppo"
-    """learning algorithm"""
+    """`ppo` (Adam, clipped surrogate, GAE) or `impala` (RMSprop, V-trace), each with Cleanba's defaults"""
     sync: bool = False
     """the paper's Synchronous architecture: rollout, then learn, no overlap (policy lag 0)"""
-    network: str = "auto"
-    """`nature`, `impala`, `mlp`, or `auto` (nature for ppo, impala for impala; mlp for flat observations)"""
+    network: Literal["auto", "nature", "impala", "mlp"] = "auto"
+    """`auto`: nature for ppo, impala for impala (Cleanba's); mlp for flat observations"""
     num_envs: int = 8
     """environments per rank, split evenly over the actor threads (CleanRL ppo_atari: 8; Cleanba: 64 x 2 threads)"""
     num_actor_threads: int = 1
@@ -104,7 +112,8 @@ class Args:
     env_threads: int = 0
     """ale-py stepping threads per actor thread (0 = the machine's cores / actor threads)"""
     torch_threads: int = 0
-    """torch intra-op threads for this process (0 = torch's default)"""
+    """torch intra-op threads of the learner (the main thread; each actor thread uses one); 0 = torch's default, one
+    per core"""
     num_steps: int | None = None
     """steps per env per rollout (default: 128 ppo, 20 impala)"""
     learning_rate: float | None = None
@@ -148,13 +157,127 @@ class Args:
     """seconds between console lines"""
 
 
-PPO_DEFAULTS = {"num_steps": 128, "learning_rate": 2.5e-4, "max_grad_norm": 0.5}  # Cleanba cleanba_ppo.py Args
-IMPALA_DEFAULTS = {"num_steps": 20, "learning_rate": 6e-4, "max_grad_norm": 40.0}  # Cleanba cleanba_impala.py Args
+class Algorithm(NamedTuple):
+    """Everything `--algo` switches."""
+
+    defaults: dict[str, float]  # of the flags left at None
+    network: str  # what `--network auto` picks for image observations
+    optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+    update: Callable[..., dict[str, float]]  # the learner's update on one rollout (ppo_update, impala_update)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Pure algorithm functions
-# ----------------------------------------------------------------------------------------------------------------
+def algorithm(args: Args) -> Algorithm:
+    """The one place `--algo` branches; the defaults are Cleanba's (cleanba_ppo.py and cleanba_impala.py Args)."""
+    if args.algo == "ppo":
+        return Algorithm(
+            defaults=dict(num_steps=128, learning_rate=2.5e-4, max_grad_norm=0.5),
+            network="nature",
+            optimizer=lambda params: torch.optim.Adam(params, lr=args.learning_rate, eps=args.adam_eps),
+            update=ppo_update,
+        )
+    return Algorithm(
+        defaults=dict(num_steps=20, learning_rate=6e-4, max_grad_norm=40.0),
+        network="impala",
+        optimizer=lambda params: torch.optim.RMSprop(
+            params, lr=args.learning_rate, alpha=args.rmsprop_alpha, eps=args.rmsprop_eps
+        ),
+        update=impala_update,
+    )
+
+
+def resolve_defaults(args: Args) -> Args:
+    """Fill the flags left at None from Cleanba's settings for `--algo`."""
+    for name, value in algorithm(args).defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    return args
+
+
+def pick_network(args: Args, obs_shape: tuple[int, ...]) -> str:
+    """`auto`: the algorithm's network for image observations, an MLP for flat ones."""
+    if args.network != "auto":
+        return args.network
+    return algorithm(args).network if len(obs_shape) == 3 else "mlp"
+
+
+FLOAT_FLAGS = (
+    "learning_rate", "gamma", "gae_lambda", "clip_coef", "ent_coef", "vf_coef", "max_grad_norm", "adam_eps",
+    "rmsprop_alpha", "rmsprop_eps", "vtrace_rho_bar", "vtrace_c_bar", "vtrace_pg_rho_bar", "checkpoint_interval",
+    "learner_delay", "log_interval",
+)  # fmt: skip
+POSITIVE_FLAGS = (
+    "learning_rate", "max_grad_norm", "gamma", "vtrace_rho_bar", "vtrace_c_bar", "vtrace_pg_rho_bar", "rmsprop_eps",
+    "adam_eps",
+)  # fmt: skip
+AT_LEAST_ONE_FLAGS = ("total_timesteps", "num_actor_threads", "num_steps", "num_minibatches", "update_epochs")
+NON_NEGATIVE_FLAGS = ("checkpoint_interval", "learner_delay", "eval_episodes", "env_threads", "torch_threads")
+
+
+def flag(name: str) -> str:
+    return f"--{name.replace('_', '-')}"
+
+
+def validate(args: Args, world_size: int) -> str | None:
+    """Every flag checked before anything is spawned (after resolve_defaults); returns the error line or None."""
+    for name in AT_LEAST_ONE_FLAGS:
+        if getattr(args, name) < 1:
+            return f"{flag(name)} must be >= 1, got {getattr(args, name)}"
+    if args.num_envs < 1 or args.num_envs % args.num_actor_threads:
+        return (
+            f"--num-envs ({args.num_envs}) must be a positive multiple of --num-actor-threads "
+            f"({args.num_actor_threads})"
+        )
+    if args.algo == "ppo" and args.num_envs * args.num_steps < args.num_minibatches:
+        return (
+            f"a rollout of {args.num_envs * args.num_steps} samples cannot fill --num-minibatches "
+            f"{args.num_minibatches}"
+        )
+    if args.algo == "impala" and args.num_envs < args.num_minibatches:
+        return (
+            f"IMPALA minibatches are whole unrolls: --num-envs ({args.num_envs}) must be >= --num-minibatches "
+            f"({args.num_minibatches})"
+        )
+    for name in FLOAT_FLAGS:
+        if not math.isfinite(getattr(args, name)):
+            return f"{flag(name)} must be a finite number, got {getattr(args, name)}"
+    for name in POSITIVE_FLAGS:
+        if not getattr(args, name) > 0:
+            return f"{flag(name)} must be > 0, got {getattr(args, name)}"
+    if not 0 <= args.gae_lambda <= 1 or not 0 < args.gamma <= 1:
+        return "--gamma must be in (0, 1] and --gae-lambda in [0, 1]"
+    for name in NON_NEGATIVE_FLAGS:
+        if getattr(args, name) < 0:
+            return f"{flag(name)} must be >= 0, got {getattr(args, name)}"
+    if args.resume is not None and not Path(args.resume).is_file():
+        return f"--resume {args.resume}: no such checkpoint file"
+    if args.total_timesteps < args.num_envs * args.num_steps * world_size:
+        return (
+            f"--total-timesteps ({args.total_timesteps}) is less than one rollout "
+            f"({args.num_envs} envs x {args.num_steps} steps x {world_size} ranks)"
+        )
+    try:
+        check_env_args(args.env_id, args.num_envs, args.atari_protocol)
+    except EnvError as e:
+        return str(e)
+    return action_space_error(args.env_id)
+
+
+def action_space_error(env_id: str) -> str | None:
+    """The policy is categorical: a continuous-action env is refused before anything starts (ALE ids are Discrete)."""
+    if ale_game(env_id) is not None:
+        return None
+    env = gym.make(env_id)
+    space = env.action_space
+    env.close()
+    if isinstance(space, gym.spaces.Discrete):
+        return None
+    return (
+        f"{env_id} has a {type(space).__name__} action space {space}; cleanba_ppo_impala.py needs a Discrete one "
+        f"(continuous actions: apex_ddpg.py)"
+    )
+
+
+# ---- Algorithm ----
 
 
 def sample_actions(logits: torch.Tensor, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -273,14 +396,29 @@ def impala_loss(
     )
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Rollout storage and the actor thread
-# ----------------------------------------------------------------------------------------------------------------
+# ---- Storage and messages ----
+
+
+class Stop(Exception):
+    """Raised inside a thread when the run is shutting down."""
+
+
+class NonFiniteLoss(RuntimeError):
+    pass
+
+
+class WriteError(RuntimeError):
+    """A checkpoint or model file could not be written; the message is the error line."""
+
+
+ROLLOUT_TENSORS = ("obs", "actions", "logprobs", "values", "rewards", "dones", "next_obs")
 
 
 @dataclass
 class Rollout:
-    """One actor thread's preallocated rollout of T steps over its N envs (two per thread, reused)."""
+    """T steps of N envs. Each actor thread owns two, preallocated and reused, and puts the one it filled on its
+    rollout_Q (actor -> learner: the buffer itself, filled in place); the learner concatenates the threads' rollouts
+    into one on its device."""
 
     obs: torch.Tensor  # [T, N, *obs_shape], the observation each action was taken in
     actions: torch.Tensor  # [T, N]
@@ -290,11 +428,11 @@ class Rollout:
     dones: torch.Tensor  # [T, N], the episode (or training life) ended with this transition
     next_obs: torch.Tensor  # [N, *obs_shape], for the bootstrap value
     version: int = -1  # learner update count of the parameters that acted
-    episodes: list | None = None  # (return, length) of the games that ended during this rollout
-    param_wait: float = 0.0  # seconds this actor blocked on param_Q.get before the rollout
+    episodes: list[tuple[float, int]] = field(default_factory=list)  # (return, length) of the games that ended
+    param_wait: float = 0.0  # seconds the actor blocked on param_Q.get before this rollout
 
     @staticmethod
-    def allocate(T: int, N: int, obs_shape, obs_dtype) -> Rollout:
+    def allocate(T: int, N: int, obs_shape: tuple[int, ...], obs_dtype: torch.dtype) -> Rollout:
         return Rollout(
             obs=torch.zeros((T, N, *obs_shape), dtype=obs_dtype),
             actions=torch.zeros((T, N), dtype=torch.long),
@@ -306,8 +444,48 @@ class Rollout:
         )
 
 
-class Stop(Exception):
-    """Raised inside a thread when the run is shutting down."""
+class Params(NamedTuple):
+    """learner -> actor on param_Q: the parameters after update `version`, as one flat copy (the learner trains on
+    while the actors load it)."""
+
+    version: int
+    flat: torch.Tensor
+
+
+class UpdateRecord(NamedTuple):
+    """What one learner update reports to the log."""
+
+    update: int
+    global_step: int
+    policy_lag: int  # (update - 1) - the version of the parameters that collected its rollouts
+    learning_rate: float
+    losses: dict[str, float]  # means over the update's minibatches
+    rollout_wait: float  # seconds the learner blocked on rollout_Q.get
+    param_wait: float  # the longest an actor blocked on param_Q.get before these rollouts
+    train_time: float
+    episodes: list[tuple[float, int]]  # (return, length) of the games that ended in these rollouts
+
+
+@dataclass
+class Control:
+    """Shared by the learner and the actor threads: `stop` ends every thread's loop within a second; a thread that
+    dies appends its error line and traceback to `errors` and sets `stop`."""
+
+    stop: threading.Event = field(default_factory=threading.Event)
+    errors: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Actor:
+    """One actor thread's envs, policy copy, sampling generator, two rollout buffers and two size-1 queues."""
+
+    index: int
+    envs: EpisodeStatistics
+    model: nn.Module
+    generator: torch.Generator
+    buffers: tuple[Rollout, Rollout]
+    param_q: queue.Queue[Params] = field(default_factory=lambda: queue.Queue(maxsize=1))
+    rollout_q: queue.Queue[Rollout] = field(default_factory=lambda: queue.Queue(maxsize=1))
 
 
 def blocking_get(q: queue.Queue, stop: threading.Event):
@@ -329,76 +507,12 @@ def blocking_put(q: queue.Queue, item, stop: threading.Event) -> None:
                 raise Stop from None
 
 
-def actor_thread(
-    thread_id: int,
-    envs,
-    model: nn.Module,
-    device: torch.device,
-    buffers: list[Rollout],
-    param_q: queue.Queue,
-    rollout_q: queue.Queue,
-    num_iterations: int,
-    sync: bool,
-    generator: torch.Generator,
-    stop: threading.Event,
-    errors: list,
-) -> None:
-    """Figure 1 (right), `actor()`: get params (not at iteration 2), roll out, put the rollout."""
-    # One intra-op thread for this actor's small inference batches (the setting is per thread): a second OpenMP
-    # team spinning beside the learner's cost the learner about 20% on a 2-core CPU.
-    torch.set_num_threads(1)
-    try:
-        next_obs, _ = envs.reset()
-        T = buffers[0].obs.shape[0]
-        version = -1
-        for iteration in range(1, num_iterations + 1):
-            start = time.perf_counter()
-            if sync or iteration != 2:  # skipping the 2nd get is what lets rollout and learning overlap
-                version, flat_params = blocking_get(param_q, stop)
-                copy_flat_into([p.data for p in model.parameters()], flat_params)
-            buf = buffers[iteration % 2]  # the learner finished the other buffer before publishing `version`
-            buf.param_wait = time.perf_counter() - start
-            buf.version, buf.episodes = version, []
-            for t in range(T):
-                obs = torch.from_numpy(next_obs)
-                buf.obs[t].copy_(obs)
-                with torch.inference_mode():
-                    logits, value = model(obs.to(device, non_blocking=True))
-                    actions, logprob = sample_actions(logits, generator)
-                actions = actions.cpu()
-                buf.actions[t].copy_(actions)
-                buf.logprobs[t].copy_(logprob)
-                buf.values[t].copy_(value)
-                next_obs, reward, terminated, truncated, info = envs.step(actions.numpy())
-                buf.rewards[t].copy_(torch.from_numpy(reward))
-                buf.dones[t].copy_(torch.from_numpy(terminated | truncated))
-                buf.episodes += finished_episodes(info)
-            buf.next_obs.copy_(torch.from_numpy(next_obs))
-            blocking_put(rollout_q, iteration % 2, stop)
-    except Stop:
-        pass
-    except BaseException:
-        errors.append(f"actor thread {thread_id} died:\n{traceback.format_exc()}")
-        stop.set()
-    finally:
-        envs.close()
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Learner
-# ----------------------------------------------------------------------------------------------------------------
-
-
-class NonFiniteLoss(RuntimeError):
-    pass
-
-
-def flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
+def flatten(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
     """One flat copy, in logical (NCHW) order whatever the memory format (channels_last params included)."""
     return torch.cat([t.detach().reshape(-1) for t in tensors])
 
 
-def copy_flat_into(tensors: list[torch.Tensor], flat: torch.Tensor) -> None:
+def copy_flat_into(tensors: Iterable[torch.Tensor], flat: torch.Tensor) -> None:
     """Inverse of `flatten`, copying in place so each tensor keeps its device and memory format."""
     offset = 0
     for t in tensors:
@@ -406,10 +520,89 @@ def copy_flat_into(tensors: list[torch.Tensor], flat: torch.Tensor) -> None:
         offset += t.numel()
 
 
+def stack_rollouts(rollouts: list[Rollout], device: torch.device) -> Rollout:
+    """The actor threads' rollouts concatenated along the env axis, on the learner device."""
+    if len(rollouts) == 1:
+        tensors = {k: getattr(rollouts[0], k) for k in ROLLOUT_TENSORS}
+    else:
+        tensors = {
+            k: torch.cat([getattr(r, k) for r in rollouts], dim=0 if k == "next_obs" else 1) for k in ROLLOUT_TENSORS
+        }
+    return Rollout(**{k: v.to(device, non_blocking=True) for k, v in tensors.items()})
+
+
+# ---- Workers ----
+
+
+def actor_thread(actor: Actor, device: torch.device, iterations: int, sync: bool, control: Control) -> None:
+    """Figure 1 (right), `actor()`: get params (not at iteration 2), roll out, put the rollout."""
+    # one intra-op thread for this actor's small inference batches (the setting is per thread): a second OpenMP team
+    # would spin beside the learner's and slow it down
+    torch.set_num_threads(1)
+    params = [p.data for p in actor.model.parameters()]
+    try:
+        next_obs, _ = actor.envs.reset()
+        version = -1
+        for iteration in range(1, iterations + 1):
+            start = time.perf_counter()
+            if sync or iteration != 2:  # skipping the 2nd get is what lets rollout and learning overlap
+                version, flat = blocking_get(actor.param_q, control.stop)
+                copy_flat_into(params, flat)
+            buf = actor.buffers[iteration % 2]  # the learner finished the other buffer before publishing `version`
+            buf.param_wait = time.perf_counter() - start
+            buf.version, buf.episodes = version, []
+            for t in range(buf.obs.shape[0]):
+                obs = torch.from_numpy(next_obs)
+                buf.obs[t].copy_(obs)
+                with torch.inference_mode():
+                    logits, value = actor.model(obs.to(device, non_blocking=True))
+                    actions, logprob = sample_actions(logits, actor.generator)
+                actions = actions.cpu()
+                buf.actions[t].copy_(actions)
+                buf.logprobs[t].copy_(logprob)
+                buf.values[t].copy_(value)
+                next_obs, reward, terminated, truncated, info = actor.envs.step(actions.numpy())
+                buf.rewards[t].copy_(torch.from_numpy(reward))
+                buf.dones[t].copy_(torch.from_numpy(terminated | truncated))
+                buf.episodes += finished_episodes(info)
+            buf.next_obs.copy_(torch.from_numpy(next_obs))
+            blocking_put(actor.rollout_q, buf, control.stop)
+    except Stop:
+        pass
+    except BaseException:
+        control.errors.append(f"actor thread {actor.index} died:\n{traceback.format_exc()}")
+        control.stop.set()
+    finally:
+        actor.envs.close()
+
+
+def make_actors(args: Args, rank: int, device, network: str, obs_space, act_space, checkpoint) -> list[Actor]:
+    """Every actor thread's envs, policy copy, generator and buffers. Env e of rank r has seed `seed + 10_000 r + e`
+    whichever thread steps it, shifted on --resume so that the resumed run plays new episodes."""
+    env_threads = args.env_threads or max(1, (os.cpu_count() or 1) // args.num_actor_threads)
+    n = args.num_envs // args.num_actor_threads
+    seed = args.seed + 10_000 * rank + (1_000_003 * checkpoint["update"] if checkpoint else 0)
+    obs_dtype = torch.uint8 if obs_space.dtype == np.uint8 else torch.float32
+    actors = []
+    for i in range(args.num_actor_threads):
+        generator = torch.Generator(device=device).manual_seed(args.seed * 104729 + 1000 * rank + i)
+        if checkpoint:
+            generator.set_state(checkpoint["actor_rngs"][i])
+        envs = make_vector_env(args.env_id, n, seed + n * i, protocol=args.atari_protocol, num_threads=env_threads)
+        # the Nature network infers faster contiguous on CPU and trains faster channels_last (common.models)
+        model = make_model(obs_space, act_space, network, channels_last=network != "nature").to(device)
+        buffers = (Rollout.allocate(args.num_steps, n, obs_space.shape, obs_dtype) for _ in range(2))
+        actors.append(Actor(i, envs, model, generator, tuple(buffers)))
+    return actors
+
+
 def optimizer_step(
-    model: nn.Module, optimizer: torch.optim.Optimizer, loss: torch.Tensor, max_grad_norm: float, world_size: int
-) -> torch.Tensor:
-    """Backward, average gradients over ranks (one flat all-reduce), clip the global norm, step."""
+    model: nn.Module, optimizer: torch.optim.Optimizer, losses: dict, args: Args, world_size: int, stop
+) -> dict[str, torch.Tensor]:
+    """Backward, average gradients over ranks (one flat all-reduce), clip the global norm, step. Returns the detached
+    losses and the gradient norm; raises Stop once `stop` is set (an actor died or Ctrl+C: the update in progress
+    ends at this minibatch, and the checkpoint snapshot, taken between updates, stays consistent)."""
+    loss = losses["total_loss"]
     if not torch.isfinite(loss):
         raise NonFiniteLoss(f"non-finite loss {loss.item()}")
     optimizer.zero_grad(set_to_none=False)
@@ -419,238 +612,197 @@ def optimizer_step(
         flat = flatten(grads)
         dist.all_reduce(flat)
         copy_flat_into(grads, flat.div_(world_size))
-    grad_norm = nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+    grad_norm = nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
     optimizer.step()
-    return grad_norm
+    if stop.is_set():
+        raise Stop
+    return {**{k: v.detach() for k, v in losses.items()}, "grad_norm": grad_norm}
 
 
-def max_divergence_from_rank0(model: nn.Module) -> float:
-    """Largest absolute difference between this rank's parameters and rank 0's, maximised over ranks."""
-    flat = flatten(list(model.parameters()))
-    reference = flat.clone()
-    dist.broadcast(reference, src=0)
-    divergence = (flat - reference).abs().max()
-    dist.all_reduce(divergence, op=dist.ReduceOp.MAX)
-    return divergence.item()
+def mean_metrics(metrics: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+    return {k: torch.stack([m[k] for m in metrics]).mean().item() for k in metrics[0]}
 
 
-def stack_rollouts(rollouts: list[Rollout], device: torch.device) -> dict[str, torch.Tensor]:
-    """Concatenate the actor threads' rollouts along the env axis and move them to the learner device."""
-    keys = ("obs", "actions", "logprobs", "values", "rewards", "dones", "next_obs")
-    if len(rollouts) == 1:
-        data = {k: getattr(rollouts[0], k) for k in keys}
-    else:
-        data = {k: torch.cat([getattr(r, k) for r in rollouts], dim=0 if k == "next_obs" else 1) for k in keys}
-    return {k: v.to(device, non_blocking=True) for k, v in data.items()}
-
-
-def ppo_update(
-    model, optimizer, data, args: Args, generator: torch.Generator, world_size: int, stop: threading.Event
-) -> dict:
+def ppo_update(model, optimizer, data: Rollout, args: Args, generator, world_size: int, stop) -> dict[str, float]:
     """Cleanba's PPO learner (cleanba_ppo.py `compute_gae`): GAE on the values the actor stored with the rollout and
     a bootstrap value recomputed with the current parameters, then epochs x shuffled minibatches."""
     with torch.no_grad():
-        _, next_value = model(data["next_obs"])
-        advantages = gae(data["rewards"], data["values"], data["dones"], next_value, args.gamma, args.gae_lambda)
-        returns = advantages + data["values"]
-    T, N = data["rewards"].shape
-    flat = dict(
-        obs=data["obs"].reshape(T * N, *data["obs"].shape[2:]),
-        actions=data["actions"].reshape(-1),
-        logprobs=data["logprobs"].reshape(-1),
-        advantages=advantages.reshape(-1),
-        returns=returns.reshape(-1),
-    )
-    batch = T * N
-    mb_size = batch // args.num_minibatches
+        _, next_value = model(data.next_obs)
+        advantages = gae(data.rewards, data.values, data.dones, next_value, args.gamma, args.gae_lambda)
+        returns = advantages + data.values
+    obs = data.obs.flatten(0, 1)  # [T * N, *obs_shape]
+    actions, logprobs, advantages, returns = (x.reshape(-1) for x in (data.actions, data.logprobs, advantages, returns))
+    mb_size = obs.shape[0] // args.num_minibatches
+    coefs = (args.clip_coef, args.ent_coef, args.vf_coef, args.norm_adv)
     metrics = []
     for _ in range(args.update_epochs):
-        order = torch.randperm(batch, generator=generator).to(flat["obs"].device)
+        order = torch.randperm(obs.shape[0], generator=generator).to(obs.device)
         for start in range(0, mb_size * args.num_minibatches, mb_size):
             idx = order[start : start + mb_size]
-            logits, new_value = model(flat["obs"][idx])
-            new_logprob, entropy = logprob_entropy(logits, flat["actions"][idx])
-            losses = ppo_loss(
-                new_logprob,
-                flat["logprobs"][idx],
-                flat["advantages"][idx],
-                new_value,
-                flat["returns"][idx],
-                entropy,
-                args.clip_coef,
-                args.ent_coef,
-                args.vf_coef,
-                args.norm_adv,
-            )
-            losses["grad_norm"] = optimizer_step(model, optimizer, losses["total_loss"], args.max_grad_norm, world_size)
-            metrics.append({k: v.detach() for k, v in losses.items()})
-            if stop.is_set():  # an actor died or Ctrl+C: stop within a minibatch (the snapshot is consistent)
-                raise Stop
-    return {k: torch.stack([m[k] for m in metrics]).mean().item() for k in metrics[0]}
+            logits, new_value = model(obs[idx])
+            new_logprob, entropy = logprob_entropy(logits, actions[idx])
+            losses = ppo_loss(new_logprob, logprobs[idx], advantages[idx], new_value, returns[idx], entropy, *coefs)
+            metrics.append(optimizer_step(model, optimizer, losses, args, world_size, stop))
+    return mean_metrics(metrics)
 
 
-def impala_update(
-    model, optimizer, data, args: Args, generator: torch.Generator, world_size: int, stop: threading.Event
-) -> dict:
+def impala_update(model, optimizer, data: Rollout, args: Args, generator, world_size: int, stop) -> dict[str, float]:
     """One pass over minibatches of whole unrolls (envs split in `num_minibatches`), V-trace at the current policy."""
-    T, N = data["rewards"].shape
+    T, N = data.rewards.shape
     envs_per_mb = N // args.num_minibatches
-    order = torch.randperm(N, generator=generator).to(data["rewards"].device)
+    order = torch.randperm(N, generator=generator).to(data.rewards.device)
+    bars = (args.gamma, args.vtrace_rho_bar, args.vtrace_c_bar, args.vtrace_pg_rho_bar)
     metrics = []
     for start in range(0, envs_per_mb * args.num_minibatches, envs_per_mb):
         cols = order[start : start + envs_per_mb]  # whole unrolls of a subset of envs
-        obs = data["obs"][:, cols]
-        logits, values = model(torch.cat([obs.reshape(T * len(cols), *obs.shape[2:]), data["next_obs"][cols]]))
-        values, next_value = values[: T * len(cols)].reshape(T, -1), values[T * len(cols) :]
-        target_logprob, entropy = logprob_entropy(
-            logits[: T * len(cols)].reshape(T, len(cols), -1), data["actions"][:, cols]
-        )
-        vs, pg_adv = vtrace(
-            data["logprobs"][:, cols],
-            target_logprob.detach(),
-            data["rewards"][:, cols],
-            values.detach(),
-            data["dones"][:, cols],
-            next_value.detach(),
-            args.gamma,
-            args.vtrace_rho_bar,
-            args.vtrace_c_bar,
-            args.vtrace_pg_rho_bar,
-        )
+        B = len(cols)
+        logits, values = model(torch.cat([data.obs[:, cols].flatten(0, 1), data.next_obs[cols]]))  # [T * B + B]
+        values, next_value = values[: T * B].reshape(T, B), values[T * B :]
+        target_logprob, entropy = logprob_entropy(logits[: T * B].reshape(T, B, -1), data.actions[:, cols])
+        mu, rewards, dones = data.logprobs[:, cols], data.rewards[:, cols], data.dones[:, cols]
+        vs, pg_adv = vtrace(mu, target_logprob.detach(), rewards, values.detach(), dones, next_value.detach(), *bars)
         losses = impala_loss(target_logprob, entropy, values, vs, pg_adv, args.ent_coef, args.vf_coef)
-        losses["grad_norm"] = optimizer_step(model, optimizer, losses["total_loss"], args.max_grad_norm, world_size)
-        metrics.append({k: v.detach() for k, v in losses.items()})
-        if stop.is_set():
-            raise Stop
-    return {k: torch.stack([m[k] for m in metrics]).mean().item() for k in metrics[0]}
+        metrics.append(optimizer_step(model, optimizer, losses, args, world_size, stop))
+    return mean_metrics(metrics)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Setup helpers: validation, run directory, checkpoints, evaluation
-# ----------------------------------------------------------------------------------------------------------------
+class Learner:
+    """The learner's state between updates (what a checkpoint holds) and its steps: take one rollout from every actor
+    thread, train on them, publish the new parameters."""
 
+    def __init__(self, args: Args, model: nn.Module, actors: list[Actor], device, rank, world_size, meta, checkpoint):
+        self.args, self.model, self.actors, self.device = args, model, actors, device
+        self.world_size, self.meta = world_size, meta
+        self.optimizer = algorithm(args).optimizer(model.parameters())
+        self.update_rule = algorithm(args).update
+        self.generator = torch.Generator().manual_seed(args.seed * 7919 + rank)
+        self.steps_per_update = args.num_envs * args.num_steps * world_size
+        self.num_updates = args.total_timesteps // self.steps_per_update
+        self.update, self.global_step = 0, 0
+        if checkpoint:
+            model.load_state_dict(checkpoint["model"])
+            self.optimizer.load_state_dict(checkpoint["optimizer"])
+            self.update, self.global_step = checkpoint["update"], checkpoint["global_step"]
+            self.generator.set_state(checkpoint["learner_rng"])
+        if world_size > 1:  # identical initial parameters on every rank
+            for p in model.parameters():
+                dist.broadcast(p.data, src=0)
 
-def resolve_defaults(args: Args) -> Args:
-    """Fill the algorithm-dependent defaults (None) from Cleanba's PPO or IMPALA settings."""
-    defaults = PPO_DEFAULTS if args.algo == "ppo" else IMPALA_DEFAULTS
-    for name, value in defaults.items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
-    return args
+    def publish(self, stop: threading.Event) -> None:
+        params = Params(self.update, flatten(self.model.parameters()))
+        for actor in self.actors:
+            blocking_put(actor.param_q, params, stop)
 
-
-def pick_network(args: Args, obs_shape: tuple[int, ...]) -> str:
-    """`auto`: the Nature CNN for PPO, the IMPALA ResNet for IMPALA (Cleanba's), an MLP for flat observations."""
-    if args.network != "auto":
-        return args.network
-    if len(obs_shape) != 3:
-        return "mlp"
-    return "nature" if args.algo == "ppo" else "impala"
-
-
-def validate(args: Args, world_size: int) -> str | None:
-    """Every flag checked before anything is spawned; returns the error line or None."""
-    if args.total_timesteps < 1:
-        return f"--total-timesteps must be >= 1, got {args.total_timesteps}"
-    if args.num_actor_threads < 1:
-        return f"--num-actor-threads must be >= 1, got {args.num_actor_threads}"
-    if args.num_envs < 1 or args.num_envs % args.num_actor_threads:
-        return (
-            f"--num-envs ({args.num_envs}) must be a positive multiple of --num-actor-threads "
-            f"({args.num_actor_threads})"
+    def train(self, stop: threading.Event) -> UpdateRecord:
+        if self.args.learner_delay:
+            time.sleep(self.args.learner_delay)
+        start = time.perf_counter()
+        rollouts = [blocking_get(actor.rollout_q, stop) for actor in self.actors]
+        rollout_wait = time.perf_counter() - start
+        self.update += 1
+        lr = self.args.learning_rate
+        if self.args.anneal_lr:
+            lr *= 1.0 - (self.update - 1) / self.num_updates
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        start = time.perf_counter()
+        data = stack_rollouts(rollouts, self.device)
+        losses = self.update_rule(self.model, self.optimizer, data, self.args, self.generator, self.world_size, stop)
+        train_time = time.perf_counter() - start
+        self.global_step += self.steps_per_update
+        lag = (self.update - 1) - rollouts[0].version
+        param_wait = max(r.param_wait for r in rollouts)
+        episodes = [episode for r in rollouts for episode in r.episodes]
+        return UpdateRecord(
+            self.update, self.global_step, lag, lr, losses, rollout_wait, param_wait, train_time, episodes
         )
-    if args.num_steps < 1:
-        return f"--num-steps must be >= 1, got {args.num_steps}"
-    if args.num_minibatches < 1 or args.update_epochs < 1:
-        return "--num-minibatches and --update-epochs must be >= 1"
-    if args.algo == "ppo" and args.num_envs * args.num_steps < args.num_minibatches:
-        return (
-            f"a rollout of {args.num_envs * args.num_steps} samples cannot fill --num-minibatches "
-            f"{args.num_minibatches}"
+
+    def snapshot(self) -> dict:
+        """A copy of everything a checkpoint holds, taken between updates (a stop may cut the next update half way)."""
+        state = dict(
+            model=self.model.state_dict(),
+            optimizer=self.optimizer.state_dict(),
+            update=self.update,
+            global_step=self.global_step,
+            learner_rng=self.generator.get_state(),
+            actor_rngs=[actor.generator.get_state() for actor in self.actors],
+            torch_rng=torch.get_rng_state(),
+            args=asdict(self.args),
+            meta=self.meta,
         )
-    if args.algo == "impala" and args.num_envs < args.num_minibatches:
-        return (
-            f"IMPALA minibatches are whole unrolls: --num-envs ({args.num_envs}) must be >= --num-minibatches "
-            f"({args.num_minibatches})"
-        )
-    if args.network not in NETWORKS:
-        return f"--network must be one of {', '.join(NETWORKS)}, got {args.network!r}"
-    for name in FLOAT_FLAGS:
-        if not math.isfinite(getattr(args, name)):
-            return f"--{name.replace('_', '-')} must be a finite number, got {getattr(args, name)}"
-    for name in (
-        "learning_rate",
-        "max_grad_norm",
-        "gamma",
-        "vtrace_rho_bar",
-        "vtrace_c_bar",
-        "vtrace_pg_rho_bar",
-        "rmsprop_eps",
-        "adam_eps",
-    ):
-        if not getattr(args, name) > 0:
-            return f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}"
-    if not 0 <= args.gae_lambda <= 1 or not 0 < args.gamma <= 1:
-        return "--gamma must be in (0, 1] and --gae-lambda in [0, 1]"
-    for name in ("checkpoint_interval", "learner_delay", "eval_episodes", "env_threads", "torch_threads"):
-        if getattr(args, name) < 0:
-            return f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}"
-    if args.resume is not None and not Path(args.resume).is_file():
-        return f"--resume {args.resume}: no such checkpoint file"
-    if args.total_timesteps < args.num_envs * args.num_steps * world_size:
-        return (
-            f"--total-timesteps ({args.total_timesteps}) is less than one rollout "
-            f"({args.num_envs} envs x {args.num_steps} steps x {world_size} ranks)"
-        )
-    try:
-        check_env_args(args.env_id, args.num_envs, args.atari_protocol)
-    except EnvError as e:
-        return str(e)
-    return action_space_error(args.env_id)
+        return copy.deepcopy(state)
 
 
-FLOAT_FLAGS = (
-    "learning_rate", "gamma", "gae_lambda", "clip_coef", "ent_coef", "vf_coef", "max_grad_norm", "adam_eps",
-    "rmsprop_alpha", "rmsprop_eps", "vtrace_rho_bar", "vtrace_c_bar", "vtrace_pg_rho_bar", "checkpoint_interval",
-    "learner_delay", "log_interval",
-)  # fmt: skip
+# ---- Lifecycle ----
 
 
-def action_space_error(env_id: str) -> str | None:
-    """The policy is categorical: a continuous-action env is refused before anything starts (ALE ids are Discrete)."""
-    if ale_game(env_id) is not None:
-        return None
-    env = gym.make(env_id)
-    space = env.action_space
-    env.close()
-    if isinstance(space, gym.spaces.Discrete):
-        return None
-    return (
-        f"{env_id} has a {type(space).__name__} action space {space}; cleanba_ppo_impala.py needs a Discrete one "
-        f"(continuous actions: apex.py --algo ddpg)"
-    )
+def init_torch(args: Args, rank: int, world_size: int) -> torch.device:
+    """The device, the process group (gloo on CPU, NCCL on GPU), learner threads, seed and determinism settings."""
+    use_cuda = args.cuda and torch.cuda.is_available()
+    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if use_cuda else "cpu")
+    if world_size > 1:
+        dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world_size)
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
+    torch.manual_seed(args.seed)  # identical initial parameters on every rank
+    torch.backends.cudnn.deterministic = args.torch_deterministic
+    torch.use_deterministic_algorithms(args.torch_deterministic, warn_only=True)
+    # deterministic mode would also fill every new tensor with NaN: nothing here reads uninitialised memory, and the
+    # fill is a large share of the learner's time on CPU
+    torch.utils.deterministic.fill_uninitialized_memory = False
+    return device
 
 
-def create_run_dir(args: Args) -> tuple[Path, str | None]:
-    """A new run directory, made atomically and never shared: a run started in the same second as another with the
-    same name gets the suffix -2, -3, ... Returns (path, None), or (path, the error line) when it cannot be made or
-    written. --resume keeps the checkpoint's own directory."""
-    if args.resume:
-        run_dir = Path(args.resume).parent
-        if not os.access(run_dir, os.W_OK):
-            return run_dir, f"error: cannot write to the run directory {run_dir}: {os.strerror(errno.EACCES)}"
-        return run_dir, None
+class StopSignals:
+    """Ctrl+C and SIGTERM set `stop`: the learner leaves the update in progress at the next minibatch and blocked
+    queue calls give up within a second. `signum` (the first signal) gives the exit status 128 + signum."""
+
+    def __init__(self, stop: threading.Event):
+        self.stop, self.signum = stop, 0
+        signal.signal(signal.SIGINT, self.handler)
+        signal.signal(signal.SIGTERM, self.handler)
+
+    def handler(self, signum, frame) -> None:
+        self.signum = self.signum or signum
+        self.stop.set()
+
+    def restore_defaults(self) -> None:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def fail(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def env_spaces(args: Args):
+    """(observation space, action space) of one env of the training vector env."""
+    probe = make_vector_env(args.env_id, 1, args.seed, protocol=args.atari_protocol, num_threads=1)
+    spaces = probe.single_observation_space, probe.single_action_space
+    probe.close()
+    return spaces
+
+
+def new_run_dir(args: Args) -> Path:
+    """Create this run's directory, never one that exists: a run started in the same second with the same name gets
+    the suffix -2, -3, ... (mkdir is atomic, so two runs cannot both take one name). Exit 2 if it cannot be made."""
     base = Path(args.log_dir) / f"{args.env_id.replace('/', '_')}__{args.exp_name}__{args.seed}__{int(time.time())}"
-    for k in range(1, 1000):
-        run_dir = base if k == 1 else base.with_name(f"{base.name}-{k}")
+    try:
+        base.parent.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        fail(f"cannot create the run directory {base}: {base.parent} is not a directory")
+    except OSError as e:
+        fail(f"cannot create the run directory {base}: {e.strerror or e}")
+    for n in itertools.count(1):
+        run_dir = base if n == 1 else base.with_name(f"{base.name}-{n}")
         try:
-            run_dir.mkdir(parents=True, exist_ok=False)
-            return run_dir, None
+            run_dir.mkdir()
+            return run_dir
         except FileExistsError:
             continue
         except OSError as e:
-            return run_dir, f"error: cannot create the run directory {run_dir}: {e.strerror or e}"
-    return base, f"error: cannot create the run directory {base}: 999 runs of that name started in the same second"
+            fail(f"cannot create the run directory {run_dir}: {e.strerror or e}")
 
 
 def checkpoint_meta(args: Args, obs_space, act_space) -> dict:
@@ -665,32 +817,31 @@ def checkpoint_meta(args: Args, obs_space, act_space) -> dict:
     )
 
 
-def read_checkpoint(path: str, meta: dict) -> tuple[dict | None, str | None]:
-    """Load a --resume checkpoint and check it was written by this script for this algo, env and network.
-    Returns (checkpoint, None) or (None, the error line)."""
+def load_checkpoint(path: str, meta: dict) -> dict:
+    """The checkpoint at `path` if this run can continue it; otherwise one error line and exit 2 (nothing started)."""
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as e:  # garbage, truncated, or pickled objects this interpreter cannot rebuild
         reason = (str(e).strip().splitlines() or [""])[0][:120]
-        return None, (
-            f"error: cannot resume from {path}: not a checkpoint this script can read ({type(e).__name__}: {reason})"
-        )
+        fail(f"cannot resume from {path}: not a checkpoint this script can read ({type(e).__name__}: {reason})")
     theirs = checkpoint.get("meta") if isinstance(checkpoint, dict) else None
     if not isinstance(theirs, dict):
-        return None, f'error: cannot resume from {path}: not a checkpoint this script can read (no "meta" entry)'
-    differ = [k for k in meta if theirs.get(k) != meta[k]]
-    if differ:
-        return None, (
-            f"error: cannot resume from {path}: it is a {theirs.get('script')} checkpoint "
+        fail(f'cannot resume from {path}: not a checkpoint this script can read (it has no "meta" entry)')
+    if differ := [k for k in meta if theirs.get(k) != meta[k]]:
+        fail(
+            f"cannot resume from {path}: it is a {theirs.get('script')} checkpoint "
             f"({', '.join(f'{k} {theirs.get(k)}' for k in differ)}), this run is "
             f"{', '.join(f'{k} {meta[k]}' for k in differ)}"
         )
-    return checkpoint, None
+    run_dir = Path(path).parent
+    if not os.access(run_dir, os.W_OK):
+        fail(f"cannot write to the run directory {run_dir} of --resume {path}")
+    return checkpoint
 
 
-def write_atomically(path: Path, obj) -> str | None:
-    """Write `obj` with torch.save to a temporary file beside `path`, then rename it over `path`, so a crash or a full
-    disk leaves the previous file intact. Returns the error line, or None once written."""
+def atomic_save(obj, path: Path) -> None:
+    """torch.save to a temporary file beside `path`, then a rename over `path`, so a crash or a full disk leaves the
+    previous file intact. Raises WriteError with the error line."""
     buffer = io.BytesIO()
     torch.save(obj, buffer)  # serialised in memory first: a full disk then shows as ENOSPC, not a zip-writer error
     tmp = path.with_suffix(".tmp")
@@ -700,13 +851,12 @@ def write_atomically(path: Path, obj) -> str | None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-        return None
     except OSError as e:
         try:
             tmp.unlink(missing_ok=True)
         except OSError:
             pass
-        return write_error(e, path)
+        raise WriteError(write_error(e, path)) from None
 
 
 def write_error(e: OSError, what) -> str:
@@ -762,26 +912,119 @@ def evaluate(model: nn.Module, args: Args, run_dir: Path, device: torch.device) 
     return returns
 
 
-def install_stop_handlers(stop: threading.Event, signals: list[int]) -> None:
-    """Ctrl+C and SIGTERM ask every thread to stop: the learner leaves the update in progress at the next minibatch
-    and blocked queue calls give up within a second. `signals` records which signal came (the exit status)."""
+class UpdateLog:
+    """Rank 0's record of the run: every update's scalars to TensorBoard, the console line every --log-interval
+    seconds (mean_return: the last 20 finished games)."""
 
-    def handler(signum, frame):
-        signals.append(signum)
-        stop.set()
+    def __init__(self, args: Args, run_dir: Path, world_size: int, learner: Learner, network: str):
+        from torch.utils.tensorboard import SummaryWriter
 
-    signal.signal(signal.SIGINT, handler)
-    signal.signal(signal.SIGTERM, handler)
+        threading.excepthook = quiet_writer_thread_errors
+        self.writer = SummaryWriter(str(run_dir))
+        table = "\n".join(f"|{k}|{v}|" for k, v in {**asdict(args), "world_size": world_size}.items())
+        self.writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
+        self.interval, self.num_updates = args.log_interval, learner.num_updates
+        self.returns: deque[float] = deque(maxlen=20)
+        self.start_time = self.last_print = time.time()
+        self.start_step = learner.global_step
+        print(
+            f"run directory: {run_dir}  ({learner.num_updates} updates of {learner.steps_per_update} agent steps, "
+            f"{'sync' if args.sync else 'cleanba'} {args.algo}, {network} network, {world_size} rank(s))",
+            flush=True,
+        )
+
+    def write(self, r: UpdateRecord) -> None:
+        step = r.global_step
+        sps = (step - self.start_step) / (time.time() - self.start_time)
+        for ret, length in r.episodes:
+            self.writer.add_scalar("charts/episodic_return", ret, step)
+            self.writer.add_scalar("charts/episodic_length", length, step)
+            self.returns.append(ret)
+        scalars = {
+            "charts/policy_lag": r.policy_lag,
+            "charts/SPS": sps,
+            "charts/learning_rate": r.learning_rate,
+            **{f"losses/{k}": v for k, v in r.losses.items()},
+            "timing/rollout_queue_get": r.rollout_wait,
+            "timing/param_queue_get": r.param_wait,
+            "timing/train": r.train_time,
+        }
+        for tag, value in scalars.items():
+            self.writer.add_scalar(tag, value, step)
+        if time.time() - self.last_print >= self.interval or r.update == self.num_updates:
+            mean_return = np.mean(self.returns) if self.returns else math.nan
+            print(
+                f"global_step={step} SPS={sps:.0f} mean_return={mean_return:.2f} update={r.update}/{self.num_updates} "
+                f"policy_lag={r.policy_lag} rollout_wait={r.rollout_wait:.3f} param_wait={r.param_wait:.3f}",
+                flush=True,
+            )
+            self.last_print = time.time()
+
+
+class Checkpoints:
+    """--checkpoint-interval on rank 0: a snapshot after every update, written atomically every interval; `last` is
+    written once more at the end of the run, unless it failed (then the last good checkpoint stays as it is)."""
+
+    def __init__(self, args: Args, run_dir: Path | None, learner: Learner):
+        self.interval = args.checkpoint_interval
+        self.path = run_dir / "checkpoint.pt" if run_dir is not None and self.interval else None
+        self.last = learner.snapshot() if self.path else None
+        self.written_at = time.time()
+
+    def after_update(self, learner: Learner) -> None:
+        if self.path is None:
+            return
+        self.last = learner.snapshot()
+        if time.time() - self.written_at >= self.interval:
+            atomic_save(self.last, self.path)
+            self.written_at = time.time()
+
+
+def ranks_agree(model: nn.Module, rank: int, world_size: int) -> str | None:
+    """After a finished multi-rank run every rank must hold rank 0's parameters (identical averaged gradients).
+    Returns the error line if they diverged; leaves the process group."""
+    flat = flatten(model.parameters())
+    reference = flat.clone()
+    dist.broadcast(reference, src=0)
+    divergence = (flat - reference).abs().max()
+    dist.all_reduce(divergence, op=dist.ReduceOp.MAX)
+    if rank == 0:
+        print(f"max |parameter difference| across {world_size} ranks: {divergence.item():.3g}")
+    dist.barrier()  # no rank leaves the group while a peer may still be sending to it
+    dist.destroy_process_group()
+    return f"error: ranks diverged (max parameter difference {divergence.item():.3g})" if divergence > 0 else None
+
+
+def end_run(args: Args, run_dir: Path, log: UpdateLog, model, final_state: dict | None, finished: bool, device):
+    """Rank 0 after training: the final checkpoint, --save-model, --eval-episodes, the writer closed. Returns the
+    error line of a write that failed (a full disk); never raises, so the shutdown always completes."""
+    failure = None
+    try:
+        if final_state is not None:
+            atomic_save(final_state, run_dir / "checkpoint.pt")
+        if finished and args.save_model:
+            atomic_save(model.state_dict(), run_dir / "model.pt")
+        if finished and args.eval_episodes:
+            for i, ret in enumerate(evaluate(model, args, run_dir, device)):
+                log.writer.add_scalar("eval/episodic_return", ret, i)
+                print(f"eval episode {i}: return {ret:.1f}")
+    except WriteError as e:
+        failure = str(e)
+    except OSError as e:
+        failure = write_error(e, f"the TensorBoard events in {run_dir}")
+    try:
+        log.writer.close()
+    except OSError as e:
+        failure = failure or write_error(e, f"the TensorBoard events in {run_dir}")
+    return failure
 
 
 def leave(code: int, threads: list[threading.Thread], teardown: bool = True) -> None:
     """Exit with `code`. A thread still inside torch when the interpreter tears down makes C++ static destructors
-    abort the process ("terminate called without an active exception", SIGABRT; reproduced with a daemon thread
-    running backward passes at exit), so if a worker thread outlived its join, skip the teardown: TensorBoard is
-    closed and checkpoints are written by now. `teardown=False` skips it too, for torchrun ranks: gloo's transport and
-    worker threads (`gloo_tcp_loop`, `pt_gloo_runloop`) are still alive after destroy_process_group (the C++ process
-    group stays referenced), or the group lost a rank and was never destroyed, and the teardown then aborts the same
-    way now and then."""
+    abort the process ("terminate called without an active exception", SIGABRT), so if a worker thread outlived its
+    join, skip the teardown: TensorBoard is closed and checkpoints are written by now. `teardown=False` skips it too,
+    for torchrun ranks: gloo's transport threads outlive destroy_process_group (or the group lost a rank and was never
+    destroyed), and the teardown can abort the same way."""
     alive = [t.name for t in threads if t.is_alive()]
     if alive:
         print(f"warning: {', '.join(alive)} still running at exit; leaving without interpreter teardown",
@@ -794,288 +1037,79 @@ def leave(code: int, threads: list[threading.Thread], teardown: bool = True) -> 
         raise SystemExit(code)
 
 
-def restore_default_handlers() -> None:
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# main
-# ----------------------------------------------------------------------------------------------------------------
+# ---- Main ----
 
 
 def main(args: Args) -> None:
     args = resolve_defaults(args)
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
+    world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     if error := validate(args, world_size):
-        print(f"error: {error}", file=sys.stderr)
-        raise SystemExit(2)
-    probe = make_vector_env(args.env_id, 1, args.seed, protocol=args.atari_protocol, num_threads=1)
-    meta = checkpoint_meta(args, probe.single_observation_space, probe.single_action_space)
-    probe.close()
-    # ---- checkpoint and run directory, before any thread, writer or process group starts
-    checkpoint = None
-    if args.resume:
-        checkpoint, error = read_checkpoint(args.resume, meta)
-        if error:
-            print(error, file=sys.stderr)
-            raise SystemExit(2)
+        fail(error)
+    obs_space, act_space = env_spaces(args)
+    meta = checkpoint_meta(args, obs_space, act_space)
+    checkpoint = load_checkpoint(args.resume, meta) if args.resume else None
     run_dir = None
     if rank == 0:  # under torchrun the other ranks are stopped by torchrun when this one exits 2
-        run_dir, error = create_run_dir(args)
-        if error:
-            print(error, file=sys.stderr)
-            raise SystemExit(2)
+        run_dir = Path(args.resume).parent if args.resume else new_run_dir(args)
 
-    use_cuda = args.cuda and torch.cuda.is_available()
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
-    if world_size > 1:
-        dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world_size)
-    if args.torch_threads:
-        torch.set_num_threads(args.torch_threads)
-    torch.manual_seed(args.seed)  # identical initial parameters on every rank
-    torch.backends.cudnn.deterministic = args.torch_deterministic
-    torch.use_deterministic_algorithms(args.torch_deterministic, warn_only=True)
-    # Deterministic mode would also fill every new tensor with NaN; nothing here reads uninitialised memory, and the
-    # fill cost about 15% of the learner's time on CPU.
-    torch.utils.deterministic.fill_uninitialized_memory = False
-
-    # ---- envs, models, optimizer
-    threads_per_env = args.env_threads or max(1, (os.cpu_count() or 1) // args.num_actor_threads)
-    envs_per_thread = args.num_envs // args.num_actor_threads
-    # env e of rank r has seed `seed + 10_000 r + e` whichever thread steps it (shifted on resume: new episodes)
-    env_seed0 = args.seed + 10_000 * rank + (1_000_003 * checkpoint["update"] if checkpoint else 0)
-    all_envs = [
-        make_vector_env(
-            args.env_id,
-            envs_per_thread,
-            env_seed0 + envs_per_thread * i,
-            protocol=args.atari_protocol,
-            num_threads=threads_per_env,
-        )
-        for i in range(args.num_actor_threads)
-    ]
-    obs_space, act_space = all_envs[0].single_observation_space, all_envs[0].single_action_space
+    device = init_torch(args, rank, world_size)
     network = pick_network(args, obs_space.shape)
     model = make_model(obs_space, act_space, network).to(device)
-    if args.algo == "ppo":
-        optimizer = torch.optim.Adam(model.parameters(), lr=args.learning_rate, eps=args.adam_eps)
-    else:
-        optimizer = torch.optim.RMSprop(
-            model.parameters(), lr=args.learning_rate, alpha=args.rmsprop_alpha, eps=args.rmsprop_eps
-        )
-    steps_per_update = args.num_envs * args.num_steps * world_size
-    num_updates = args.total_timesteps // steps_per_update
-    start_update, global_step = 0, 0
-    learner_gen = torch.Generator().manual_seed(args.seed * 7919 + rank)
-    actor_gens = [
-        torch.Generator(device=device).manual_seed(args.seed * 104729 + 1000 * rank + i)
-        for i in range(args.num_actor_threads)
-    ]
-    if checkpoint:
-        model.load_state_dict(checkpoint["model"])
-        optimizer.load_state_dict(checkpoint["optimizer"])
-        start_update, global_step = checkpoint["update"], checkpoint["global_step"]
-        learner_gen.set_state(checkpoint["learner_rng"])
-        for g, s in zip(actor_gens, checkpoint["actor_rngs"], strict=True):
-            g.set_state(s)
-    if world_size > 1:
-        for p in model.parameters():
-            dist.broadcast(p.data, src=0)
-
-    writer = None
-    if rank == 0:
-        from torch.utils.tensorboard import SummaryWriter
-
-        threading.excepthook = quiet_writer_thread_errors
-        writer = SummaryWriter(str(run_dir))
-        table = "\n".join(f"|{k}|{v}|" for k, v in {**asdict(args), "world_size": world_size}.items())
-        writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
-        print(
-            f"run directory: {run_dir}  ({num_updates} updates of {steps_per_update} agent steps, "
-            f"{'sync' if args.sync else 'cleanba'} {args.algo}, {network} network, {world_size} rank(s))"
-        )
-
-    # ---- queues, buffers, actor threads (Figure 1, right)
-    stop, errors = threading.Event(), []
-    param_qs = [queue.Queue(maxsize=1) for _ in range(args.num_actor_threads)]
-    rollout_qs = [queue.Queue(maxsize=1) for _ in range(args.num_actor_threads)]
-    obs_dtype = torch.uint8 if obs_space.dtype == np.uint8 else torch.float32
-    buffers = [
-        [Rollout.allocate(args.num_steps, envs_per_thread, obs_space.shape, obs_dtype) for _ in range(2)]
-        for _ in range(args.num_actor_threads)
-    ]
-    # actor copies: the Nature network infers faster contiguous on CPU, trains faster channels_last (common.models)
-    actor_models = [
-        make_model(obs_space, act_space, network, channels_last=network != "nature").to(device)
-        for _ in range(args.num_actor_threads)
-    ]
-    remaining = num_updates - start_update
+    actors = make_actors(args, rank, device, network, obs_space, act_space, checkpoint)
+    learner = Learner(args, model, actors, device, rank, world_size, meta, checkpoint)
+    log = UpdateLog(args, run_dir, world_size, learner, network) if rank == 0 else None
+    checkpoints = Checkpoints(args, run_dir, learner)
+    control = Control()
+    remaining = learner.num_updates - learner.update
     threads = [
         threading.Thread(
-            target=actor_thread,
-            name=f"actor-{i}",
-            daemon=True,
-            args=(
-                i,
-                all_envs[i],
-                actor_models[i],
-                device,
-                buffers[i],
-                param_qs[i],
-                rollout_qs[i],
-                remaining,
-                args.sync,
-                actor_gens[i],
-                stop,
-                errors,
-            ),
+            target=actor_thread, name=f"actor-{a.index}", daemon=True, args=(a, device, remaining, args.sync, control)
         )
-        for i in range(args.num_actor_threads)
+        for a in actors
     ]
-
-    def publish(version: int) -> None:
-        flat = flatten(list(model.parameters()))  # a snapshot: the learner trains on while actors use it
-        for q in param_qs:
-            blocking_put(q, (version, flat), stop)
-
-    update_fn = ppo_update if args.algo == "ppo" else impala_update
-    recent_returns: deque[float] = deque(maxlen=20)
-    last_checkpoint = last_print = time.time()
-    start_time, start_step = time.time(), global_step
-    signals, failure = [], None
-    install_stop_handlers(stop, signals)
-
-    def snapshot() -> dict:
-        """A copy of everything a checkpoint holds, taken at an update boundary: a stop may interrupt the next
-        update half way, and the final checkpoint must not hold half an update."""
-        state = dict(
-            model=model.state_dict(),
-            optimizer=optimizer.state_dict(),
-            update=update,
-            global_step=global_step,
-            learner_rng=learner_gen.get_state(),
-            actor_rngs=[g.get_state() for g in actor_gens],
-            torch_rng=torch.get_rng_state(),
-            args=asdict(args),
-            meta=meta,
-        )
-        return copy.deepcopy(state)
-
-    update = start_update
-    last_state = snapshot() if args.checkpoint_interval else None
+    signals = StopSignals(control.stop)
+    failure = None
     try:
-        publish(start_update)  # pi_1 for the actors' first rollout
-        for t in threads:
-            t.start()
+        learner.publish(control.stop)  # the parameters of the actors' first rollout
+        for thread in threads:
+            thread.start()
         for j in range(1, remaining + 1):
-            update = start_update + j
-            if args.learner_delay:
-                time.sleep(args.learner_delay)
-            t0 = time.perf_counter()
-            indices = [blocking_get(q, stop) for q in rollout_qs]
-            rollout_wait = time.perf_counter() - t0
-            rollouts = [buffers[i][k] for i, k in enumerate(indices)]
-            version = rollouts[0].version
-            lr = args.learning_rate * (1.0 - (update - 1) / num_updates) if args.anneal_lr else args.learning_rate
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            t1 = time.perf_counter()
-            data = stack_rollouts(rollouts, device)
-            metrics = update_fn(model, optimizer, data, args, learner_gen, world_size, stop)
-            train_time = time.perf_counter() - t1
-            global_step += steps_per_update
-            if writer is not None:
-                sps = (global_step - start_step) / (time.time() - start_time)
-                param_wait = max(r.param_wait for r in rollouts)
-                for ret, length in (ep for r in rollouts for ep in r.episodes):
-                    writer.add_scalar("charts/episodic_return", ret, global_step)
-                    writer.add_scalar("charts/episodic_length", length, global_step)
-                    recent_returns.append(ret)
-                writer.add_scalar("charts/policy_lag", (update - 1) - version, global_step)
-                writer.add_scalar("charts/SPS", sps, global_step)
-                writer.add_scalar("charts/learning_rate", lr, global_step)
-                for name, value in metrics.items():
-                    writer.add_scalar(f"losses/{name}", value, global_step)
-                writer.add_scalar("timing/rollout_queue_get", rollout_wait, global_step)
-                writer.add_scalar("timing/param_queue_get", param_wait, global_step)
-                writer.add_scalar("timing/train", train_time, global_step)
-                if time.time() - last_print >= args.log_interval or j == remaining:
-                    mean_ret = f"{np.mean(recent_returns):.2f}" if recent_returns else "n/a"
-                    print(
-                        f"step {global_step:>10,}  update {update}/{num_updates}  SPS {sps:,.0f}  "
-                        f"return(last {len(recent_returns)}) {mean_ret}  lag {(update - 1) - version}  "
-                        f"wait rollout {rollout_wait:.3f}s param {param_wait:.3f}s",
-                        flush=True,
-                    )
-                    last_print = time.time()
-            if args.checkpoint_interval:
-                last_state = snapshot()
-                if writer is not None and time.time() - last_checkpoint >= args.checkpoint_interval:
-                    if failure := write_atomically(run_dir / "checkpoint.pt", last_state):
-                        break
-                    last_checkpoint = time.time()
-            if stop.is_set():
+            record = learner.train(control.stop)
+            if log is not None:
+                log.write(record)
+            checkpoints.after_update(learner)
+            if control.stop.is_set():
                 break
-            # publish pi_{update} only if an actor iteration will read it (see actor_thread's skipped 2nd get)
-            if j <= remaining - (1 if args.sync else 2):
-                publish(update)
+            if j <= remaining - (1 if args.sync else 2):  # only parameters an actor will read (it skips its 2nd get)
+                learner.publish(control.stop)
     except Stop:
         pass
     except NonFiniteLoss as e:
-        failure = f"error: {e} at update {update}; stopping (the last checkpoint, if any, is kept)"
+        failure = f"error: {e} at update {learner.update}; stopping (the last checkpoint, if any, is kept)"
+    except WriteError as e:
+        failure = str(e)
     except Exception as e:
         failure = run_error(e, rank, world_size)
     finally:
-        stop.set()
+        control.stop.set()
         deadline = time.time() + 8.0  # every wait wakes within a second; a rollout or minibatch ends within seconds
-        for t in threads:
-            t.join(timeout=max(0.0, deadline - time.time()))
-        restore_default_handlers()
-    if errors:
-        failure = failure or errors[0]
-    interrupted = bool(signals)
-    if interrupted:
-        print(f"interrupted at step {global_step}: shutting down", file=sys.stderr)
-    finished = failure is None and not interrupted
-    if finished and world_size > 1:  # every rank must hold the same parameters (identical averaged gradients)
-        divergence = max_divergence_from_rank0(model)
-        if rank == 0:
-            print(f"max |parameter difference| across {world_size} ranks: {divergence:.3g}")
-        if divergence > 0:
-            failure = f"error: ranks diverged (max parameter difference {divergence:.3g})"
-        dist.barrier()  # no rank leaves the group while a peer may still be sending to it
-        dist.destroy_process_group()
+        for thread in threads:
+            thread.join(timeout=max(0.0, deadline - time.time()))
+        signals.restore_defaults()
 
-    if writer is not None:
-        keep = last_state if failure is None else None  # after a failure the last good checkpoint stays as it is
-        failure = failure or end_run(args, run_dir, writer, model, keep, finished, device)
+    failure = failure or (control.errors[0] if control.errors else None)
+    if signals.signum:
+        print(f"interrupted at step {learner.global_step}: shutting down", file=sys.stderr)
+    finished = failure is None and not signals.signum
+    if finished and world_size > 1:
+        failure = ranks_agree(model, rank, world_size)
+    if log is not None:
+        final_state = checkpoints.last if failure is None else None
+        failure = failure or end_run(args, run_dir, log, model, final_state, finished, device)
     if failure:
         print(failure, file=sys.stderr)
-    code = 1 if failure else 128 + signals[0] if interrupted else 0
+    code = 1 if failure else (128 + signals.signum if signals.signum else 0)
     leave(code, threads, teardown=world_size == 1)
-
-
-def end_run(args: Args, run_dir: Path, writer, model, last_state, finished: bool, device) -> str | None:
-    """Rank 0 after training: the final checkpoint, --save-model, --eval-episodes, the writer closed. Returns the
-    error line of a write that failed (a full disk); never raises, so the shutdown always completes."""
-    failure = None
-    try:
-        if args.checkpoint_interval and last_state is not None:
-            failure = write_atomically(run_dir / "checkpoint.pt", last_state)
-        if finished and failure is None:
-            if args.save_model:
-                failure = write_atomically(run_dir / "model.pt", model.state_dict())
-            if args.eval_episodes and failure is None:
-                for i, ret in enumerate(evaluate(model, args, run_dir, device)):
-                    writer.add_scalar("eval/episodic_return", ret, i)
-                    print(f"eval episode {i}: return {ret:.1f}")
-        writer.close()
-    except OSError as e:
-        failure = failure or write_error(e, f"the TensorBoard events in {run_dir}")
-    return failure
 
 
 if __name__ == "__main__":

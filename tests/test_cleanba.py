@@ -10,13 +10,17 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import pytest
 import torch
+import tyro
 from helpers import (
+    CONSOLE_LINE,
     CORE_TAGS,
     ROOT,
+    assert_finite_tags,
     children_of,
     fill_disk,
     only_run_dir,
@@ -24,27 +28,33 @@ from helpers import (
     run_script,
     scalars,
     small_tmpfs,
+    start_run,
     two_node_launch,
 )
 from torch import nn
 
 from cleanba_ppo_impala import (
     Args,
+    Rollout,
     checkpoint_meta,
-    create_run_dir,
+    env_spaces,
     gae,
     impala_loss,
-    make_vector_env,
+    load_checkpoint,
+    main,
+    new_run_dir,
     ppo_loss,
     ppo_update,
-    read_checkpoint,
     resolve_defaults,
     validate,
     vtrace,
 )
 
 SCRIPT = "cleanba_ppo_impala.py"
-TINY_CARTPOLE = ["--env-id", "CartPole-v1", "--num-envs", "4", "--num-steps", "32", "--log-interval", "1"]
+# --log-interval 0: a console line after every update, so start_run returns as soon as the first update is done;
+# one learner thread: more only adds OpenMP hand-offs for the MLP, beside the two actor threads on a 2-core machine
+TINY_CARTPOLE = ["--env-id", "CartPole-v1", "--num-envs", "4", "--num-steps", "32", "--log-interval", "0"]
+TINY_CARTPOLE += ["--torch-threads", "1"]
 
 
 # ------------------------------------------------------------------ references written from the definitions
@@ -242,7 +252,7 @@ def test_ppo_gae_uses_the_actors_values_and_a_learner_bootstrap():
     rewards, dones = rng.normal(size=(T, N)), np.zeros((T, N))
     dones[2, 1] = 1.0
     f32 = lambda x: torch.tensor(x, dtype=torch.float32)  # noqa: E731
-    data = dict(
+    data = Rollout(
         obs=f32(obs),
         actions=torch.zeros((T, N), dtype=torch.long),
         logprobs=torch.full((T, N), -math.log(A)),
@@ -264,90 +274,81 @@ def test_ppo_gae_uses_the_actors_values_and_a_learner_bootstrap():
 
 # ------------------------------------------------------------------ running the script
 
-
-def run(args, tmp_path, timeout=240):
-    return run_script(SCRIPT, args, tmp_path, timeout)
-
-
 REQUIRED_TAGS = [*CORE_TAGS, "timing/rollout_queue_get", "timing/param_queue_get"]
+MODES = {"ppo": [], "sync": ["--sync"], "impala": ["--algo", "impala"]}
+UPDATES = 8  # of 4 envs x 32 steps = 128 agent steps
 
 
-@pytest.mark.parametrize("algo", ["ppo", "impala"])
-def test_cartpole_end_to_end_tags_and_policy_lag(algo, tmp_path):
-    proc = run(
-        [*TINY_CARTPOLE, "--algo", algo, "--total-timesteps", "1280", "--eval-episodes", "2", "--save-model"], tmp_path
-    )
+class Run(NamedTuple):
+    params: dict[str, torch.Tensor]
+    logged: dict[str, list[tuple[int, float]]]
+    stdout: str
+
+
+def train(log_dir, flags) -> Run:
+    """A CartPole run of UPDATES updates with two actor threads, evaluated and saved."""
+    flags = [*TINY_CARTPOLE, "--num-actor-threads", "2", "--total-timesteps", str(128 * UPDATES), *flags]
+    proc = run_script(SCRIPT, [*flags, "--save-model", "--eval-episodes", "2"], log_dir, timeout=240)
     assert proc.returncode == 0, proc.stderr
-    run_dir = only_run_dir(tmp_path)
-    logged = scalars(run_dir)
-    for tag in [*REQUIRED_TAGS, "eval/episodic_return"]:
-        assert tag in logged, tag
-        assert all(math.isfinite(v) for _, v in logged[tag]), tag
-    lags = [v for _, v in logged["charts/policy_lag"]]
-    assert len(lags) == 10 and lags == [0] + [1] * 9  # Table 1: second-latest policy from the 2nd update on
-    assert [s for s, _ in logged["charts/SPS"]] == [128 * i for i in range(1, 11)]
-    assert len(logged["eval/episodic_return"]) == 2
-    assert (run_dir / "model.pt").is_file()
+    run_dir = only_run_dir(log_dir)
+    return Run(torch.load(run_dir / "model.pt"), scalars(run_dir), proc.stdout)
 
 
-def test_sync_mode_has_no_policy_lag(tmp_path):
-    proc = run([*TINY_CARTPOLE, "--sync", "--total-timesteps", "640"], tmp_path)
-    assert proc.returncode == 0, proc.stderr
-    assert [v for _, v in scalars(only_run_dir(tmp_path))["charts/policy_lag"]] == [0] * 5
+def values(run: Run, tag: str) -> list[float]:
+    return [v for _, v in run.logged[tag]]
 
 
-def final_state(tmp_path, args):
-    proc = run(
-        [*TINY_CARTPOLE, "--num-actor-threads", "2", "--total-timesteps", "1536", "--save-model", *args], tmp_path
-    )
-    assert proc.returncode == 0, proc.stderr
-    run_dir = only_run_dir(tmp_path)
-    returns = [v for _, v in scalars(run_dir)["charts/episodic_return"]]
-    return torch.load(run_dir / "model.pt"), returns
+class SeedOneRuns(dict):
+    """mode -> its Run at seed 1, made on first use and shared by the end-to-end, policy-lag, determinism and
+    different-seeds tests."""
+
+    def __init__(self, tmp_path_factory):
+        super().__init__()
+        self.tmp_path_factory = tmp_path_factory
+
+    def __missing__(self, mode: str) -> Run:
+        self[mode] = train(self.tmp_path_factory.mktemp(mode), MODES[mode])
+        return self[mode]
 
 
 @pytest.fixture(scope="module")
-def default_mode_state(tmp_path_factory):
-    """The default mode's run at seed 1, shared by the determinism and the different-seeds tests."""
-    return final_state(tmp_path_factory.mktemp("default_mode"), [])
+def runs(tmp_path_factory):
+    return SeedOneRuns(tmp_path_factory)
 
 
-@pytest.mark.parametrize("mode", [[], ["--sync"], ["--algo", "impala"]])
-def test_deterministic_even_when_the_learner_is_slowed(mode, tmp_path, default_mode_state):
+def expected_lags(sync: bool, updates: int = UPDATES) -> list[int]:
+    """Table 1: update 1 trains on data of the initial parameters; update k >= 2 on the rollout of the parameters
+    after update k - 2 (the actor skips its 2nd param_Q.get), one update behind the parameters being updated.
+    Synchronous: the rollout of the parameters being updated."""
+    return [0] * updates if sync else [0] + [1] * (updates - 1)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_end_to_end_tags_policy_lag_and_console_line(mode, runs):
+    run = runs[mode]
+    assert_finite_tags(run.logged, [*REQUIRED_TAGS, "eval/episodic_return"])
+    assert values(run, "charts/policy_lag") == expected_lags(mode == "sync")
+    assert [s for s, _ in run.logged["charts/SPS"]] == [128 * i for i in range(1, UPDATES + 1)]
+    assert len(run.logged["eval/episodic_return"]) == 2
+    lines = [CONSOLE_LINE.match(line) for line in run.stdout.splitlines()]
+    assert [int(m.group(1)) for m in lines if m] == [128 * i for i in range(1, UPDATES + 1)]  # --log-interval 0
+    assert f"update={UPDATES}/{UPDATES} policy_lag={expected_lags(mode == 'sync')[-1]} " in run.stdout
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_deterministic_even_when_the_learner_is_slowed(mode, tmp_path, runs):
     """The paper's Figure 2 experiment as a test: slowing the learner must not change what it learns."""
-    fast_params, fast_returns = final_state(tmp_path / "fast", mode) if mode else default_mode_state
-    slow_params, slow_returns = final_state(tmp_path / "slow", [*mode, "--learner-delay", "0.05"])
-    assert fast_returns and fast_returns == slow_returns
-    for name, value in fast_params.items():
-        assert torch.equal(value, slow_params[name]), name
+    fast, slow = runs[mode], train(tmp_path, [*MODES[mode], "--learner-delay", "0.05"])
+    returns = values(fast, "charts/episodic_return")
+    assert returns and returns == values(slow, "charts/episodic_return")
+    assert values(slow, "charts/policy_lag") == expected_lags(mode == "sync")
+    for name, value in fast.params.items():
+        assert torch.equal(value, slow.params[name]), name
 
 
-def test_different_seeds_differ(tmp_path, default_mode_state):
-    a, _ = default_mode_state
-    b, _ = final_state(tmp_path / "b", ["--seed", "2"])
+def test_different_seeds_differ(tmp_path, runs):
+    a, b = runs["ppo"].params, train(tmp_path, ["--seed", "2"]).params
     assert not all(torch.equal(a[k], b[k]) for k in a)
-
-
-def test_two_ranks_with_torchrun_end_identical(tmp_path):
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        SCRIPT,
-        "--log-dir",
-        str(tmp_path),
-        *TINY_CARTPOLE,
-        "--total-timesteps",
-        "1024",
-    ]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr
-    assert "max |parameter difference| across 2 ranks: 0" in proc.stdout
-    steps = [s for s, _ in scalars(only_run_dir(tmp_path))["charts/SPS"]]
-    assert steps == [256 * i for i in range(1, 5)]  # global steps count both ranks' envs
 
 
 LEAVE_WITH_A_BUSY_THREAD = """
@@ -368,8 +369,8 @@ leave(3, threads)
 @pytest.mark.parametrize("module", ["cleanba_ppo_impala", "impala_monobeast"])
 def test_leave_survives_a_thread_still_inside_torch(module):
     """A daemon thread still running torch ops when the interpreter tears down aborts the process in C++ ("terminate
-    called without an active exception", the exit-time crash once seen in the two-rank run). `leave` must exit with
-    the code it is given, name the thread, and not abort."""
+    called without an active exception"). `leave` must exit with the code it is given, name the thread, and not
+    abort."""
     code = LEAVE_WITH_A_BUSY_THREAD.format(module=module)
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 3, proc.stderr
@@ -378,117 +379,146 @@ def test_leave_survives_a_thread_still_inside_torch(module):
 
 
 def test_breakout_end_to_end(tmp_path):
-    proc = run(
-        [
-            "--env-id",
-            "ALE/Breakout-v5",
-            "--num-envs",
-            "4",
-            "--num-steps",
-            "64",
-            "--num-minibatches",
-            "2",
-            "--update-epochs",
-            "1",
-            "--total-timesteps",
-            "1024",
-            "--log-interval",
-            "1",
-        ],
-        tmp_path,
-        timeout=300,
-    )
+    flags = ["--env-id", "ALE/Breakout-v5", "--num-envs", "4", "--num-steps", "64", "--num-minibatches", "2"]
+    flags += ["--update-epochs", "1", "--total-timesteps", "1024"]
+    proc = run_script(SCRIPT, flags, tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stderr
-    logged = scalars(only_run_dir(tmp_path))
-    for tag in REQUIRED_TAGS:
-        assert tag in logged and all(math.isfinite(v) for _, v in logged[tag]), tag
+    assert_finite_tags(scalars(only_run_dir(tmp_path)), REQUIRED_TAGS)
 
 
 def test_impala_on_breakout_deepmind_protocol(tmp_path):
-    proc = run(
-        [
-            "--algo",
-            "impala",
-            "--env-id",
-            "ALE/Breakout-v5",
-            "--atari-protocol",
-            "deepmind",
-            "--num-envs",
-            "4",
-            "--total-timesteps",
-            "320",
-            "--log-interval",
-            "1",
-        ],
-        tmp_path,
-        timeout=300,
-    )
+    flags = ["--algo", "impala", "--env-id", "ALE/Breakout-v5", "--atari-protocol", "deepmind", "--num-envs", "4"]
+    proc = run_script(SCRIPT, [*flags, "--total-timesteps", "160"], tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stderr
     logged = scalars(only_run_dir(tmp_path))
-    assert len(logged["losses/total_loss"]) == 4 and all(math.isfinite(v) for _, v in logged["losses/total_loss"])
+    assert len(logged["losses/total_loss"]) == 2 and all(math.isfinite(v) for _, v in logged["losses/total_loss"])
+
+
+# ------------------------------------------------------------------ bad input
+
+
+def checked(**changes) -> Args:
+    return resolve_defaults(Args(**{"env_id": "CartPole-v1", **changes}))
 
 
 @pytest.mark.parametrize(
-    ("args", "message"),
+    ("change", "message"),
     [
-        (["--env-id", "ALE/Breakot-v5"], "did you mean ALE/Breakout-v5"),
-        (["--num-envs", "6", "--num-actor-threads", "4"], "multiple of --num-actor-threads"),
-        (["--atari-protocol", "atari57"], "--atari-protocol must be one of"),
-        (["--network", "resnet"], "--network must be one of"),
-        (["--learning-rate", "-1"], "--learning-rate must be > 0"),
-        (["--total-timesteps", "10"], "less than one rollout"),
-        (["--resume", "/nonexistent/checkpoint.pt"], "no such checkpoint"),
-        (["--algo", "impala", "--num-envs", "2"], "whole unrolls"),
+        (dict(env_id="ALE/Breakot-v5"), "did you mean ALE/Breakout-v5"),
+        (dict(num_envs=6, num_actor_threads=4), "multiple of --num-actor-threads"),
+        (dict(learning_rate=-1.0), "--learning-rate must be > 0"),
+        (dict(total_timesteps=10), "less than one rollout"),
+        (dict(resume="/nonexistent/checkpoint.pt"), "no such checkpoint"),
+        (dict(algo="impala", num_envs=2), "whole unrolls"),
+        (dict(num_minibatches=0), "--num-minibatches must be >= 1, got 0"),
+        (dict(env_id="Pendulum-v1"), "Box action space"),
+        (dict(learning_rate=math.inf), "--learning-rate must be a finite number"),
+        (dict(gae_lambda=math.nan), "--gae-lambda must be a finite number"),
+        (dict(clip_coef=-math.inf), "--clip-coef must be a finite number"),
     ],
 )
-def test_bad_flags_one_line_error(args, message, tmp_path):
-    proc = run(args, tmp_path, timeout=60)
-    assert proc.returncode == 2
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], proc.stderr
+def test_validate_names_the_bad_flag(change, message):
+    error = validate(checked(**change), 1)
+    assert error is not None and message in error and "\n" not in error, error
+    assert validate(checked(), 1) is None
+
+
+@pytest.mark.parametrize(("flag", "value"), [("--atari-protocol", "atari57"), ("--network", "resnet")])
+def test_choice_flags_are_refused_by_tyro(flag, value, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        tyro.cli(Args, args=[flag, value])
+    assert exit_.value.code == 2 and value in capsys.readouterr().err
+
+
+def test_bad_values_exit_2_with_one_line(tmp_path):
+    proc = run_script(SCRIPT, ["--env-id", "Pendulum-v1", "--learning-rate", "inf"], tmp_path, timeout=60)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert proc.stderr.startswith("error: --learning-rate must be a finite number, got inf"), proc.stderr
     assert not any(Path(tmp_path).iterdir())  # nothing was created
+
+
+def refusal(capsys, function, *args) -> str:
+    """The one error line of `function(*args)`, which must exit 2 before anything starts."""
+    with pytest.raises(SystemExit) as exit_:
+        function(*args)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith("error: ")
+    return lines[0]
+
+
+def test_runs_started_in_the_same_second_get_their_own_run_directories(tmp_path, monkeypatch):
+    monkeypatch.setattr(time, "time", lambda: 1_700_000_000.0)
+    args = Args(env_id="CartPole-v1", exp_name="x", log_dir=str(tmp_path))
+    assert [new_run_dir(args).name for _ in range(2)] == [
+        "CartPole-v1__x__1__1700000000",
+        "CartPole-v1__x__1__1700000000-2",
+    ]
+
+
+def test_log_dir_that_cannot_be_created_is_one_error_line(tmp_path, capsys):
+    (tmp_path / "file").write_text("a file, not a directory")
+    for log_dir in ("/proc/x", tmp_path / "file" / "runs"):
+        args = checked(num_envs=4, num_steps=32, total_timesteps=1024, log_dir=str(log_dir))
+        assert refusal(capsys, main, args).startswith("error: cannot create the run directory")
+
+
+def meta_of(**changes):
+    args = checked(**changes)
+    return checkpoint_meta(args, *env_spaces(args))
+
+
+def test_resume_refuses_what_it_cannot_use(tmp_path, capsys):
+    ours = meta_of()
+    good = tmp_path / "good.pt"
+    torch.save(dict(model={}, meta=ours), good)
+    assert load_checkpoint(str(good), ours)["meta"] == ours
+    garbage, truncated, old = tmp_path / "garbage.pt", tmp_path / "truncated.pt", tmp_path / "old.pt"
+    garbage.write_bytes(b"not a checkpoint at all")
+    truncated.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    torch.save(dict(model={}, update=3), old)
+    for path in (garbage, truncated, old):
+        error = refusal(capsys, load_checkpoint, str(path), ours)
+        assert error.startswith(f"error: cannot resume from {path}: not a checkpoint"), error
+    gala = tmp_path / "gala.pt"
+    torch.save(dict(learners=[], meta={**ours, "script": "gala_a2c.py", "algo": "gossip"}), gala)
+    error = refusal(capsys, load_checkpoint, str(gala), ours)
+    assert "it is a gala_a2c.py checkpoint (script gala_a2c.py, algo gossip), this run is script" in error, error
+    impala = tmp_path / "impala.pt"
+    torch.save(dict(model={}, meta=meta_of(algo="impala")), impala)
+    assert "(algo impala), this run is algo ppo" in refusal(capsys, load_checkpoint, str(impala), ours)
+
+
+def test_refused_resume_exits_2_and_leaves_nothing_in_the_run_directory(tmp_path, capsys):
+    run_dir = tmp_path / "CartPole-v1__x__1__1700000000"
+    run_dir.mkdir()
+    truncated = run_dir / "checkpoint.pt"
+    torch.save(dict(model={}, meta=meta_of()), truncated)
+    truncated.write_bytes(truncated.read_bytes()[:100])
+    args = checked(num_envs=4, num_steps=32, log_dir=str(tmp_path), resume=str(truncated))
+    error = refusal(capsys, main, args)
+    assert error.startswith(f"error: cannot resume from {truncated}: not a checkpoint this script can read")
+    assert list(run_dir.iterdir()) == [truncated]
+
+
+# ------------------------------------------------------------------ failures and shutdown
 
 
 def test_crashing_actor_stops_the_run_with_its_traceback(tmp_path):
     start = time.time()
-    proc = run(
-        [
-            "--env-id",
-            "tests.faulty_env:CrashingCartPole-v0",
-            "--num-envs",
-            "1",
-            "--num-steps",
-            "16",
-            "--total-timesteps",
-            "100000",
-        ],
-        tmp_path,
-        timeout=120,
-    )
+    flags = ["--env-id", "tests.faulty_env:CrashingCartPole-v0", "--num-envs", "1", "--num-steps", "16"]
+    flags += ["--update-epochs", "1", "--num-minibatches", "1", "--torch-threads", "1", "--total-timesteps", "100000"]
+    proc = run_script(SCRIPT, flags, tmp_path, timeout=120)
     assert proc.returncode == 1
     assert "actor thread 0 died" in proc.stderr and "injected env failure" in proc.stderr
     assert time.time() - start < 60
 
 
 def test_non_finite_loss_stops_and_keeps_last_checkpoint(tmp_path):
-    proc = run(
-        [
-            "--env-id",
-            "tests.faulty_env:NaNCartPole-v0",
-            "--num-envs",
-            "1",
-            "--num-steps",
-            "16",
-            "--num-minibatches",
-            "1",
-            "--total-timesteps",
-            "100000",
-            "--checkpoint-interval",
-            "0.000001",
-        ],
-        tmp_path,
-        timeout=120,
-    )
+    flags = ["--env-id", "tests.faulty_env:NaNCartPole-v0", "--num-envs", "1", "--num-steps", "16"]
+    flags += ["--update-epochs", "1", "--num-minibatches", "1", "--torch-threads", "1", "--total-timesteps", "100000"]
+    flags += ["--checkpoint-interval", "0.000001"]
+    proc = run_script(SCRIPT, flags, tmp_path, timeout=120)
     assert proc.returncode == 1
     assert "non-finite loss" in proc.stderr
     checkpoint = torch.load(only_run_dir(tmp_path) / "checkpoint.pt", weights_only=False)
@@ -496,13 +526,8 @@ def test_non_finite_loss_stops_and_keeps_last_checkpoint(tmp_path):
 
 
 def interrupt_training(tmp_path, sig, extra=()):
-    """Start a long run, wait for its first console line, send `sig`; returns (seconds to exit, exit code, stderr)."""
-    cmd = [sys.executable, SCRIPT, "--log-dir", str(tmp_path), *TINY_CARTPOLE, "--total-timesteps", "10000000", *extra]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    for line in proc.stdout:  # training is under way
-        if line.startswith("step"):
-            break
+    """Start a long run, wait until its first update is done, send `sig`; returns (seconds to exit, code, stderr)."""
+    proc = start_run(SCRIPT, [*TINY_CARTPOLE, "--total-timesteps", "10000000", *extra], tmp_path)
     proc.send_signal(sig)
     start = time.time()
     _, err = proc.communicate(timeout=30)
@@ -517,103 +542,17 @@ def test_sigint_stops_cleanly_with_checkpoint_and_resume_continues(tmp_path):
     stopped_at = checkpoint["global_step"]
     assert stopped_at > 0 and stopped_at == max(s for s, _ in scalars(run_dir)["charts/SPS"])
 
-    resumed = run(
-        [*TINY_CARTPOLE, "--total-timesteps", str(stopped_at + 256), "--resume", str(run_dir / "checkpoint.pt")],
-        tmp_path,
-    )
+    flags = [*TINY_CARTPOLE, "--total-timesteps", str(stopped_at + 256), "--resume", str(run_dir / "checkpoint.pt")]
+    resumed = run_script(SCRIPT, flags, tmp_path, timeout=240)
     assert resumed.returncode == 0, resumed.stderr
-    steps = [s for s, _ in scalars(run_dir)["charts/SPS"]]
-    assert max(steps) == stopped_at + 256 and only_run_dir(tmp_path) == run_dir
+    logged = scalars(run_dir)
+    assert max(s for s, _ in logged["charts/SPS"]) == stopped_at + 256 and only_run_dir(tmp_path) == run_dir
+    assert [v for s, v in logged["charts/policy_lag"] if s > stopped_at] == expected_lags(False, 2)
 
 
 def test_sigterm_also_stops_cleanly(tmp_path):
     seconds, code, err = interrupt_training(tmp_path, signal.SIGTERM)
     assert seconds < 10 and code == 143 and "Traceback" not in err, err  # 128 + SIGTERM
-
-
-# ------------------------------------------------------------------ rare paths: bad values, run directories, resume
-
-
-@pytest.mark.parametrize(
-    ("change", "message"),
-    [
-        (dict(env_id="Pendulum-v1"), "Box action space"),
-        (dict(learning_rate=math.inf), "--learning-rate must be a finite number"),
-        (dict(gae_lambda=math.nan), "--gae-lambda must be a finite number"),
-        (dict(clip_coef=-math.inf), "--clip-coef must be a finite number"),
-    ],
-)
-def test_validate_refuses_continuous_actions_and_non_finite_values(change, message):
-    error = validate(resolve_defaults(Args(**{**dict(env_id="CartPole-v1"), **change})), 1)
-    assert error is not None and message in error, error
-    assert validate(resolve_defaults(Args(env_id="CartPole-v1")), 1) is None
-
-
-def test_bad_values_exit_2_with_one_line(tmp_path):
-    proc = run(["--env-id", "Pendulum-v1", "--learning-rate", "inf"], tmp_path, timeout=60)
-    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
-    assert proc.stderr.startswith("error: --learning-rate must be a finite number, got inf"), proc.stderr
-
-
-def test_runs_started_in_the_same_second_get_their_own_run_directories(tmp_path, monkeypatch):
-    monkeypatch.setattr(time, "time", lambda: 1_700_000_000.0)
-    args = Args(env_id="CartPole-v1", exp_name="x", log_dir=str(tmp_path))
-    made = [create_run_dir(args) for _ in range(2)]
-    assert [d.name for d, error in made if error is None] == [
-        "CartPole-v1__x__1__1700000000",
-        "CartPole-v1__x__1__1700000000-2",
-    ]
-
-
-def test_log_dir_that_cannot_be_created_is_one_error_line(tmp_path):
-    (tmp_path / "file").write_text("a file, not a directory")
-    for log_dir in ("/proc/x", tmp_path / "file" / "runs"):
-        proc = run_script(SCRIPT, [*TINY_CARTPOLE, "--total-timesteps", "1024"], log_dir, timeout=60)
-        lines = proc.stderr.strip().splitlines()
-        assert proc.returncode == 2 and len(lines) == 1, proc.stderr
-        assert lines[0].startswith("error: cannot create the run directory"), proc.stderr
-
-
-def meta_of(**changes):
-    args = resolve_defaults(Args(env_id="CartPole-v1", **changes))
-    probe = make_vector_env("CartPole-v1", 1, 1)
-    meta = checkpoint_meta(args, probe.single_observation_space, probe.single_action_space)
-    probe.close()
-    return meta
-
-
-def test_resume_refuses_what_it_cannot_use(tmp_path):
-    ours = meta_of()
-    good = tmp_path / "good.pt"
-    torch.save(dict(model={}, meta=ours), good)
-    assert read_checkpoint(str(good), ours)[1] is None
-    garbage, truncated, old = tmp_path / "garbage.pt", tmp_path / "truncated.pt", tmp_path / "old.pt"
-    garbage.write_bytes(b"not a checkpoint at all")
-    truncated.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
-    torch.save(dict(model={}, update=3), old)
-    for path in (garbage, truncated, old):
-        checkpoint, error = read_checkpoint(str(path), ours)
-        assert checkpoint is None and error.startswith(f"error: cannot resume from {path}: not a checkpoint"), error
-    gala = tmp_path / "gala.pt"
-    torch.save(dict(learners=[], meta={**ours, "script": "gala_a2c.py", "algo": "gossip"}), gala)
-    error = read_checkpoint(str(gala), ours)[1]
-    assert "it is a gala_a2c.py checkpoint (script gala_a2c.py, algo gossip), this run is script" in error, error
-    impala = tmp_path / "impala.pt"
-    torch.save(dict(model={}, meta=meta_of(algo="impala")), impala)
-    assert "(algo impala), this run is algo ppo" in read_checkpoint(str(impala), ours)[1]
-
-
-def test_refused_resume_exits_2_and_leaves_nothing_in_the_run_directory(tmp_path):
-    run_dir = tmp_path / "CartPole-v1__x__1__1700000000"
-    run_dir.mkdir()
-    truncated = run_dir / "checkpoint.pt"
-    torch.save(dict(model={}, meta=meta_of()), truncated)
-    truncated.write_bytes(truncated.read_bytes()[:100])
-    proc = run([*TINY_CARTPOLE, "--resume", str(truncated)], tmp_path, timeout=60)
-    lines = proc.stderr.strip().splitlines()
-    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
-    assert lines[0].startswith(f"error: cannot resume from {truncated}: not a checkpoint this script can read")
-    assert list(run_dir.iterdir()) == [truncated]
 
 
 @pytest.fixture
@@ -624,19 +563,13 @@ def tmpfs(tmp_path):
 
 
 def test_full_disk_stops_the_run_keeping_the_last_checkpoint(tmpfs):
-    cmd = [sys.executable, SCRIPT, "--log-dir", str(tmpfs), *TINY_CARTPOLE, "--total-timesteps", "10000000"]
-    cmd += ["--checkpoint-interval", "0.5"]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    run_dir = None
-    for line in proc.stdout:
-        if line.startswith("run directory:"):
-            run_dir = Path(line.split()[2])
-        if run_dir and (run_dir / "checkpoint.pt").exists():
-            break
-    fill_disk(tmpfs)
-    start = time.time()
+    proc = start_run(SCRIPT, [*TINY_CARTPOLE, "--total-timesteps", "10000000", "--checkpoint-interval", "0.5"], tmpfs)
     try:
+        run_dir, deadline = only_run_dir(tmpfs), time.time() + 60
+        while not (run_dir / "checkpoint.pt").exists() and time.time() < deadline:
+            time.sleep(0.1)
+        fill_disk(tmpfs)
+        start = time.time()
         _, err = proc.communicate(timeout=60)
     finally:
         proc.kill()
@@ -658,7 +591,7 @@ def test_torchrun_survivor_names_the_rank_that_died(tmp_path):
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         for line in proc.stdout:
-            if line.startswith("step"):
+            if CONSOLE_LINE.match(line):  # training is under way
                 break
         os.kill(rank_pid(proc.pid, 1), signal.SIGKILL)
         start = time.time()
@@ -671,8 +604,12 @@ def test_torchrun_survivor_names_the_rank_that_died(tmp_path):
     assert "error: rank 0: lost contact with rank 1" in err and "died:" not in err, err
 
 
-def test_two_node_launch_on_loopback_ends_cleanly(tmp_path):
+def test_two_node_launch_on_loopback_ends_with_identical_ranks(tmp_path):
+    """The README's two-node launch; the ranks all-reduce their gradients, so they end with identical parameters."""
     results = two_node_launch(SCRIPT, [*TINY_CARTPOLE, "--total-timesteps", "1024"], tmp_path)
     for r in results:
         assert r.returncode == 0 and "terminate called" not in r.stderr, r.stderr
     assert any("max |parameter difference| across 2 ranks: 0" in r.stdout for r in results)
+    logged = scalars(only_run_dir(tmp_path))
+    assert [s for s, _ in logged["charts/SPS"]] == [256 * i for i in range(1, 5)]  # both ranks' envs count
+    assert [v for _, v in logged["charts/policy_lag"]] == expected_lags(False, 4)
