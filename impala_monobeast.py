@@ -770,13 +770,13 @@ class Learner:
     inference: InferenceServer | None
     updates: int  # updates done (read and written under the learn lock, as are the counters below)
     global_step: int
-    claimed: int = 0  # updates a learner thread has started on (each claims one before it batches)
+    claimed: int = field(init=False)  # updates a learner thread has started on (each claims one before it batches)
     last_print: float = field(default_factory=time.time)
     last_checkpoint: float = field(default_factory=time.time)
     learn_lock: threading.Lock = field(default_factory=threading.Lock)
     batch_lock: threading.Lock = field(default_factory=threading.Lock)
     recent_returns: deque[float] = field(default_factory=lambda: deque(maxlen=50))
-    start: tuple[float, int] = (0.0, 0)  # (time, global step) where this process started counting SPS
+    start: tuple[float, int] = field(init=False)  # (time, global step) where this process started counting SPS
 
     def __post_init__(self):
         self.claimed, self.start = self.updates, (time.time(), self.global_step)
@@ -1170,7 +1170,7 @@ def finish(learner: Learner, failure: str | None, signum: int | None, threads: l
     (1 on failure, 128 + the signal when interrupted)."""
     args, run_dir = learner.args, learner.run_dir
     if signum is not None:
-        print(f"interrupted at step {learner.self.global_step}: shutting down", file=sys.stderr)
+        print(f"interrupted at step {learner.global_step}: shutting down", file=sys.stderr)
     try:
         if failure is None and args.checkpoint_interval:
             learner.save_checkpoint()
