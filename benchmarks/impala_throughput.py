@@ -90,32 +90,44 @@ def ceiling(args: Args, mode: str, actors: int) -> dict:
     envs.close()
 
     main_threads = max(1, cores - actors)  # impala_monobeast's default --torch-threads
-    acting = make_model(obs_space, act_space, args.network, channels_last=args.network != "nature")
+    script_args = im.Args(env_id=args.env_id, batch_size=B, unroll_length=T, num_envs_per_actor=N)
+    options = im.model_options(script_args)
+    acting = make_model(obs_space, act_space, args.network, **options, channels_last=args.network != "nature")
     k = N if mode == "actor" else actors * N
     torch.set_num_threads(1 if mode == "actor" else main_threads)
     frames = torch.from_numpy(np.repeat(obs[:1], k, axis=0))
-    done = torch.zeros(k, dtype=torch.bool)
+    done, last_action, reward = torch.zeros(k, dtype=torch.bool), torch.zeros(k, dtype=torch.int64), torch.zeros(k)
 
     def infer():
         with torch.inference_mode():
-            im.policy_step(acting, frames, done, None)
+            im.policy_step(acting, frames, done, last_action, reward, None)
 
     infer_sps = rate(infer, k, args.component_seconds)
 
     torch.set_num_threads(main_threads)
-    model = make_model(obs_space, act_space, args.network)
+    model = make_model(obs_space, act_space, args.network, **options)
     optimizer = torch.optim.RMSprop(model.parameters(), lr=4.8e-4, alpha=0.99, eps=0.01)
-    script_args = im.Args(env_id=args.env_id, batch_size=B, unroll_length=T, num_envs_per_actor=N)
-    BN = B * N
-    batch = {
-        "obs": torch.from_numpy(np.repeat(obs[None, :1], T + 1, axis=0).repeat(BN, axis=1)),
-        "reward": torch.randn(T + 1, BN),
-        "done": torch.rand(T + 1, BN) < 0.01,
-        "logits": torch.randn(T + 1, BN, int(act_space.n)),
-        "action": torch.randint(0, int(act_space.n), (T + 1, BN)),
-        "initial_h": torch.zeros(1, BN, 1),
-        "initial_c": torch.zeros(1, BN, 1),
-    }
+    BN, A = B * N, int(act_space.n)
+    rows, zeros = (T + 1, BN), torch.zeros(B)
+    batch = im.Rollouts(
+        obs=torch.from_numpy(np.repeat(obs[None, :1], T + 1, axis=0).repeat(BN, axis=1)),
+        reward=torch.randn(rows),
+        done=torch.rand(rows) < 0.01,
+        last_action=torch.randint(0, A, rows),
+        episode_end=torch.zeros(rows, dtype=torch.bool),
+        episode_return=torch.zeros(rows),
+        episode_length=torch.zeros(rows, dtype=torch.int64),
+        logits=torch.randn(*rows, A),
+        baseline=torch.zeros(rows),
+        action=torch.randint(0, A, rows),
+        version=torch.zeros(rows, dtype=torch.int64),
+        initial_h=torch.zeros(1, BN, 1),
+        initial_c=torch.zeros(1, BN, 1),
+        actor_id=zeros,
+        rollout=zeros,
+        free_wait=zeros,
+        inference_wait=zeros,
+    )
     train_sps = rate(lambda: im.learn(model, optimizer, batch, script_args, torch.device("cpu")), T * BN,
                      args.component_seconds)  # fmt: skip
     total = 1.0 / (1.0 / env_sps + 1.0 / infer_sps + 1.0 / train_sps)
