@@ -1201,6 +1201,14 @@ def main(args: Args) -> None:
         obs_space, act_space = env_spaces(args)
     except EnvError as e:
         fail(str(e))
+    # checkpoint and run directory, before any process, thread, file or process-wide setting
+    network = args.network if args.network != "auto" else ("nature" if len(obs_space.shape) == 3 else "mlp")
+    meta = checkpoint_meta(args, network, obs_space, act_space)
+    checkpoint = load_checkpoint(args.resume, meta) if args.resume else None
+    if checkpoint and not os.access(Path(args.resume).parent, os.W_OK):
+        fail(f"cannot write to the run directory {Path(args.resume).parent} of --resume {args.resume}")
+    run_dir = Path(args.resume).parent if checkpoint else new_run_dir(args)
+
     device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
     torch.set_num_threads(args.torch_threads or max(1, (os.cpu_count() or 1) - args.num_actors))
     # the inference thread must get the GIL as soon as a request arrives, not after the learner's 5 ms time slice
@@ -1208,14 +1216,6 @@ def main(args: Args) -> None:
     torch.manual_seed(args.seed)
     torch.backends.cudnn.deterministic = args.torch_deterministic
     torch.use_deterministic_algorithms(args.torch_deterministic, warn_only=True)
-
-    # checkpoint and run directory, before any process, thread or file
-    network = args.network if args.network != "auto" else ("nature" if len(obs_space.shape) == 3 else "mlp")
-    meta = checkpoint_meta(args, network, obs_space, act_space)
-    checkpoint = load_checkpoint(args.resume, meta) if args.resume else None
-    if checkpoint and not os.access(Path(args.resume).parent, os.W_OK):
-        fail(f"cannot write to the run directory {Path(args.resume).parent} of --resume {args.resume}")
-    run_dir = Path(args.resume).parent if checkpoint else new_run_dir(args)
 
     # model, optimizer, shared memory: all allocated once, before the actors fork
     model = make_model(obs_space, act_space, network, **model_options(args)).to(device)

@@ -6,6 +6,8 @@ import math
 import multiprocessing as mp
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -266,8 +268,30 @@ def test_learner_sees_the_actors_inputs_and_raw_rewards(use_lstm, monkeypatch):
 # ------------------------------------------------------------------ running the script
 
 
-def run(args, tmp_path, timeout=120):
-    return run_script(SCRIPT, args, tmp_path, timeout)
+@pytest.fixture
+def run_main(tmp_path, capsys, monkeypatch):
+    """`im.main` on a command line, in this process (no interpreter start-up to pay), as a CompletedProcess. What main
+    sets process-wide is put back afterwards: torch's threads, determinism and RNG, the GIL switch interval, the
+    threading excepthook."""
+    monkeypatch.setattr(threading, "excepthook", threading.excepthook)
+    monkeypatch.setattr(torch.backends.cudnn, "deterministic", torch.backends.cudnn.deterministic)
+    saved = (torch.get_num_threads(), sys.getswitchinterval(), torch.are_deterministic_algorithms_enabled(),
+             torch.is_deterministic_algorithms_warn_only_enabled(), torch.get_rng_state())  # fmt: skip
+
+    def run_main(argv):
+        try:
+            im.main(im.parse_args(["--log-dir", str(tmp_path), *argv]))
+            code = 0
+        except SystemExit as e:
+            code = e.code
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(argv, code, out, err)
+
+    yield run_main
+    torch.set_num_threads(saved[0])
+    sys.setswitchinterval(saved[1])
+    torch.use_deterministic_algorithms(saved[2], warn_only=saved[3])
+    torch.set_rng_state(saved[4])
 
 
 REQUIRED_TAGS = [*CORE_TAGS, "timing/full_queue_get", "timing/free_queue_get", "timing/train"]
@@ -286,11 +310,11 @@ def one_actor_lag_bound(num_buffers, batch_size, unroll_length):
     return (math.ceil((K + 1) / B) + (T - 1) * math.ceil(K / B)) / T
 
 
-def test_cartpole_end_to_end_batched_one_actor(tmp_path):
+def test_cartpole_end_to_end_batched_one_actor(tmp_path, run_main):
     """Batched inference with one actor and one learner thread: every tag, the step count, the lr schedule, the
     evaluation, TorchBeast's network inputs, and a policy lag never above what the buffers allow."""
-    proc = run([*TINY_CARTPOLE, "--num-actors", "1", "--num-learner-threads", "1", "--total-timesteps", "320",
-                "--eval-episodes", "2", "--save-model"], tmp_path)  # fmt: skip
+    proc = run_main([*TINY_CARTPOLE, "--num-actors", "1", "--num-learner-threads", "1", "--total-timesteps", "320",
+                     "--eval-episodes", "2", "--save-model"])  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     run_dir = only_run_dir(tmp_path)
     logged = scalars(run_dir)
@@ -307,11 +331,10 @@ def test_cartpole_end_to_end_batched_one_actor(tmp_path):
     assert lines and lines[-1].startswith("global_step=320 SPS="), proc.stdout  # the last update always prints
 
 
-def test_breakout_end_to_end_batched_lstm(tmp_path):
+def test_breakout_end_to_end_batched_lstm(tmp_path, run_main):
     # a narrow LSTM keeps the run cheap on CPU (AtariNet's width: test_learner_sees_the_actors_inputs_and_raw_rewards)
-    proc = run(["--env-id", "ALE/Breakout-v5", "--use-lstm", "--lstm-size", "32", "--num-actors", "2",
-                "--unroll-length", "20", "--batch-size", "1", "--total-timesteps", "80", "--log-interval", "1"],
-               tmp_path)  # fmt: skip
+    proc = run_main(["--env-id", "ALE/Breakout-v5", "--use-lstm", "--lstm-size", "32", "--num-actors", "2",
+                     "--unroll-length", "20", "--batch-size", "1", "--total-timesteps", "80"])  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     logged = scalars(only_run_dir(tmp_path))
     # no game ends in 80 steps
@@ -379,7 +402,7 @@ def test_bad_flags_one_line_error(tmp_path, capsys):
 
 
 def test_bad_flag_exits_2_with_one_line(tmp_path):
-    proc = run(["--env-id", "CartPole-v1", "--learning-rate", "-1"], tmp_path)
+    proc = run_script(SCRIPT, ["--env-id", "CartPole-v1", "--learning-rate", "-1"], tmp_path)
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == ["error: --learning-rate must be > 0, got -1.0"]
     assert not any(Path(tmp_path).iterdir())
 
@@ -429,21 +452,23 @@ def test_runs_started_in_the_same_second_get_their_own_directories(tmp_path, mon
     assert [d.name for d in dirs] == [f"CartPole-v1__impala_monobeast__1__1700000000{s}" for s in ("", "-2", "-3")]
 
 
-def test_crashing_actor_stops_the_run_with_its_traceback(tmp_path):
+def test_crashing_actor_stops_the_run_with_its_traceback(run_main):
     start = time.time()
-    proc = run(["--env-id", "tests.faulty_env:CrashingCartPole-v0", "--num-actors", "2", "--unroll-length", "16",
-                "--batch-size", "2", "--total-timesteps", "10000000"], tmp_path)  # fmt: skip
+    proc = run_main(["--env-id", "tests.faulty_env:CrashingCartPole-v0", "--num-actors", "2", "--unroll-length", "16",
+                     "--batch-size", "2", "--total-timesteps", "10000000"])  # fmt: skip
     assert proc.returncode == 1
     assert "actor" in proc.stderr and "died" in proc.stderr and "injected env failure" in proc.stderr, proc.stderr
     assert time.time() - start < 60
 
 
 def start_training(tmp_path, extra=()):
-    return start_run(SCRIPT, [*TINY_CARTPOLE, "--total-timesteps", "100000000", *extra], tmp_path)
+    """A long CartPole run in the background, returned at its first update's console line."""
+    return start_run(SCRIPT, [*TINY_CARTPOLE, "--total-timesteps", "100000000", "--log-interval", "0.1", *extra],
+                     tmp_path)  # fmt: skip
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_signal_stops_everything_with_checkpoint_and_resume_continues(sig, tmp_path):
+def test_signal_stops_everything_with_checkpoint_and_resume_continues(sig, tmp_path, run_main):
     """A signal stops every process with a checkpoint at the last update. SIGINT's run (MonoBeast's acting with the
     LSTM core) is then resumed to its end: same run directory and step count, every tag, AtariNet's LSTM in model.pt."""
     lstm = ["--inference", "actor", "--use-lstm"] if sig == signal.SIGINT else ["--inference", "actor"]
@@ -460,8 +485,8 @@ def test_signal_stops_everything_with_checkpoint_and_resume_continues(sig, tmp_p
     assert stopped_at > 0 and stopped_at == max(s for s, _ in scalars(run_dir)["charts/SPS"])
     assert checkpoint["args"]["ent_coef"] == 0.0006 and "entropy_cost" not in checkpoint["args"]
     if sig == signal.SIGINT:
-        resumed = run([*TINY_CARTPOLE, *lstm, "--total-timesteps", str(stopped_at + 64), "--save-model", "--resume",
-                       str(run_dir / "checkpoint.pt")], tmp_path)  # fmt: skip
+        resumed = run_main([*TINY_CARTPOLE, *lstm, "--total-timesteps", str(stopped_at + 64), "--save-model",
+                            "--resume", str(run_dir / "checkpoint.pt")])  # fmt: skip
         assert resumed.returncode == 0, resumed.stderr
         logged = scalars(run_dir)
         assert max(s for s, _ in logged["charts/SPS"]) == stopped_at + 64
@@ -471,12 +496,12 @@ def test_signal_stops_everything_with_checkpoint_and_resume_continues(sig, tmp_p
         assert state["core.weight_ih_l0"].shape == (4 * 7, 7) and "core.weight_ih_l1" in state  # AtariNet's 2 x 7 LSTM
 
 
-def test_non_finite_loss_stops_and_keeps_last_checkpoint(tmp_path):
+def test_non_finite_loss_stops_and_keeps_last_checkpoint(tmp_path, run_main):
     # --no-action-reward-inputs: the NaN reward must reach the loss, not the network's reward input first
-    proc = run(["--env-id", "tests.faulty_env:NaNCartPole-v0", "--num-actors", "1", "--unroll-length", "16",
-                "--batch-size", "1", "--num-learner-threads", "1", "--total-timesteps", "10000000",
-                "--checkpoint-interval", "0.000001", "--no-clip-rewards", "--no-action-reward-inputs"],
-               tmp_path)  # fmt: skip
+    proc = run_main(["--env-id", "tests.faulty_env:NaNCartPole-v0", "--num-actors", "1", "--unroll-length", "16",
+                     "--batch-size", "1", "--num-learner-threads", "1", "--total-timesteps", "10000000",
+                     "--checkpoint-interval", "0.000001", "--no-clip-rewards",
+                     "--no-action-reward-inputs"])  # fmt: skip
     assert proc.returncode == 1
     assert "non-finite loss" in proc.stderr, proc.stderr
     checkpoint = torch.load(only_run_dir(tmp_path) / "checkpoint.pt", weights_only=False)
