@@ -141,11 +141,9 @@ class Args:
     gamma: float = 0.99
     """discount factor"""
     vf_coef: float = 0.5
-    """weight of the baseline (value) loss (TorchBeast's --baseline_cost; the loss is summed over the batch, as in
-    TorchBeast)"""
+    """weight of the baseline (value) loss: TorchBeast's --baseline_cost, the loss summed over the batch as there"""
     ent_coef: float = 0.0006
-    """weight of the entropy regulariser (TorchBeast's --entropy_cost; the loss is summed over the batch, as in
-    TorchBeast)"""
+    """weight of the entropy regulariser: TorchBeast's --entropy_cost, the loss summed over the batch as there"""
     clip_rewards: bool = True
     """clip rewards to [-1, 1] in the loss (TorchBeast's reward_clipping=abs_one); the env hands them over raw"""
     vtrace_rho_bar: float = 1.0

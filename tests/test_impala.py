@@ -1,6 +1,7 @@
 """impala_monobeast.py: V-trace against a slow loop from its definition, the buffer protocol (ownership ledger, distinct
 rollouts, row 0 carried over) with real actor processes, both inference modes end-to-end on CartPole and Breakout, the
-LSTM core, the policy lag the architecture allows, bad flags, a crashing or killed actor, and clean shutdown."""
+LSTM core, the policy lag the architecture allows, bad flags, a crashing or killed actor, and clean shutdown. A run that
+needs no process of its own (nothing to signal or kill) calls main in the test's process."""
 
 import math
 import multiprocessing as mp
@@ -331,10 +332,11 @@ def test_cartpole_end_to_end_batched_one_actor(tmp_path, run_main):
     assert lines and lines[-1].startswith("global_step=320 SPS="), proc.stdout  # the last update always prints
 
 
-def test_breakout_end_to_end_batched_lstm(tmp_path, run_main):
+@pytest.mark.parametrize("lstm", [[], ["--use-lstm", "--lstm-size", "32"]])
+def test_breakout_end_to_end_batched(lstm, tmp_path, run_main):
     # a narrow LSTM keeps the run cheap on CPU (AtariNet's width: test_learner_sees_the_actors_inputs_and_raw_rewards)
-    proc = run_main(["--env-id", "ALE/Breakout-v5", "--use-lstm", "--lstm-size", "32", "--num-actors", "2",
-                     "--unroll-length", "20", "--batch-size", "1", "--total-timesteps", "80"])  # fmt: skip
+    proc = run_main(["--env-id", "ALE/Breakout-v5", *lstm, "--num-actors", "2", "--unroll-length", "20",
+                     "--batch-size", "1", "--total-timesteps", "80"])  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     logged = scalars(only_run_dir(tmp_path))
     # no game ends in 80 steps
