@@ -455,7 +455,7 @@ class Stop(Exception):
 
 
 class NonFiniteLoss(RuntimeError):
-    pass
+    """The loss is NaN or infinite: the run stops, and the last checkpoint stays as it was."""
 
 
 def get_or_stop(q: Queue, stop: Event) -> int | None:
