@@ -14,10 +14,10 @@ Who runs where: actors are processes; learner threads and the inference thread r
   learner thread j (`--num-learner-threads`): B indices <- full (under a lock), stacked to [T + 1, B * N], indices
       -> free; then, one thread at a time: V-trace loss, RMSprop step, refresh of the acting parameters, logging.
 Policy lag (`charts/policy_lag`, updates between the acting and the learning parameters, averaged over the batch):
-  with one actor and one learner thread a row is at most ceil(K / B) updates old (its rollout's row 0, acted before
-  the actor took the buffer: ceil((K + 1) / B)), as every buffer but the one being written may wait full. With more
-  actors or learner threads nothing bounds it: a slow actor keeps one buffer while the others cycle through the
-  learner, so the lag grows with the number of actors (IMPALA, Section 3).
+  with one actor and one learner thread a row is at most ceil(K / B) updates old, ceil((K + 1) / B) for row 0 (acted
+  before the actor took the buffer): every buffer but the one being written may wait full. With more actors or
+  learner threads nothing bounds it (a slow actor keeps one buffer while the others cycle through the learner), and
+  the lag grows with the number of actors (IMPALA, Section 3).
 Determinism: none promised. Envs, initial parameters and sampling are seeded, but which policy version acts on which
   step depends on process timing, as in MonoBeast.
 Defaults are TorchBeast's (monobeast.py flags): 4 actors, unroll 80, batch 8, RMSprop lr 4.8e-4 decayed linearly to
