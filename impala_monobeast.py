@@ -1,35 +1,34 @@
 """IMPALA with V-trace (Espeholt et al. 2018) in TorchBeast's MonoBeast architecture (Küttler et al., "TorchBeast: a
 PyTorch platform for distributed RL", 2019, Section 5.1), with PolyBeast-style batched inference as an option.
 
-Architecture (one machine; actors are processes, learners and inference are threads of the main process):
-  buffers[num_buffers]: shared-memory rollouts of unroll_length + 1 rows (obs, raw reward, done, last action,
-    episode statistics, behaviour logits, baseline, action, policy version; the LSTM state at row 0).
-    free_queue / full_queue carry buffer indices; a shared `ledger` says who owns each index (free queue, actor i,
-    full queue, learner j).
-  actor i (`--num-actors` processes, `--num-envs-per-actor` envs each, 1 env thread): take a free index, write row 0
-    = the last row of its previous rollout, step the env unroll_length times, put the index on full_queue.
-  acting: `--inference actor` (MonoBeast): each actor runs a CPU copy of the model in shared memory, refreshed in
-    place after every update. `--inference batched` (PolyBeast's dynamic batching without gRPC): an actor writes its
-    observation into its shared slot, writes its id to a request pipe and waits on its own semaphore; one inference
-    thread takes whatever ids are waiting (up to `--max-inference-batch` envs), runs one forward pass (GPU when
-    present), writes actions/logits/baseline/version back and releases each actor.
-  learner threads (`--num-learner-threads`): dequeue batch_size indices, stack them to [T + 1, batch_size * envs],
-    return the indices to free_queue, then (one at a time, under a lock) compute the V-trace loss and update.
-Policy lag: nothing bounds it; data waits in full_queue while the learner trains, so `charts/policy_lag` (updates
-  since the acting version, averaged over the batch) grows with the number of actors (IMPALA, Section 3).
+Who runs where: actors are processes; learner threads and the inference thread run in the main process.
+  buffers[K] (shared memory): rollouts of T + 1 rows; `free` and `full` queues carry buffer indices and a `ledger`
+      says where each index is (free queue, actor i, full queue, a learner thread).
+  actor i (M processes, N envs each): index <- free; row 0 = its previous rollout's row T; steps the envs T times,
+      asking the policy at every row; index -> full.
+  the policy: `--inference actor` (MonoBeast): the actor's CPU copy of the model in shared memory, refreshed in place
+      after every update. `--inference batched` (PolyBeast's dynamic batching without gRPC): the actor writes its
+      inputs to its slot, its id to `requests` and waits on its semaphore; the inference thread takes every id
+      waiting (up to `--max-inference-batch` envs), runs one forward pass (GPU when present), writes the outputs
+      (action, logits, baseline, policy version) to the slots and releases the actors.
+  learner thread j (`--num-learner-threads`): B indices <- full (under a lock), stacked to [T + 1, B * N], indices
+      -> free; then, one thread at a time: V-trace loss, RMSprop step, refresh of the acting parameters, logging.
+Policy lag (`charts/policy_lag`, updates between the acting and the learning parameters, averaged over the batch):
+  with one actor and one learner thread a row is at most ceil(K / B) updates old, ceil((K + 1) / B) for row 0 (acted
+  before the actor took the buffer): every buffer but the one being written may wait full. With more actors or
+  learner threads nothing bounds it (a slow actor keeps one buffer while the others cycle through the learner), and
+  the lag grows with the number of actors (IMPALA, Section 3).
 Determinism: none promised. Envs, initial parameters and sampling are seeded, but which policy version acts on which
   step depends on process timing, as in MonoBeast.
 Defaults are TorchBeast's (monobeast.py flags): 4 actors, unroll 80, batch 8, RMSprop lr 4.8e-4 decayed linearly to
-  0, shallow network, losses summed over the batch. The IMPALA paper's Atari setting (Table G.1: unroll 20, batch 32,
-  deep network): `--unroll-length 20 --batch-size 32 --network impala`.
-Network inputs are TorchBeast's AtariNet's: the torso features, the clipped reward that arrived with the observation
-  and a one-hot of the last action go to the heads, or to a 2-layer LSTM as wide as that input (`--use-lstm`).
-  Rewards reach the buffers raw; the loss clips them (`--clip-rewards`), the network clips its reward input.
+  0, shallow network and AtariNet's inputs (the clipped reward and a one-hot of the last action beside the torso
+  features, into a 2-layer LSTM as wide as them with `--use-lstm`), losses summed over the batch. Rewards reach the
+  buffers raw; the loss clips them (`--clip-rewards`). The IMPALA paper's Atari setting (Table G.1):
+  `--unroll-length 20 --batch-size 32 --network impala`.
 
-Examples:
-  python impala_monobeast.py --env-id ALE/Breakout-v5                                # batched inference, 4 actors
-  python impala_monobeast.py --env-id ALE/Pong-v5 --inference actor --num-actors 8    # MonoBeast exactly
-  python impala_monobeast.py --env-id ALE/Pong-v5 --unroll-length 20 --batch-size 32 --network impala --use-lstm
+    python impala_monobeast.py --env-id ALE/Breakout-v5                                # batched inference, 4 actors
+    python impala_monobeast.py --env-id ALE/Pong-v5 --inference actor --num-actors 8    # MonoBeast exactly
+    python impala_monobeast.py --env-id ALE/Pong-v5 --unroll-length 20 --batch-size 32 --network impala --use-lstm
 """
 
 from __future__ import annotations
@@ -49,9 +48,11 @@ import threading
 import time
 import traceback
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, fields
+from multiprocessing.queues import Queue
+from multiprocessing.synchronize import Event, Semaphore
 from pathlib import Path
-from typing import Literal
+from typing import Literal, NamedTuple, NoReturn
 
 import gymnasium as gym
 import numpy as np
@@ -60,8 +61,10 @@ import tyro
 from torch import nn
 from torch.utils.tensorboard import SummaryWriter
 
-from common.atari import PROTOCOLS, EnvError, check_env_args, make_env, make_vector_env
-from common.models import NETWORKS, make_model
+from common.atari import EnvError, check_env_args, make_env, make_vector_env
+from common.models import LSTMState, make_model
+
+# ---- Args ------------------------------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -76,8 +79,8 @@ class Args:
     """use a GPU for the learner and batched inference when one is present"""
     env_id: str = "ALE/Breakout-v5"
     """gymnasium id; ALE ids run in ale-py's C++ vector env"""
-    atari_protocol: str = "deepmind"
-    """ALE preprocessing: `deepmind` (TorchBeast's setting) or `machado`"""
+    atari_protocol: Literal["deepmind", "machado"] = "deepmind"
+    """ALE preprocessing (`deepmind` is TorchBeast's setting)"""
     total_timesteps: int = 50_000_000
     """agent steps summed over all envs (the learner counts unroll_length x batch_size x envs per update)"""
     log_dir: str = "runs"
@@ -107,8 +110,9 @@ class Args:
     max_inference_batch: int = 0
     """batched inference: most envs per forward pass (0 = all actors' envs)"""
     torch_threads: int = 0
-    """torch intra-op threads of the main process (0 = cores not taken by actors, at least 1)"""
-    network: str = "auto"
+    """torch intra-op threads of the main process, which learns and runs batched inference (0 = the cores the actors
+    leave free, at least 1)"""
+    network: Literal["auto", "nature", "impala", "mlp"] = "auto"
     """`nature` (TorchBeast's shallow net), `impala` (deep ResNet), `mlp`, or `auto` (nature for frames, else mlp)"""
     use_lstm: bool = False
     """LSTM core between torso and heads (state stored at each rollout start)"""
@@ -136,10 +140,10 @@ class Args:
     """global gradient-norm clip"""
     gamma: float = 0.99
     """discount factor"""
-    baseline_cost: float = 0.5
-    """weight of the baseline (value) loss"""
-    entropy_cost: float = 0.0006
-    """weight of the entropy regulariser"""
+    vf_coef: float = 0.5
+    """weight of the baseline (value) loss: TorchBeast's --baseline_cost, the loss summed over the batch as there"""
+    ent_coef: float = 0.0006
+    """weight of the entropy regulariser: TorchBeast's --entropy_cost, the loss summed over the batch as there"""
     clip_rewards: bool = True
     """clip rewards to [-1, 1] in the loss (TorchBeast's reward_clipping=abs_one); the env hands them over raw"""
     vtrace_rho_bar: float = 1.0
@@ -152,27 +156,28 @@ class Args:
     """seconds between console lines"""
 
 
-# ledger values: who owns a buffer index (actor i owns it while ledger == i)
-FREE_QUEUE = -1  # ledger owner codes; actors are >= 0, learner threads below FULL_QUEUE
-FULL_QUEUE = -2
+# flags renamed for one vocabulary across the scripts: the old name fails with one line naming the new one
+RENAMED_FLAGS = {"--entropy-cost": "--ent-coef", "--baseline-cost": "--vf-coef"}
 
 
-def learner_owner(thread_id: int) -> int:
-    return -3 - thread_id
+def parse_args(argv: list[str]) -> Args:
+    """tyro's parse of the command line, after refusing a renamed flag with one line that names the new one."""
+    for arg in argv:
+        if (name := arg.split("=", 1)[0]) in RENAMED_FLAGS:
+            fail(f"{name} is now {RENAMED_FLAGS[name]} (see --help)")
+    return tyro.cli(Args, args=argv)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Pure algorithm functions
-# ----------------------------------------------------------------------------------------------------------------
+# ---- Algorithm -------------------------------------------------------------------------------------------------------
 
 
 def vtrace(
-    behaviour_logprob,
-    target_logprob,
-    rewards,
-    values,
-    dones,
-    next_value,
+    behaviour_logprob: torch.Tensor,
+    target_logprob: torch.Tensor,
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    dones: torch.Tensor,
+    next_value: torch.Tensor,
     gamma: float,
     rho_bar: float,
     c_bar: float,
@@ -209,13 +214,19 @@ def logprob_entropy(logits: torch.Tensor, actions: torch.Tensor) -> tuple[torch.
 
 
 def impala_loss(
-    target_logprob, entropy, values, vs, pg_advantages, baseline_cost: float, entropy_cost: float
+    target_logprob: torch.Tensor,
+    entropy: torch.Tensor,
+    values: torch.Tensor,
+    vs: torch.Tensor,
+    pg_advantages: torch.Tensor,
+    vf_coef: float,
+    ent_coef: float,
 ) -> dict[str, torch.Tensor]:
     """IMPALA's loss (Section 4.2) summed over the [T, B] batch, as TorchBeast sums it (its lr assumes sums)."""
     policy_loss = -(target_logprob * pg_advantages).sum()
     value_loss = 0.5 * ((vs - values) ** 2).sum()
     entropy_sum = entropy.sum()
-    total = policy_loss + baseline_cost * value_loss - entropy_cost * entropy_sum
+    total = policy_loss + vf_coef * value_loss - ent_coef * entropy_sum
     return dict(total_loss=total, policy_loss=policy_loss, value_loss=value_loss, entropy=entropy.mean())
 
 
@@ -224,14 +235,24 @@ def linear_lr(base: float, steps_done: int, total_steps: int) -> float:
     return base * (1.0 - min(steps_done, total_steps) / total_steps)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Shared memory: rollout buffers, inference slots
-# ----------------------------------------------------------------------------------------------------------------
+# ---- Storage and messages --------------------------------------------------------------------------------------------
+
+# ledger values: an actor's id (>= 0) while that actor writes the buffer, otherwise where the index is
+FREE_QUEUE = -1
+FULL_QUEUE = -2
+LEARNER = -3
+
+# the fields of one row t of a rollout (see Buffers)
+ROW_KEYS = ("obs", "reward", "done", "last_action", "episode_end", "episode_return", "episode_length", "logits",
+            "baseline", "action", "version")  # fmt: skip
+# what an actor records about a whole rollout
+ROLLOUT_KEYS = ("actor_id", "rollout", "free_wait", "inference_wait")
 
 
 @dataclass
-class Buffers:
-    """`num_buffers` rollouts of T + 1 rows over one actor's N envs, in shared memory, allocated once.
+class Rollouts:
+    """Rollouts of T + 1 rows over one actor's N envs: [K, T + 1, N, ...] in the buffers, [T + 1, B * N, ...] in a
+    learner batch of B of them (per-rollout fields [K] and [B]; LSTM states [K, L, N, H] and [L, B * N, H]).
 
     Row t holds observation x_t, the raw reward and done flag that arrived with it (done[t]: x_t starts a new
     episode), the action a_{t-1} that led to it (last_action), the game statistics if a game ended on arriving at
@@ -247,51 +268,67 @@ class Buffers:
     last_action: torch.Tensor  # [K, T + 1, N] int64, a_{t-1}: the network's input beside x_t and reward[t]
     episode_end: torch.Tensor  # [K, T + 1, N] bool, a game (all lives) ended on arriving at this row
     episode_return: torch.Tensor  # [K, T + 1, N], its true return (valid where episode_end)
-    episode_length: torch.Tensor  # [K, T + 1, N]
+    episode_length: torch.Tensor  # [K, T + 1, N] int64
     logits: torch.Tensor  # [K, T + 1, N, A] behaviour policy logits
     baseline: torch.Tensor  # [K, T + 1, N]
     action: torch.Tensor  # [K, T + 1, N] int64
-    version: torch.Tensor  # [K, T + 1, N] int64, learner updates done when the acting parameters were made
+    version: torch.Tensor  # [K, T + 1, N] int64, learner updates behind the parameters that acted
     initial_h: torch.Tensor  # [K, L, N, H] LSTM state before row 0 (L = H = 1 without LSTM)
     initial_c: torch.Tensor  # [K, L, N, H]
-    meta: torch.Tensor  # [K, 4] float64: actor id, rollout count, seconds on free_queue.get, seconds waiting inference
-    ledger: torch.Tensor  # [K] int64, owner of each index (FREE_QUEUE, FULL_QUEUE, actor id, learner_owner(j))
+    actor_id: torch.Tensor  # [K] int64, the actor that wrote the rollout
+    rollout: torch.Tensor  # [K] int64, that actor's rollout count (1, 2, ...)
+    free_wait: torch.Tensor  # [K] float64, seconds the actor waited on the free queue for this buffer
+    inference_wait: torch.Tensor  # [K] float64, seconds it waited on the inference thread while writing it
+
+    def to(self, device: torch.device) -> Rollouts:
+        return Rollouts(**{f.name: getattr(self, f.name).to(device, non_blocking=True) for f in fields(Rollouts)})
+
+
+@dataclass
+class Buffers(Rollouts):
+    """`num_buffers` rollouts in shared memory, allocated once, and the ledger of who owns each."""
+
+    ledger: torch.Tensor  # [K] int64: an actor id, FREE_QUEUE, FULL_QUEUE or LEARNER
 
     @staticmethod
-    def allocate(K: int, T: int, N: int, obs_shape, obs_dtype, num_actions: int, lstm: tuple[int, int]) -> Buffers:
-        L, H = lstm
-        shapes = dict(
-            obs=((K, T + 1, N, *obs_shape), obs_dtype),
-            reward=((K, T + 1, N), torch.float32),
-            done=((K, T + 1, N), torch.bool),
-            last_action=((K, T + 1, N), torch.int64),
-            episode_end=((K, T + 1, N), torch.bool),
-            episode_return=((K, T + 1, N), torch.float32),
-            episode_length=((K, T + 1, N), torch.int64),
-            logits=((K, T + 1, N, num_actions), torch.float32),
-            baseline=((K, T + 1, N), torch.float32),
-            action=((K, T + 1, N), torch.int64),
-            version=((K, T + 1, N), torch.int64),
-            initial_h=((K, L, N, H), torch.float32),
-            initial_c=((K, L, N, H), torch.float32),
-            meta=((K, 4), torch.float64),
-            ledger=((K,), torch.int64),
+    def allocate(
+        K: int, T: int, N: int, obs_shape: tuple[int, ...], obs_dtype: torch.dtype, num_actions: int,
+        lstm: tuple[int, int],
+    ) -> Buffers:  # fmt: skip
+        rows = (K, T + 1, N)
+        shapes = {k: rows for k in ROW_KEYS} | {k: (K,) for k in (*ROLLOUT_KEYS, "ledger")}
+        shapes |= dict(obs=(*rows, *obs_shape), logits=(*rows, num_actions), initial_h=(K, lstm[0], N, lstm[1]),
+                       initial_c=(K, lstm[0], N, lstm[1]))  # fmt: skip
+        dtypes = dict(obs=obs_dtype, done=torch.bool, episode_end=torch.bool, reward=torch.float32,
+                      episode_return=torch.float32, logits=torch.float32, baseline=torch.float32,
+                      initial_h=torch.float32, initial_c=torch.float32, free_wait=torch.float64,
+                      inference_wait=torch.float64)  # fmt: skip
+        return Buffers(
+            **{k: torch.zeros(s, dtype=dtypes.get(k, torch.int64)).share_memory_() for k, s in shapes.items()}
         )
-        return Buffers(**{k: torch.zeros(s, dtype=d).share_memory_() for k, (s, d) in shapes.items()})
 
-    ROW_KEYS = (
-        "obs",
-        "reward",
-        "done",
-        "last_action",
-        "episode_end",
-        "episode_return",
-        "episode_length",
-        "logits",
-        "baseline",
-        "action",
-        "version",
-    )
+    def move(self, index: int, owner: int, new_owner: int) -> None:
+        """Hand `index` from `owner` to `new_owner`; the ledger must say `owner`, or the protocol is broken."""
+        if (found := int(self.ledger[index])) != owner:
+            raise RuntimeError(f"buffer {index} should be with owner {owner} but the ledger says owner {found}")
+        self.ledger[index] = new_owner
+
+    def row(self, index: int, t: int) -> dict[str, torch.Tensor]:
+        """A copy of row t of buffer `index`."""
+        return {k: getattr(self, k)[index, t].clone() for k in ROW_KEYS}
+
+    def set_row(self, index: int, t: int, row: dict[str, torch.Tensor]) -> None:
+        for k in ROW_KEYS:
+            getattr(self, k)[index, t].copy_(row[k])
+
+    def stack(self, indices: list[int]) -> Rollouts:
+        """The rollouts at `indices` as one learner batch (a copy), time-major: [B, T + 1, N, ...] -> [T + 1, B * N,
+        ...], and [B, L, N, H] LSTM states -> [L, B * N, H]."""
+        idx = torch.tensor(indices)
+        return Rollouts(
+            **{k: getattr(self, k)[idx].transpose(0, 1).flatten(1, 2) for k in (*ROW_KEYS, "initial_h", "initial_c")},
+            **{k: getattr(self, k)[idx] for k in ROLLOUT_KEYS},
+        )
 
 
 @dataclass
@@ -299,19 +336,21 @@ class InferenceSlots:
     """Per-actor shared-memory slots for batched inference: the actor writes obs/done/last_action/reward, the
     inference thread writes the agent output (and the LSTM state it carries for that actor) back."""
 
-    obs: torch.Tensor  # [num_actors, N, *obs_shape]
-    done: torch.Tensor  # [num_actors, N] bool
-    last_action: torch.Tensor  # [num_actors, N] int64
-    reward: torch.Tensor  # [num_actors, N] raw
-    action: torch.Tensor  # [num_actors, N]
-    logits: torch.Tensor  # [num_actors, N, A]
-    baseline: torch.Tensor  # [num_actors, N]
-    version: torch.Tensor  # [num_actors]
-    h: torch.Tensor  # [num_actors, L, N, H] LSTM state of each actor's envs
-    c: torch.Tensor
+    obs: torch.Tensor  # [M, N, *obs_shape]
+    done: torch.Tensor  # [M, N] bool
+    last_action: torch.Tensor  # [M, N] int64
+    reward: torch.Tensor  # [M, N] raw
+    action: torch.Tensor  # [M, N]
+    logits: torch.Tensor  # [M, N, A]
+    baseline: torch.Tensor  # [M, N]
+    version: torch.Tensor  # [M]
+    h: torch.Tensor  # [M, L, N, H] LSTM state of each actor's envs
+    c: torch.Tensor  # [M, L, N, H]
 
     @staticmethod
-    def allocate(M: int, N: int, obs_shape, obs_dtype, num_actions: int, lstm: tuple[int, int]) -> InferenceSlots:
+    def allocate(
+        M: int, N: int, obs_shape: tuple[int, ...], obs_dtype: torch.dtype, num_actions: int, lstm: tuple[int, int]
+    ) -> InferenceSlots:
         L, H = lstm
         return InferenceSlots(
             obs=torch.zeros((M, N, *obs_shape), dtype=obs_dtype).share_memory_(),
@@ -350,7 +389,93 @@ class RequestPipe:
         os.close(self.write_fd)
 
 
-def policy_step(model: nn.Module, obs: torch.Tensor, done: torch.Tensor, last_action, reward, state):
+class AgentOutput(NamedTuple):
+    """The agent's output at one row of one actor's N envs."""
+
+    action: torch.Tensor  # [N] int64
+    logits: torch.Tensor  # [N, A]
+    baseline: torch.Tensor  # [N]
+    version: int  # learner updates behind the parameters that produced it
+
+
+class ActorError(NamedTuple):
+    """An actor -> the main process, as it dies of an exception."""
+
+    actor_id: int
+    traceback: str
+
+
+@dataclass
+class ActingModel:
+    """The parameters the actors act with, a copy of the learner's model refreshed after every update, and the number
+    of updates behind them: in shared memory for MonoBeast's actors, the inference thread's copy otherwise."""
+
+    model: nn.Module
+    version: torch.Tensor  # [1] int64, shared memory
+    lock: threading.Lock  # the inference thread's forward pass against the refresh
+
+    def refresh(self, model: nn.Module, updates: int) -> None:
+        """Copy the learner's parameters, then the version: an actor that reads the version first (MonoBeast's actors
+        read without the lock) acts with parameters at least that new."""
+        with self.lock:
+            for dst, src in zip(self.model.parameters(), model.parameters(), strict=True):
+                dst.data.copy_(src.data)
+            self.version.fill_(updates)
+
+
+@dataclass
+class Queues:
+    """The main process's channels to the actors, besides the buffers and the inference slots."""
+
+    free: Queue  # buffer indices an actor may fill; None: stop
+    full: Queue  # indices of written rollouts, oldest first, for the learner threads; None: stop
+    errors: Queue  # ActorError of an actor that dies of an exception
+    stop: Event  # set once: every worker returns
+
+    @staticmethod
+    def create(ctx: mp.context.BaseContext, buffers: Buffers) -> Queues:
+        """The queues, with every buffer index on the free queue."""
+        queues = Queues(free=ctx.Queue(), full=ctx.Queue(), errors=ctx.Queue(), stop=ctx.Event())
+        buffers.ledger.fill_(FREE_QUEUE)
+        for index in range(len(buffers.ledger)):
+            queues.free.put(index)
+        return queues
+
+    def close(self) -> None:
+        for q in (self.free, self.full, self.errors):
+            q.cancel_join_thread()  # never block at exit on data no one will read
+            q.close()
+
+
+# ---- Workers ---------------------------------------------------------------------------------------------------------
+
+
+class Stop(Exception):
+    """Raised inside a worker when the run is stopping."""
+
+
+class NonFiniteLoss(RuntimeError):
+    """The loss is NaN or infinite: the run stops, and the last checkpoint stays as it was."""
+
+
+def get_or_stop(q: Queue, stop: Event) -> int | None:
+    """`q.get()` that gives up when `stop` is set (wakes once a second to look; no busy wait)."""
+    while True:
+        try:
+            return q.get(timeout=1.0)
+        except queue.Empty:
+            if stop.is_set():
+                raise Stop from None
+
+
+def policy_step(
+    model: nn.Module,
+    obs: torch.Tensor,
+    done: torch.Tensor,
+    last_action: torch.Tensor,
+    reward: torch.Tensor,
+    state: LSTMState | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, LSTMState | None]:
     """The agent's forward pass at one step: [B, ...] obs (and the [B] done, last action, raw reward that came with
     it) -> sampled action, logits, baseline, next LSTM state."""
     if state is None:
@@ -362,52 +487,40 @@ def policy_step(model: nn.Module, obs: torch.Tensor, done: torch.Tensor, last_ac
     return action, logits, baseline, state
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Actor process and inference thread
-# ----------------------------------------------------------------------------------------------------------------
+class CopyPolicy:
+    """MonoBeast's acting: the actor's CPU copy of the model in shared memory, refreshed in place by the learner."""
+
+    def __init__(self, acting: ActingModel, num_envs: int):
+        self.acting = acting
+        self.state = acting.model.initial_state(num_envs) if acting.model.core is not None else None
+        self.wait = 0.0  # seconds spent waiting for outputs (none here)
+
+    def lstm_state(self) -> LSTMState | None:
+        """A copy of the LSTM state the next forward pass starts from (None without an LSTM)."""
+        return None if self.state is None else (self.state[0].clone(), self.state[1].clone())
+
+    def __call__(self, obs, done, last_action, reward, stop: Event) -> AgentOutput:
+        version = int(self.acting.version.item())  # read first: the parameters are at least this new
+        with torch.inference_mode():
+            action, logits, baseline, self.state = policy_step(
+                self.acting.model, obs, done, last_action, reward, self.state
+            )
+        return AgentOutput(action, logits, baseline, version)
 
 
-class Shutdown(Exception):
-    """Raised inside a worker when the run is stopping."""
+class BatchedPolicy:
+    """PolyBeast's acting: write the inputs to this actor's slot, request, wait for the inference thread."""
 
-
-def get_or_stop(q, stop) -> object:
-    """`q.get()` that gives up when `stop` is set (wakes once a second to look; no busy wait)."""
-    while True:
-        try:
-            return q.get(timeout=1.0)
-        except queue.Empty:
-            if stop.is_set():
-                raise Shutdown from None
-
-
-class ActorPolicy:
-    """How an actor gets its agent output: its own model copy (MonoBeast) or the inference thread (batched)."""
-
-    def __init__(self, actor_id: int, args: Args, model=None, version=None, slots=None, requests=None, sem=None):
-        self.actor_id, self.model, self.shared_version = actor_id, model, version
-        self.slots, self.requests, self.sem = slots, requests, sem
-        self.use_lstm = args.use_lstm
-        self.state = None
+    def __init__(self, actor_id: int, slots: InferenceSlots, requests: RequestPipe, sem: Semaphore, use_lstm: bool):
+        self.actor_id, self.slots, self.requests, self.sem, self.use_lstm = actor_id, slots, requests, sem, use_lstm
         self.wait = 0.0  # seconds spent waiting on the inference thread
-        if self.use_lstm and model is not None:
-            self.state = model.initial_state(args.num_envs_per_actor)
 
-    def current_state(self):
-        """The LSTM state that the next forward pass starts from (zeros without an LSTM)."""
-        if self.model is not None:
-            return self.state
-        return self.slots.h[self.actor_id], self.slots.c[self.actor_id]
+    def lstm_state(self) -> LSTMState | None:
+        """A copy of the LSTM state the next forward pass starts from (None without an LSTM)."""
+        i = self.actor_id
+        return (self.slots.h[i].clone(), self.slots.c[i].clone()) if self.use_lstm else None
 
-    def __call__(self, obs: torch.Tensor, done: torch.Tensor, last_action: torch.Tensor, reward: torch.Tensor, stop):
-        """The agent output at one row: (action, logits, baseline, policy version)."""
-        if self.model is not None:  # MonoBeast: the CPU copy in shared memory, refreshed in place by the learner
-            version = int(self.shared_version.item())  # read first: the data is at least this new
-            with torch.inference_mode():
-                action, logits, baseline, self.state = policy_step(
-                    self.model, obs, done, last_action, reward, self.state
-                )
-            return action, logits, baseline, version
+    def __call__(self, obs, done, last_action, reward, stop: Event) -> AgentOutput:
         i, slots = self.actor_id, self.slots
         slots.obs[i].copy_(obs)
         slots.done[i].copy_(done)
@@ -417,9 +530,10 @@ class ActorPolicy:
         self.requests.put(i)
         while not self.sem.acquire(timeout=1.0):
             if stop.is_set():
-                raise Shutdown
+                raise Stop
         self.wait += time.perf_counter() - start
-        return slots.action[i], slots.logits[i], slots.baseline[i], int(slots.version[i].item())
+        # the caller copies logits and baseline before its next request overwrites the slot; the action it keeps
+        return AgentOutput(slots.action[i].clone(), slots.logits[i], slots.baseline[i], int(slots.version[i].item()))
 
 
 def die_with_parent(parent_pid: int) -> None:
@@ -433,19 +547,79 @@ def die_with_parent(parent_pid: int) -> None:
         os._exit(0)
 
 
+class Actor:
+    """MonoBeast's `act()`: take a free index, write a rollout (row 0 = the previous rollout's row T), hand it to the
+    learners."""
+
+    def __init__(self, actor_id: int, args: Args, buffers: Buffers, queues: Queues, policy: CopyPolicy | BatchedPolicy):
+        self.actor_id, self.T, self.buffers, self.queues = actor_id, args.unroll_length, buffers, queues
+        self.policy = policy
+
+    def act(self, index: int, t: int) -> None:
+        """The agent's output at row t of buffer `index`, from the inputs stored there."""
+        b = self.buffers
+        out = self.policy(b.obs[index, t], b.done[index, t], b.last_action[index, t], b.reward[index, t],
+                          self.queues.stop)  # fmt: skip
+        b.action[index, t].copy_(out.action)
+        b.logits[index, t].copy_(out.logits)
+        b.baseline[index, t].copy_(out.baseline)
+        b.version[index, t].fill_(out.version)
+
+    def run(self, envs: gym.vector.VectorEnv) -> None:
+        b, T, stop = self.buffers, self.T, self.queues.stop
+        obs, _ = envs.reset()
+        carried = None  # (row T of the previous rollout, the LSTM state before it): row 0 of the next
+        for rollout in itertools.count(1):
+            start = time.perf_counter()
+            index = get_or_stop(self.queues.free, stop)
+            if index is None:
+                return
+            free_wait = time.perf_counter() - start
+            b.move(index, FREE_QUEUE, self.actor_id)
+            self.policy.wait = 0.0
+            if carried is None:  # x_0 starts an episode, reward and last action 0 (TorchBeast's `Environment.initial`)
+                b.set_row(index, 0, {k: torch.zeros_like(getattr(b, k)[index, 0]) for k in ROW_KEYS})
+                b.obs[index, 0].copy_(torch.from_numpy(obs))
+                b.done[index, 0] = True
+                state = self.policy.lstm_state()
+                self.act(index, 0)
+            else:
+                row, state = carried
+                b.set_row(index, 0, row)
+            if state is not None:
+                b.initial_h[index].copy_(state[0])
+                b.initial_c[index].copy_(state[1])
+            for t in range(1, T + 1):
+                if stop.is_set():
+                    raise Stop
+                obs, reward, terminated, truncated, info = envs.step(b.action[index, t - 1].numpy())
+                b.obs[index, t].copy_(torch.from_numpy(obs))
+                b.reward[index, t].copy_(torch.from_numpy(np.asarray(reward, dtype=np.float32)))
+                b.done[index, t].copy_(torch.from_numpy(terminated | truncated))
+                b.last_action[index, t].copy_(b.action[index, t - 1])  # kept across episode ends (TorchBeast)
+                b.episode_end[index, t].copy_(torch.from_numpy(info["_episode"]))
+                b.episode_return[index, t].copy_(torch.from_numpy(info["episode"]["r"]))
+                b.episode_length[index, t].copy_(torch.from_numpy(info["episode"]["l"]))
+                if t == T:  # the next rollout starts from this forward pass
+                    state = self.policy.lstm_state()
+                self.act(index, t)
+            carried = (b.row(index, T), state)
+            b.actor_id[index], b.rollout[index] = self.actor_id, rollout
+            b.free_wait[index], b.inference_wait[index] = free_wait, self.policy.wait
+            b.move(index, self.actor_id, FULL_QUEUE)
+            self.queues.full.put(index)
+
+
 def actor_process(
     actor_id: int,
     args: Args,
     env_seed: int,
     buffers: Buffers,
-    free_q,
-    full_q,
-    policy: ActorPolicy,
-    stop,
-    error_q,
+    queues: Queues,
+    policy: CopyPolicy | BatchedPolicy,
     parent_pid: int | None = None,
 ) -> None:
-    """MonoBeast's `act()`: take a free index, write a rollout (row 0 = previous row T), hand it to the learners."""
+    """An actor process: its envs (raw rewards: the loss clips them, or not) and its rollouts until stopped."""
     if parent_pid is not None:
         die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C reaches the whole process group: the main process decides
@@ -454,213 +628,117 @@ def actor_process(
     torch.manual_seed(env_seed)
     envs = None
     try:
-        envs = make_vector_env(  # raw rewards: the loss clips them, or not (--clip-rewards)
-            args.env_id,
-            args.num_envs_per_actor,
-            env_seed,
-            protocol=args.atari_protocol,
-            num_threads=1,
-            clip_rewards=False,
-        )
-        T = args.unroll_length
-        obs, _ = envs.reset()
-        # the row carried into the next rollout: x_0 of the first episode, done = True (a new episode starts), reward
-        # and last action 0 (TorchBeast's `Environment.initial`)
-        last = {k: torch.zeros_like(getattr(buffers, k)[0, 0]) for k in Buffers.ROW_KEYS}
-        last["obs"].copy_(torch.from_numpy(obs))
-        last["done"].fill_(True)
-        state_before_last = policy.current_state()
-        state_before_last = None if state_before_last is None else tuple(s.clone() for s in state_before_last)
-        action, logits, baseline, version = policy(last["obs"], last["done"], last["last_action"], last["reward"], stop)
-        action = action.clone()  # batched inference returns a view of the slot it overwrites at the next step
-        last["action"].copy_(action), last["logits"].copy_(logits), last["baseline"].copy_(baseline)
-        last["version"].fill_(version)
-        rollout = 0
-        while True:
-            start = time.perf_counter()
-            index = get_or_stop(free_q, stop)
-            if index is None:
-                break
-            free_wait = time.perf_counter() - start
-            owner = int(buffers.ledger[index])
-            if owner != FREE_QUEUE:
-                raise RuntimeError(f"buffer {index} taken from free_queue but the ledger says owner {owner}")
-            buffers.ledger[index] = actor_id
-            policy.wait = 0.0
-            for k in Buffers.ROW_KEYS:
-                getattr(buffers, k)[index, 0].copy_(last[k])
-            if state_before_last is not None:
-                buffers.initial_h[index].copy_(state_before_last[0])
-                buffers.initial_c[index].copy_(state_before_last[1])
-            for t in range(1, T + 1):
-                if stop.is_set():
-                    raise Shutdown
-                obs, reward, terminated, truncated, info = envs.step(action.numpy())
-                row = {
-                    "obs": torch.from_numpy(obs),
-                    "reward": torch.from_numpy(np.asarray(reward, dtype=np.float32)),
-                    "done": torch.from_numpy(terminated | truncated),
-                    "last_action": action,  # kept across episode ends, as TorchBeast's `Environment.step` does
-                    "episode_end": torch.from_numpy(info["_episode"]),
-                    "episode_return": torch.from_numpy(info["episode"]["r"]),
-                    "episode_length": torch.from_numpy(info["episode"]["l"]),
-                }
-                if t == T and state_before_last is not None:  # the next rollout starts from this forward pass
-                    state_before_last = tuple(s.clone() for s in policy.current_state())
-                action, logits, baseline, version = policy(
-                    row["obs"], row["done"], row["last_action"], row["reward"], stop
-                )
-                action = action.clone()
-                for k, v in row.items():
-                    getattr(buffers, k)[index, t].copy_(v)
-                buffers.action[index, t].copy_(action)
-                buffers.logits[index, t].copy_(logits)
-                buffers.baseline[index, t].copy_(baseline)
-                buffers.version[index, t].fill_(version)
-            for k in Buffers.ROW_KEYS:
-                last[k].copy_(getattr(buffers, k)[index, T])
-            rollout += 1
-            buffers.meta[index] = torch.tensor([actor_id, rollout, free_wait, policy.wait], dtype=torch.float64)
-            buffers.ledger[index] = FULL_QUEUE
-            full_q.put(index)
-    except Shutdown:
-        pass
-    except KeyboardInterrupt:
+        envs = make_vector_env(args.env_id, args.num_envs_per_actor, env_seed, protocol=args.atari_protocol,
+                               num_threads=1, clip_rewards=False)  # fmt: skip
+        Actor(actor_id, args, buffers, queues, policy).run(envs)
+    except (Stop, KeyboardInterrupt):
         pass
     except BaseException:
-        error_q.put((actor_id, traceback.format_exc()))
+        queues.errors.put(ActorError(actor_id, traceback.format_exc()))
         raise SystemExit(1) from None
     finally:
         if envs is not None:
             envs.close()
 
 
-def inference_thread(
-    model: nn.Module,
-    model_lock: threading.Lock,
-    version: list,
-    slots: InferenceSlots,
-    requests: RequestPipe,
-    sems: list,
-    max_actors: int,
-    device: torch.device,
-    stop,
-    errors: list,
-    stats: dict,
-) -> None:
-    """PolyBeast's dynamic batching: block for one request, take whatever else is waiting (up to `max_actors`
-    actors), one forward pass, write the outputs to the actors' slots, release each actor."""
-    try:
+@dataclass
+class InferenceServer:
+    """PolyBeast's dynamic batching in one thread: block for one request, take whatever else is waiting (up to
+    `max_actors` actors), one forward pass, write the outputs to the actors' slots, release each actor."""
+
+    acting: ActingModel
+    slots: InferenceSlots
+    requests: RequestPipe
+    sems: list[Semaphore]
+    max_actors: int
+    device: torch.device
+    stop: Event
+    failures: list[str]
+    batches: int = 0  # forward passes run
+    envs: int = 0  # envs served, summed over them
+
+    def run(self) -> None:
+        try:
+            while not self.stop.is_set():
+                ids = [i for i in self.requests.get_many(self.max_actors) if i != RequestPipe.WAKE]
+                if ids:
+                    self.serve(ids)
+        except BaseException:
+            self.failures.append(f"error: inference thread died:\n{traceback.format_exc()}")
+            self.stop.set()
+
+    def serve(self, ids: list[int]) -> None:
+        slots, device, k = self.slots, self.device, len(ids)
         N = slots.obs.shape[1]
-        while not stop.is_set():
-            ids = [i for i in requests.get_many(max_actors) if i != RequestPipe.WAKE]
-            if not ids:
-                continue
-            idx = torch.tensor(ids)
-            obs = slots.obs[idx].reshape(len(ids) * N, *slots.obs.shape[2:]).to(device, non_blocking=True)
-            done = slots.done[idx].reshape(-1).to(device)
-            last_action = slots.last_action[idx].reshape(-1).to(device)
-            reward = slots.reward[idx].reshape(-1).to(device)
-            state = None
-            if model.core is not None:  # [k, L, N, H] -> [L, k * N, H]
-                state = tuple(
-                    s[idx].transpose(0, 1).reshape(s.shape[1], -1, s.shape[3]).to(device) for s in (slots.h, slots.c)
-                )
-            with model_lock, torch.inference_mode():
-                acting_version = version[0]
-                action, logits, baseline, state = policy_step(model, obs, done, last_action, reward, state)
-            slots.action[idx] = action.view(len(ids), N).cpu()
-            slots.logits[idx] = logits.view(len(ids), N, -1).float().cpu()
-            slots.baseline[idx] = baseline.view(len(ids), N).float().cpu()
-            slots.version[idx] = acting_version
-            if state is not None:
-                for s, out in zip((slots.h, slots.c), state, strict=True):
-                    s[idx] = out.reshape(out.shape[0], len(ids), N, -1).transpose(0, 1).cpu()
-            stats["batches"] += 1
-            stats["envs"] += len(ids) * N
-            for i in ids:
-                sems[i].release()
-    except BaseException:
-        errors.append(f"inference thread died:\n{traceback.format_exc()}")
-        stop.set()
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Learner
-# ----------------------------------------------------------------------------------------------------------------
-
-
-class NonFiniteLoss(RuntimeError):
-    pass
+        idx = torch.tensor(ids)
+        obs = slots.obs[idx].reshape(k * N, *slots.obs.shape[2:]).to(device, non_blocking=True)
+        done, last_action, reward = (x[idx].flatten().to(device) for x in (slots.done, slots.last_action, slots.reward))
+        state = None
+        if self.acting.model.core is not None:  # [k, L, N, H] -> [L, k * N, H]
+            state = tuple(s[idx].transpose(0, 1).reshape(s.shape[1], -1, s.shape[3]).to(device)
+                          for s in (slots.h, slots.c))  # fmt: skip
+        with self.acting.lock, torch.inference_mode():
+            version = int(self.acting.version.item())
+            action, logits, baseline, state = policy_step(self.acting.model, obs, done, last_action, reward, state)
+        slots.action[idx] = action.view(k, N).cpu()
+        slots.logits[idx] = logits.view(k, N, -1).float().cpu()
+        slots.baseline[idx] = baseline.view(k, N).float().cpu()
+        slots.version[idx] = version
+        if state is not None:
+            for s, out in zip((slots.h, slots.c), state, strict=True):
+                s[idx] = out.reshape(out.shape[0], k, N, -1).transpose(0, 1).cpu()
+        self.batches += 1
+        self.envs += k * N
+        for i in ids:
+            self.sems[i].release()
 
 
 def get_batch(
-    thread_id: int, buffers: Buffers, free_q, full_q, batch_size: int, batch_lock: threading.Lock, stop
-) -> tuple[dict[str, torch.Tensor], list[int]]:
+    buffers: Buffers, queues: Queues, batch_size: int, batch_lock: threading.Lock
+) -> tuple[Rollouts, list[int]]:
     """Dequeue `batch_size` indices (under a lock, so two learners never deadlock on half batches), stack the
-    rollouts to [T + 1, batch_size * N, ...], and put the indices back on free_queue. Returns (batch, indices)."""
+    rollouts, and put the indices back on the free queue. Returns (batch, indices)."""
     with batch_lock:
         indices = []
         for _ in range(batch_size):
-            index = get_or_stop(full_q, stop)
+            index = get_or_stop(queues.full, queues.stop)
             if index is None:
-                raise Shutdown
-            owner = int(buffers.ledger[index])
-            if owner != FULL_QUEUE:
-                raise RuntimeError(f"buffer {index} taken from full_queue but the ledger says owner {owner}")
-            buffers.ledger[index] = learner_owner(thread_id)
+                raise Stop
+            buffers.move(index, FULL_QUEUE, LEARNER)
             indices.append(index)
-    idx = torch.tensor(indices)
-    batch = {}
-    for k in Buffers.ROW_KEYS:
-        x = getattr(buffers, k)[idx]  # [B, T + 1, N, ...], a copy
-        batch[k] = x.transpose(0, 1).reshape(x.shape[1], -1, *x.shape[3:])
-    for k in ("initial_h", "initial_c"):
-        x = getattr(buffers, k)[idx]  # [B, L, N, H] -> [L, B * N, H]
-        batch[k] = x.transpose(0, 1).reshape(x.shape[1], -1, x.shape[3])
-    batch["meta"] = buffers.meta[idx].clone()
-    if len(set(indices)) != len(indices):
-        raise RuntimeError(f"a learner batch holds the same buffer twice: {indices}")
+    batch = buffers.stack(indices)
     for index in indices:
-        buffers.ledger[index] = FREE_QUEUE
-        free_q.put(index)
+        buffers.move(index, LEARNER, FREE_QUEUE)
+        queues.free.put(index)
     return batch, indices
 
 
-def learner_outputs(model: nn.Module, b: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+def learner_outputs(model: nn.Module, b: Rollouts) -> tuple[torch.Tensor, torch.Tensor]:
     """The learner's logits [T + 1, B, A] and values [T + 1, B] on a batch, from the same inputs the actors fed."""
-    T1, B = b["reward"].shape
+    T1, B = b.reward.shape
     if model.core is None:
-        logits, values = model(b["obs"].reshape(T1 * B, *b["obs"].shape[2:]), b["last_action"], b["reward"])
+        logits, values = model(b.obs.reshape(T1 * B, *b.obs.shape[2:]), b.last_action, b.reward)
         return logits.reshape(T1, B, -1), values.reshape(T1, B)
-    state = (b["initial_h"], b["initial_c"])
-    logits, values, _ = model.recurrent(b["obs"], b["done"], state, b["last_action"], b["reward"])
+    logits, values, _ = model.recurrent(b.obs, b.done, (b.initial_h, b.initial_c), b.last_action, b.reward)
     return logits, values
 
 
-def learn(model: nn.Module, optimizer, batch: dict[str, torch.Tensor], args: Args, device: torch.device) -> dict:
+def learn(
+    model: nn.Module, optimizer: torch.optim.Optimizer, batch: Rollouts, args: Args, device: torch.device
+) -> dict:
     """One V-trace update on a [T + 1, B] batch; returns float metrics (losses, grad norm)."""
-    b = {k: v.to(device, non_blocking=True) for k, v in batch.items() if k != "meta"}
+    b = batch.to(device)
     logits, values = learner_outputs(model, b)
-    rewards = b["reward"][1:]  # raw from the env
+    rewards = b.reward[1:]  # raw from the env
     if args.clip_rewards:
         rewards = rewards.clamp(-1.0, 1.0)
-    actions = b["action"][:-1]
+    actions = b.action[:-1]
     target_logprob, entropy = logprob_entropy(logits[:-1], actions)
-    behaviour_logprob, _ = logprob_entropy(b["logits"][:-1], actions)
-    vs, pg_adv = vtrace(
-        behaviour_logprob,
-        target_logprob.detach(),
-        rewards,
-        values[:-1].detach(),
-        b["done"][1:],
-        values[-1].detach(),
-        args.gamma,
-        args.vtrace_rho_bar,
-        args.vtrace_c_bar,
-        args.vtrace_pg_rho_bar,
-    )
-    losses = impala_loss(target_logprob, entropy, values[:-1], vs, pg_adv, args.baseline_cost, args.entropy_cost)
+    behaviour_logprob, _ = logprob_entropy(b.logits[:-1], actions)
+    vs, pg_adv = vtrace(behaviour_logprob, target_logprob.detach(), rewards, values[:-1].detach(), b.done[1:],
+                        values[-1].detach(), args.gamma, args.vtrace_rho_bar, args.vtrace_c_bar,
+                        args.vtrace_pg_rho_bar)  # fmt: skip
+    losses = impala_loss(target_logprob, entropy, values[:-1], vs, pg_adv, args.vf_coef, args.ent_coef)
     if not torch.isfinite(losses["total_loss"]):
         raise NonFiniteLoss(f"non-finite loss {losses['total_loss'].item()}")
     optimizer.zero_grad(set_to_none=False)
@@ -670,113 +748,180 @@ def learn(model: nn.Module, optimizer, batch: dict[str, torch.Tensor], args: Arg
     return {k: v.item() for k, v in losses.items()}
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Setup helpers: validation, checkpoints, evaluation, signals
-# ----------------------------------------------------------------------------------------------------------------
+@dataclass
+class Learner:
+    """TorchBeast's `batch_and_learn`, run by `--num-learner-threads` threads: each batches outside the learn lock,
+    then learns, refreshes the acting parameters and logs under it, one update at a time."""
+
+    args: Args
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    device: torch.device
+    acting: ActingModel
+    buffers: Buffers
+    queues: Queues
+    num_updates: int
+    writer: SummaryWriter
+    run_dir: Path
+    meta: dict
+    failures: list[str]  # error lines of the threads; the first one is the run's
+    inference: InferenceServer | None
+    updates: int  # updates done (read and written under the learn lock, as are the counters below)
+    global_step: int
+    claimed: int = field(init=False)  # updates a learner thread has started on (each claims one before it batches)
+    last_print: float = field(default_factory=time.time)
+    last_checkpoint: float = field(default_factory=time.time)
+    learn_lock: threading.Lock = field(default_factory=threading.Lock)
+    batch_lock: threading.Lock = field(default_factory=threading.Lock)
+    recent_returns: deque[float] = field(default_factory=lambda: deque(maxlen=50))
+    start: tuple[float, int] = field(init=False)  # (time, global step) where this process started counting SPS
+
+    def __post_init__(self):
+        self.claimed, self.start = self.updates, (time.time(), self.global_step)
+
+    def run(self, thread_id: int) -> None:
+        """One learner thread: updates until the budget is spent or the run stops."""
+        try:
+            while not self.queues.stop.is_set() and self.update():
+                pass
+            return
+        except Stop:
+            return
+        except NonFiniteLoss as e:
+            error = f"error: {e} at update {self.updates + 1}; stopping (the last checkpoint, if any, is kept)"
+        except WriteError as e:
+            error = f"{e}; stopping (the last good checkpoint is kept)"
+        except OSError as e:  # the TensorBoard events file
+            error = events_error(e, self.run_dir)
+        except BaseException:
+            error = f"error: learner thread {thread_id} died:\n{traceback.format_exc()}"
+        self.failures.append(error)
+        self.queues.stop.set()
+
+    def update(self) -> bool:
+        """Claim, batch and take one update; False once every update of the budget is claimed."""
+        args = self.args
+        with self.learn_lock:
+            if self.claimed >= self.num_updates:
+                return False
+            self.claimed += 1
+        start = time.perf_counter()
+        batch, _ = get_batch(self.buffers, self.queues, args.batch_size, self.batch_lock)
+        batch_wait = time.perf_counter() - start
+        with self.learn_lock:
+            start = time.perf_counter()
+            lr = linear_lr(args.learning_rate, self.global_step, args.total_timesteps)
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            metrics = learn(self.model, self.optimizer, batch, args, self.device)
+            lag = self.updates - batch.version[:-1].double().mean().item()  # row T is the next rollout's row 0
+            self.updates += 1
+            self.global_step += args.unroll_length * args.batch_size * args.num_envs_per_actor
+            self.acting.refresh(self.model, self.updates)
+            timing = {"full_queue_get": batch_wait, "free_queue_get": batch.free_wait.mean().item(),
+                      "train": time.perf_counter() - start}  # fmt: skip
+            if self.inference is not None:
+                timing["inference_wait"] = batch.inference_wait.mean().item()
+                timing["inference_batch_size"] = self.inference.envs / max(1, self.inference.batches)
+            self.log(batch, lr, lag, metrics, timing)
+        return True
+
+    def log(self, batch: Rollouts, lr: float, lag: float, metrics: dict[str, float], timing: dict[str, float]) -> None:
+        """TensorBoard for this update; the console line and a checkpoint when they are due."""
+        step, now = self.global_step, time.time()
+        sps = (step - self.start[1]) / (now - self.start[0])
+        self.recent_returns.extend(log_update(self.writer, step, batch, lr, lag, sps, metrics, timing))
+        if now - self.last_print >= self.args.log_interval or self.updates == self.num_updates:
+            mean_return = np.mean(self.recent_returns) if self.recent_returns else math.nan
+            print(f"global_step={step} SPS={sps:.0f} mean_return={mean_return:.2f} "
+                  f"update={self.updates}/{self.num_updates} policy_lag={lag:.1f} "
+                  f"batch_wait={timing['full_queue_get']:.3f}s train={timing['train']:.3f}s", flush=True)  # fmt: skip
+            self.last_print = now
+        if self.args.checkpoint_interval and now - self.last_checkpoint >= self.args.checkpoint_interval:
+            self.save_checkpoint()
+            self.last_checkpoint = now
+
+    def save_checkpoint(self) -> None:
+        """Model, optimizer, counters, RNG state, args and meta, written atomically to {run_dir}/checkpoint.pt."""
+        state = dict(
+            model=self.model.state_dict(),
+            optimizer=self.optimizer.state_dict(),
+            update=self.updates,
+            global_step=self.global_step,
+            torch_rng=torch.get_rng_state(),
+            args=asdict(self.args),
+            meta=self.meta,
+        )
+        atomic_save(state, self.run_dir / "checkpoint.pt")
 
 
-def model_options(args: Args) -> dict:
-    """make_model's core options from the flags."""
-    return dict(
-        use_lstm=args.use_lstm,
-        lstm_size=args.lstm_size,
-        lstm_layers=args.lstm_layers,
-        action_reward_inputs=args.action_reward_inputs,
-    )
+# ---- Lifecycle -------------------------------------------------------------------------------------------------------
 
 
 def num_buffers_of(args: Args) -> int:
     return args.num_buffers if args.num_buffers is not None else max(2 * args.num_actors, args.batch_size)
 
 
+def model_options(args: Args) -> dict:
+    """make_model's core options from the flags."""
+    return dict(use_lstm=args.use_lstm, lstm_size=args.lstm_size, lstm_layers=args.lstm_layers,
+                action_reward_inputs=args.action_reward_inputs)  # fmt: skip
+
+
 def validate(args: Args) -> str | None:
-    """Every flag checked before anything is spawned; returns the error line or None."""
+    """Every flag checked before anything is made or spawned; returns the error line (without `error: `) or None."""
     for name, value in asdict(args).items():
         if isinstance(value, float) and not math.isfinite(value):
             return f"--{name.replace('_', '-')} must be a finite number, got {value}"
-    for name in (
-        "num_actors",
-        "num_envs_per_actor",
-        "num_learner_threads",
-        "unroll_length",
-        "batch_size",
-        "total_timesteps",
-        "lstm_layers",
-    ):
-        if getattr(args, name) < 1:
-            return f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}"
+    rules = (
+        (">= 1", lambda v: v >= 1, ("num_actors", "num_envs_per_actor", "num_learner_threads", "unroll_length",
+                                    "batch_size", "total_timesteps", "lstm_layers")),
+        ("> 0", lambda v: v > 0, ("learning_rate", "max_grad_norm", "gamma", "vtrace_rho_bar", "vtrace_c_bar",
+                                  "vtrace_pg_rho_bar", "rmsprop_eps", "rmsprop_alpha")),
+        (">= 0", lambda v: v >= 0, ("checkpoint_interval", "eval_episodes", "torch_threads", "max_inference_batch",
+                                    "vf_coef", "ent_coef", "rmsprop_momentum", "lstm_size")),
+    )  # fmt: skip
+    for rule, holds, names in rules:
+        for name in names:
+            if not holds(getattr(args, name)):
+                return f"--{name.replace('_', '-')} must be {rule}, got {getattr(args, name)}"
     K = num_buffers_of(args)
     if K < max(args.num_actors, args.batch_size):
         return (
             f"--num-buffers ({K}) must be >= --num-actors ({args.num_actors}) and >= --batch-size ({args.batch_size})"
         )
-    if args.inference not in ("batched", "actor"):
-        return f"--inference must be batched or actor, got {args.inference!r}"
-    if args.network not in NETWORKS:
-        return f"--network must be one of {', '.join(NETWORKS)}, got {args.network!r}"
-    if args.atari_protocol not in PROTOCOLS:
-        return f"--atari-protocol must be one of {', '.join(PROTOCOLS)}, got {args.atari_protocol!r}"
-    for name in (
-        "learning_rate",
-        "max_grad_norm",
-        "gamma",
-        "vtrace_rho_bar",
-        "vtrace_c_bar",
-        "vtrace_pg_rho_bar",
-        "rmsprop_eps",
-        "rmsprop_alpha",
-    ):
-        if not getattr(args, name) > 0:
-            return f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}"
     if args.gamma > 1:
         return f"--gamma must be in (0, 1], got {args.gamma}"
-    for name in (
-        "checkpoint_interval",
-        "eval_episodes",
-        "torch_threads",
-        "max_inference_batch",
-        "baseline_cost",
-        "entropy_cost",
-        "rmsprop_momentum",
-        "lstm_size",
-    ):
-        if getattr(args, name) < 0:
-            return f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}"
     if 0 < args.max_inference_batch < args.num_envs_per_actor:
-        return (
-            f"--max-inference-batch ({args.max_inference_batch}) must hold at least one actor's "
-            f"--num-envs-per-actor ({args.num_envs_per_actor}) envs (or be 0 = all)"
-        )
+        return (f"--max-inference-batch ({args.max_inference_batch}) must hold at least one actor's "
+                f"--num-envs-per-actor ({args.num_envs_per_actor}) envs (or be 0 = all)")  # fmt: skip
     if args.resume is not None and not Path(args.resume).is_file():
         return f"--resume {args.resume}: no such checkpoint file"
-    steps = args.unroll_length * args.batch_size * args.num_envs_per_actor
-    if args.total_timesteps < steps:
+    if args.total_timesteps < args.unroll_length * args.batch_size * args.num_envs_per_actor:
         return (
             f"--total-timesteps ({args.total_timesteps}) is less than one learner batch "
             f"({args.unroll_length} steps x {args.batch_size} rollouts x {args.num_envs_per_actor} envs)"
         )
     try:
-        check_env_args(args.env_id, args.num_envs_per_actor, args.atari_protocol)
+        check_env_args(args.env_id, args.num_envs_per_actor, args.atari_protocol)  # the id too, without making the env
     except EnvError as e:
         return str(e)
-    act_space = env_spaces(args)[1]
-    if not isinstance(act_space, gym.spaces.Discrete):
-        return (
-            f"{args.env_id} has a continuous action space ({act_space}); impala_monobeast.py handles Discrete "
-            f"action spaces only (for continuous actions: apex.py --algo ddpg)"
-        )
     return None
 
 
-def env_spaces(args: Args):
-    """(observation space, action space) of one env of the training vector env."""
+def env_spaces(args: Args) -> tuple[gym.Space, gym.spaces.Discrete]:
+    """(observation space, action space) of one env of the training vector env; EnvError if this script cannot train
+    on it."""
     probe = make_vector_env(args.env_id, 1, args.seed, protocol=args.atari_protocol, num_threads=1)
-    spaces = probe.single_observation_space, probe.single_action_space
+    obs_space, act_space = probe.single_observation_space, probe.single_action_space
     probe.close()
-    return spaces
+    if not isinstance(act_space, gym.spaces.Discrete):
+        raise EnvError(f"{args.env_id} has a continuous action space ({act_space}); impala_monobeast.py handles "
+                       f"Discrete action spaces only (for continuous actions: apex_ddpg.py)")  # fmt: skip
+    return obs_space, act_space
 
 
-def fail(message: str) -> None:
+def fail(message: str) -> NoReturn:
     print(f"error: {message}", file=sys.stderr)
     raise SystemExit(2)
 
@@ -802,17 +947,10 @@ def new_run_dir(args: Args) -> Path:
             fail(f"cannot create the run directory {run_dir}: {e.strerror or e}")
 
 
-def checkpoint_meta(args: Args, network: str, obs_space, act_space) -> dict:
+def checkpoint_meta(args: Args, network: str, obs_space: gym.Space, act_space: gym.spaces.Discrete) -> dict:
     """What a checkpoint must match to be resumed by this run: script, env, network and shapes."""
-    return dict(
-        script=Path(__file__).name,
-        algo=None,
-        env_id=args.env_id,
-        network=network,
-        **model_options(args),
-        obs_shape=list(obs_space.shape),
-        action_shape_or_n=int(act_space.n),
-    )
+    return dict(script=Path(__file__).name, algo=None, env_id=args.env_id, network=network, **model_options(args),
+                obs_shape=list(obs_space.shape), action_shape_or_n=int(act_space.n))  # fmt: skip
 
 
 def load_checkpoint(path: str, meta: dict) -> dict:
@@ -838,7 +976,7 @@ def load_checkpoint(path: str, meta: dict) -> dict:
 def events_error(e: OSError, run_dir: Path) -> str:
     """The error line for a TensorBoard events file that cannot be written (a full disk, most often). TensorBoard's
     writer thread dies of it and the main thread gets it at its next write; the thread is kept from printing its own
-    traceback (`threading.excepthook`), so the run reports it in this one line."""
+    traceback (`quiet_writer_thread`), so the run reports it in this one line."""
     reason = "no space left on device" if e.errno == errno.ENOSPC else (e.strerror or str(e))
     return f"error: {reason} while writing the TensorBoard events in {run_dir}; stopping"
 
@@ -852,7 +990,7 @@ class WriteError(RuntimeError):
     """A checkpoint or model file could not be written; the message is the error line."""
 
 
-def atomic_save(obj, path: Path) -> None:
+def atomic_save(obj: object, path: Path) -> None:
     """torch.save, atomic: a temporary file, then a rename over the old file, so a full disk leaves the last good one.
     Serialised in memory first: torch.save to a full disk raises a cryptic "unexpected pos" instead of ENOSPC."""
     buffer = io.BytesIO()
@@ -870,15 +1008,30 @@ def atomic_save(obj, path: Path) -> None:
         raise WriteError(f"error: {reason} while writing {path}") from None
 
 
+def log_update(
+    writer: SummaryWriter, step: int, batch: Rollouts, lr: float, lag: float, sps: float, metrics: dict[str, float],
+    timing: dict[str, float],
+) -> list[float]:  # fmt: skip
+    """One update's TensorBoard scalars, the games that ended in its batch included; returns their returns."""
+    ends = batch.episode_end[1:]  # row 0 repeats the previous rollout's last row
+    returns = batch.episode_return[1:][ends].tolist()
+    for ret, length in zip(returns, batch.episode_length[1:][ends].tolist(), strict=True):
+        writer.add_scalar("charts/episodic_return", ret, step)
+        writer.add_scalar("charts/episodic_length", length, step)
+    writer.add_scalar("charts/policy_lag", lag, step)
+    writer.add_scalar("charts/SPS", sps, step)
+    writer.add_scalar("charts/learning_rate", lr, step)
+    for name, value in metrics.items():
+        writer.add_scalar(f"losses/{name}", value, step)
+    for name, value in timing.items():
+        writer.add_scalar(f"timing/{name}", value, step)
+    return returns
+
+
 def evaluate(model: nn.Module, args: Args, run_dir: Path, device: torch.device) -> list[float]:
     """Play `eval_episodes` full games with the final policy (sampled actions), true returns."""
-    env = make_env(
-        args.env_id,
-        args.seed + 1_000_003,
-        protocol=args.atari_protocol,
-        capture_video=args.capture_video,
-        video_dir=str(run_dir / "videos"),
-    )
+    env = make_env(args.env_id, args.seed + 1_000_003, protocol=args.atari_protocol, capture_video=args.capture_video,
+                   video_dir=str(run_dir / "videos"))  # fmt: skip
     torch.manual_seed(args.seed + 1_000_003)
     returns = []
     obs, _ = env.reset()
@@ -901,23 +1054,86 @@ def evaluate(model: nn.Module, args: Args, run_dir: Path, device: torch.device) 
     return returns
 
 
-def install_stop_handlers(interrupt: list) -> None:
-    """Ctrl+C and SIGTERM append their number to `interrupt` (the exit status is 128 + it); the main thread's watch loop
-    sees it within a second and sets `stop`. The handler must not touch `stop` itself: it runs in the main thread,
-    which may be inside `stop.is_set()` holding the event's lock, and would wait on that lock forever."""
+class StopSignals:
+    """Ctrl+C and SIGTERM record their number (the exit status is 128 + it); the main thread's watch loop sees it within
+    a second and sets `stop`. The handler must not touch `stop` itself: it runs in the main thread, which may be inside
+    `stop.is_set()` holding the event's lock, and would wait on that lock forever."""
 
-    def handler(signum, frame):
-        interrupt.append(signum)
+    def __init__(self):
+        self.signum: int | None = None
 
-    signal.signal(signal.SIGINT, handler)
-    signal.signal(signal.SIGTERM, handler)
+    def handler(self, signum: int, frame: object) -> None:
+        self.signum = signum
+
+    def install(self) -> None:
+        signal.signal(signal.SIGINT, self.handler)
+        signal.signal(signal.SIGTERM, self.handler)
+
+    @staticmethod
+    def restore() -> None:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def watch(
+    actors: list[mp.Process], learners: list[threading.Thread], queues: Queues, signals: StopSignals
+) -> str | None:
+    """The main thread until the learners finish, a signal arrives or a worker fails: a dead actor (exception or
+    kill -9) stops the run. Returns the error line naming a dead actor, or None."""
+    sentinels = {p.sentinel: i for i, p in enumerate(actors)}
+    while signals.signum is None and not queues.stop.is_set() and any(t.is_alive() for t in learners):
+        ready = multiprocessing.connection.wait(list(sentinels), timeout=1.0)
+        if not ready or signals.signum is not None or queues.stop.is_set():
+            continue
+        i = sentinels[ready[0]]
+        actors[i].join(timeout=1.0)
+        try:
+            error = queues.errors.get(timeout=2.0)
+            i, detail = error.actor_id, f":\n{error.traceback}"
+        except queue.Empty:
+            code = actors[i].exitcode
+            detail = f" (killed by signal {-code})" if code is not None and code < 0 else f" (exit code {code})"
+        return f"error: actor {i} (pid {actors[i].pid}) died{detail}"
+    return None
+
+
+def shutdown(
+    actors: list[mp.Process], threads: list[threading.Thread], num_learners: int, queues: Queues,
+    inference: InferenceServer | None,
+) -> None:  # fmt: skip
+    """Stop every worker: wake whoever blocks on a queue, pipe or semaphore, join the threads, then the actors
+    (terminated, then killed, if they do not return), and close the queues. No process is left behind."""
+    queues.stop.set()
+    if inference is not None:
+        inference.requests.put(RequestPipe.WAKE)
+    for _ in range(num_learners):
+        queues.full.put(None)
+    deadline = time.time() + 8.0  # queue waits wake within a second; an update ends within seconds
+    for t in threads:
+        t.join(timeout=max(0.0, deadline - time.time()))
+    for _ in actors:
+        queues.free.put(None)
+    for sem in inference.sems if inference is not None else []:
+        sem.release()
+    deadline = time.time() + 3.0
+    for p in actors:
+        p.join(timeout=max(0.0, deadline - time.time()))
+    for p in actors:
+        if p.is_alive():
+            p.terminate()
+            p.join(timeout=1.0)
+        if p.is_alive():
+            p.kill()
+            p.join()
+    queues.close()
+    if inference is not None:
+        inference.requests.close()
 
 
 def leave(code: int, threads: list[threading.Thread]) -> None:
     """Exit with `code`. A thread still inside torch when the interpreter tears down makes C++ static destructors
-    abort the process ("terminate called without an active exception", SIGABRT; reproduced with a daemon thread
-    running backward passes at exit), so if a worker thread outlived its join, skip the teardown: TensorBoard is
-    closed and checkpoints are written by now."""
+    abort the process ("terminate called without an active exception", SIGABRT), so if a worker thread outlived its
+    join, skip the teardown: TensorBoard is closed and checkpoints are written by now."""
     alive = [t.name for t in threads if t.is_alive()]
     if alive:
         print(f"warning: {', '.join(alive)} still running at exit; leaving without interpreter teardown",
@@ -928,328 +1144,140 @@ def leave(code: int, threads: list[threading.Thread]) -> None:
         raise SystemExit(code)
 
 
-def restore_default_handlers() -> None:
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+def start_actors(
+    args: Args, env_seed: int, buffers: Buffers, queues: Queues, acting: ActingModel, slots: InferenceSlots | None,
+    requests: RequestPipe | None, sems: list[Semaphore], ctx: mp.context.BaseContext,
+) -> list[mp.Process]:  # fmt: skip
+    """One process per actor (env e of actor i seeded env_seed + N i + e), forked: the buffers and the shared model
+    are inherited, not pickled (MonoBeast's choice)."""
+    actors = []
+    for i in range(args.num_actors):
+        if args.inference == "actor":
+            policy = CopyPolicy(acting, args.num_envs_per_actor)
+        else:
+            policy = BatchedPolicy(i, slots, requests, sems[i], args.use_lstm)
+        actors.append(ctx.Process(target=actor_process, name=f"actor-{i}", daemon=True,
+                                  args=(i, args, env_seed + args.num_envs_per_actor * i, buffers, queues, policy,
+                                        os.getpid())))  # fmt: skip
+        actors[-1].start()
+    return actors
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# main
-# ----------------------------------------------------------------------------------------------------------------
+def finish(learner: Learner, failure: str | None, signum: int | None, threads: list[threading.Thread]) -> None:
+    """After the workers stopped: the final checkpoint and model, the evaluation, TensorBoard closed, the exit status
+    (1 on failure, 128 + the signal when interrupted)."""
+    args, run_dir = learner.args, learner.run_dir
+    if signum is not None:
+        print(f"interrupted at step {learner.global_step}: shutting down", file=sys.stderr)
+    try:
+        if failure is None and args.checkpoint_interval:
+            learner.save_checkpoint()
+        if failure is None and signum is None and args.save_model:
+            atomic_save(learner.model.state_dict(), run_dir / "model.pt")
+    except WriteError as e:
+        failure = f"{e}; stopping (the last good checkpoint is kept)"
+    if failure is None and signum is None and args.eval_episodes:
+        for i, ret in enumerate(evaluate(learner.model, args, run_dir, learner.device)):
+            learner.writer.add_scalar("eval/episodic_return", ret, i)
+            print(f"eval episode {i}: return {ret:.1f}")
+    try:
+        learner.writer.close()
+    except OSError as e:
+        failure = failure or events_error(e, run_dir)
+    if failure:
+        print(failure, file=sys.stderr)
+    leave(1 if failure else 128 + signum if signum is not None else 0, threads)
+
+
+# ---- Main ------------------------------------------------------------------------------------------------------------
 
 
 def main(args: Args) -> None:
     if error := validate(args):
         fail(error)
+    try:
+        obs_space, act_space = env_spaces(args)
+    except EnvError as e:
+        fail(str(e))
+    # checkpoint and run directory, before any process, thread, file or process-wide setting
+    network = args.network if args.network != "auto" else ("nature" if len(obs_space.shape) == 3 else "mlp")
+    meta = checkpoint_meta(args, network, obs_space, act_space)
+    checkpoint = load_checkpoint(args.resume, meta) if args.resume else None
+    if checkpoint and not os.access(Path(args.resume).parent, os.W_OK):
+        fail(f"cannot write to the run directory {Path(args.resume).parent} of --resume {args.resume}")
+    run_dir = Path(args.resume).parent if checkpoint else new_run_dir(args)
 
-    use_cuda = args.cuda and torch.cuda.is_available()
-    device = torch.device("cuda" if use_cuda else "cpu")
-    cores = os.cpu_count() or 1
-    torch.set_num_threads(args.torch_threads or max(1, cores - args.num_actors))
+    device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
+    torch.set_num_threads(args.torch_threads or max(1, (os.cpu_count() or 1) - args.num_actors))
     # the inference thread must get the GIL as soon as a request arrives, not after the learner's 5 ms time slice
     sys.setswitchinterval(0.0005)
     torch.manual_seed(args.seed)
     torch.backends.cudnn.deterministic = args.torch_deterministic
     torch.use_deterministic_algorithms(args.torch_deterministic, warn_only=True)
 
-    # ---- checkpoint and run directory, before any process, thread or file
-    obs_space, act_space = env_spaces(args)
-    network = args.network if args.network != "auto" else ("nature" if len(obs_space.shape) == 3 else "mlp")
-    meta = checkpoint_meta(args, network, obs_space, act_space)
-    checkpoint = load_checkpoint(args.resume, meta) if args.resume else None
-    if checkpoint:
-        run_dir = Path(args.resume).parent
-        if not os.access(run_dir, os.W_OK):
-            fail(f"cannot write to the run directory {run_dir} of --resume {args.resume}")
-    else:
-        run_dir = new_run_dir(args)
-
-    # ---- model, optimizer, shared memory (all allocated once, before the actors fork)
+    # model, optimizer, shared memory: all allocated once, before the actors fork
     model = make_model(obs_space, act_space, network, **model_options(args)).to(device)
-    optimizer = torch.optim.RMSprop(
-        model.parameters(),
-        lr=args.learning_rate,
-        alpha=args.rmsprop_alpha,
-        eps=args.rmsprop_eps,
-        momentum=args.rmsprop_momentum,
-    )
+    optimizer = torch.optim.RMSprop(model.parameters(), lr=args.learning_rate, alpha=args.rmsprop_alpha,
+                                    eps=args.rmsprop_eps, momentum=args.rmsprop_momentum)  # fmt: skip
     updates, global_step = 0, 0
     if checkpoint:
         model.load_state_dict(checkpoint["model"])
         optimizer.load_state_dict(checkpoint["optimizer"])
         updates, global_step = checkpoint["update"], checkpoint["global_step"]
         torch.set_rng_state(checkpoint["torch_rng"])
-    N, T, B, M = args.num_envs_per_actor, args.unroll_length, args.batch_size, args.num_actors
-    steps_per_update = T * B * N
+    M, N, K = args.num_actors, args.num_envs_per_actor, num_buffers_of(args)
+    steps_per_update = args.unroll_length * args.batch_size * N
     num_updates = args.total_timesteps // steps_per_update
-    K = num_buffers_of(args)
-    lstm_shape = (model.core.num_layers, model.core.hidden_size) if model.core is not None else (1, 1)
+    lstm = (model.core.num_layers, model.core.hidden_size) if model.core is not None else (1, 1)
     obs_dtype = torch.uint8 if obs_space.dtype == np.uint8 else torch.float32
-    buffers = Buffers.allocate(K, T, N, obs_space.shape, obs_dtype, int(act_space.n), lstm_shape)
+    buffers = Buffers.allocate(K, args.unroll_length, N, obs_space.shape, obs_dtype, int(act_space.n), lstm)
     # the actors' copy: the Nature network infers faster contiguous on CPU, trains faster channels_last (common.models)
     acting_device = device if args.inference == "batched" else torch.device("cpu")
-    acting_model = make_model(
-        obs_space, act_space, network, **model_options(args), channels_last=network != "nature"
-    ).to(acting_device)
-    acting_model.load_state_dict(model.state_dict())
-    acting_version = [updates]  # batched: read by the inference thread under model_lock
-    shared_version = torch.tensor([updates], dtype=torch.int64).share_memory_()  # actor mode: read by the actors
-    if args.inference == "actor":
-        acting_model.share_memory()
-
-    ctx = mp.get_context("fork")  # MonoBeast's choice: buffers and the shared model are inherited, not pickled
-    stop = ctx.Event()
-    free_q, full_q, error_q = ctx.Queue(), ctx.Queue(), ctx.Queue()
-    requests = RequestPipe() if args.inference == "batched" else None
-    sems = [ctx.Semaphore(0) for _ in range(M)] if args.inference == "batched" else []
-    slots = None
+    acting_model = make_model(obs_space, act_space, network, **model_options(args), channels_last=network != "nature")
+    acting = ActingModel(acting_model.to(acting_device), torch.tensor([updates]).share_memory_(), threading.Lock())
+    acting.refresh(model, updates)
+    ctx = mp.get_context("fork")
+    queues = Queues.create(ctx, buffers)
+    slots, requests, sems = None, None, []
     if args.inference == "batched":
-        slots = InferenceSlots.allocate(M, N, obs_space.shape, obs_dtype, int(act_space.n), lstm_shape)
-    buffers.ledger.fill_(FREE_QUEUE)
-    for index in range(K):
-        free_q.put(index)
+        slots = InferenceSlots.allocate(M, N, obs_space.shape, obs_dtype, int(act_space.n), lstm)
+        requests, sems = RequestPipe(), [ctx.Semaphore(0) for _ in range(M)]
+    else:
+        acting.model.share_memory()
+    env_seed = args.seed + (1_000_003 * updates if checkpoint else 0)  # shifted on resume so episodes are new
+    actors = start_actors(args, env_seed, buffers, queues, acting, slots, requests, sems, ctx)
 
-    # ---- actors (seed of env e of actor i: seed + N i + e; shifted on resume so episodes are new)
-    env_seed0 = args.seed + (1_000_003 * updates if checkpoint else 0)
-    parent_pid = os.getpid()
-    actors = []
-    for i in range(M):
-        if args.inference == "actor":
-            policy = ActorPolicy(i, args, model=acting_model, version=shared_version)
-        else:
-            policy = ActorPolicy(i, args, slots=slots, requests=requests, sem=sems[i])
-        p = ctx.Process(
-            target=actor_process,
-            name=f"actor-{i}",
-            args=(i, args, env_seed0 + N * i, buffers, free_q, full_q, policy, stop, error_q, parent_pid),
-            daemon=True,
-        )
-        p.start()
-        actors.append(p)
-
-    # ---- TensorBoard (after the fork: the writer runs a background thread)
+    # TensorBoard after the fork (the writer runs a background thread), then the learner and inference threads
     quiet_writer_thread()
     writer = SummaryWriter(str(run_dir))
     table = "\n".join(f"|{k}|{v}|" for k, v in {**asdict(args), "num_buffers": K}.items())
     writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
-    print(
-        f"run directory: {run_dir}  ({num_updates} updates of {steps_per_update} agent steps, {M} actors x {N} envs, "
-        f"{args.inference} inference, {network} network{' + LSTM' if args.use_lstm else ''}, {K} buffers)",
-        flush=True,
-    )
-
-    # ---- learner threads and the inference thread
-    errors: list[str] = []
-    interrupt: list[int] = []  # the signal that stopped the run
-    learn_lock, batch_lock, model_lock = threading.Lock(), threading.Lock(), threading.Lock()
-    recent_returns: deque[float] = deque(maxlen=50)
-    progress = dict(
-        claimed=updates,
-        updates=updates,
-        global_step=global_step,
-        last_print=time.time(),
-        last_checkpoint=time.time(),
-        failure=None,
-    )
-    inference_stats = dict(batches=0, envs=0)
-    start_time, start_step = time.time(), global_step
-
-    def checkpoint_state() -> dict:
-        return dict(
-            model=model.state_dict(),
-            optimizer=optimizer.state_dict(),
-            update=progress["updates"],
-            global_step=progress["global_step"],
-            torch_rng=torch.get_rng_state(),
-            args=asdict(args),
-            meta=meta,
-        )
-
-    def learner_thread(thread_id: int) -> None:
-        """TorchBeast's `batch_and_learn`: batch outside the lock, learn and publish inside it."""
-        try:
-            while not stop.is_set():
-                with learn_lock:
-                    if progress["claimed"] >= num_updates:
-                        break
-                    progress["claimed"] += 1
-                t0 = time.perf_counter()
-                batch, _ = get_batch(thread_id, buffers, free_q, full_q, B, batch_lock, stop)
-                batch_wait = time.perf_counter() - t0
-                with learn_lock:
-                    t1 = time.perf_counter()
-                    lr = linear_lr(args.learning_rate, progress["global_step"], args.total_timesteps)
-                    for group in optimizer.param_groups:
-                        group["lr"] = lr
-                    metrics = learn(model, optimizer, batch, args, device)
-                    lag = progress["updates"] - batch["version"][:-1].double().mean().item()
-                    progress["updates"] += 1
-                    progress["global_step"] += steps_per_update
-                    step = progress["global_step"]
-                    with model_lock:  # publish: the actors' shared copy, or the inference thread's
-                        for dst, src in zip(acting_model.parameters(), model.parameters(), strict=True):
-                            dst.data.copy_(src.data)
-                        acting_version[0] = progress["updates"]
-                        shared_version.fill_(progress["updates"])
-                    train_time = time.perf_counter() - t1
-                    sps = (step - start_step) / (time.time() - start_time)
-                    ends = batch["episode_end"][1:]  # row 0 repeats the previous rollout's last row
-                    for ret, length in zip(
-                        batch["episode_return"][1:][ends].tolist(),
-                        batch["episode_length"][1:][ends].tolist(),
-                        strict=True,
-                    ):
-                        writer.add_scalar("charts/episodic_return", ret, step)
-                        writer.add_scalar("charts/episodic_length", length, step)
-                        recent_returns.append(ret)
-                    writer.add_scalar("charts/policy_lag", lag, step)
-                    writer.add_scalar("charts/SPS", sps, step)
-                    writer.add_scalar("charts/learning_rate", lr, step)
-                    for name, value in metrics.items():
-                        writer.add_scalar(f"losses/{name}", value, step)
-                    writer.add_scalar("timing/full_queue_get", batch_wait, step)
-                    writer.add_scalar("timing/free_queue_get", batch["meta"][:, 2].mean().item(), step)
-                    writer.add_scalar("timing/train", train_time, step)
-                    if args.inference == "batched":
-                        writer.add_scalar("timing/inference_wait", batch["meta"][:, 3].mean().item(), step)
-                        mean_batch = inference_stats["envs"] / max(1, inference_stats["batches"])
-                        writer.add_scalar("timing/inference_batch_size", mean_batch, step)
-                    now = time.time()
-                    if now - progress["last_print"] >= args.log_interval or progress["updates"] == num_updates:
-                        mean_ret = f"{np.mean(recent_returns):.2f}" if recent_returns else "n/a"
-                        print(
-                            f"step {step:>10,}  update {progress['updates']}/{num_updates}  SPS {sps:,.0f}  "
-                            f"return(last {len(recent_returns)}) {mean_ret}  lag {lag:.1f}  "
-                            f"wait batch {batch_wait:.3f}s  train {train_time:.3f}s",
-                            flush=True,
-                        )
-                        progress["last_print"] = now
-                    if args.checkpoint_interval and now - progress["last_checkpoint"] >= args.checkpoint_interval:
-                        atomic_save(checkpoint_state(), run_dir / "checkpoint.pt")
-                        progress["last_checkpoint"] = now
-        except Shutdown:
-            pass
-        except NonFiniteLoss as e:
-            progress["failure"] = (
-                f"error: {e} at update {progress['updates'] + 1}; stopping (the last checkpoint, if any, is kept)"
-            )
-            stop.set()
-        except WriteError as e:
-            progress["failure"] = f"{e}; stopping (the last good checkpoint is kept)"
-            stop.set()
-        except OSError as e:  # the TensorBoard events file
-            progress["failure"] = events_error(e, run_dir)
-            stop.set()
-        except BaseException:
-            errors.append(f"learner thread {thread_id} died:\n{traceback.format_exc()}")
-            stop.set()
-
-    threads = [
-        threading.Thread(target=learner_thread, args=(j,), name=f"learner-{j}", daemon=True)
-        for j in range(args.num_learner_threads)
-    ]
+    print(f"run directory: {run_dir}  ({num_updates} updates of {steps_per_update} agent steps, {M} actors x {N} envs, "
+          f"{args.inference} inference, {network} network{' + LSTM' if args.use_lstm else ''}, {K} buffers)",
+          flush=True)  # fmt: skip
+    failures: list[str] = []
+    inference = None
     if args.inference == "batched":
         max_actors = M if not args.max_inference_batch else max(1, args.max_inference_batch // N)
-        threads.append(
-            threading.Thread(
-                target=inference_thread,
-                name="inference",
-                daemon=True,
-                args=(
-                    acting_model,
-                    model_lock,
-                    acting_version,
-                    slots,
-                    requests,
-                    sems,
-                    max_actors,
-                    device,
-                    stop,
-                    errors,
-                    inference_stats,
-                ),
-            )
-        )
-    install_stop_handlers(interrupt)
+        inference = InferenceServer(acting, slots, requests, sems, max_actors, device, queues.stop, failures)
+    learner = Learner(args, model, optimizer, device, acting, buffers, queues, num_updates, writer, run_dir, meta,
+                      failures, inference, updates, global_step)  # fmt: skip
+    threads = [threading.Thread(target=learner.run, args=(j,), name=f"learner-{j}", daemon=True)
+               for j in range(args.num_learner_threads)]  # fmt: skip
+    if inference is not None:
+        threads.append(threading.Thread(target=inference.run, name="inference", daemon=True))
+    signals = StopSignals()
+    signals.install()
     for t in threads:
         t.start()
-    learners = threads[: args.num_learner_threads]
 
-    # ---- the main thread watches the workers: a dead actor (exception or kill -9) stops the run
-    failure = None
     try:
-        sentinels = {p.sentinel: i for i, p in enumerate(actors)}
-        while not interrupt and not stop.is_set() and any(t.is_alive() for t in learners):
-            ready = multiprocessing.connection.wait(list(sentinels), timeout=1.0)
-            if ready and not interrupt and not stop.is_set():
-                i = sentinels[ready[0]]
-                actors[i].join(timeout=1.0)
-                detail = ""
-                try:
-                    actor_id, tb = error_q.get(timeout=2.0)
-                    i, detail = actor_id, f":\n{tb}"
-                except queue.Empty:
-                    code = actors[i].exitcode
-                    detail = f" (killed by signal {-code})" if code is not None and code < 0 else f" (exit code {code})"
-                failure = f"error: actor {i} (pid {actors[i].pid}) died{detail}"
-                stop.set()
+        actor_failure = watch(actors, threads[: args.num_learner_threads], queues, signals)
     finally:
-        stop.set()
-        if requests is not None:
-            requests.put(RequestPipe.WAKE)
-        for _ in learners:
-            full_q.put(None)
-        deadline = time.time() + 8.0  # queue waits wake within a second; an update ends within seconds
-        for t in threads:
-            t.join(timeout=max(0.0, deadline - time.time()))
-        for _ in actors:
-            free_q.put(None)
-        for sem in sems:
-            sem.release()
-        deadline = time.time() + 3.0
-        for p in actors:
-            p.join(timeout=max(0.0, deadline - time.time()))
-        for p in actors:
-            if p.is_alive():
-                p.terminate()
-                p.join(timeout=1.0)
-            if p.is_alive():
-                p.kill()
-                p.join()
-        for q in (free_q, full_q, error_q):
-            q.cancel_join_thread()  # never block at exit on data no one will read
-            q.close()
-        if requests is not None:
-            requests.close()
-        restore_default_handlers()
-
-    if errors and failure is None:
-        failure = f"error: {errors[0]}"
-    failure = failure or progress["failure"]
-    interrupted = bool(interrupt)
-    global_step = progress["global_step"]
-    if interrupted:
-        print(f"interrupted at step {global_step}: shutting down", file=sys.stderr)
-    try:
-        if failure is None and args.checkpoint_interval:
-            atomic_save(checkpoint_state(), run_dir / "checkpoint.pt")
-        if failure is None and not interrupted and args.save_model:
-            atomic_save(model.state_dict(), run_dir / "model.pt")
-    except WriteError as e:
-        failure = f"{e}; stopping (the last good checkpoint is kept)"
-    if failure is None and not interrupted:
-        if args.eval_episodes:
-            for i, ret in enumerate(evaluate(model, args, run_dir, device)):
-                writer.add_scalar("eval/episodic_return", ret, i)
-                print(f"eval episode {i}: return {ret:.1f}")
-    try:
-        writer.close()
-    except OSError as e:
-        failure = failure or events_error(e, run_dir)
-    if failure:
-        print(failure, file=sys.stderr)
-    leave(1 if failure else 128 + interrupt[0] if interrupted else 0, threads)
+        shutdown(actors, threads, args.num_learner_threads, queues, inference)
+        signals.restore()
+    finish(learner, actor_failure or (failures[0] if failures else None), signals.signum, threads)
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    main(parse_args(sys.argv[1:]))

@@ -73,7 +73,7 @@ APEX_CARTPOLE = ["--num-actors", "4", "--buffer-size", "100000", "--learning-sta
 # of 2 unrolls of 20 at Cleanba's lr, RMSprop eps 0.01 and clip 40 (MonoBeast's eps and clip too) take the same updates
 # as the cleanba_impala entry. The network gets TorchBeast's inputs (the script's default).
 IMPALA_CARTPOLE = ["--num-actors", "4", "--unroll-length", "20", "--batch-size", "2", "--learning-rate", "6e-4",
-                   "--entropy-cost", "0.01"]  # fmt: skip
+                   "--ent-coef", "0.01"]  # fmt: skip
 CARTPOLE = [
     Entry(
         "cleanba_ppo",
