@@ -49,8 +49,12 @@ import traceback
 from collections import deque
 from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import wait as wait_sentinels
+from multiprocessing.context import BaseContext
+from multiprocessing.queues import Queue
+from multiprocessing.sharedctypes import Synchronized, SynchronizedArray
+from multiprocessing.synchronize import Condition, Event, Lock
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, NamedTuple
+from typing import Literal, NamedTuple
 
 import gymnasium as gym
 import numpy as np
@@ -62,14 +66,6 @@ from torch import nn
 
 from common.atari import EnvError, ale_game, check_env_args, finished_episodes, make_env, make_vector_env
 from common.models import make_model
-
-if TYPE_CHECKING:
-    from multiprocessing.context import BaseContext
-    from multiprocessing.queues import Queue
-    from multiprocessing.sharedctypes import Synchronized, SynchronizedArray
-    from multiprocessing.synchronize import Condition, Event, Lock
-
-    from torch.utils.tensorboard import SummaryWriter
 
 # ---- Args ----------------------------------------------------------------------------------------------------------
 
@@ -339,9 +335,6 @@ class Mix(NamedTuple):
     lags: tuple[int, ...] = ()
 
 
-NO_GOSSIP = Mix(False, 0.0, (0,))  # allreduce: every learner updates the one policy that acted, lag 0
-
-
 class GossipEndpoint:
     """Algorithm 1, lines 5-8, for one learner: publish without blocking, mix once every in-peer has a new message,
     block only when more than tau iterations passed without mixing. Subclasses move the messages."""
@@ -377,7 +370,7 @@ class GossipEndpoint:
 
 class SharedMemoryGossip:
     """Preallocated broadcast buffers, one per learner, in shared memory (or CUDA memory); made by the main process
-    before the learners start. `endpoint(i)` is learner i's view."""
+    before the learners start. Learner i's view of them is a SharedMemoryEndpoint."""
 
     def __init__(self, ctx: BaseContext, n: int, numel: int, device: torch.device):
         self.n, self.numel, self.device = n, numel, device
@@ -389,9 +382,6 @@ class SharedMemoryGossip:
         self.finished: SynchronizedArray = ctx.Array("b", n, lock=False)  # learner ended its run (no more messages)
         self.locks: list[Lock] = [ctx.Lock() for _ in range(n)]  # no torn reads: copies hold the buffer's lock
         self.arrived: Condition = ctx.Condition()  # notified on every publish: blocked receivers wake without polling
-
-    def endpoint(self, learner: int, num_peers: int, time_varying: bool, tau: int) -> SharedMemoryEndpoint:
-        return SharedMemoryEndpoint(self, learner, num_peers, time_varying, tau)
 
 
 class SharedMemoryEndpoint(GossipEndpoint):
@@ -458,8 +448,10 @@ class SharedMemoryEndpoint(GossipEndpoint):
 # A torchrun gossip message is [P + 2]: the parameters, then a flag and the sender's iteration (exact in float32 below
 # 2^24 iterations). Flags: 0 an ordinary message, SENT_AT_SYNC sent right before a sync point (where the sender now
 # waits for the other ranks), SENT_LAST the sender's last message (it finished its run).
-FLAG, STAMP = 0, 1  # offsets after the parameters
-SENT_AT_SYNC, SENT_LAST = 1.0, 2.0
+FLAG = 0  # offsets after the parameters
+STAMP = 1
+SENT_AT_SYNC = 1.0
+SENT_LAST = 2.0
 
 
 class DistributedEndpoint(GossipEndpoint):
@@ -510,7 +502,8 @@ class DistributedEndpoint(GossipEndpoint):
         try:
             while True:
                 dist.recv(buf, src=src, group=self.group)
-                flag, stamp = buf[self.numel :].tolist()
+                tail = buf[self.numel :].tolist()
+                flag, stamp = tail[FLAG], tail[STAMP]
                 with self.cond:
                     self.latest[k].copy_(buf[: self.numel])
                     self.fresh[k], self.stamps[k] = True, int(stamp)
@@ -694,7 +687,7 @@ class Learner:
             grad_norm = self.optimizer_step()
             t4 = time.perf_counter()
             at_sync = (self.iteration + 1) % args.sync_interval == 0 or self.iteration + 1 == self.num_iterations
-            mix, stop = NO_GOSSIP, False
+            mix, stop = Mix(False, 0.0, lags=(0,)), False  # allreduce: every update is of the policy that acted
             if gossip is not None:  # lines 5-8
                 try:
                     mix = gossip.step(self.flat_params(), self.iteration, control.stop, at_sync and control.torchrun)
@@ -803,7 +796,7 @@ def learner_process(index: int, n: int, args: Args, device_name: str, shared: Sh
         if args.mode == "allreduce":
             dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{shared.port}", rank=index, world_size=n)
         else:
-            gossip = shared.gossip.endpoint(index, args.num_peers, args.time_varying, args.max_staleness)
+            gossip = SharedMemoryEndpoint(shared.gossip, index, args.num_peers, args.time_varying, args.max_staleness)
         learner = Learner(index, n, args, torch.device(device_name), state)
         final = learner.train(gossip, LocalControl(args, shared))
         shared.log_q.put(FinalState(index, state_to_bytes(final)))
@@ -835,12 +828,15 @@ class Run:
     meta: dict  # what a checkpoint of this run must match (checkpoint_meta)
     checkpoint: dict | None  # the one resumed from
 
+    def num_params(self) -> int:
+        return sum(p.numel() for p in make_model(self.obs_space, self.act_space, self.args.network).parameters())
+
 
 class Logger:
     """Turns learner records into TensorBoard scalars and console lines. Global step = agent steps summed over all
     learners (exact on one machine; under torchrun rank 0 writes the exact sum at every sync point)."""
 
-    def __init__(self, writer: SummaryWriter, n: int, args: Args, global_step: int = 0):
+    def __init__(self, writer, n: int, args: Args, global_step: int = 0):  # writer: a TensorBoard SummaryWriter
         self.writer, self.args = writer, args
         self.global_step, self.start_step, self.start_time = global_step, global_step, time.time()
         self.recent: deque[float] = deque(maxlen=20)
@@ -852,33 +848,28 @@ class Logger:
         return (self.global_step - self.start_step) / max(1e-9, time.time() - self.start_time)
 
     def handle(self, r: Record) -> None:
-        w, i = self.writer, r.learner
+        i, m = r.learner, r.means
         self.global_step += r.steps
-        g = self.global_step
         for ret, length in r.episodes:
-            w.add_scalar("charts/episodic_return", ret, g)
-            w.add_scalar("charts/episodic_length", length, g)
-            w.add_scalar(f"per_learner/episodic_return_{i}", ret, g)
             self.recent.append(ret)
-        for k in LOSS_NAMES:
-            w.add_scalar(f"losses/{k}", r.means[k], g)
-        for k in TIMING_NAMES:
-            w.add_scalar(f"timing/{k}", r.means[k], g)
-        w.add_scalar("charts/learning_rate", r.lr, g)
+            for tag, value in (("charts/episodic_return", ret), ("charts/episodic_length", length),
+                               (f"per_learner/episodic_return_{i}", ret)):  # fmt: skip
+                self.writer.add_scalar(tag, value, self.global_step)
+        scalars = {f"losses/{k}": m[k] for k in LOSS_NAMES} | {f"timing/{k}": m[k] for k in TIMING_NAMES}
+        scalars |= {"charts/learning_rate": r.lr, "charts/SPS": self.sps(), f"per_learner/SPS_{i}": r.sps}
         if r.policy_lag is not None:
-            self.policy_lag = r.policy_lag
-            w.add_scalar("charts/policy_lag", r.policy_lag, g)
-        w.add_scalar("charts/SPS", self.sps(), g)
-        w.add_scalar(f"per_learner/SPS_{i}", r.sps, g)
-        self.learner_sps[i] = r.sps
+            scalars["charts/policy_lag"] = self.policy_lag = r.policy_lag
         if self.args.mode == "gossip":
-            self.staleness = r.means["staleness"]
-            w.add_scalar("gossip/staleness", r.means["staleness"], g)
-            w.add_scalar("gossip/mix_rate", r.means["mixed"], g)
-            w.add_scalar("gossip/share_of_iteration", r.means["gossip"] / max(1e-12, r.means["iteration"]), g)
+            scalars |= {"gossip/staleness": m["staleness"], "gossip/mix_rate": m["mixed"],
+                        "gossip/share_of_iteration": m["gossip"] / max(1e-12, m["iteration"])}  # fmt: skip
             if r.consensus is not None:
-                w.add_scalar("gossip/consensus_distance", r.consensus, g)
-                w.add_scalar(f"per_learner/consensus_distance_{i}", r.consensus, g)
+                scalars |= {
+                    "gossip/consensus_distance": r.consensus,
+                    f"per_learner/consensus_distance_{i}": r.consensus,
+                }
+        for tag, value in scalars.items():
+            self.writer.add_scalar(tag, value, self.global_step)
+        self.learner_sps[i], self.staleness = r.sps, m["staleness"]
 
     def maybe_print(self, force: bool = False) -> None:
         if force or time.time() - self.last_print >= self.args.log_interval:
@@ -953,7 +944,7 @@ def validate(args: Args, n: int, torchrun: bool = False) -> str | None:
         if not isinstance(space, gym.spaces.Discrete):
             return (
                 f"{args.env_id} has a {type(space).__name__} action space {space}; gala_a2c.py needs a Discrete one "
-                f"(continuous actions: apex.py --algo ddpg)"
+                f"(continuous actions: apex_ddpg.py)"
             )
     return None
 
@@ -1040,7 +1031,7 @@ def quiet_writer_thread() -> None:
     threading.excepthook = lambda hook_args: None if issubclass(hook_args.exc_type, OSError) else default(hook_args)
 
 
-def make_writer(run_dir: Path, args: Args, n: int) -> SummaryWriter:
+def make_writer(run_dir: Path, args: Args, n: int):
     from torch.utils.tensorboard import SummaryWriter  # after the forks: the writer runs a thread
 
     quiet_writer_thread()
@@ -1198,7 +1189,7 @@ class Monitor:
         watched = [p for p in self.procs if p.name not in self.killed]  # killed here for not stopping: no failure
         ready = wait_sentinels([p.sentinel for p in watched], timeout=0)
         for p in (p for p in watched if p.sentinel in ready):
-            p.join(timeout=5.0)  # the sentinel can fire before the exit status is set (seen with CUDA learners)
+            p.join(timeout=5.0)  # the sentinel can fire before the exit status is set
             if p.exitcode != 0:
                 try:  # its traceback, if it lived to send one
                     return self.shared.error_q.get(timeout=2.0)
@@ -1345,14 +1336,13 @@ def main_single_machine(run: Run) -> None:
     use_cuda = args.cuda and torch.cuda.is_available()
     device = torch.device("cuda" if use_cuda else "cpu")
     torch.manual_seed(args.seed)
-    numel = sum(p.numel() for p in make_model(run.obs_space, run.act_space, args.network).parameters())
     ctx = mp.get_context("spawn" if use_cuda else "fork")  # CUDA cannot be used in forked children
     shared = Shared(
         log_q=ctx.Queue(),
         error_q=ctx.Queue(),
         stop=ctx.Event(),
         checkpoint_requests=ctx.Value("q", 0),
-        gossip=SharedMemoryGossip(ctx, n, numel, device) if args.mode == "gossip" else None,
+        gossip=SharedMemoryGossip(ctx, n, run.num_params(), device) if args.mode == "gossip" else None,
         port=free_port() if args.mode == "allreduce" else 0,
         parent_pid=os.getpid(),
     )
@@ -1404,9 +1394,8 @@ def main_distributed(args: Args, n: int, checkpoint: dict | None, obs_space, act
     control = RankControl(run, rank, device, signals.stop, logger)
     gossip, failure = None, None
     if args.mode == "gossip":
-        numel = sum(p.numel() for p in make_model(obs_space, act_space, args.network).parameters())
         group = dist.new_group(backend="nccl" if use_cuda else "gloo")  # every rank makes it, in the same order
-        gossip = DistributedEndpoint(rank, n, args.num_peers, args.max_staleness, numel, device, group)
+        gossip = DistributedEndpoint(rank, n, args.num_peers, args.max_staleness, run.num_params(), device, group)
     try:
         learner = Learner(rank, n, args, device, checkpoint["learners"][rank] if checkpoint else None)
         final = learner.train(gossip, control)

@@ -39,6 +39,7 @@ import gala_a2c
 from gala_a2c import (
     Args,
     Mix,
+    SharedMemoryEndpoint,
     SharedMemoryGossip,
     Stop,
     checkpoint_meta,
@@ -64,7 +65,7 @@ class NeverStop:
 
 def ring(n, num_peers=1, tau=0, time_varying=False, numel=6):
     shared = SharedMemoryGossip(CTX, n, numel, torch.device("cpu"))
-    return [shared.endpoint(i, num_peers, time_varying, tau) for i in range(n)]
+    return [SharedMemoryEndpoint(shared, i, num_peers, time_varying, tau) for i in range(n)]
 
 
 def gossip_round(endpoints, X, iteration=0):
@@ -239,34 +240,37 @@ def test_cartpole_gossip_end_to_end_with_the_message_ages_max_staleness_0_predic
     j's newest message, stamped with j's iteration s. i has mixed a strictly newer message at each iteration before, so
     s >= t; j can only have finished iteration s after mixing at s - 1 a message of i's, all of which are from
     iterations <= t, so s <= t + 1: the age t - s (charts/policy_lag) is 0 or -1, and so is every mean of it."""
-    args = [*TINY_CARTPOLE, "--total-timesteps", "2400", "--sync-interval", "5", "--max-staleness", "0"]
+    args = [*TINY_CARTPOLE, "--total-timesteps", "1200", "--sync-interval", "5", "--max-staleness", "0"]
     proc = run_script(SCRIPT, [*args, "--eval-episodes", "1", "--save-model"], tmp_path)
     assert proc.returncode == 0, proc.stderr
     run_dir = only_run_dir(tmp_path)
     logged = scalars(run_dir)
     assert_finite_tags(logged, [*REQUIRED_TAGS, *GOSSIP_TAGS, "eval/episodic_return"])
-    assert max(s for s, _ in logged["charts/SPS"]) == 2400  # global step: both learners' agent steps
+    assert max(s for s, _ in logged["charts/SPS"]) == 1200  # global step: both learners' agent steps
     assert (run_dir / "model.pt").is_file()
     lr = logged["charts/learning_rate"][0][1]
     assert lr == pytest.approx(7e-4 * math.sqrt(2))  # Table 2: scaled by sqrt(learners)
     assert {v for _, v in logged["gossip/mix_rate"]} == {1.0} and {v for _, v in logged["gossip/staleness"]} == {0.0}
     lags = [v for _, v in logged["charts/policy_lag"]]
     assert len(lags) == len(logged["gossip/mix_rate"]) and all(-1 <= v <= 0 for v in lags), lags
-    assert re.search(r"^global_step=2400 SPS=\d+ mean_return=\d", proc.stdout, re.MULTILINE), proc.stdout[-500:]
+    assert re.search(r"^global_step=1200 SPS=\d+ mean_return=\d", proc.stdout, re.MULTILINE), proc.stdout[-500:]
 
 
-def test_cartpole_allreduce_keeps_learners_identical(tmp_path):
-    args = [*TINY_CARTPOLE, "--mode", "allreduce", "--total-timesteps", "1600", "--checkpoint-interval", "3600"]
-    proc = run_script(SCRIPT, args, tmp_path)
+def test_breakout_allreduce_keeps_learners_identical(tmp_path):
+    """ALE frames through the Nature CNN, in the A2C baseline (too short for a finished episode: the episodic tags are
+    checked on CartPole above)."""
+    args = ["--env-id", "ALE/Breakout-v5", "--num-learners", "2", "--num-envs", "2", "--mode", "allreduce"]
+    proc = run_script(SCRIPT, [*args, "--total-timesteps", "200", "--checkpoint-interval", "3600"], tmp_path, 240)
     assert proc.returncode == 0, proc.stderr
     run_dir = only_run_dir(tmp_path)
     logged = scalars(run_dir)
-    assert_finite_tags(logged, REQUIRED_TAGS)
+    assert_finite_tags(logged, [t for t in REQUIRED_TAGS if "episodic" not in t])
+    assert max(s for s, _ in logged["charts/SPS"]) == 200
     assert {v for _, v in logged["charts/policy_lag"]} == {0.0}  # one synchronous A2C: the policy that acted
     checkpoint = torch.load(run_dir / "checkpoint.pt", weights_only=False)
     a, b = (s["model"] for s in checkpoint["learners"])
     assert all(torch.equal(a[k], b[k]) for k in a)
-    assert checkpoint["global_step"] == 1600 and [s["iteration"] for s in checkpoint["learners"]] == [40, 40]
+    assert checkpoint["global_step"] == 200 and [s["iteration"] for s in checkpoint["learners"]] == [10, 10]
 
 
 def test_two_allreduce_learners_in_two_torchrun_processes_over_gloo(tmp_path):
@@ -289,15 +293,6 @@ def test_two_gossip_learners_launched_as_two_nodes_on_loopback(tmp_path):
     assert [s for s, _ in logged["charts/SPS"]] == [400, 800, 1200, 1600]  # sync points: both ranks' steps
     assert (run_dir / "model.pt").is_file() and (run_dir / "learner1").is_dir()
     assert_finite_tags(logged, ["gossip/consensus_distance", "gossip/staleness"])
-
-
-def test_breakout_end_to_end(tmp_path):
-    args = ["--env-id", "ALE/Breakout-v5", "--num-learners", "2", "--num-envs", "2", "--total-timesteps", "200"]
-    proc = run_script(SCRIPT, args, tmp_path, timeout=240)
-    assert proc.returncode == 0, proc.stderr
-    logged = scalars(only_run_dir(tmp_path))
-    assert_finite_tags(logged, [t for t in REQUIRED_TAGS if "episodic" not in t])
-    assert max(s for s, _ in logged["charts/SPS"]) == 200
 
 
 @pytest.mark.parametrize(
@@ -350,7 +345,7 @@ def learner_pids(proc, tmp_path):
     return [p for p in processes_with(str(tmp_path)) if p != proc.pid]
 
 
-LONG_RUN = [*TINY_CARTPOLE, "--total-timesteps", "10000000"]
+LONG_RUN = [*TINY_CARTPOLE, "--total-timesteps", "10000000", "--log-frequency", "1"]
 
 
 def test_sigint_stops_everything_with_checkpoint_and_resume_continues(tmp_path):
@@ -426,18 +421,21 @@ def test_runs_started_in_the_same_second_get_their_own_run_directories(tmp_path,
     assert [d.name for d in made] == [f"CartPole-v1__x__1__1700000000{s}" for s in ("", "-2", "-3")]
 
 
+def run_main(capsys, flags):
+    """gala_a2c.main in this process, expected to refuse with one error line and exit 2 before it starts anything."""
+    threads = torch.get_num_threads()
+    try:
+        return refusal(capsys, gala_a2c.main, tyro.cli(Args, args=flags))
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_log_dir_that_cannot_be_created_is_one_error_line(tmp_path, capsys):
     (tmp_path / "FILE").write_text("a file, not a directory")
     for log_dir in ("/proc/x", str(tmp_path / "FILE/runs")):
-        error = refusal(capsys, new_run_dir, Args(env_id="CartPole-v1", log_dir=log_dir))
+        error = run_main(capsys, [*TINY_CARTPOLE, "--log-dir", log_dir])
         assert error.startswith("error: cannot create the run directory"), error
-    start = time.time()
-    log_dir = str(tmp_path / "FILE/runs")
-    proc = run_script(SCRIPT, [*TINY_CARTPOLE, "--total-timesteps", "800"], log_dir, timeout=60)
-    assert proc.returncode == 2 and time.time() - start < 60, proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: cannot create the run directory"), proc.stderr
-    assert processes_with(log_dir) == []
+        assert multiprocessing.active_children() == []
 
 
 def fake_checkpoint(path, **meta_changes):
@@ -471,16 +469,14 @@ def test_resume_refuses_what_it_cannot_use(tmp_path, capsys):
     )
 
 
-def test_refused_resume_exits_2_and_leaves_nothing_in_the_run_directory(tmp_path):
+def test_refused_resume_exits_2_and_leaves_nothing_in_the_run_directory(tmp_path, capsys):
     run_dir = tmp_path / "CartPole-v1__x__1__1700000000"
     run_dir.mkdir()
     garbage = run_dir / "checkpoint.pt"
     garbage.write_bytes(b"\0" * 100)
-    proc = run_script(SCRIPT, [*TINY_CARTPOLE, "--resume", str(garbage)], tmp_path, timeout=60)
-    assert proc.returncode == 2, proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"error: cannot resume from {garbage}"), proc.stderr
-    assert list(run_dir.iterdir()) == [garbage]
+    error = run_main(capsys, [*TINY_CARTPOLE, "--log-dir", str(tmp_path), "--resume", str(garbage)])
+    assert error.startswith(f"error: cannot resume from {garbage}"), error
+    assert list(run_dir.iterdir()) == [garbage] and multiprocessing.active_children() == []
 
 
 # ------------------------------------------------------------------ rare paths: signals, stuck and orphaned learners
