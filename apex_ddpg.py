@@ -1056,15 +1056,18 @@ def drain_into(q, handle, timeout: float) -> None:
 
 
 def dead_process(procs: dict, shared: Shared) -> str | None:
-    """The error line of the first process that died, with its traceback if it sent one (a process killed by a
-    signal sends none, so none is waited for)."""
+    """The error line of the process that died, with its traceback if it sent one. A process killed by a signal is
+    named first: it is the cause (it sends no traceback, and may have died holding the parameter store's lock, so
+    that the tracebacks already queued are other processes' lock timeouts)."""
     for name, p in procs.items():
-        if p.exitcode is not None and p.exitcode != 0:
+        if p.exitcode is not None and p.exitcode < 0:
+            return f"error: {name} died (killed by signal {-p.exitcode}); stopping the run"
+    for name, p in procs.items():
+        if p.exitcode is not None and p.exitcode > 0:
             try:
-                return shared.error_q.get(timeout=2.0 if p.exitcode > 0 else 0.1)
+                return shared.error_q.get(timeout=2.0)
             except queue.Empty:
-                how = f"killed by signal {-p.exitcode}" if p.exitcode < 0 else f"exit status {p.exitcode}"
-                return f"error: {name} died ({how}); stopping the run"
+                return f"error: {name} died (exit status {p.exitcode}); stopping the run"
     return None
 
 
