@@ -11,6 +11,7 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import socket
 import struct
@@ -297,3 +298,61 @@ def wandb_offline_runs(wandb_dir):
                 history.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item})
         out.append(WandbRun(name, config, history))
     return out
+
+
+def offline_wandb_env(wandb_dir):
+    """The environment for a `--track` run that writes its Weights & Biases run to `wandb_dir` and reaches no
+    network: offline mode, no console chatter."""
+    return {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_DIR": str(wandb_dir)}
+
+
+def assert_tracked_once(wandb_dir, run_dir, tags=("charts/episodic_return", "losses/value_loss")):
+    """`wandb_dir` holds exactly one offline run (a multi-process run logs once), named like the run directory, with
+    the Args as config and finite values of every tag in `tags` in its history (synced from TensorBoard)."""
+    runs = wandb_offline_runs(wandb_dir)
+    assert len(runs) == 1, [r.name for r in runs]
+    run = runs[0]
+    assert run.name == Path(run_dir).name
+    assert "env_id" in run.config and "seed" in run.config, sorted(run.config)
+    for tag in tags:
+        values = [row[tag] for row in run.history if tag in row]
+        assert values and all(math.isfinite(v) for v in values), (tag, values[:5])
+    return run
+
+
+def run_eval_only(script, model, log_dir, *args, timeout=180):
+    """Run `script --eval-only model` with `args`; return (the CompletedProcess, the eval JSON it wrote beside the
+    model or None). It must not make a run directory under `log_dir`."""
+    before = set(Path(model).parent.glob("eval-*.json"))
+    proc = run_script(script, ["--eval-only", str(model), *args], log_dir, timeout=timeout)
+    assert not Path(log_dir).exists() or not any(p.is_dir() for p in Path(log_dir).iterdir()), "made a run directory"
+    new = sorted(set(Path(model).parent.glob("eval-*.json")) - before)
+    return proc, (json.loads(new[-1].read_text()) if new else None)
+
+
+def assert_one_error_line(proc, *fragments):
+    """The run refused its input: exit 2, one stderr line `error: ...` holding every fragment, no traceback."""
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error:"), (proc.returncode, proc.stderr)
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+
+
+def assert_eval_only_refusals(script, model, tmp_path):
+    """`--eval-only` refuses, with one `error:` line and exit 2: a model.pt whose args.json names another script, a
+    `--env-id` that contradicts the saved run, and a file that is not a model."""
+    other = tmp_path / "other-script"
+    other.mkdir()
+    saved = json.loads((Path(model).parent / "args.json").read_text())
+    shutil.copy(model, other / "model.pt")
+    (other / "args.json").write_text(json.dumps({**saved, "script": "some_other_script.py"}))
+    proc, _ = run_eval_only(script, other / "model.pt", tmp_path / "logs-other")
+    assert_one_error_line(proc, "some_other_script.py", script)
+    proc, _ = run_eval_only(script, model, tmp_path / "logs-env", "--env-id", "Acrobot-v1")
+    assert_one_error_line(proc, "Acrobot-v1", saved["args"]["env_id"])
+    garbage = tmp_path / "garbage" / "model.pt"
+    garbage.parent.mkdir()
+    garbage.write_bytes(b"not a model")
+    shutil.copy(Path(model).parent / "args.json", garbage.parent / "args.json")
+    proc, _ = run_eval_only(script, garbage, tmp_path / "logs-garbage")
+    assert_one_error_line(proc)
