@@ -193,15 +193,14 @@ def make_vector_env(
     train: bool = True,
     num_threads: int = 0,
     batch_size: int = 0,
-    asynchronous: bool = False,
     clip_rewards: bool = True,
 ) -> EpisodeStatistics:
     """A gymnasium vector env of `num_envs` sub-environments with batched numpy observations.
 
     ALE ids run in ale-py's C++ `AtariVectorEnv` (`num_threads` stepping threads, 0 = one per core;
     `batch_size` > 0 turns on its async mode: `send` actions for the envs of the last `recv`, which returns the
-    first `batch_size` envs to finish). Other ids run in gymnasium's SyncVectorEnv (or AsyncVectorEnv with
-    `asynchronous`, not allowed inside daemonic worker processes).
+    first `batch_size` envs to finish; benchmarks/throughput.py's env table measures it). Other ids run in gymnasium's
+    SyncVectorEnv: the scripts run their envs inside worker processes already.
     `train=False` turns off the life-loss signal and reward clipping (evaluation); `clip_rewards=False` turns off
     the clipping only, for a script that clips in its loss. The first `reset()` without a seed seeds
     sub-environment i with `seed + i`.
@@ -238,8 +237,7 @@ def make_vector_env(
         gym.make(env_id).close()  # surface missing extras (box2d, mujoco) as one line, before spawning anything
     except gym.error.Error as e:
         raise EnvError(f"cannot make {env_id!r}: {e}") from None
-    vector_cls = gym.vector.AsyncVectorEnv if asynchronous else gym.vector.SyncVectorEnv
-    env = vector_cls(
+    env = gym.vector.SyncVectorEnv(
         [functools.partial(gym.make, env_id) for _ in range(num_envs)],
         autoreset_mode=gym.vector.AutoresetMode.SAME_STEP,
     )
