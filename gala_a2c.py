@@ -1153,7 +1153,8 @@ def evaluate(model: nn.Module, args: Args, video_dir: Path) -> list[float]:
         obs, _, terminated, truncated, info = env.step(int(action[0]))
         if terminated or truncated:
             returns.append(float(info["episode"]["r"]))
-            obs, _ = env.reset()
+            if len(returns) < args.eval_episodes:  # no reset after the last game: it would record an empty video
+                obs, _ = env.reset()
     env.close()
     return returns
 
@@ -1550,7 +1551,7 @@ def main_eval_only(args: Args) -> None:
     print(f"evaluating {path} ({eval_args.eval_episodes} episodes, {how} actions); from its run: {taken}", flush=True)
     try:
         returns = evaluate(model, eval_args, path.parent / f"videos-eval-{stamp}")
-    except EnvError as e:  # --capture-video without moviepy
+    except (EnvError, gym.error.DependencyNotInstalled) as e:  # --capture-video without moviepy or a renderer
         fail(str(e))
     for i, ret in enumerate(returns):
         print(f"eval episode {i}: return {ret:.1f}")
