@@ -35,8 +35,11 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import hashlib
+import importlib.util
 import io
 import itertools
+import json
 import math
 import os
 import queue
@@ -47,7 +50,7 @@ import threading
 import time
 import traceback
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from multiprocessing.connection import wait as wait_sentinels
 from multiprocessing.context import BaseContext
 from multiprocessing.queues import Queue
@@ -98,8 +101,18 @@ class Args:
     """episodes to evaluate the final (averaged) policy on (logged as eval/episodic_return)"""
     eval_greedy: bool = True
     """evaluate with argmax actions (GALA Table 1's protocol); `--no-eval-greedy` samples from the policy instead"""
+    eval_only: str | None = None
+    """evaluate a saved agent instead of training: a model.pt or checkpoint.pt of a run of this script; env, protocol,
+    network and model options come from the run's args.json / checkpoint (--eval-episodes 0 plays 10 episodes)"""
     capture_video: bool = False
-    """record videos of the evaluation episodes to {run_dir}/videos"""
+    """record videos of the evaluation episodes to {run_dir}/videos (--eval-only: {model dir}/videos-eval-{time})"""
+    track: bool = False
+    """log the run to Weights & Biases: TensorBoard synced, Args as config, videos uploaded; needs
+    `pip install -e ".[track]"`"""
+    wandb_project_name: str = "actorlearners"
+    """Weights & Biases project of --track"""
+    wandb_entity: str | None = None
+    """Weights & Biases entity (team or user) of --track; None: your default entity"""
     network: Literal["auto", "nature", "impala", "mlp"] = "auto"
     """`nature` (GALA Appendix C.2), `impala`, `mlp`, or `auto` (nature for frames, mlp for flat observations)"""
 
@@ -917,6 +930,10 @@ def validate(args: Args, n: int, torchrun: bool = False) -> str | None:
         return f"--num-peers ({args.num_peers}) must be at most --num-learners - 1 ({n - 1})"
     if torchrun and args.time_varying:
         return "--time-varying needs the single-machine launch (torchrun ranks use a static ring)"
+    if torchrun and args.eval_only:
+        return "--eval-only runs in one process: python gala_a2c.py --eval-only PATH, without torchrun"
+    if args.track and importlib.util.find_spec("wandb") is None:
+        return '--track needs wandb: pip install -e ".[track]"'
     for name in ("learning_rate", "max_grad_norm", "rmsprop_eps"):
         if not getattr(args, name) > 0:
             return f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}"
@@ -930,6 +947,8 @@ def validate(args: Args, n: int, torchrun: bool = False) -> str | None:
             return f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}"
     if args.resume is not None and not Path(args.resume).is_file():
         return f"--resume {args.resume}: no such checkpoint file"
+    if args.eval_only is not None and not Path(args.eval_only).is_file():
+        return f"--eval-only {args.eval_only}: no such file"
     if args.total_timesteps < n * args.num_envs * args.num_steps:
         return (
             f"--total-timesteps ({args.total_timesteps}) is less than one iteration of all learners "
@@ -982,6 +1001,40 @@ def new_run_dir(args: Args) -> Path:
                 fail(f"cannot create the run directory {run_dir}: {base.parent} is not a directory")
         except OSError as e:
             fail(f"cannot create the run directory {run_dir}: {e.strerror or e}")
+
+
+def write_run_args(run_dir: Path, args: Args, meta: dict) -> None:
+    """{run_dir}/args.json: the script, Args and checkpoint meta, so that --eval-only can rebuild the env and the model
+    of a model.pt lying beside it. Exit 2 if it cannot be written."""
+    try:
+        (run_dir / "args.json").write_text(json.dumps(dict(script=meta["script"], args=asdict(args), meta=meta)))
+    except OSError as e:
+        fail(f"cannot write {run_dir / 'args.json'}: {e.strerror or e}")
+
+
+def start_tracking(args: Args, run_dir: Path):
+    """--track: a Weights & Biases run named like the run directory, with the Args as config and the TensorBoard
+    scalars synced; returns the wandb module (None without --track). Call it before the SummaryWriter is made: wandb
+    patches TensorBoard at init. The id is derived from the run directory's name, so that a --resume run continues
+    the same W&B run."""
+    if not args.track:
+        return None
+    import wandb  # optional: pip install -e ".[track]"
+
+    try:
+        wandb.init(
+            project=args.wandb_project_name,
+            entity=args.wandb_entity,
+            name=run_dir.name,
+            id=hashlib.sha1(run_dir.name.encode()).hexdigest(),
+            resume="allow" if args.resume else None,
+            config=vars(args),
+            sync_tensorboard=True,
+            save_code=True,
+        )
+    except Exception as e:  # not logged in, no network, an unknown entity or project
+        fail(f"--track: wandb.init failed: {(str(e).strip().splitlines() or [type(e).__name__])[0][:200]}")
+    return wandb
 
 
 def checkpoint_meta(args: Args, obs_space: gym.Space, act_space: gym.spaces.Discrete) -> dict:
@@ -1080,15 +1133,15 @@ def average_model(states: list[dict]) -> dict:
     }
 
 
-def evaluate(model: nn.Module, args: Args, run_dir: Path) -> list[float]:
-    """Play `eval_episodes` full games with the final policy, true returns; argmax actions with `--eval-greedy`
-    (GALA Table 1), sampled ones otherwise."""
+def evaluate(model: nn.Module, args: Args, video_dir: Path) -> list[float]:
+    """Play `eval_episodes` full games with the final (or --eval-only's saved) policy, true returns; argmax actions
+    with `--eval-greedy` (GALA Table 1), sampled ones otherwise; videos to `video_dir` with --capture-video."""
     env = make_env(
         args.env_id,
         args.seed + 1_000_003,
         protocol=args.atari_protocol,
         capture_video=args.capture_video,
-        video_dir=str(run_dir / "videos"),
+        video_dir=str(video_dir),
     )
     generator = torch.Generator().manual_seed(args.seed + 1_000_003)
     returns = []
@@ -1100,15 +1153,55 @@ def evaluate(model: nn.Module, args: Args, run_dir: Path) -> list[float]:
         obs, _, terminated, truncated, info = env.step(int(action[0]))
         if terminated or truncated:
             returns.append(float(info["episode"]["r"]))
-            obs, _ = env.reset()
+            if len(returns) < args.eval_episodes:  # no reset after the last game: it would record an empty video
+                obs, _ = env.reset()
     env.close()
     return returns
 
 
-def end_run(run: Run, logger: Logger | None, states: list, finished: bool, failure: str | None, signum: int) -> None:
+def load_for_eval(args: Args) -> tuple[Args, nn.Module, dict]:
+    """--eval-only: the saved agent (a model.pt with its run's args.json beside it, or a checkpoint.pt, whose learners
+    are averaged as at the end of training), the Args to evaluate it with (env, protocol and network from the saved
+    run; seed and evaluation flags from this command line) and those taken from the run. Anything this script cannot
+    evaluate is one error line and exit 2."""
+    path, this = Path(args.eval_only), Path(__file__).name
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:  # garbage, truncated, or pickled objects this interpreter cannot rebuild
+        fail(f"--eval-only {path}: not a model.pt or checkpoint.pt ({type(e).__name__}: {str(e).strip()[:100]})")
+    is_checkpoint = isinstance(saved, dict) and isinstance(saved.get("meta"), dict)
+    if is_checkpoint:  # it carries its own args and meta
+        run = dict(saved, script=saved["meta"].get("script"))
+    else:
+        try:
+            run = json.loads((path.parent / "args.json").read_text())
+        except (OSError, ValueError) as e:
+            fail(f"--eval-only {path}: cannot read its run's args.json beside it (it names the env and network): {e}")
+    if run.get("script") != this:
+        fail(f"{path} was saved by {run.get('script')}, not {this}")
+    for name in ("env_id", "network"):  # a value given on the command line must be the saved run's
+        given, theirs = getattr(args, name), (run["meta"][name], run["args"][name])
+        if given != getattr(Args, name) and given not in theirs:
+            fail(f"--{name.replace('_', '-')} {given} contradicts {path}, saved by a run with {theirs[0]}")
+    own = dict(eval_only=args.eval_only, eval_episodes=args.eval_episodes or 10, eval_greedy=args.eval_greedy,
+               capture_video=args.capture_video, seed=args.seed, cuda=args.cuda)  # fmt: skip
+    known = {f.name for f in fields(Args)}
+    eval_args = Args(**{k: v for k, v in run["args"].items() if k in known} | own)
+    model = make_model(*env_spaces(eval_args), eval_args.network)
+    try:
+        model.load_state_dict(average_model(saved["learners"]) if is_checkpoint else saved)
+    except Exception as e:  # not a state_dict, or one of another network
+        fail(f"--eval-only {path}: not parameters of its run's {run['meta']['network']} network ({type(e).__name__})")
+    settings = dict(env_id=eval_args.env_id, atari_protocol=eval_args.atari_protocol, network=run["meta"]["network"])
+    return eval_args, model, settings
+
+
+def end_run(
+    run: Run, logger: Logger | None, states: list, finished: bool, failure: str | None, signum: int, tracker=None
+) -> None:
     """After every learner stopped: the final checkpoint, then (run finished) --save-model and --eval-episodes on the
-    averaged parameters, the writer closed, the exit status (1 on a failure, 128 + signum when stopped by a signal).
-    A write that fails becomes the run's error line."""
+    averaged parameters, the writer closed, the W&B run (`tracker`, from start_tracking) finished, the exit status (1
+    on a failure, 128 + signum when stopped by a signal). A write that fails becomes the run's error line."""
     args = run.args
     try:
         if failure is None and args.checkpoint_interval and states and all(s is not None for s in states):
@@ -1120,7 +1213,7 @@ def end_run(run: Run, logger: Logger | None, states: list, finished: bool, failu
             model.load_state_dict(average_model(states))
             if args.save_model:
                 atomic_save(model.state_dict(), run.run_dir / "model.pt")
-            for i, ret in enumerate(evaluate(model, args, run.run_dir) if args.eval_episodes else []):
+            for i, ret in enumerate(evaluate(model, args, run.run_dir / "videos") if args.eval_episodes else []):
                 logger.writer.add_scalar("eval/episodic_return", ret, i)
                 print(f"eval episode {i}: return {ret:.1f}")
     except WriteError as e:
@@ -1132,6 +1225,10 @@ def end_run(run: Run, logger: Logger | None, states: list, finished: bool, failu
             logger.writer.close()
     except OSError as e:
         failure = failure or events_error(e, run.run_dir)
+    if tracker is not None:  # after the writer is closed: wandb syncs the events files up to then
+        for video in sorted((run.run_dir / "videos").glob("*.mp4")):
+            tracker.log({"videos": tracker.Video(str(video))})
+        tracker.finish(exit_code=1 if failure else 128 + signum if signum else 0)
     if failure:
         print(failure, file=sys.stderr)
         raise SystemExit(1)
@@ -1321,6 +1418,9 @@ def main(args: Args) -> None:
         fail(error)
     # one thread here: an OpenMP pool started in this process would deadlock the forked learners' first torch op
     torch.set_num_threads(1)
+    if args.eval_only:
+        main_eval_only(args)
+        return
     obs_space, act_space = env_spaces(args)
     meta = checkpoint_meta(args, obs_space, act_space)
     checkpoint = load_checkpoint(args.resume, meta, n) if args.resume else None  # a refused resume leaves no trace
@@ -1333,6 +1433,7 @@ def main(args: Args) -> None:
 def main_single_machine(run: Run) -> None:
     """Learner processes plus this monitor: it logs, checkpoints, and stops the run on a signal or a dead learner."""
     args, n = run.args, run.n
+    write_run_args(run.run_dir, args, run.meta)
     use_cuda = args.cuda and torch.cuda.is_available()
     device = torch.device("cuda" if use_cuda else "cpu")
     torch.manual_seed(args.seed)
@@ -1356,9 +1457,10 @@ def main_single_machine(run: Run) -> None:
     )
     signals = StopSignals(shared.stop)
     start_processes(procs)
-    monitor = Monitor(run, procs, shared)
-    try:
-        writer = make_writer(run.run_dir, args, n)  # inside the try: whatever fails from here on stops the learners
+    monitor, tracker = Monitor(run, procs, shared), None
+    try:  # whatever fails from here on stops the learners
+        tracker = start_tracking(args, run.run_dir)  # after the forks: no learner inherits wandb's threads and pipes
+        writer = make_writer(run.run_dir, args, n)
         monitor.logger = Logger(writer, n, args, run.checkpoint["global_step"] if run.checkpoint else 0)
         last_checkpoint = time.time()
         while len(monitor.finals) < n and not signals.signum and not (monitor.failure or monitor.write_failure):
@@ -1375,7 +1477,7 @@ def main_single_machine(run: Run) -> None:
         StopSignals.ignore()
         monitor.shutdown()
     finished = monitor.failure is None and not signals.signum and len(monitor.finals) == n
-    end_run(run, monitor.logger, monitor.latest, finished, monitor.failure, signals.signum)
+    end_run(run, monitor.logger, monitor.latest, finished, monitor.failure, signals.signum, tracker)
 
 
 def main_distributed(args: Args, n: int, checkpoint: dict | None, obs_space, act_space, meta: dict) -> None:
@@ -1383,8 +1485,12 @@ def main_distributed(args: Args, n: int, checkpoint: dict | None, obs_space, act
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
     use_cuda = args.cuda and torch.cuda.is_available()
     device = torch.device(f"cuda:{local_rank % torch.cuda.device_count()}" if use_cuda else "cpu")
-    # rank 0 makes the run directory before the rendezvous: torchrun stops the other ranks if it exits 2
-    names = [str(new_run_dir(args)) if rank == 0 else ""]
+    # rank 0 makes the run directory and W&B run before the rendezvous: torchrun stops the other ranks if it exits 2
+    names, tracker = [""], None
+    if rank == 0:
+        run_dir = new_run_dir(args)
+        write_run_args(run_dir, args, meta)
+        names, tracker = [str(run_dir)], start_tracking(args, run_dir)
     dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=n)
     dist.broadcast_object_list(names, src=0)  # one run directory, named by rank 0
     run = Run(args, n, Path(names[0]), obs_space, act_space, meta, checkpoint)
@@ -1410,6 +1516,8 @@ def main_distributed(args: Args, n: int, checkpoint: dict | None, obs_space, act
             writer.close()
         except OSError:
             pass
+        if tracker is not None:
+            tracker.finish(exit_code=1)
         exit_without_teardown(1)
     states = [None] * n if rank == 0 else None
     dist.gather_object(final, states, dst=0)
@@ -1425,11 +1533,36 @@ def main_distributed(args: Args, n: int, checkpoint: dict | None, obs_space, act
     dist.destroy_process_group()
     StopSignals.ignore()
     try:  # rank 0: the final checkpoint, --save-model, --eval-episodes; every rank: its writer, its exit status
-        end_run(run, logger, states or [], rank == 0 and not signals.signum, control.write_failure, signals.signum)
+        finished = rank == 0 and not signals.signum
+        end_run(run, logger, states or [], finished, control.write_failure, signals.signum, tracker)
         code = 0
     except SystemExit as e:
         code = e.code
     exit_without_teardown(code)
+
+
+def main_eval_only(args: Args) -> None:
+    """--eval-only: play the saved agent with the end-of-training evaluation, print the true game returns and write
+    them to {model dir}/eval-{unix time}.json. Nothing trains, no run directory is made."""
+    eval_args, model, settings = load_for_eval(args)
+    path, stamp = Path(args.eval_only), int(time.time())
+    taken = " ".join(f"{k}={v}" for k, v in settings.items())
+    how = "greedy" if eval_args.eval_greedy else "sampled"
+    print(f"evaluating {path} ({eval_args.eval_episodes} episodes, {how} actions); from its run: {taken}", flush=True)
+    try:
+        returns = evaluate(model, eval_args, path.parent / f"videos-eval-{stamp}")
+    except (EnvError, gym.error.DependencyNotInstalled) as e:  # --capture-video without moviepy or a renderer
+        fail(str(e))
+    for i, ret in enumerate(returns):
+        print(f"eval episode {i}: return {ret:.1f}")
+    report = dict(model=str(path), episodes=len(returns), greedy=eval_args.eval_greedy, returns=returns,
+                  mean=float(np.mean(returns)), settings=settings)  # fmt: skip
+    out = path.parent / f"eval-{stamp}.json"
+    try:
+        out.write_text(json.dumps(report, indent=1))
+    except OSError as e:
+        fail(f"cannot write {out}: {e.strerror or e}")
+    print(f"mean return over {len(returns)} episodes: {report['mean']:.2f} (written to {out})")
 
 
 if __name__ == "__main__":

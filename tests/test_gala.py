@@ -1,7 +1,10 @@
 """gala_a2c.py: gossip mixing against mixing matrices written by hand, non-blocking gossip, the staleness bound and
 the message ages it predicts (`charts/policy_lag`), Proposition 2's epsilon-ball, two learners over gloo in both modes,
-end-to-end runs, bad flags and shutdown."""
+end-to-end runs, --track (one offline W&B run per run), --eval-only, bad flags and shutdown."""
 
+import contextlib
+import importlib.util
+import json
 import math
 import multiprocessing
 import os
@@ -11,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 from pathlib import Path
 
 import numpy as np
@@ -23,11 +27,15 @@ from helpers import (
     ROOT,
     FixedLogitsPolicy,
     RecordingEnv,
+    assert_eval_only_refusals,
     assert_finite_tags,
+    assert_tracked_once,
     children_of,
     fill_disk,
+    offline_wandb_env,
     only_run_dir,
     rank_pid,
+    run_eval_only,
     run_script,
     scalars,
     small_tmpfs,
@@ -39,10 +47,12 @@ import gala_a2c
 from gala_a2c import (
     Args,
     Mix,
+    Run,
     SharedMemoryEndpoint,
     SharedMemoryGossip,
     Stop,
     checkpoint_meta,
+    end_run,
     env_spaces,
     epsilon_ball_radius,
     load_checkpoint,
@@ -50,6 +60,7 @@ from gala_a2c import (
     n_step_returns,
     new_run_dir,
     peer_offsets,
+    start_tracking,
     validate,
 )
 
@@ -220,7 +231,6 @@ def test_evaluation_takes_argmax_actions_by_default_and_samples_with_no_eval_gre
 
 
 # ------------------------------------------------------------------ running the script
-# ------------------------------------------------------------------ running the script
 
 
 REQUIRED_TAGS = [
@@ -235,15 +245,25 @@ GOSSIP_TAGS = ["gossip/consensus_distance", "gossip/staleness", "per_learner/con
 TORCHRUN = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2")
 
 
-def test_cartpole_gossip_end_to_end_with_the_message_ages_max_staleness_0_predicts(tmp_path):
+@pytest.fixture(scope="module")
+def gossip_run(tmp_path_factory):
+    """One tracked (offline) 2-learner gossip run on CartPole with --save-model, a final checkpoint and one evaluation
+    episode: (its CompletedProcess, its run directory, its W&B directory)."""
+    log_dir, wandb_dir = tmp_path_factory.mktemp("gossip-runs"), tmp_path_factory.mktemp("wandb")
+    args = [*TINY_CARTPOLE, "--total-timesteps", "1200", "--sync-interval", "5", "--max-staleness", "0", "--track"]
+    args += ["--eval-episodes", "1", "--save-model", "--checkpoint-interval", "3600"]
+    proc = run_script(SCRIPT, args, log_dir, env=offline_wandb_env(wandb_dir))
+    assert proc.returncode == 0, proc.stderr
+    return proc, only_run_dir(log_dir), wandb_dir
+
+
+def test_cartpole_gossip_end_to_end_with_the_message_ages_max_staleness_0_predicts(gossip_run):
     """--max-staleness 0: every iteration mixes (mix rate 1, staleness 0). Learner i at iteration t mixes its in-peer
     j's newest message, stamped with j's iteration s. i has mixed a strictly newer message at each iteration before, so
     s >= t; j can only have finished iteration s after mixing at s - 1 a message of i's, all of which are from
-    iterations <= t, so s <= t + 1: the age t - s (charts/policy_lag) is 0 or -1, and so is every mean of it."""
-    args = [*TINY_CARTPOLE, "--total-timesteps", "1200", "--sync-interval", "5", "--max-staleness", "0"]
-    proc = run_script(SCRIPT, [*args, "--eval-episodes", "1", "--save-model"], tmp_path)
-    assert proc.returncode == 0, proc.stderr
-    run_dir = only_run_dir(tmp_path)
+    iterations <= t, so s <= t + 1: the age t - s (charts/policy_lag) is 0 or -1, and so is every mean of it.
+    --track: the main process alone logs to W&B (one run for the two learner processes)."""
+    proc, run_dir, wandb_dir = gossip_run
     logged = scalars(run_dir)
     assert_finite_tags(logged, [*REQUIRED_TAGS, *GOSSIP_TAGS, "eval/episodic_return"])
     assert max(s for s, _ in logged["charts/SPS"]) == 1200  # global step: both learners' agent steps
@@ -254,6 +274,48 @@ def test_cartpole_gossip_end_to_end_with_the_message_ages_max_staleness_0_predic
     lags = [v for _, v in logged["charts/policy_lag"]]
     assert len(lags) == len(logged["gossip/mix_rate"]) and all(-1 <= v <= 0 for v in lags), lags
     assert re.search(r"^global_step=1200 SPS=\d+ mean_return=\d", proc.stdout, re.MULTILINE), proc.stdout[-500:]
+    tracked = assert_tracked_once(wandb_dir, run_dir)
+    assert tracked.config["num_learners"] == 2 and tracked.config["max_staleness"] == 0
+    saved = json.loads((run_dir / "args.json").read_text())
+    assert saved["script"] == SCRIPT and saved["args"]["env_id"] == "CartPole-v1" and saved["meta"]["network"] == "mlp"
+
+
+def test_eval_only_replays_the_saved_agent_with_the_end_of_training_evaluation(gossip_run, tmp_path, capsys):
+    """model.pt (in a subprocess, with its args.json) and checkpoint.pt (in process: its learners averaged as at the
+    end of training) play the same greedy episodes, and the first is the run's own eval episode: same policy, same
+    evaluation seed."""
+    _, run_dir, _ = gossip_run
+    proc, report = run_eval_only(SCRIPT, run_dir / "model.pt", tmp_path / "logs", "--eval-episodes", "3")
+    assert proc.returncode == 0 and report is not None, proc.stderr
+    assert report["episodes"] == 3 and report["greedy"] is True and report["model"] == str(run_dir / "model.pt")
+    assert report["settings"] == {"env_id": "CartPole-v1", "atari_protocol": "deepmind", "network": "mlp"}
+    returns = report["returns"]
+    assert len(returns) == 3 and all(math.isfinite(r) and r == int(r) and 8 <= r <= 500 for r in returns), returns
+    assert report["mean"] == pytest.approx(np.mean(returns))
+    assert returns[0] == scalars(run_dir)["eval/episodic_return"][0][1]
+    assert "from its run: env_id=CartPole-v1 atari_protocol=deepmind network=mlp" in proc.stdout
+    threads = torch.get_num_threads()
+    try:
+        gala_a2c.main(tyro.cli(Args, args=["--eval-only", str(run_dir / "checkpoint.pt"), "--eval-episodes", "3"]))
+    finally:
+        torch.set_num_threads(threads)
+    from_checkpoint = max(run_dir.glob("eval-*.json"), key=lambda p: p.stat().st_mtime_ns)
+    assert json.loads(from_checkpoint.read_text())["returns"] == returns
+    assert "eval episode 2: return" in capsys.readouterr().out
+
+
+def test_eval_only_refuses_what_it_cannot_evaluate(gossip_run, tmp_path, capsys):
+    _, run_dir, _ = gossip_run
+    assert_eval_only_refusals(SCRIPT, run_dir / "model.pt", tmp_path)  # other script, --env-id Acrobot-v1, garbage
+    lonely = tmp_path / "lonely"
+    lonely.mkdir()
+    (lonely / "model.pt").write_bytes((run_dir / "model.pt").read_bytes())
+    error = run_main(capsys, ["--eval-only", str(lonely / "model.pt")])
+    assert "cannot read its run's args.json" in error, error
+    error = run_main(capsys, ["--eval-only", str(run_dir / "model.pt"), "--network", "nature"])
+    assert "--network nature contradicts" in error and "mlp" in error, error
+    error = run_main(capsys, ["--eval-only", str(tmp_path / "missing.pt")])
+    assert error == f"error: --eval-only {tmp_path / 'missing.pt'}: no such file", error
 
 
 def test_breakout_allreduce_keeps_learners_identical(tmp_path):
@@ -274,10 +336,13 @@ def test_breakout_allreduce_keeps_learners_identical(tmp_path):
 
 
 def test_two_allreduce_learners_in_two_torchrun_processes_over_gloo(tmp_path):
-    args = [*TINY_CARTPOLE, "--mode", "allreduce", "--total-timesteps", "1600", "--sync-interval", "10"]
-    proc = run_script(SCRIPT, [*args, "--save-model"], tmp_path, timeout=180, launcher=TORCHRUN)
+    """--track: rank 0 alone logs to W&B (one run for the two ranks)."""
+    args = [*TINY_CARTPOLE, "--mode", "allreduce", "--total-timesteps", "1600", "--sync-interval", "10", "--track"]
+    env = offline_wandb_env(tmp_path / "wandb")
+    proc = run_script(SCRIPT, [*args, "--save-model"], tmp_path / "runs", 180, env=env, launcher=TORCHRUN)
     assert proc.returncode == 0, proc.stderr
-    run_dir = only_run_dir(tmp_path)
+    run_dir = only_run_dir(tmp_path / "runs")
+    assert_tracked_once(tmp_path / "wandb", run_dir)
     assert [s for s, _ in scalars(run_dir)["charts/SPS"]] == [400, 800, 1200, 1600]  # sync points: both ranks' steps
     assert (run_dir / "model.pt").is_file() and (run_dir / "learner1").is_dir()
     assert "max |parameter difference| across 2 learners: 0" in proc.stdout
@@ -310,6 +375,7 @@ def test_two_gossip_learners_launched_as_two_nodes_on_loopback(tmp_path):
         (["--env-id", "CartPole-v1", "--gamma", "nan"], "--gamma must be a finite number"),
         (["--env-id", "CartPole-v1", "--max-grad-norm", "-inf"], "--max-grad-norm must be a finite number"),
         (["--env-id", "CartPole-v1", "--checkpoint-interval", "inf"], "--checkpoint-interval must be a finite number"),
+        (["--eval-only", "/nonexistent/model.pt"], "--eval-only /nonexistent/model.pt: no such file"),
     ],
 )
 def test_validate_names_what_is_wrong(flags, message):
@@ -318,6 +384,57 @@ def test_validate_names_what_is_wrong(flags, message):
     assert error is not None and message in error, error
     assert validate(Args(env_id="CartPole-v1"), 2) is None
     assert "--time-varying needs the single-machine launch" in validate(Args(time_varying=True), 4, torchrun=True)
+
+
+def test_track_without_wandb_is_refused_by_validate(monkeypatch):
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else find_spec(name, *a))
+    args = Args(env_id="CartPole-v1", track=True)
+    assert validate(args, 2) == '--track needs wandb: pip install -e ".[track]"'
+    assert validate(Args(env_id="CartPole-v1"), 2) is None
+
+
+class FakeWandb(types.SimpleNamespace):
+    """Records what the script asks of the wandb module."""
+
+    def __init__(self):
+        super().__init__(inits=[], logged=[], finished=[])
+
+    def init(self, **kwargs):
+        self.inits.append(kwargs)
+
+    def Video(self, path):  # wandb's name
+        return ("video", path)
+
+    def log(self, data):
+        self.logged.append(data)
+
+    def finish(self, exit_code=0):
+        self.finished.append(exit_code)
+
+
+def test_tracking_names_the_run_after_its_directory_resumes_it_and_ends_with_the_exit_status(monkeypatch, tmp_path):
+    """A --resume run continues the W&B run of its run directory (the same id); recorded videos are uploaded; the
+    W&B run ends with the run's exit status."""
+    wandb = FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", wandb)
+    run_dir = tmp_path / "CartPole-v1__gala_a2c__1__1700000000"
+    (run_dir / "videos").mkdir(parents=True)
+    (run_dir / "videos" / "rl-video-episode-0.mp4").write_bytes(b"")
+    assert start_tracking(Args(env_id="CartPole-v1"), run_dir) is None and wandb.inits == []
+    assert start_tracking(Args(env_id="CartPole-v1", track=True, wandb_entity="me"), run_dir) is wandb
+    resumed = Args(env_id="CartPole-v1", track=True, resume=str(run_dir / "checkpoint.pt"))
+    start_tracking(resumed, run_dir)
+    first, second = wandb.inits
+    assert first["name"] == second["name"] == run_dir.name and first["id"] == second["id"]
+    assert first["resume"] is None and second["resume"] == "allow" and first["entity"] == "me"
+    assert first["sync_tensorboard"] and first["config"]["env_id"] == "CartPole-v1" and first["config"]["track"]
+    run = Run(resumed, 2, run_dir, *env_spaces(resumed), {}, None)
+    for failure, signum, code in [(None, 0, 0), ("error: a learner died", 0, 1), (None, signal.SIGTERM, 143)]:
+        with pytest.raises(SystemExit) if code else contextlib.nullcontext():
+            end_run(run, None, [], False, failure, signum, wandb)
+        assert wandb.finished[-1] == code
+    assert wandb.logged == [{"videos": ("video", str(run_dir / "videos" / "rl-video-episode-0.mp4"))}] * 3
 
 
 def test_bad_flag_is_one_error_line_and_exit_2_before_anything_starts(tmp_path):
