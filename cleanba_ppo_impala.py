@@ -24,7 +24,8 @@ Algorithms (`--algo`, all it switches is in `algorithm()`): PPO (clipped surroga
   with those that arrived with x_t, one step earlier, so its IMPALA curves are not expected to match step for step.
 
   python cleanba_ppo_impala.py --env-id ALE/Breakout-v5
-  python cleanba_ppo_impala.py --algo impala --env-id ALE/Pong-v5 --num-envs 32 --num-actor-threads 2
+  python cleanba_ppo_impala.py --algo impala --env-id ALE/Pong-v5 --num-envs 32 --num-actor-threads 2 --track
+  python cleanba_ppo_impala.py --eval-only runs/<run>/model.pt --eval-episodes 10 --capture-video  # a saved agent
   torchrun --nnodes 2 --node-rank $NODE_RANK --nproc-per-node 8 --rdzv-backend c10d \\
       --rdzv-endpoint $HEAD_NODE:29500 cleanba_ppo_impala.py --env-id ALE/Breakout-v5           # two nodes
 """
