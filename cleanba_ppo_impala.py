@@ -24,7 +24,8 @@ Algorithms (`--algo`, all it switches is in `algorithm()`): PPO (clipped surroga
   with those that arrived with x_t, one step earlier, so its IMPALA curves are not expected to match step for step.
 
   python cleanba_ppo_impala.py --env-id ALE/Breakout-v5
-  python cleanba_ppo_impala.py --algo impala --env-id ALE/Pong-v5 --num-envs 32 --num-actor-threads 2
+  python cleanba_ppo_impala.py --algo impala --env-id ALE/Pong-v5 --num-envs 32 --num-actor-threads 2 --track
+  python cleanba_ppo_impala.py --eval-only runs/<run>/model.pt --eval-episodes 10 --capture-video  # a saved agent
   torchrun --nnodes 2 --node-rank $NODE_RANK --nproc-per-node 8 --rdzv-backend c10d \\
       --rdzv-endpoint $HEAD_NODE:29500 cleanba_ppo_impala.py --env-id ALE/Breakout-v5           # two nodes
 """
@@ -33,8 +34,11 @@ from __future__ import annotations
 
 import copy
 import errno
+import hashlib
+import importlib.util
 import io
 import itertools
+import json
 import math
 import os
 import queue
@@ -45,7 +49,7 @@ import time
 import traceback
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Literal, NamedTuple
 
@@ -95,9 +99,22 @@ class Args:
     resume: str | None = None
     """path of a checkpoint.pt to continue from (same run directory and step count)"""
     eval_episodes: int = 0
-    """episodes to evaluate the final policy on (logged as eval/episodic_return)"""
+    """episodes to evaluate the final policy on (logged as eval/episodic_return; --eval-only: 0 plays 10)"""
+    eval_greedy: bool = False
+    """evaluate with argmax actions; by default actions are sampled, the policy as it plays in training, whose
+    returns Cleanba reports"""
+    eval_only: str | None = None
+    """evaluate a saved agent instead of training: a model.pt or checkpoint.pt of a run of this script; env, protocol,
+    algo and network come from the run's args.json / checkpoint"""
     capture_video: bool = False
-    """record videos of the evaluation episodes to {run_dir}/videos"""
+    """record videos of the evaluation episodes to {run_dir}/videos (--eval-only: {model dir}/videos-eval-{time})"""
+    track: bool = False
+    """log the run to Weights & Biases: TensorBoard synced, Args as config, videos uploaded; needs
+    `pip install -e ".[track]"`"""
+    wandb_project_name: str = "actorlearners"
+    """Weights & Biases project of --track"""
+    wandb_entity: str | None = None
+    """Weights & Biases entity (team or user) of --track; None: your default entity"""
 
     algo: Literal["ppo", "impala"] = "ppo"
     """`ppo` (Adam, clipped surrogate, GAE) or `impala` (RMSprop, V-trace), each with Cleanba's defaults"""
@@ -250,6 +267,12 @@ def validate(args: Args, world_size: int) -> str | None:
             return f"{flag(name)} must be >= 0, got {getattr(args, name)}"
     if args.resume is not None and not Path(args.resume).is_file():
         return f"--resume {args.resume}: no such checkpoint file"
+    if args.eval_only is not None and world_size > 1:
+        return "--eval-only runs in one process: python cleanba_ppo_impala.py --eval-only PATH, without torchrun"
+    if args.eval_only is not None and not Path(args.eval_only).is_file():
+        return f"--eval-only {args.eval_only}: no such file"
+    if args.track and importlib.util.find_spec("wandb") is None:
+        return '--track needs wandb: pip install -e ".[track]"'
     if args.total_timesteps < args.num_envs * args.num_steps * world_size:
         return (
             f"--total-timesteps ({args.total_timesteps}) is less than one rollout "
@@ -805,6 +828,40 @@ def new_run_dir(args: Args) -> Path:
             fail(f"cannot create the run directory {run_dir}: {e.strerror or e}")
 
 
+def write_run_args(run_dir: Path, args: Args, meta: dict) -> None:
+    """{run_dir}/args.json: the script, Args and checkpoint meta, so that --eval-only can rebuild the env and the model
+    of a model.pt lying beside it. Exit 2 if it cannot be written."""
+    try:
+        (run_dir / "args.json").write_text(json.dumps(dict(script=meta["script"], args=asdict(args), meta=meta)))
+    except OSError as e:
+        fail(f"cannot write {run_dir / 'args.json'}: {e.strerror or e}")
+
+
+def start_tracking(args: Args, run_dir: Path):
+    """--track: a Weights & Biases run named like the run directory, with the Args as config and the TensorBoard
+    scalars synced; returns the wandb module (None without --track). Call it before the SummaryWriter is made: wandb
+    patches TensorBoard at init. The id is derived from the run directory's name, so that a --resume run continues
+    the same W&B run."""
+    if not args.track:
+        return None
+    import wandb  # optional: pip install -e ".[track]"
+
+    try:
+        wandb.init(
+            project=args.wandb_project_name,
+            entity=args.wandb_entity,
+            name=run_dir.name,
+            id=hashlib.sha1(run_dir.name.encode()).hexdigest(),
+            resume="allow" if args.resume else None,
+            config=vars(args),
+            sync_tensorboard=True,
+            save_code=True,
+        )
+    except Exception as e:  # not logged in, no network, an unknown entity or project
+        fail(f"--track: wandb.init failed: {(str(e).strip().splitlines() or [type(e).__name__])[0][:200]}")
+    return wandb
+
+
 def checkpoint_meta(args: Args, obs_space, act_space) -> dict:
     """What a checkpoint was trained on: --resume refuses one whose script, algo, env, network or shapes differ."""
     return dict(
@@ -837,6 +894,45 @@ def load_checkpoint(path: str, meta: dict) -> dict:
     if not os.access(run_dir, os.W_OK):
         fail(f"cannot write to the run directory {run_dir} of --resume {path}")
     return checkpoint
+
+
+def load_for_eval(args: Args) -> tuple[Args, nn.Module, dict]:
+    """--eval-only: the saved agent (a model.pt with its run's args.json beside it, or a checkpoint.pt), the Args to
+    evaluate it with (env, protocol, algo and network from the saved run; seed and evaluation flags from this command
+    line) and the settings taken from the run. Anything this script cannot evaluate is one error line and exit 2."""
+    path, this = Path(args.eval_only), Path(__file__).name
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:  # garbage, truncated, or pickled objects this interpreter cannot rebuild
+        reason = (str(e).strip().splitlines() or [""])[0][:100]
+        fail(f"--eval-only {path}: not a model.pt or checkpoint.pt ({type(e).__name__}: {reason})")
+    is_checkpoint = isinstance(saved, dict) and isinstance(saved.get("meta"), dict)
+    if is_checkpoint:  # it carries its own args and meta
+        run = dict(saved, script=saved["meta"].get("script"))
+    else:
+        try:
+            run = json.loads((path.parent / "args.json").read_text())
+        except (OSError, ValueError) as e:
+            fail(f"--eval-only {path}: cannot read its run's args.json beside it (it names the env and network): {e}")
+    if run.get("script") != this:
+        fail(f"{path} was saved by {run.get('script')}, not {this}")
+    for name in ("env_id", "algo", "network"):  # a value given on the command line must be the saved run's
+        given, theirs = getattr(args, name), (run["meta"][name], run["args"][name])
+        if given != getattr(Args, name) and given not in theirs:
+            fail(f"{flag(name)} {given} contradicts {path}, saved by a run with {theirs[0]}")
+    own = dict(eval_only=args.eval_only, eval_episodes=args.eval_episodes or 10, eval_greedy=args.eval_greedy,
+               capture_video=args.capture_video, seed=args.seed, cuda=args.cuda, track=False)  # fmt: skip
+    known = {f.name for f in fields(Args)}
+    eval_args = Args(**{k: v for k, v in run["args"].items() if k in known} | own)
+    network = run["meta"]["network"]  # `auto` resolved by the run (it depends on --algo)
+    model = make_model(*env_spaces(eval_args), network)
+    try:
+        model.load_state_dict(saved["model"] if is_checkpoint else saved)
+    except Exception as e:  # not a state_dict, or one of another network
+        fail(f"--eval-only {path}: not parameters of its run's {network} network ({type(e).__name__})")
+    settings = dict(env_id=eval_args.env_id, atari_protocol=eval_args.atari_protocol, algo=eval_args.algo,
+                    network=network)  # fmt: skip
+    return eval_args, model, settings
 
 
 def atomic_save(obj, path: Path) -> None:
@@ -889,14 +985,15 @@ def quiet_writer_thread_errors(hook) -> None:
         threading.__excepthook__(hook)
 
 
-def evaluate(model: nn.Module, args: Args, run_dir: Path, device: torch.device) -> list[float]:
-    """Play `eval_episodes` full games with the final policy (sampled actions), true returns."""
+def evaluate(model: nn.Module, args: Args, video_dir: Path, device: torch.device) -> list[float]:
+    """Play `eval_episodes` full games with the final (or --eval-only's saved) policy, true returns; sampled actions,
+    argmax ones with --eval-greedy; videos to `video_dir` with --capture-video."""
     env = make_env(
         args.env_id,
         args.seed + 1_000_003,
         protocol=args.atari_protocol,
         capture_video=args.capture_video,
-        video_dir=str(run_dir / "videos"),
+        video_dir=str(video_dir),
     )
     generator = torch.Generator(device=device).manual_seed(args.seed + 1_000_003)
     returns = []
@@ -904,10 +1001,12 @@ def evaluate(model: nn.Module, args: Args, run_dir: Path, device: torch.device) 
     while len(returns) < args.eval_episodes:
         with torch.inference_mode():
             logits, _ = model(torch.as_tensor(obs[None], device=device))
-        obs, _, terminated, truncated, info = env.step(int(sample_actions(logits, generator)[0]))
+        action = logits.argmax(dim=1) if args.eval_greedy else sample_actions(logits, generator)[0]
+        obs, _, terminated, truncated, info = env.step(int(action[0]))
         if terminated or truncated:
             returns.append(float(info["episode"]["r"]))
-            obs, _ = env.reset()
+            if len(returns) < args.eval_episodes:  # no reset after the last game: it would record an empty video
+                obs, _ = env.reset()
     env.close()
     return returns
 
@@ -1005,7 +1104,7 @@ def end_run(args: Args, run_dir: Path, log: UpdateLog, model, final_state: dict 
         if finished and args.save_model:
             atomic_save(model.state_dict(), run_dir / "model.pt")
         if finished and args.eval_episodes:
-            for i, ret in enumerate(evaluate(model, args, run_dir, device)):
+            for i, ret in enumerate(evaluate(model, args, run_dir / "videos", device)):
                 log.writer.add_scalar("eval/episodic_return", ret, i)
                 print(f"eval episode {i}: return {ret:.1f}")
     except WriteError as e:
@@ -1045,12 +1144,16 @@ def main(args: Args) -> None:
     world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     if error := validate(args, world_size):
         fail(error)
+    if args.eval_only:
+        return main_eval_only(args)
     obs_space, act_space = env_spaces(args)
     meta = checkpoint_meta(args, obs_space, act_space)
     checkpoint = load_checkpoint(args.resume, meta) if args.resume else None
-    run_dir = None
+    run_dir = tracker = None
     if rank == 0:  # under torchrun the other ranks are stopped by torchrun when this one exits 2
         run_dir = Path(args.resume).parent if args.resume else new_run_dir(args)
+        write_run_args(run_dir, args, meta)
+        tracker = start_tracking(args, run_dir)  # before UpdateLog's SummaryWriter
 
     device = init_torch(args, rank, world_size)
     network = pick_network(args, obs_space.shape)
@@ -1109,7 +1212,36 @@ def main(args: Args) -> None:
     if failure:
         print(failure, file=sys.stderr)
     code = 1 if failure else (128 + signals.signum if signals.signum else 0)
+    if tracker is not None:  # after end_run closed the writer: wandb has synced the events written up to then
+        for video in sorted((run_dir / "videos").glob("*.mp4")):
+            tracker.log({"videos": tracker.Video(str(video))})
+        tracker.finish(exit_code=code)
     leave(code, threads, teardown=world_size == 1)
+
+
+def main_eval_only(args: Args) -> None:
+    """--eval-only: play the saved agent with the end-of-training evaluation, print the true game returns and write
+    them to {model dir}/eval-{unix time}.json. Nothing trains, no run directory is made."""
+    eval_args, model, settings = load_for_eval(args)
+    device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
+    path, stamp = Path(args.eval_only), int(time.time())
+    taken = " ".join(f"{k}={v}" for k, v in settings.items())
+    how = "greedy" if eval_args.eval_greedy else "sampled"
+    print(f"evaluating {path} ({eval_args.eval_episodes} episodes, {how} actions); from its run: {taken}", flush=True)
+    try:
+        returns = evaluate(model.to(device), eval_args, path.parent / f"videos-eval-{stamp}", device)
+    except (EnvError, gym.error.DependencyNotInstalled) as e:  # --capture-video without moviepy or a renderer
+        fail(str(e))
+    for i, ret in enumerate(returns):
+        print(f"eval episode {i}: return {ret:.1f}")
+    report = dict(model=str(path), episodes=len(returns), greedy=eval_args.eval_greedy, returns=returns,
+                  mean=float(np.mean(returns)), settings=settings)  # fmt: skip
+    out = path.parent / f"eval-{stamp}.json"
+    try:
+        out.write_text(json.dumps(report, indent=1))
+    except OSError as e:
+        fail(f"cannot write {out}: {e.strerror or e}")
+    print(f"mean return over {len(returns)} episodes: {report['mean']:.2f} (written to {out})")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 """cleanba_ppo_impala.py: GAE, V-trace and the IMPALA loss against slow loops from their definitions, the PPO learner's
 values against Cleanba's, the policy-lag and determinism promises of Cleanba's architecture, two ranks with torchrun,
-end-to-end runs, bad flags and shutdown."""
+end-to-end runs, --track (one offline W&B run for two ranks), --eval-only, bad flags and shutdown."""
 
+import importlib.util
+import json
 import math
 import os
 import signal
@@ -9,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 from pathlib import Path
 from typing import NamedTuple
 
@@ -20,11 +23,17 @@ from helpers import (
     CONSOLE_LINE,
     CORE_TAGS,
     ROOT,
+    FixedLogitsPolicy,
+    RecordingEnv,
+    assert_eval_only_refusals,
     assert_finite_tags,
+    assert_tracked_once,
     children_of,
     fill_disk,
+    offline_wandb_env,
     only_run_dir,
     rank_pid,
+    run_eval_only,
     run_script,
     scalars,
     small_tmpfs,
@@ -33,11 +42,13 @@ from helpers import (
 )
 from torch import nn
 
+import cleanba_ppo_impala
 from cleanba_ppo_impala import (
     Args,
     Rollout,
     checkpoint_meta,
     env_spaces,
+    evaluate,
     gae,
     impala_loss,
     load_checkpoint,
@@ -46,6 +57,7 @@ from cleanba_ppo_impala import (
     ppo_loss,
     ppo_update,
     resolve_defaults,
+    start_tracking,
     validate,
     vtrace,
 )
@@ -283,15 +295,17 @@ class Run(NamedTuple):
     params: dict[str, torch.Tensor]
     logged: dict[str, list[tuple[int, float]]]
     stdout: str
+    run_dir: Path
 
 
 def train(log_dir, flags) -> Run:
-    """A CartPole run of UPDATES updates with two actor threads, evaluated and saved."""
+    """A CartPole run of UPDATES updates with two actor threads, evaluated, saved and checkpointed at its end."""
     flags = [*TINY_CARTPOLE, "--num-actor-threads", "2", "--total-timesteps", str(128 * UPDATES), *flags]
-    proc = run_script(SCRIPT, [*flags, "--save-model", "--eval-episodes", "2"], log_dir, timeout=240)
+    flags += ["--save-model", "--eval-episodes", "2", "--checkpoint-interval", "3600"]
+    proc = run_script(SCRIPT, flags, log_dir, timeout=240)
     assert proc.returncode == 0, proc.stderr
     run_dir = only_run_dir(log_dir)
-    return Run(torch.load(run_dir / "model.pt"), scalars(run_dir), proc.stdout)
+    return Run(torch.load(run_dir / "model.pt"), scalars(run_dir), proc.stdout, run_dir)
 
 
 def values(run: Run, tag: str) -> list[float]:
@@ -349,6 +363,62 @@ def test_deterministic_even_when_the_learner_is_slowed(mode, tmp_path, runs):
 def test_different_seeds_differ(tmp_path, runs):
     a, b = runs["ppo"].params, train(tmp_path, ["--seed", "2"]).params
     assert not all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_evaluation_samples_actions_by_default_and_takes_the_argmax_with_eval_greedy(monkeypatch, tmp_path):
+    """Sampled actions are the policy as it plays in training; the argmax (action 2) has probability about 0.34."""
+    logits = torch.tensor([0.0, 0.4, 0.8, 0.2])
+    for flags, greedy in [([], False), (["--eval-greedy"], True)]:
+        env = RecordingEnv(length=25)
+        monkeypatch.setattr(cleanba_ppo_impala, "make_env", lambda *a, env=env, **k: env)
+        args = tyro.cli(Args, args=["--env-id", "CartPole-v1", "--eval-episodes", "4", *flags])
+        assert evaluate(FixedLogitsPolicy(logits), args, tmp_path, torch.device("cpu")) == [25.0] * 4
+        assert len(env.actions) == 100
+        if greedy:
+            assert set(env.actions) == {2}
+        else:
+            assert set(env.actions) == {0, 1, 2, 3} and 15 <= env.actions.count(2) <= 55
+
+
+def eval_only_in_process(model: Path, *flags) -> dict:
+    """`main` with --eval-only `model` in this process; the eval JSON it wrote beside the model."""
+    main(tyro.cli(Args, args=["--eval-only", str(model), *flags]))
+    return json.loads(max(model.parent.glob("eval-*.json"), key=lambda p: p.stat().st_mtime_ns).read_text())
+
+
+def test_eval_only_replays_the_saved_agent_with_the_end_of_training_evaluation(runs, tmp_path):
+    """model.pt (in a subprocess, with its args.json) and checkpoint.pt (in process) play the run's own evaluation
+    episodes again, then one more: same policy, same evaluation seed, actions sampled as at the end of training. An
+    IMPALA run's model.pt is evaluated as one (its algo and network come from its run)."""
+    run = runs["ppo"]
+    model = run.run_dir / "model.pt"
+    proc, report = run_eval_only(SCRIPT, model, tmp_path / "logs", "--eval-episodes", "3")
+    assert proc.returncode == 0 and report is not None, proc.stderr
+    assert report["episodes"] == 3 and report["greedy"] is False and report["model"] == str(model)
+    assert report["settings"] == {"env_id": "CartPole-v1", "atari_protocol": "machado", "algo": "ppo", "network": "mlp"}
+    returns = report["returns"]
+    assert len(returns) == 3 and all(math.isfinite(r) and r == int(r) and 8 <= r <= 500 for r in returns), returns
+    assert returns[:2] == values(run, "eval/episodic_return") and report["mean"] == pytest.approx(np.mean(returns))
+    assert "from its run: env_id=CartPole-v1 atari_protocol=machado algo=ppo network=mlp" in proc.stdout
+    assert eval_only_in_process(run.run_dir / "checkpoint.pt", "--eval-episodes", "3")["returns"] == returns
+    impala = runs["impala"]
+    report = eval_only_in_process(impala.run_dir / "model.pt", "--eval-episodes", "2")
+    assert report["settings"]["algo"] == "impala" and report["returns"] == values(impala, "eval/episodic_return")
+
+
+def test_eval_only_refuses_what_it_cannot_evaluate(runs, tmp_path, capsys):
+    model = runs["ppo"].run_dir / "model.pt"
+    assert_eval_only_refusals(SCRIPT, model, tmp_path)  # another script's, --env-id Acrobot-v1, a garbage file
+    lonely = tmp_path / "lonely"
+    lonely.mkdir()
+    (lonely / "model.pt").write_bytes(model.read_bytes())
+    refused = lambda *flags: refusal(capsys, main, tyro.cli(Args, args=["--eval-only", *flags]))  # noqa: E731
+    assert "cannot read its run's args.json" in refused(str(lonely / "model.pt"))
+    error = refused(str(model), "--algo", "impala")
+    assert error == f"error: --algo impala contradicts {model}, saved by a run with ppo", error
+    assert "--network nature contradicts" in refused(str(model), "--network", "nature")
+    assert refused(str(tmp_path / "missing.pt")) == f"error: --eval-only {tmp_path / 'missing.pt'}: no such file"
+    assert "without torchrun" in validate(checked(eval_only=str(model)), 2)
 
 
 LEAVE_WITH_A_BUSY_THREAD = """
@@ -428,6 +498,29 @@ def test_choice_flags_are_refused_by_tyro(flag, value, capsys):
     with pytest.raises(SystemExit) as exit_:
         tyro.cli(Args, args=[flag, value])
     assert exit_.value.code == 2 and value in capsys.readouterr().err
+
+
+def test_track_without_wandb_is_refused_by_validate(monkeypatch):
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else find_spec(name, *a))
+    assert validate(checked(track=True), 1) == '--track needs wandb: pip install -e ".[track]"'
+    assert validate(checked(), 1) is None
+
+
+def test_tracking_names_the_run_after_its_directory_and_resume_continues_it(monkeypatch, tmp_path):
+    """A --resume run continues the W&B run of its run directory: the same id (wandb's rules: at most 64 letters,
+    digits, - or _), resume="allow"."""
+    inits = []
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=lambda **kwargs: inits.append(kwargs)))
+    run_dir = tmp_path / "CartPole-v1__cleanba_ppo_impala__1__1700000000"
+    assert start_tracking(checked(), run_dir) is None and inits == []
+    assert start_tracking(checked(track=True, wandb_entity="me"), run_dir) is sys.modules["wandb"]
+    start_tracking(checked(track=True, resume=str(run_dir / "checkpoint.pt")), run_dir)
+    first, second = inits
+    assert first["name"] == second["name"] == run_dir.name and first["id"] == second["id"]
+    assert len(first["id"]) <= 64 and first["id"].replace("-", "").replace("_", "").isalnum()
+    assert first["resume"] is None and second["resume"] == "allow" and first["entity"] == "me"
+    assert first["project"] == "actorlearners" and first["sync_tensorboard"] and first["config"]["num_steps"] == 128
 
 
 def test_bad_values_exit_2_with_one_line(tmp_path):
@@ -604,12 +697,20 @@ def test_torchrun_survivor_names_the_rank_that_died(tmp_path):
     assert "error: rank 0: lost contact with rank 1" in err and "died:" not in err, err
 
 
-def test_two_node_launch_on_loopback_ends_with_identical_ranks(tmp_path):
-    """The README's two-node launch; the ranks all-reduce their gradients, so they end with identical parameters."""
-    results = two_node_launch(SCRIPT, [*TINY_CARTPOLE, "--total-timesteps", "1024"], tmp_path)
+def test_two_node_launch_on_loopback_ends_with_identical_ranks(tmp_path, monkeypatch):
+    """The README's two-node launch; the ranks all-reduce their gradients, so they end with identical parameters.
+    --track: rank 0 alone logs to W&B (offline), one run for the two ranks."""
+    for name, value in offline_wandb_env(tmp_path / "wandb").items():  # the launchers inherit this environment
+        monkeypatch.setenv(name, value)
+    results = two_node_launch(SCRIPT, [*TINY_CARTPOLE, "--total-timesteps", "1024", "--track"], tmp_path / "runs")
     for r in results:
         assert r.returncode == 0 and "terminate called" not in r.stderr, r.stderr
     assert any("max |parameter difference| across 2 ranks: 0" in r.stdout for r in results)
-    logged = scalars(only_run_dir(tmp_path))
+    run_dir = only_run_dir(tmp_path / "runs")
+    tracked = assert_tracked_once(tmp_path / "wandb", run_dir)
+    assert tracked.config["num_envs"] == 4 and tracked.config["algo"] == "ppo"
+    saved = json.loads((run_dir / "args.json").read_text())
+    assert saved["script"] == SCRIPT and saved["args"]["total_timesteps"] == 1024 and saved["meta"]["network"] == "mlp"
+    logged = scalars(run_dir)
     assert [s for s, _ in logged["charts/SPS"]] == [256 * i for i in range(1, 5)]  # both ranks' envs count
     assert [v for _, v in logged["charts/policy_lag"]] == expected_lags(False, 4)
