@@ -96,8 +96,9 @@ def provenance(results: Path, name: str) -> str:
     """When and where a JSON was measured, from what it records about itself and its learn.py manifest."""
     data = load(results / name)
     meta = data.get("meta", data)
-    cores = meta.get("cpus") or data.get("cpu_count")
-    bits = [meta.get("time"), f"{cores} CPUs" if cores else meta.get("machine")]
+    cores = meta.get("cpus") or meta.get("cores") or data.get("cpu_count")
+    date = meta.get("time") or (meta.get("date") or "")[:10]  # throughput.py writes an ISO 8601 date and time
+    bits = [date, meta.get("cpu_model"), f"{cores} CPUs" if cores else meta.get("machine")]
     bits.append(f"torch {meta['torch']}" if meta.get("torch") else None)
     manifest = results / name.replace(".json", "_manifest.json")
     bits.append(load(manifest)["machine"] if manifest.exists() else None)
@@ -199,19 +200,25 @@ def a3c_eps_table(results: Path) -> str:
 
 
 def ceiling(r: dict, env: str = "env", infer: str = "infer", train: str = "train") -> str:
-    return f"{num(r['ceiling'])} ({num(r[env])} / {num(r[infer])} / {num(r[train])})"
+    """`ceiling (env / infer / train)`; a script whose learner runs apart from its actors (Ape-X) has no train piece."""
+    return f"{num(r['ceiling'])} ({num(r[env])} / {num(r[infer])} / {num(r.get(train))})"
+
+
+TABLE_SOURCE = "throughput_table.json"  # `python benchmarks/throughput.py` (every label, one configuration)
 
 
 def all_scripts_table(results: Path) -> str:
-    names = ["throughput.json", "throughput_apex.json"]
-    rows = [
-        f"`{r['label']}` | {script_of(r['label'])} | {flags_of(r['command'].split(), SHARED_FLAGS)} | "
-        f"{num(r['sps'])} | {num(d['env_ceiling_sps'])} | {r['fraction_of_env_ceiling']:.2f}"
-        for d in (load(results / n) for n in names)
-        for r in d["breakout"]
-    ]
-    header = "run | script | flags | agent steps/s | env alone, same command | fraction of env alone"
-    return table(header, "lllrrr", rows) + sources(results, names)
+    """throughput.py's table mode: each label's steady rate against its ceiling and CPU bound, and its baseline mode."""
+    rows = []
+    for r in (r for r in load(results / TABLE_SOURCE)["rows"] if not r["external"]):  # peers: see their section
+        versus = f"{r['speedup_vs_baseline']:.2f}x" if r.get("speedup_vs_baseline") else "—"
+        bound = num(r.get("bound")) + (" (exceeded)" if r.get("exceeds_bound") else "")
+        rows.append(f"`{r['label']}` | {script_of(r['label'])} | {flags_of(r['command'].split()[1:], SHARED_FLAGS)} | "
+                    f"{num(r['sps'])} | {ceiling(r)} | {num(r['efficiency'], 2)} | {bound} | {versus} | "
+                    f"{num(r['pss_peak_mib'])}")  # fmt: skip
+    header = ("run | script | flags | agent steps/s | ceiling (env / infer / train) | efficiency | CPU bound | "
+              "against its baseline mode | peak PSS MiB")  # fmt: skip
+    return table(header, "lllrrrrrr", rows) + sources(results, [TABLE_SOURCE])
 
 
 def straggler_table(results: Path) -> str:
@@ -401,18 +408,19 @@ def soak_table(results: Path) -> str:
 # The README's summary: one row per script
 # ----------------------------------------------------------------------------------------------------------------
 
-# (the row's script, its run in learn.py's classic-control suites, the prefix of its Pong runs' labels, its
-# throughput section in RESULTS.md)
+# (the row's script, its run in learn.py's classic-control suites and throughput.py's label, the prefix of its Pong
+# runs' labels)
+ONE_CONFIG = "every-script-at-one-configuration"  # the RESULTS.md section of all_scripts_table
 SUMMARY_ROWS = [
-    ("`cleanba_ppo_impala.py`", "cleanba_ppo", "cleanba_ppo", "cleanba"),
-    ("`cleanba_ppo_impala.py --algo impala`", "cleanba_impala", "cleanba_impala", "cleanba"),
-    ("`hts_a2c.py`", "hts_a2c", "hts_a2c", "hts-rl"),
-    ("`hts_ppo.py`", "hts_ppo", "hts_ppo", "hts-rl"),
-    ("`impala_monobeast.py`", "impala_batched", "impala", "impala-monobeast"),
-    ("`gala_a2c.py`", "gala_gossip", "gala", "gala"),
-    ("`a3c_large_batch.py`", "a3c_hogwild", "a3c", "a3c"),
-    ("`apex_dqn.py`", "apex_dqn", "apex_dqn", "every-script-at-one-configuration"),
-    ("`apex_ddpg.py`", "apex_ddpg", "apex_ddpg", ""),
+    ("`cleanba_ppo_impala.py`", "cleanba_ppo", "cleanba_ppo"),
+    ("`cleanba_ppo_impala.py --algo impala`", "cleanba_impala", "cleanba_impala"),
+    ("`hts_a2c.py`", "hts_a2c", "hts_a2c"),
+    ("`hts_ppo.py`", "hts_ppo", "hts_ppo"),
+    ("`impala_monobeast.py`", "impala_batched", "impala"),
+    ("`gala_a2c.py`", "gala_gossip", "gala"),
+    ("`a3c_large_batch.py`", "a3c_hogwild", "a3c"),
+    ("`apex_dqn.py`", "apex_dqn", "apex_dqn"),
+    ("`apex_ddpg.py`", "apex_ddpg", "apex_ddpg"),
 ]
 
 
@@ -422,29 +430,21 @@ def cell(ours: float, efficiency: float | None, base: float | None, design: str)
     return f"{num(ours)}{eff} | " + (f"{ours / base:.2f}x {design}" if base else "—")
 
 
+A3C_ONE_ENV_SOURCE = "throughput_a3c_one_env.json"  # a3c_hogwild with one env per worker: the original A3C
+BASELINE_DESIGN = {"cleanba_ppo": "`--sync`", "cleanba_impala": "`--sync`", "hts_a2c": "`--sync`",
+                   "hts_ppo": "`--sync`", "impala_batched": "MonoBeast", "gala_gossip": "all-reduce A2C"}  # fmt: skip
+
+
 def breakout_throughput(results: Path) -> dict[str, str]:
-    """Classic-control run -> its `cell` on Breakout: the script against its baseline mode in the same JSON."""
-    c = {(r["algo"], r["mode"]): r for r in load(results / "cleanba_throughput.json")["rows"]}
-    h = {(r["script"], r["mode"]): r for r in load(results / "hts_throughput.json")["rows"]}
-    i = {(r["mode"], r["actors"]): r for r in load(results / "impala_throughput.json")["rows"]}
-    g = {r["mode"]: r for r in load(results / "gala_breakout_steady.json")["runs"]}
-    a = {(r["update"], r["envs_per_worker"]): r for r in load(results / "a3c_throughput_rounds.json")["rows"]}
-    apex = load(results / "throughput_apex.json")["breakout"][0]
+    """Classic-control run -> its `cell` on Breakout: throughput.py's table, each label against its baseline mode."""
+    rows = {r["label"]: r for r in load(results / TABLE_SOURCE)["rows"]}
     out = {}
-    for algo in ("ppo", "impala"):
-        ours, base = c[algo, "cleanba"], c[algo, "sync"]
-        out[f"cleanba_{algo}"] = cell(ours["sps"], ours["efficiency"], base["sps"], "`--sync`")
-    for algo in ("a2c", "ppo"):
-        ours, base = h[f"hts_{algo}.py", "hts"], h[f"hts_{algo}.py", "sync"]
-        out[f"hts_{algo}"] = cell(ours["sps"], ours["efficiency"], base["sps"], "`--sync`")
-    ours, base = i["batched", 4], i["actor", 4]
-    out["impala_batched"] = cell(ours["sps"], ours["efficiency"], base["sps"], "MonoBeast")
-    ours, base = g["gossip"], g["allreduce"]
-    out["gala_gossip"] = cell(ours["steady_sps"], ours["efficiency"], base["steady_sps"], "all-reduce A2C")
-    ours, base = a["hogwild", 16], a["hogwild", 1]
-    rate, base_rate = ours["agent_steps_per_s"], base["agent_steps_per_s"]
-    out["a3c_hogwild"] = cell(rate, ours["efficiency"], base_rate, "one env per worker")
-    out["apex_dqn"] = cell(apex["sps"], None, None, "")
+    for label, design in BASELINE_DESIGN.items():
+        r = rows[label]
+        out[label] = cell(r["sps"], r["efficiency"], r["sps"] / r["speedup_vs_baseline"], design)
+    r, one_env = rows["a3c_hogwild"], load(results / A3C_ONE_ENV_SOURCE)["rows"][0]
+    out["a3c_hogwild"] = cell(r["sps"], r["efficiency"], one_env["sps"], "one env per worker")
+    out["apex_dqn"] = cell(rows["apex_dqn"]["sps"], rows["apex_dqn"]["efficiency"], None, "")
     return out
 
 
@@ -454,7 +454,7 @@ def summary_table(results: Path) -> str:
     pong = [r for n in pong_cpu_files(results) for r in load(results / n)["runs"]]
     speed = breakout_throughput(results)
     rows = []
-    for script, label, prefix, section in SUMMARY_ROWS:
+    for script, label, prefix in SUMMARY_ROWS:
         learned, atari = "—", "—"
         if run := classic.get(label):
             env = "" if run["env"] == "CartPole-v1" else f" ({run['env']})"
@@ -465,7 +465,8 @@ def summary_table(results: Path) -> str:
             steps = statistics.median(best["agent_steps"]) / 1e6
             atari = f"[{best['final_return_mean']:+.1f} after {steps:.2f}M steps]({rel}pong-on-2-cpu-cores)"
         rate, versus = speed.get(label, "— | —").split(" | ")
-        rows.append(f"{script} | {learned} | {atari} | {f'[{rate}]({rel}{section})' if section else rate} | {versus}")
+        rate = f"[{rate}]({rel}{ONE_CONFIG})" if label in speed else rate
+        rows.append(f"{script} | {learned} | {atari} | {rate} | {versus}")
     header = ("script | CartPole-v1: final return, seeds reaching 475 | Pong on 2 CPU cores: final return (best run) | "
               "Breakout agent steps/s (efficiency) | against the design it replaces")  # fmt: skip
     return table(header, "lrrrl", rows)
