@@ -21,7 +21,8 @@ update that learns from it (batch mean); unbounded: it grows with replay age and
 Determinism: none (actors, learner and evaluator race on the replay); the pure functions are deterministic.
 --resume restores the networks, optimizer and step count; the replay starts empty and refills to --learning-starts.
 
-  python apex_dqn.py --env-id ALE/Breakout-v5 --num-actors 8                            # Ape-X DQN's settings
+  python apex_dqn.py --env-id ALE/Breakout-v5 --num-actors 8 --track                    # Ape-X DQN's settings
+  python apex_dqn.py --eval-only runs/<run>/model.pt --eval-episodes 10 --capture-video  # a saved agent
   python apex_dqn.py --env-id CartPole-v1 --num-actors 2 --total-timesteps 100000 --buffer-size 100000 \\
       --learning-starts 1000 --batch-size 64 --optimizer adam --learning-rate 1e-3 --replay-ratio 8 --anneal-beta
   torchrun --nnodes 3 --node-rank $NODE_RANK --nproc-per-node 1 --rdzv-backend c10d \\
@@ -33,8 +34,11 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import hashlib
+import importlib.util
 import io
 import itertools
+import json
 import math
 import os
 import queue
@@ -44,7 +48,7 @@ import threading
 import time
 import traceback
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from multiprocessing.queues import Queue
 from multiprocessing.sharedctypes import Synchronized
 from pathlib import Path
@@ -65,6 +69,8 @@ ALGORITHM = "Ape-X DQN"
 LOCK_TIMEOUT = 5.0  # seconds a replay buffer's lock may be held before the learner gives up on it
 RPC_PERIOD = 0.25  # seconds between rank 0's exchanges with the actor hosts (torchrun), and between liveness checks
 HOST_SETUP_TIMEOUT = 600.0  # seconds an actor host may take to allocate its buffers and start its actors
+# what --eval-only takes from the saved run (its args.json or checkpoint): the env and the network
+RUN_SETTINGS = ("env_id", "atari_protocol", "network", "hidden_sizes")
 
 # ---- Args ----
 
@@ -95,8 +101,21 @@ class Args:
     """path of a checkpoint.pt to continue from (networks, optimizer, step count; the replay starts empty)"""
     eval_episodes: int = 0
     """episodes to evaluate the final policy on (logged as eval/episodic_return at the final step)"""
+    eval_greedy: bool = False
+    """evaluate with argmax Q-values (epsilon 0); the default `--no-eval-greedy` is epsilon-greedy at --eval-epsilon"""
+    eval_only: str | None = None
+    """evaluate a saved agent instead of training: a model.pt or checkpoint.pt of a run of this script; env, protocol,
+    network and model options come from the run's args.json / checkpoint (--eval-episodes 0 plays 10 episodes)"""
     capture_video: bool = False
-    """record videos of the final evaluation episodes to {run_dir}/videos"""
+    """record videos of the final evaluation episodes to {run_dir}/videos (--eval-only: to
+    {model dir}/videos-eval-{time})"""
+    track: bool = False
+    """log the run to Weights & Biases: TensorBoard synced, Args as config, videos uploaded; needs
+    `pip install -e ".[track]"`"""
+    wandb_project_name: str = "actorlearners"
+    """Weights & Biases project of --track"""
+    wandb_entity: str | None = None
+    """Weights & Biases entity (team or user) of --track; None: your default entity"""
     network: Literal["auto", "nature", "impala", "mlp"] = "auto"
     """torso of the dueling Q-network: `nature` (Ape-X), `impala`, `mlp`, or `auto` (nature for frames, else mlp)"""
     num_actors: int = 4
@@ -155,7 +174,7 @@ class Args:
     epsilon_alpha: float = 7.0
     """exponent alpha of that schedule (Ape-X: 7)"""
     eval_epsilon: float = 0.001
-    """epsilon of the evaluation episodes (greedy up to this)"""
+    """epsilon of the evaluation episodes (the usual DQN evaluation protocol); --eval-greedy plays epsilon 0"""
     replay_ratio: float = 0.0
     """sampled transitions per agent step once learning starts, a rate limiter like Reverb's SampleToInsertRatio: the
     learner waits when ahead, actors wait when more than a small slack ahead (under torchrun only the learner side).
@@ -204,6 +223,12 @@ def validate(args: Args, world_size: int = 1) -> str | None:
                 return f"--{name.replace('_', '-')} must be {want}, got {getattr(args, name)}"
     if not args.hidden_sizes or min(args.hidden_sizes) < 1:
         return f"--hidden-sizes must be one or more positive widths, got {args.hidden_sizes}"
+    if args.track and importlib.util.find_spec("wandb") is None:
+        return '--track needs wandb: pip install -e ".[track]"'
+    if args.eval_only is not None:  # env and network come from the saved run: load_for_eval checks them
+        if world_size > 1:
+            return f"--eval-only runs in one process: python {Path(__file__).name} --eval-only PATH, without torchrun"
+        return None if Path(args.eval_only).is_file() else f"--eval-only {args.eval_only}: no such file"
     if args.resume is not None and not Path(args.resume).is_file():
         return f"--resume {args.resume}: no such checkpoint file"
     if world_size > 1 and args.resume is not None:
@@ -657,14 +682,16 @@ def act(model: nn.Module, obs: np.ndarray, epsilon: float, rng: np.random.Genera
 
 
 def play_episodes(args: Args, model: nn.Module, env, episodes: int, rng: np.random.Generator) -> list[float]:
-    """True returns of `episodes` evaluation games, greedy up to --eval-epsilon."""
+    """True returns of `episodes` evaluation games: epsilon-greedy at --eval-epsilon, argmax with --eval-greedy."""
+    epsilon = 0.0 if args.eval_greedy else args.eval_epsilon
     returns = []
     obs, _ = env.reset()
     while len(returns) < episodes:
-        obs, _, terminated, truncated, info = env.step(act(model, np.asarray(obs)[None], args.eval_epsilon, rng)[0])
+        obs, _, terminated, truncated, info = env.step(act(model, np.asarray(obs)[None], epsilon, rng)[0])
         if terminated or truncated:
             returns.append(float(info["episode"]["r"]))
-            obs, _ = env.reset()
+            if len(returns) < episodes:  # no reset after the last game: it would record an empty video
+                obs, _ = env.reset()
     return returns
 
 
@@ -825,10 +852,10 @@ def evaluator_loop(args: Args, shared: Shared, obs_space, act_space) -> None:
         env.close()
 
 
-def final_evaluation(args: Args, spaces, state_dict: dict, run_dir: Path) -> list[float]:
-    """--eval-episodes games of the final model (videos with --capture-video)."""
+def final_evaluation(args: Args, spaces, state_dict: dict, video_dir: Path) -> list[float]:
+    """--eval-episodes games of the final (or --eval-only's saved) model, videos to `video_dir` with --capture-video."""
     env = make_env(args.env_id, args.seed + 2_000_003, protocol=args.atari_protocol, capture_video=args.capture_video,
-                   video_dir=str(run_dir / "videos"))  # fmt: skip
+                   video_dir=str(video_dir))  # fmt: skip
     model = build_model(args, *spaces, channels_last=False)
     model.load_state_dict(state_dict)
     try:
@@ -1121,6 +1148,50 @@ def new_run_dir(args: Args) -> Path:
             fail(f"cannot create the run directory {run_dir}: {e.strerror or e}")
 
 
+def write_run_args(run_dir: Path, args: Args, meta: dict) -> None:
+    """{run_dir}/args.json: the script, Args and checkpoint meta, so that --eval-only can rebuild the env and the model
+    of a model.pt lying beside it. Exit 2 if it cannot be written."""
+    try:
+        (run_dir / "args.json").write_text(json.dumps(dict(script=meta["script"], args=asdict(args), meta=meta)))
+    except OSError as e:
+        fail(f"cannot write {run_dir / 'args.json'}: {e.strerror or e}")
+
+
+def start_tracking(args: Args, run_dir: Path):
+    """--track: a Weights & Biases run named like the run directory, with the Args as config and the TensorBoard
+    scalars synced; returns the wandb module (None without --track). Call it before the SummaryWriter is made: wandb
+    patches TensorBoard at init. The id is derived from the run directory's name, so that a --resume run continues
+    the same W&B run."""
+    if not args.track:
+        return None
+    import wandb  # optional: pip install -e ".[track]"
+
+    try:
+        wandb.init(
+            project=args.wandb_project_name,
+            entity=args.wandb_entity,
+            name=run_dir.name,
+            id=hashlib.sha1(run_dir.name.encode()).hexdigest(),
+            resume="allow" if args.resume else None,
+            config=vars(args),
+            sync_tensorboard=True,
+            save_code=True,
+        )
+    except Exception as e:  # not logged in, no network, an unknown entity or project
+        fail(f"--track: wandb.init failed: {(str(e).strip().splitlines() or [type(e).__name__])[0][:200]}")
+    return wandb
+
+
+def finish_tracking(tracker, run_dir: Path, exit_code: int) -> None:
+    """--track (`tracker` from start_tracking): upload the final evaluation's videos, then end the W&B run with the
+    run's exit status. Call it after the SummaryWriter is closed: wandb has synced the events written up to then."""
+    if tracker is None:
+        return
+    for video in sorted((run_dir / "videos").glob("*.mp4")):
+        tracker.log({"videos": tracker.Video(str(video))})
+    tracker.finish(exit_code=exit_code)
+
+
 def checkpoint_meta(args: Args, obs_space, act_space) -> dict:
     """What a checkpoint must match to be resumed by this run: script, env, network and shapes."""
     return dict(
@@ -1153,6 +1224,44 @@ def load_checkpoint(path: str, meta: dict) -> dict:
     if not os.access(run_dir, os.W_OK):
         fail(f"cannot write to the run directory {run_dir} of --resume {path}")
     return checkpoint
+
+
+def load_for_eval(args: Args) -> tuple[Args, tuple, dict, dict]:
+    """--eval-only: the Args to evaluate the saved agent with (RUN_SETTINGS from the saved run; seed, evaluation flags
+    and the rest from this command line), its spaces, its parameters (a model.pt with its run's args.json beside it,
+    or a checkpoint.pt's learner) and the settings taken from the run. Anything this script cannot evaluate is one
+    error line and exit 2."""
+    path, this = Path(args.eval_only), Path(__file__).name
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:  # garbage, truncated, or pickled objects this interpreter cannot rebuild
+        reason = (str(e).strip().splitlines() or [""])[0][:100]
+        fail(f"--eval-only {path}: not a model.pt or checkpoint.pt ({type(e).__name__}: {reason})")
+    is_checkpoint = isinstance(saved, dict) and isinstance(saved.get("meta"), dict)
+    if is_checkpoint:  # it carries its own args and meta
+        run = dict(saved, script=saved["meta"].get("script"))
+    else:
+        try:
+            run = json.loads((path.parent / "args.json").read_text())
+        except (OSError, ValueError) as e:
+            fail(f"--eval-only {path}: cannot read its run's args.json beside it (it names the env and network): {e}")
+    if run.get("script") != this:
+        fail(f"{path} was saved by {run.get('script')}, not {this}")
+    settings = {k: run["meta"].get(k, run["args"][k]) for k in RUN_SETTINGS}  # meta: the network `auto` resolved to
+    for name in ("env_id", "network"):  # a value given on the command line must be the saved run's
+        given = getattr(args, name, None)
+        if name in settings and given != getattr(Args, name) and given not in (settings[name], run["args"][name]):
+            fail(f"--{name.replace('_', '-')} {given} contradicts {path}, saved by a run with {settings[name]}")
+    eval_args = replace(args, **{k: run["args"][k] for k in RUN_SETTINGS}, eval_episodes=args.eval_episodes or 10)
+    try:
+        spaces = env_spaces(eval_args)
+        state_dict = saved["learner"]["model"] if is_checkpoint else saved
+        build_model(eval_args, *spaces).load_state_dict(state_dict)  # refused here, not in the middle of the games
+    except EnvError as e:  # the run's env is not installed here
+        fail(f"--eval-only {path}: {e}")
+    except Exception as e:  # not a state_dict, or one of another network
+        fail(f"--eval-only {path}: not parameters of its run's network ({type(e).__name__})")
+    return eval_args, spaces, state_dict, settings
 
 
 def atomic_save(obj, path: Path) -> None:
@@ -1338,7 +1447,7 @@ class LearnerRun:
             failure = failure or events_error(e, self.run_dir)
         print(self.console_line(), flush=True)
         if failure is None and not interrupted and args.eval_episodes:
-            returns = final_evaluation(args, spaces, self.learner.model.state_dict(), self.run_dir)
+            returns = final_evaluation(args, spaces, self.learner.model.state_dict(), self.run_dir / "videos")
             for i, ret in enumerate(returns):
                 self.writer.add_scalar("eval/episodic_return", ret, self.global_step)
                 print(f"eval episode {i}: return {ret:.1f}")
@@ -1359,6 +1468,8 @@ def main(args: Args) -> None:
         torch.set_num_threads(args.torch_threads)
     if error := validate(args, world_size):
         fail(error)
+    if args.eval_only:
+        return main_eval_only(args)
     torch.manual_seed(args.seed)
     torch.backends.cudnn.deterministic = args.torch_deterministic
     torch.use_deterministic_algorithms(args.torch_deterministic, warn_only=True)
@@ -1397,7 +1508,13 @@ def main(args: Args) -> None:
             run_dir.rmdir()
         print("interrupted during start-up", file=sys.stderr)
         raise SystemExit(128 + signals.signum)
+    write_run_args(run_dir, args, meta)
     start_processes(procs)
+    try:
+        tracker = start_tracking(args, run_dir)  # after the forks: no child inherits wandb's threads and pipes
+    except SystemExit:  # wandb.init failed: stop the processes, which ignore the SIGTERM that exit's cleanup sends
+        shutdown(procs, shared, lambda t: drain_into(shared.log_q, lambda m: None, t), grace=1.0)
+        raise
     rng = np.random.default_rng([args.seed, 0])
     replay = RemoteReplay(args, world_size) if distributed else LocalReplay(shared.buffers, rng)
 
@@ -1432,11 +1549,37 @@ def main(args: Args) -> None:
         run.failure = events_error(e, run_dir)
     finally:
         run.stop_workers()
-    if failure := run.finish(interrupted, spaces):
+    failure = run.finish(interrupted, spaces)
+    code = 1 if failure else 128 + signals.signum if interrupted else 0
+    finish_tracking(tracker, run_dir, code)
+    if failure:
         print(failure, file=sys.stderr)
-        raise SystemExit(1)
-    if interrupted:
-        raise SystemExit(128 + signals.signum)
+    if code:
+        raise SystemExit(code)
+
+
+def main_eval_only(args: Args) -> None:
+    """--eval-only: play the saved agent with the end-of-training evaluation, print the true game returns and write
+    them to {model dir}/eval-{unix time}.json. Nothing trains, no run directory is made."""
+    eval_args, spaces, state_dict, settings = load_for_eval(args)
+    path, stamp = Path(args.eval_only), int(time.time())
+    taken = " ".join(f"{k}={v}" for k, v in settings.items())
+    how = "greedy" if eval_args.eval_greedy else "sampled"
+    print(f"evaluating {path} ({eval_args.eval_episodes} episodes, {how} actions); from its run: {taken}", flush=True)
+    try:
+        returns = final_evaluation(eval_args, spaces, state_dict, path.parent / f"videos-eval-{stamp}")
+    except (EnvError, gym.error.DependencyNotInstalled) as e:  # --capture-video without moviepy or a renderer
+        fail(str(e))
+    for i, ret in enumerate(returns):
+        print(f"eval episode {i}: return {ret:.1f}")
+    report = dict(model=str(path), episodes=len(returns), greedy=eval_args.eval_greedy, returns=returns,
+                  mean=float(np.mean(returns)), settings=settings)  # fmt: skip
+    out = path.parent / f"eval-{stamp}.json"
+    try:
+        out.write_text(json.dumps(report, indent=1))
+    except OSError as e:
+        fail(f"cannot write {out}: {e.strerror or e}")
+    print(f"mean return over {len(returns)} episodes: {report['mean']:.2f} (written to {out})")
 
 
 if __name__ == "__main__":

@@ -5,17 +5,23 @@ against both scripts, each subprocess check against one of them.
 Checked: the sum/min trees against linear scans and a chi-square test, distributed sampling shares and importance
 weights by hand, the taint (slot-version) check, n-step transitions and double-Q targets against references, Ape-X's
 settings; end-to-end DQN on CartPole under torchrun (learner + 2 actor ranks) and on Breakout, DDPG on Pendulum, with
-the exact policy lag of actors that never pull; bad flags, unusable checkpoints and run directories; a crashing or
-killed actor, SIGINT with a stopped process, a signal during start-up, a full disk. Both scripts' rpc code is the
-same text, so DDPG under torchrun runs the code the DQN torchrun test checks."""
+the exact policy lag of actors that never pull; --track (one offline W&B run for a run of 2 actors, from the learner
+alone), --eval-only of a model.pt and a checkpoint.pt (the end-of-training evaluation replayed) and what it refuses;
+bad flags, unusable checkpoints and run directories; a crashing or killed actor, SIGINT with a stopped process, a
+signal during start-up, a full disk. Both scripts' rpc code is the same text, so DDPG under torchrun runs the code the
+DQN torchrun test checks."""
 
 import ast
+import importlib.util
+import json
+import math
 import multiprocessing
 import os
 import signal
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import gymnasium as gym
@@ -25,16 +31,22 @@ import torch
 import tyro
 from helpers import (
     ROOT,
+    RecordingEnv,
+    assert_eval_only_refusals,
     assert_finite_tags,
+    assert_tracked_once,
     children_of,
     fill_disk,
+    offline_wandb_env,
     only_run_dir,
+    run_eval_only,
     run_script,
     scalars,
     small_tmpfs,
     start_run,
     write_unusable_checkpoint,
 )
+from torch import nn
 
 import apex_ddpg
 import apex_dqn
@@ -69,9 +81,9 @@ REQUIRED_TAGS = ["charts/SPS", "charts/learning_rate", "charts/policy_lag", "los
                  "losses/grad_norm", "losses/q_values", "replay/size", "replay/priority_mean", "replay/stale_updates",
                  "timing/replay_wait"]  # fmt: skip
 # what differs between the two scripts: their flags, their algorithm and the code that calls it
-DIFFERENT = {"ALGORITHM", "Args", "RENAMED_FLAGS", "validate", "td_errors", "new_buffer", "build_model", "act",
-             "play_episodes", "actor_loop", "evaluator_loop", "final_evaluation", "Learner", "env_spaces",
-             "checkpoint_meta"}  # fmt: skip
+DIFFERENT = {"ALGORITHM", "RUN_SETTINGS", "Args", "RENAMED_FLAGS", "validate", "td_errors", "new_buffer",
+             "build_model", "act", "play_episodes", "actor_loop", "evaluator_loop", "final_evaluation", "Learner",
+             "env_spaces", "checkpoint_meta"}  # fmt: skip
 script_ids = pytest.mark.parametrize("m", SCRIPTS, ids=lambda m: m.__name__)
 
 
@@ -93,6 +105,7 @@ def test_shared_code_is_the_same_in_both_scripts():
     dqn, ddpg = definitions(apex_dqn), definitions(apex_ddpg)
     shared = sorted(set(dqn) & set(ddpg) - DIFFERENT)
     assert {"PrioritizedBuffer", "RemoteReplay", "ActorHost", "setup_machine", "LearnerRun", "main"} <= set(shared)
+    assert {"start_tracking", "finish_tracking", "write_run_args", "load_for_eval", "main_eval_only"} <= set(shared)
     assert [name for name in shared if dqn[name] != ddpg[name]] == []
     assert DIFFERENT <= set(dqn) & set(ddpg)  # no stale entry hides a difference
 
@@ -337,19 +350,29 @@ def assert_lag_of_actors_that_never_pull(logged, log_frequency=5):
     assert expected[-1] - (log_frequency - 1) / 2 <= lags[-1] <= expected[-1], lags
 
 
-def test_dqn_cartpole_under_torchrun_with_two_actor_ranks(tmp_path):
-    total = 1500
+@pytest.fixture(scope="module")
+def dqn_torchrun_run(tmp_path_factory):
+    """One tracked (offline W&B) DQN run on CartPole under torchrun: the learner and 2 actor ranks of one actor each,
+    an evaluator round, --save-model, a final checkpoint and 2 final evaluation games: (its CompletedProcess, its run
+    directory, its W&B directory)."""
+    log_dir, wandb_dir = tmp_path_factory.mktemp("dqn-runs"), tmp_path_factory.mktemp("wandb")
     proc = run_script(
         "apex_dqn.py",
-        ["--env-id", "CartPole-v1", *TINY_DQN, "--num-actors", "1", "--total-timesteps", str(total), "--buffer-size",
+        ["--env-id", "CartPole-v1", *TINY_DQN, "--num-actors", "1", "--total-timesteps", "1500", "--buffer-size",
          "1000", "--eval-interval", "1000", "--eval-interval-episodes", "1", "--eval-episodes", "2", "--save-model",
-         "--checkpoint-interval", "3600"],
-        tmp_path, timeout=170, env={**os.environ, "OMP_NUM_THREADS": "1"},
+         "--checkpoint-interval", "3600", "--track"],
+        log_dir, timeout=200, env={**offline_wandb_env(wandb_dir), "OMP_NUM_THREADS": "1"},
         launcher=("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3"),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc, only_run_dir(log_dir), wandb_dir
+
+
+def test_dqn_cartpole_under_torchrun_with_two_actor_ranks(dqn_torchrun_run):
+    """--track: rank 0 (the learner) alone logs to W&B, one run for the 3 ranks and their 2 actors."""
+    proc, run_dir, wandb_dir = dqn_torchrun_run
+    total = 1500
     assert "2 actor ranks over rpc" in proc.stdout
-    run_dir = only_run_dir(tmp_path)
     logged = scalars(run_dir)
     assert_finite_tags(logged, [*REQUIRED_TAGS, "charts/episodic_return", "charts/episodic_length",
                                 "eval/episodic_return"])  # fmt: skip
@@ -362,6 +385,11 @@ def test_dqn_cartpole_under_torchrun_with_two_actor_ranks(tmp_path):
     final = torch.load(run_dir / "model.pt")
     for name, value in final.items():  # the final checkpoint holds the final model
         assert torch.equal(value, checkpoint["learner"]["model"][name]), name
+    tracked = assert_tracked_once(wandb_dir, run_dir)
+    assert tracked.config["num_actors"] == 1 and tracked.config["total_timesteps"] == total
+    saved = json.loads((run_dir / "args.json").read_text())
+    assert saved["script"] == "apex_dqn.py" and saved["args"]["env_id"] == "CartPole-v1"
+    assert saved["meta"] == checkpoint["meta"] and saved["meta"]["network"] == "mlp"
 
 
 def test_dqn_atari_end_to_end(tmp_path):
@@ -380,20 +408,217 @@ def test_dqn_atari_end_to_end(tmp_path):
     assert_lag_of_actors_that_never_pull(logged)
 
 
-def test_ddpg_pendulum_end_to_end(tmp_path):
-    total = 1200
+@pytest.fixture(scope="module")
+def ddpg_run(tmp_path_factory):
+    """One tracked (offline W&B) DDPG run on Pendulum, 2 actors that never pull, --save-model, a final checkpoint and
+    one final evaluation episode: (its CompletedProcess, its run directory, its W&B directory)."""
+    log_dir, wandb_dir = tmp_path_factory.mktemp("ddpg-runs"), tmp_path_factory.mktemp("wandb")
     proc = run_script(
         "apex_ddpg.py",
-        ["--env-id", "Pendulum-v1", *TINY_DDPG, *NO_PULLS, "--total-timesteps", str(total), "--buffer-size", "1200",
-         "--noise-type", "ou", "--eval-interval", "0", "--eval-episodes", "1"],
-        tmp_path,
+        ["--env-id", "Pendulum-v1", *TINY_DDPG, *NO_PULLS, "--total-timesteps", "1200", "--buffer-size", "1200",
+         "--noise-type", "ou", "--eval-interval", "0", "--eval-episodes", "1", "--save-model", "--checkpoint-interval",
+         "3600", "--track"],
+        log_dir, env=offline_wandb_env(wandb_dir),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
-    logged = scalars(only_run_dir(tmp_path))
+    return proc, only_run_dir(log_dir), wandb_dir
+
+
+def test_ddpg_pendulum_end_to_end(ddpg_run):
+    """--track: the main process alone logs to W&B, one run for the learner and its 2 actor processes."""
+    _, run_dir, wandb_dir = ddpg_run
+    logged = scalars(run_dir)
     assert_finite_tags(logged, [*REQUIRED_TAGS, "losses/policy_loss", "charts/episodic_return",
                                 "eval/episodic_return"])  # fmt: skip
-    assert max(s for s, _ in logged["charts/SPS"]) == total
+    assert max(s for s, _ in logged["charts/SPS"]) == 1200
     assert_lag_of_actors_that_never_pull(logged)
+    tracked = assert_tracked_once(wandb_dir, run_dir, ("charts/episodic_return", "losses/value_loss",
+                                                       "losses/policy_loss"))  # fmt: skip
+    assert tracked.config["num_actors"] == 2 and tracked.config["noise_type"] == "ou"
+
+
+# ------------------------------------------------------------------ --eval-only and --track
+
+
+def newest_eval_report(model_dir: Path) -> dict:
+    return json.loads(max(model_dir.glob("eval-*.json"), key=lambda p: p.stat().st_mtime_ns).read_text())
+
+
+@pytest.mark.parametrize("script", ["apex_dqn.py", "apex_ddpg.py"])
+def test_eval_only_replays_the_saved_agent_with_the_end_of_training_evaluation(script, request, tmp_path, capsys,
+                                                                               process_state):  # fmt: skip
+    """model.pt (in a subprocess, with its args.json) and checkpoint.pt (in this process) play the same games (the
+    default protocol: DQN epsilon 0.001, DDPG no noise), and the first ones are the run's own final evaluation: same
+    policy, same evaluation seed."""
+    m, fixture = (apex_dqn, "dqn_torchrun_run") if script == "apex_dqn.py" else (apex_ddpg, "ddpg_run")
+    _, run_dir, _ = request.getfixturevalue(fixture)
+    proc, report = run_eval_only(script, run_dir / "model.pt", tmp_path / "logs", "--eval-episodes", "3")
+    assert proc.returncode == 0 and report is not None, proc.stderr
+    assert report["episodes"] == 3 and report["model"] == str(run_dir / "model.pt")
+    assert report["greedy"] is (m is apex_ddpg)  # the default protocols: DQN epsilon 0.001, DDPG no noise
+    settings = dict(env_id="CartPole-v1", atari_protocol="deepmind", network="mlp", hidden_sizes=[32, 32])
+    if m is apex_ddpg:
+        settings = dict(env_id="Pendulum-v1", hidden_sizes=[32, 32])
+    assert report["settings"] == settings
+    assert "from its run: " + " ".join(f"{k}={v}" for k, v in settings.items()) in proc.stdout
+    returns = report["returns"]
+    assert len(returns) == 3 and all(math.isfinite(r) for r in returns), returns
+    assert report["mean"] == pytest.approx(np.mean(returns))
+    if m is apex_dqn:
+        assert all(r == int(r) and 8 <= r <= 500 for r in returns), returns  # CartPole: one point per step
+    else:
+        assert all(-3300 < r <= 0 for r in returns), returns  # Pendulum: 200 steps of reward in [-16.3, 0]
+    ran = 2 if m is apex_dqn else 1  # the run's --eval-episodes, logged last (as float32)
+    assert returns[:ran] == pytest.approx([v for _, v in scalars(run_dir)["eval/episodic_return"]][-ran:], rel=1e-6)
+    m.main(m.parse_args(["--eval-only", str(run_dir / "checkpoint.pt"), "--eval-episodes", "3"]))
+    assert newest_eval_report(run_dir)["returns"] == returns
+    assert "eval episode 2: return" in capsys.readouterr().out
+
+
+def test_eval_only_refuses_what_it_cannot_evaluate(dqn_torchrun_run, tmp_path, capsys, process_state):
+    """Another script's model (the helper's made-up one, and apex_dqn.py's given to apex_ddpg.py), a contradicting
+    --env-id or --network, a garbage file, a model.pt without its args.json, a missing file, and torchrun: one error
+    line each, exit 2. The two scripts' load_for_eval is the same text."""
+    _, run_dir, _ = dqn_torchrun_run
+    model = run_dir / "model.pt"
+    assert_eval_only_refusals("apex_dqn.py", model, tmp_path)  # other script, --env-id Acrobot-v1, garbage
+    lonely = tmp_path / "lonely" / "model.pt"
+    lonely.parent.mkdir()
+    lonely.write_bytes(model.read_bytes())
+    assert "cannot read its run's args.json" in refusal(capsys, apex_dqn, ["--eval-only", str(lonely)])
+    error = refusal(capsys, apex_dqn, ["--eval-only", str(model), "--network", "nature"])
+    assert error == f"error: --network nature contradicts {model}, saved by a run with mlp", error
+    error = refusal(capsys, apex_ddpg, ["--eval-only", str(run_dir / "checkpoint.pt")])
+    assert error == f"error: {run_dir / 'checkpoint.pt'} was saved by apex_dqn.py, not apex_ddpg.py", error
+    error = refusal(capsys, apex_dqn, ["--eval-only", str(tmp_path / "missing.pt")])
+    assert error == f"error: --eval-only {tmp_path / 'missing.pt'}: no such file", error
+    assert "without torchrun" in apex_dqn.validate(apex_dqn.Args(eval_only=str(model)), world_size=3)
+
+
+def refusal(capsys, m, argv) -> str:
+    """The one error line of `m.main(argv)`, which must exit 2."""
+    with pytest.raises(SystemExit) as e:
+        m.main(m.parse_args(argv))
+    assert e.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+class ConstantQ(nn.Module):
+    """DQN: Q-values (1, 0) for every observation, so the greedy action is 0."""
+
+    num_actions = 2
+
+    def forward(self, obs):
+        return torch.tensor([[1.0, 0.0]]).expand(len(obs), -1)
+
+
+class ConstantMu(nn.Module):
+    """DDPG: mu(s) = 0.5 for every observation, actions in [-2, 2]."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("action_scale", torch.tensor([2.0]))
+        self.register_buffer("action_bias", torch.tensor([0.0]))
+
+    def forward(self, obs):
+        return torch.full((len(obs), 1), 0.5)
+
+
+class CountingEnv(RecordingEnv):
+    def __init__(self, length: int):
+        super().__init__(length)
+        self.resets = 0
+
+    def reset(self, seed=None, options=None):
+        self.resets += 1
+        return super().reset(seed, options)
+
+
+@script_ids
+def test_evaluation_is_greedy_with_eval_greedy_and_explores_without(m):
+    """--eval-greedy: DQN plays epsilon 0 (whatever --eval-epsilon), DDPG adds no noise. --no-eval-greedy: DQN's epsilon
+    is --eval-epsilon (half the actions random here, so a quarter are 1), DDPG adds Gaussian noise of
+    --exploration-noise half ranges (0.3 x 2). One reset before each game, none after the last (it would record an
+    empty video). Defaults: DQN --no-eval-greedy (epsilon 0.001), DDPG --eval-greedy."""
+    assert m.Args().eval_greedy is (m is apex_ddpg)
+    model = ConstantQ() if m is apex_dqn else ConstantMu()
+    played = {}
+    for greedy in (True, False):
+        env = CountingEnv(length=100)
+        flags = dict(eval_epsilon=0.5) if m is apex_dqn else {}
+        returns = m.play_episodes(m.Args(eval_greedy=greedy, **flags), model, env, 3, np.random.default_rng(0))
+        assert returns == [100.0] * 3 and env.resets == 3
+        played[greedy] = np.array(env.actions, dtype=np.float64).ravel()
+    if m is apex_dqn:
+        assert (played[True] == 0).all() and 0.15 < played[False].mean() < 0.35, played[False].mean()
+    else:
+        assert (played[True] == 0.5).all() and 0.5 < played[False].std() < 0.7, played[False].std()
+
+
+@script_ids
+def test_track_without_wandb_is_refused_by_validate(m, monkeypatch):
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else find_spec(name, *a))
+    env_id = "CartPole-v1" if m is apex_dqn else "Pendulum-v1"
+    assert m.validate(m.Args(env_id=env_id, track=True)) == '--track needs wandb: pip install -e ".[track]"'
+    assert m.validate(m.Args(env_id=env_id)) is None
+
+
+class FakeWandb(types.SimpleNamespace):
+    """Records what the script asks of the wandb module; `init` raises `error` if one is given."""
+
+    def __init__(self, error: Exception | None = None):
+        spec = importlib.util.spec_from_loader("wandb", loader=None)  # validate's find_spec("wandb") reads it
+        super().__init__(inits=[], logged=[], finished=[], error=error, __spec__=spec)
+
+    def init(self, **kwargs):
+        if self.error:
+            raise self.error
+        self.inits.append(kwargs)
+
+    def Video(self, path):  # wandb's name
+        return ("video", path)
+
+    def log(self, data):
+        self.logged.append(data)
+
+    def finish(self, exit_code=0):
+        self.finished.append(exit_code)
+
+
+def test_tracking_names_the_run_after_its_directory_resumes_it_and_ends_with_the_exit_status(monkeypatch, tmp_path):
+    """A --resume run continues the W&B run of its run directory (the same id); the final evaluation's videos are
+    uploaded; the W&B run ends with the run's exit status."""
+    m, wandb = apex_dqn, FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", wandb)
+    run_dir = tmp_path / "CartPole-v1__apex_dqn__1__1700000000"
+    (run_dir / "videos").mkdir(parents=True)
+    (run_dir / "videos" / "rl-video-episode-0.mp4").write_bytes(b"")
+    assert m.start_tracking(m.Args(env_id="CartPole-v1"), run_dir) is None and wandb.inits == []
+    assert m.start_tracking(m.Args(env_id="CartPole-v1", track=True, wandb_entity="me"), run_dir) is wandb
+    m.start_tracking(m.Args(env_id="CartPole-v1", track=True, resume=str(run_dir / "checkpoint.pt")), run_dir)
+    first, second = wandb.inits
+    assert first["name"] == second["name"] == run_dir.name and first["id"] == second["id"]
+    assert len(first["id"]) <= 64 and first["id"].isalnum()  # W&B ids: letters, digits, - and _
+    assert first["resume"] is None and second["resume"] == "allow" and first["entity"] == "me"
+    assert first["sync_tensorboard"] and first["config"]["env_id"] == "CartPole-v1" and first["config"]["track"]
+    m.finish_tracking(None, run_dir, 1)  # no --track
+    m.finish_tracking(wandb, run_dir, 143)
+    assert wandb.logged == [{"videos": ("video", str(run_dir / "videos" / "rl-video-episode-0.mp4"))}]
+    assert wandb.finished == [143]
+
+
+def test_a_failing_wandb_init_is_one_error_line_and_stops_the_actors(monkeypatch, tmp_path, capsys, process_state):
+    """wandb.init fails (not logged in, say) once the actors run: one error line, exit 2, no process left behind."""
+    monkeypatch.setitem(sys.modules, "wandb", FakeWandb(error=RuntimeError("api_key not configured (no-tty)")))
+    args = apex_dqn.Args(env_id="CartPole-v1", log_dir=str(tmp_path), buffer_size=1000, learning_starts=100,
+                         num_actors=2, hidden_sizes=(32,), track=True)  # fmt: skip
+    with pytest.raises(SystemExit) as e:
+        apex_dqn.main(args)
+    assert e.value.code == 2 and not multiprocessing.active_children()
+    assert capsys.readouterr().err == "error: --track: wandb.init failed: api_key not configured (no-tty)\n"
 
 
 # ------------------------------------------------------------------ flags, checkpoints, run directories
@@ -415,6 +640,7 @@ def test_ddpg_pendulum_end_to_end(tmp_path):
         (apex_ddpg, dict(tau=float("nan")), "--tau must be a finite number, got nan"),
         (apex_ddpg, dict(actor_torch_threads=0), "--actor-torch-threads must be >= 1"),
         (apex_dqn, dict(torch_threads=-1), "--torch-threads must be >= 0"),
+        (apex_ddpg, dict(eval_only="/nonexistent/model.pt"), "--eval-only /nonexistent/model.pt: no such file"),
     ],
 )
 def test_bad_flags_one_line_error(m, args, message):
