@@ -792,6 +792,41 @@ def test_killed_actor_stops_the_run_naming_it(tmp_path):
     assert not any(alive(pid) for pid in workers)
 
 
+def _hold_lock_forever(m, lock, held) -> None:
+    with m.hold(lock, "actor 1's replay"):
+        held.set()
+        time.sleep(3600)
+
+
+def _take_lock(m, lock) -> None:
+    with m.hold(lock, "actor 1's replay"):
+        pass
+
+
+@script_ids
+def test_a_process_killed_holding_a_lock_is_named_not_the_lock_timeout_it_causes(m, monkeypatch):
+    """Deterministic: a process is killed (signal 9) inside a shared lock; another then times out on that lock and
+    queues its LockTimeout traceback. The run's error names the killed process, the cause, whatever the order of the
+    processes or of the queue."""
+    monkeypatch.setattr(m, "LOCK_TIMEOUT", 0.5)  # read at call time, inherited by the forked children
+    ctx = multiprocessing.get_context("fork")
+    lock, held = ctx.Lock(), ctx.Event()
+    shared = types.SimpleNamespace(parent_pid=os.getpid(), error_q=ctx.Queue())
+    holder = ctx.Process(target=m.process_body, args=("actor 1", _hold_lock_forever, shared, m, lock, held))
+    holder.start()
+    assert held.wait(10)
+    os.kill(holder.pid, signal.SIGKILL)
+    holder.join(10)
+    waiter = ctx.Process(target=m.process_body, args=("actor 0", _take_lock, shared, m, lock))
+    waiter.start()
+    waiter.join(10)
+    assert (holder.exitcode, waiter.exitcode) == (-signal.SIGKILL, 1)
+    line = m.dead_process({"actor 0": waiter, "actor 1": holder}, shared)
+    assert line == "error: actor 1 died (killed by signal 9); stopping the run"
+    queued = shared.error_q.get(timeout=5)  # the waiter's report is there, and was not the one chosen
+    assert queued.startswith("error: actor 0 died:") and "LockTimeout" in queued, queued
+
+
 def test_sigint_stops_cleanly_with_a_checkpoint_even_with_a_stopped_process(tmp_path):
     """The evaluator stopped (SIGSTOP, asleep on the stop flag: it can never wake) must not block Ctrl+C, which stops
     every process within 10 s, exits 130 and writes a final checkpoint."""
