@@ -1308,7 +1308,8 @@ def main(args: Args) -> None:
     if error := validate(args):
         fail(error)
     if args.eval_only:
-        return main_eval_only(args)
+        main_eval_only(args)
+        return
     try:
         obs_space, act_space = env_spaces(args)
     except EnvError as e:
