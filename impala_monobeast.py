@@ -29,14 +29,19 @@ Defaults are TorchBeast's (monobeast.py flags): 4 actors, unroll 80, batch 8, RM
     python impala_monobeast.py --env-id ALE/Breakout-v5                                # batched inference, 4 actors
     python impala_monobeast.py --env-id ALE/Pong-v5 --inference actor --num-actors 8    # MonoBeast exactly
     python impala_monobeast.py --env-id ALE/Pong-v5 --unroll-length 20 --batch-size 32 --network impala --use-lstm
+    python impala_monobeast.py --env-id ALE/Breakout-v5 --save-model --track         # logged to Weights & Biases
+    python impala_monobeast.py --eval-only runs/<run>/model.pt --eval-episodes 10 --capture-video  # a saved agent
 """
 
 from __future__ import annotations
 
 import ctypes
 import errno
+import hashlib
+import importlib.util
 import io
 import itertools
+import json
 import math
 import multiprocessing as mp
 import multiprocessing.connection
@@ -92,9 +97,22 @@ class Args:
     resume: str | None = None
     """path of a checkpoint.pt to continue from (same run directory and step count)"""
     eval_episodes: int = 0
-    """episodes to evaluate the final policy on (logged as eval/episodic_return)"""
+    """episodes to evaluate the final policy on (logged as eval/episodic_return; --eval-only: 0 plays 10)"""
+    eval_greedy: bool = True
+    """evaluate with argmax actions (TorchBeast's test mode: AtariNet in eval mode takes the argmax);
+    `--no-eval-greedy` samples from the policy instead"""
+    eval_only: str | None = None
+    """evaluate a saved agent instead of training: a model.pt or checkpoint.pt of a run of this script; env, protocol,
+    network and model options (TorchBeast's inputs, the LSTM) come from the run's args.json / checkpoint"""
     capture_video: bool = False
-    """record videos of the evaluation episodes to {run_dir}/videos"""
+    """record videos of the evaluation episodes to {run_dir}/videos (--eval-only: {model dir}/videos-eval-{time})"""
+    track: bool = False
+    """log the run to Weights & Biases: TensorBoard synced, Args as config, videos uploaded; needs
+    `pip install -e ".[track]"`"""
+    wandb_project_name: str = "actorlearners"
+    """Weights & Biases project of --track"""
+    wandb_entity: str | None = None
+    """Weights & Biases entity (team or user) of --track; None: your default entity"""
 
     # architecture (TorchBeast monobeast.py defaults)
     inference: Literal["batched", "actor"] = "batched"
@@ -475,14 +493,17 @@ def policy_step(
     last_action: torch.Tensor,
     reward: torch.Tensor,
     state: LSTMState | None,
+    greedy: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, LSTMState | None]:
     """The agent's forward pass at one step: [B, ...] obs (and the [B] done, last action, raw reward that came with
-    it) -> sampled action, logits, baseline, next LSTM state."""
+    it) -> sampled (`greedy`: argmax) action, logits, baseline, next LSTM state."""
     if state is None:
         logits, baseline = model(obs, last_action, reward)
     else:
         logits, baseline, state = model.recurrent(obs[None], done[None], state, last_action[None], reward[None])
         logits, baseline = logits[0], baseline[0]
+    if greedy:
+        return logits.argmax(dim=-1), logits, baseline, state
     action = torch.multinomial(torch.softmax(logits.float(), dim=-1), 1).squeeze(-1)
     return action, logits, baseline, state
 
@@ -897,6 +918,10 @@ def validate(args: Args) -> str | None:
                 f"--num-envs-per-actor ({args.num_envs_per_actor}) envs (or be 0 = all)")  # fmt: skip
     if args.resume is not None and not Path(args.resume).is_file():
         return f"--resume {args.resume}: no such checkpoint file"
+    if args.eval_only is not None and not Path(args.eval_only).is_file():
+        return f"--eval-only {args.eval_only}: no such file"
+    if args.track and importlib.util.find_spec("wandb") is None:
+        return '--track needs wandb: pip install -e ".[track]"'
     if args.total_timesteps < args.unroll_length * args.batch_size * args.num_envs_per_actor:
         return (
             f"--total-timesteps ({args.total_timesteps}) is less than one learner batch "
@@ -947,6 +972,40 @@ def new_run_dir(args: Args) -> Path:
             fail(f"cannot create the run directory {run_dir}: {e.strerror or e}")
 
 
+def write_run_args(run_dir: Path, args: Args, meta: dict) -> None:
+    """{run_dir}/args.json: the script, Args and checkpoint meta, so that --eval-only can rebuild the env and the model
+    of a model.pt lying beside it. Exit 2 if it cannot be written."""
+    try:
+        (run_dir / "args.json").write_text(json.dumps(dict(script=meta["script"], args=asdict(args), meta=meta)))
+    except OSError as e:
+        fail(f"cannot write {run_dir / 'args.json'}: {e.strerror or e}")
+
+
+def start_tracking(args: Args, run_dir: Path):
+    """--track: a Weights & Biases run named like the run directory, with the Args as config and the TensorBoard
+    scalars synced; returns the wandb module (None without --track). Call it before the SummaryWriter is made: wandb
+    patches TensorBoard at init. The id is derived from the run directory's name, so that a --resume run continues
+    the same W&B run."""
+    if not args.track:
+        return None
+    import wandb  # optional: pip install -e ".[track]"
+
+    try:
+        wandb.init(
+            project=args.wandb_project_name,
+            entity=args.wandb_entity,
+            name=run_dir.name,
+            id=hashlib.sha1(run_dir.name.encode()).hexdigest(),
+            resume="allow" if args.resume else None,
+            config=vars(args),
+            sync_tensorboard=True,
+            save_code=True,
+        )
+    except Exception as e:  # not logged in, no network, an unknown entity or project
+        fail(f"--track: wandb.init failed: {(str(e).strip().splitlines() or [type(e).__name__])[0][:200]}")
+    return wandb
+
+
 def checkpoint_meta(args: Args, network: str, obs_space: gym.Space, act_space: gym.spaces.Discrete) -> dict:
     """What a checkpoint must match to be resumed by this run: script, env, network and shapes."""
     return dict(script=Path(__file__).name, algo=None, env_id=args.env_id, network=network, **model_options(args),
@@ -971,6 +1030,50 @@ def load_checkpoint(path: str, meta: dict) -> dict:
             f"{', '.join(f'{k} {meta[k]}' for k in differ)}"
         )
     return checkpoint
+
+
+def load_for_eval(args: Args) -> tuple[Args, nn.Module, dict]:
+    """--eval-only: the saved agent (a model.pt with its run's args.json beside it, or a checkpoint.pt), the Args to
+    evaluate it with (env, protocol, network and model options from the saved run, so the agent gets the inputs and
+    the LSTM it was trained with; seed and evaluation flags from this command line) and the settings taken from the
+    run. Anything this script cannot evaluate is one error line and exit 2."""
+    path, this = Path(args.eval_only), Path(__file__).name
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:  # garbage, truncated, or pickled objects this interpreter cannot rebuild
+        reason = (str(e).strip().splitlines() or [""])[0][:100]
+        fail(f"--eval-only {path}: not a model.pt or checkpoint.pt ({type(e).__name__}: {reason})")
+    is_checkpoint = isinstance(saved, dict) and isinstance(saved.get("meta"), dict)
+    if is_checkpoint:  # it carries its own args and meta
+        run = dict(saved, script=saved["meta"].get("script"))
+    else:
+        try:
+            run = json.loads((path.parent / "args.json").read_text())
+        except (OSError, ValueError) as e:
+            fail(f"--eval-only {path}: cannot read its run's args.json beside it (it names the env and network): {e}")
+    if run.get("script") != this:
+        fail(f"{path} was saved by {run.get('script')}, not {this}")
+    for name in ("env_id", "network"):  # a value given on the command line must be the saved run's
+        given, theirs = getattr(args, name), (run["meta"][name], run["args"][name])
+        if given != getattr(Args, name) and given not in theirs:
+            fail(f"--{name.replace('_', '-')} {given} contradicts {path}, saved by a run with {theirs[0]}")
+    own = dict(eval_only=args.eval_only, eval_episodes=args.eval_episodes or 10, eval_greedy=args.eval_greedy,
+               capture_video=args.capture_video, seed=args.seed, cuda=args.cuda)  # fmt: skip
+    known = {f.name for f in fields(Args)}
+    eval_args = Args(**{k: v for k, v in run["args"].items() if k in known} | own)
+    network = run["meta"]["network"]  # `auto` resolved by the run
+    try:
+        spaces = env_spaces(eval_args)
+    except EnvError as e:
+        fail(str(e))
+    model = make_model(*spaces, network, **model_options(eval_args))
+    try:
+        model.load_state_dict(saved["model"] if is_checkpoint else saved)
+    except Exception as e:  # not a state_dict, or one of another network
+        fail(f"--eval-only {path}: not parameters of its run's {network} network ({type(e).__name__})")
+    settings = dict(env_id=eval_args.env_id, atari_protocol=eval_args.atari_protocol, network=network,
+                    **model_options(eval_args))  # fmt: skip
+    return eval_args, model, settings
 
 
 def events_error(e: OSError, run_dir: Path) -> str:
@@ -1028,10 +1131,11 @@ def log_update(
     return returns
 
 
-def evaluate(model: nn.Module, args: Args, run_dir: Path, device: torch.device) -> list[float]:
-    """Play `eval_episodes` full games with the final policy (sampled actions), true returns."""
+def evaluate(model: nn.Module, args: Args, video_dir: Path, device: torch.device) -> list[float]:
+    """Play `eval_episodes` full games with the final (or --eval-only's saved) policy, true returns; argmax actions
+    with `--eval-greedy` (TorchBeast's test mode), sampled ones otherwise; videos to `video_dir` (--capture-video)."""
     env = make_env(args.env_id, args.seed + 1_000_003, protocol=args.atari_protocol, capture_video=args.capture_video,
-                   video_dir=str(run_dir / "videos"))  # fmt: skip
+                   video_dir=str(video_dir))  # fmt: skip
     torch.manual_seed(args.seed + 1_000_003)
     returns = []
     obs, _ = env.reset()
@@ -1042,14 +1146,15 @@ def evaluate(model: nn.Module, args: Args, run_dir: Path, device: torch.device) 
     while len(returns) < args.eval_episodes:
         with torch.inference_mode():
             obs_t = torch.as_tensor(obs[None], device=device)
-            action, _, _, state = policy_step(model, obs_t, done, last_action, reward, state)
+            action, _, _, state = policy_step(model, obs_t, done, last_action, reward, state, args.eval_greedy)
         obs, r, terminated, truncated, info = env.step(int(action[0]))
         done.fill_(bool(terminated or truncated))
         last_action.copy_(action)  # carried into the next game, as in training
         reward.fill_(r)
         if terminated or truncated:
             returns.append(float(info["episode"]["r"]))
-            obs, _ = env.reset()
+            if len(returns) < args.eval_episodes:  # no reset after the last game: it would record an empty video
+                obs, _ = env.reset()
     env.close()
     return returns
 
@@ -1163,9 +1268,11 @@ def start_actors(
     return actors
 
 
-def finish(learner: Learner, failure: str | None, signum: int | None, threads: list[threading.Thread]) -> None:
-    """After the workers stopped: the final checkpoint and model, the evaluation, TensorBoard closed, the exit status
-    (1 on failure, 128 + the signal when interrupted)."""
+def finish(
+    learner: Learner, failure: str | None, signum: int | None, threads: list[threading.Thread], tracker=None
+) -> None:
+    """After the workers stopped: the final checkpoint and model, the evaluation, TensorBoard closed, the W&B run
+    (`tracker`, from start_tracking) finished, the exit status (1 on failure, 128 + the signal when interrupted)."""
     args, run_dir = learner.args, learner.run_dir
     if signum is not None:
         print(f"interrupted at step {learner.global_step}: shutting down", file=sys.stderr)
@@ -1177,16 +1284,21 @@ def finish(learner: Learner, failure: str | None, signum: int | None, threads: l
     except WriteError as e:
         failure = f"{e}; stopping (the last good checkpoint is kept)"
     if failure is None and signum is None and args.eval_episodes:
-        for i, ret in enumerate(evaluate(learner.model, args, run_dir, learner.device)):
+        for i, ret in enumerate(evaluate(learner.model, args, run_dir / "videos", learner.device)):
             learner.writer.add_scalar("eval/episodic_return", ret, i)
             print(f"eval episode {i}: return {ret:.1f}")
     try:
         learner.writer.close()
     except OSError as e:
         failure = failure or events_error(e, run_dir)
+    code = 1 if failure else 128 + signum if signum is not None else 0
+    if tracker is not None:  # after the writer is closed: wandb syncs the events files up to then
+        for video in sorted((run_dir / "videos").glob("*.mp4")):
+            tracker.log({"videos": tracker.Video(str(video))})
+        tracker.finish(exit_code=code)
     if failure:
         print(failure, file=sys.stderr)
-    leave(1 if failure else 128 + signum if signum is not None else 0, threads)
+    leave(code, threads)
 
 
 # ---- Main ------------------------------------------------------------------------------------------------------------
@@ -1195,6 +1307,9 @@ def finish(learner: Learner, failure: str | None, signum: int | None, threads: l
 def main(args: Args) -> None:
     if error := validate(args):
         fail(error)
+    if args.eval_only:
+        main_eval_only(args)
+        return
     try:
         obs_space, act_space = env_spaces(args)
     except EnvError as e:
@@ -1206,6 +1321,7 @@ def main(args: Args) -> None:
     if checkpoint and not os.access(Path(args.resume).parent, os.W_OK):
         fail(f"cannot write to the run directory {Path(args.resume).parent} of --resume {args.resume}")
     run_dir = Path(args.resume).parent if checkpoint else new_run_dir(args)
+    write_run_args(run_dir, args, meta)
 
     device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
     torch.set_num_threads(args.torch_threads or max(1, (os.cpu_count() or 1) - args.num_actors))
@@ -1246,6 +1362,11 @@ def main(args: Args) -> None:
         acting.model.share_memory()
     env_seed = args.seed + (1_000_003 * updates if checkpoint else 0)  # shifted on resume so episodes are new
     actors = start_actors(args, env_seed, buffers, queues, acting, slots, requests, sems, ctx)
+    try:  # after the fork (no actor inherits wandb's threads and pipes), before the SummaryWriter (wandb patches it)
+        tracker = start_tracking(args, run_dir)
+    except SystemExit:  # wandb.init failed: its error line is printed, the actors stop before the exit
+        shutdown(actors, [], 0, queues, None)
+        raise
 
     # TensorBoard after the fork (the writer runs a background thread), then the learner and inference threads
     quiet_writer_thread()
@@ -1276,7 +1397,32 @@ def main(args: Args) -> None:
     finally:
         shutdown(actors, threads, args.num_learner_threads, queues, inference)
         signals.restore()
-    finish(learner, actor_failure or (failures[0] if failures else None), signals.signum, threads)
+    finish(learner, actor_failure or (failures[0] if failures else None), signals.signum, threads, tracker)
+
+
+def main_eval_only(args: Args) -> None:
+    """--eval-only: play the saved agent with the end-of-training evaluation, print the true game returns and write
+    them to {model dir}/eval-{unix time}.json. Nothing trains, no run directory is made."""
+    eval_args, model, settings = load_for_eval(args)
+    device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
+    path, stamp = Path(args.eval_only), int(time.time())
+    taken = " ".join(f"{k}={v}" for k, v in settings.items())
+    how = "greedy" if eval_args.eval_greedy else "sampled"
+    print(f"evaluating {path} ({eval_args.eval_episodes} episodes, {how} actions); from its run: {taken}", flush=True)
+    try:
+        returns = evaluate(model.to(device), eval_args, path.parent / f"videos-eval-{stamp}", device)
+    except (EnvError, gym.error.DependencyNotInstalled) as e:  # --capture-video without moviepy or a renderer
+        fail(str(e))
+    for i, ret in enumerate(returns):
+        print(f"eval episode {i}: return {ret:.1f}")
+    report = dict(model=str(path), episodes=len(returns), greedy=eval_args.eval_greedy, returns=returns,
+                  mean=float(np.mean(returns)), settings=settings)  # fmt: skip
+    out = path.parent / f"eval-{stamp}.json"
+    try:
+        out.write_text(json.dumps(report, indent=1))
+    except OSError as e:
+        fail(f"cannot write {out}: {e.strerror or e}")
+    print(f"mean return over {len(returns)} episodes: {report['mean']:.2f} (written to {out})")
 
 
 if __name__ == "__main__":

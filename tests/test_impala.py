@@ -1,8 +1,12 @@
 """impala_monobeast.py: V-trace against a slow loop from its definition, the buffer protocol (ownership ledger, distinct
 rollouts, row 0 carried over) with real actor processes, both inference modes end-to-end on CartPole and Breakout, the
-LSTM core, the policy lag the architecture allows, bad flags, a crashing or killed actor, and clean shutdown. A run that
-needs no process of its own (nothing to signal or kill) calls main in the test's process."""
+LSTM core, the policy lag the architecture allows, --track (one offline W&B run for the main process and its actors),
+--eval-only (the saved agent with the inputs and LSTM it was trained with), bad flags, a crashing or killed actor, and
+clean shutdown. A run that needs no process of its own (nothing to signal or kill) calls main in the test's process."""
 
+import contextlib
+import importlib.util
+import json
 import math
 import multiprocessing as mp
 import os
@@ -11,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 from pathlib import Path
 
 import numpy as np
@@ -18,10 +23,17 @@ import pytest
 import torch
 from helpers import (
     CORE_TAGS,
+    FixedLogitsPolicy,
+    RecordingEnv,
+    assert_eval_only_refusals,
     assert_finite_tags,
+    assert_one_error_line,
+    assert_tracked_once,
     children_of,
     fill_disk,
+    offline_wandb_env,
     only_run_dir,
+    run_eval_only,
     run_script,
     scalars,
     small_tmpfs,
@@ -330,6 +342,141 @@ def test_cartpole_end_to_end_batched_one_actor(tmp_path, run_main):
     assert torch.load(run_dir / "model.pt")["policy.0.weight"].shape == (64, 4 + 1 + 2)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("global_step=")]
     assert lines and lines[-1].startswith("global_step=320 SPS="), proc.stdout  # the last update always prints
+    # --eval-only replays the run's own (greedy) evaluation: same agent, TorchBeast's inputs included, same seed
+    proc = run_main(["--eval-only", str(run_dir / "model.pt"), "--eval-episodes", "2"])
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(next(run_dir.glob("eval-*.json")).read_text())
+    assert report["returns"] == [v for _, v in logged["eval/episodic_return"]] and report["greedy"] is True
+    assert report["settings"]["action_reward_inputs"] is True and report["settings"]["network"] == "mlp"
+
+
+def test_evaluation_takes_argmax_actions_by_default_and_samples_with_no_eval_greedy(monkeypatch, tmp_path):
+    """TorchBeast's test mode (AtariNet in eval mode) takes the argmax action, whose probability here is about 0.34."""
+    agent = FixedLogitsPolicy(torch.tensor([0.0, 0.4, 0.8, 0.2]))
+    agent.forward = lambda obs, last_action, reward: FixedLogitsPolicy.forward(agent, obs)  # TorchBeast's inputs
+    agent.core = None
+    for flags, greedy in [([], True), (["--no-eval-greedy"], False)]:
+        env = RecordingEnv(length=25)
+        monkeypatch.setattr(im, "make_env", lambda *a, env=env, **k: env)
+        args = im.parse_args(["--env-id", "CartPole-v1", "--eval-episodes", "4", *flags])
+        assert im.evaluate(agent, args, tmp_path, torch.device("cpu")) == [25.0] * 4
+        assert len(env.actions) == 100
+        if greedy:
+            assert set(env.actions) == {2}
+        else:
+            assert set(env.actions) == {0, 1, 2, 3} and 15 <= env.actions.count(2) <= 55
+
+
+# MonoBeast's acting with model options other than the defaults, which --eval-only must take from the run
+LSTM_OPTIONS = ["--use-lstm", "--lstm-size", "8", "--lstm-layers", "1", "--no-action-reward-inputs"]
+
+
+@pytest.fixture(scope="module")
+def tracked_run(tmp_path_factory):
+    """One tracked (offline W&B) CartPole run, two actors with MonoBeast's acting and an LSTM, with --save-model, a
+    final checkpoint and two evaluation episodes: (its run directory, its W&B directory)."""
+    log_dir, wandb_dir = tmp_path_factory.mktemp("runs"), tmp_path_factory.mktemp("wandb")
+    flags = [*TINY_CARTPOLE, "--inference", "actor", *LSTM_OPTIONS, "--total-timesteps", "480", "--track"]
+    flags += ["--save-model", "--eval-episodes", "2", "--checkpoint-interval", "3600"]
+    proc = run_script(SCRIPT, flags, log_dir, env=offline_wandb_env(wandb_dir))
+    assert proc.returncode == 0, proc.stderr
+    return only_run_dir(log_dir), wandb_dir
+
+
+def test_tracked_run_with_two_actors_logs_once_and_saves_its_args(tracked_run):
+    """--track: the main process alone logs to W&B (one run for it and its two actor processes); args.json holds what
+    --eval-only needs."""
+    run_dir, wandb_dir = tracked_run
+    assert_finite_tags(scalars(run_dir), [*REQUIRED_TAGS, "eval/episodic_return"])
+    tracked = assert_tracked_once(wandb_dir, run_dir)
+    assert tracked.config["num_actors"] == 2 and tracked.config["inference"] == "actor" and tracked.config["use_lstm"]
+    saved = json.loads((run_dir / "args.json").read_text())
+    assert saved["script"] == SCRIPT and saved["args"]["lstm_size"] == 8 and saved["meta"]["network"] == "mlp"
+
+
+def test_eval_only_replays_the_saved_agent_with_the_network_it_was_trained_with(tracked_run, tmp_path, run_main):
+    """model.pt (in a subprocess, with its args.json) and checkpoint.pt (in process) get the LSTM and inputs of their
+    run without a flag, and play the run's own greedy evaluation episodes again, then one more."""
+    run_dir, _ = tracked_run
+    proc, report = run_eval_only(SCRIPT, run_dir / "model.pt", tmp_path / "logs", "--eval-episodes", "3")
+    assert proc.returncode == 0 and report is not None, proc.stderr
+    assert report["episodes"] == 3 and report["greedy"] is True and report["model"] == str(run_dir / "model.pt")
+    settings = dict(env_id="CartPole-v1", atari_protocol="deepmind", network="mlp", use_lstm=True, lstm_size=8,
+                    lstm_layers=1, action_reward_inputs=False)  # fmt: skip
+    assert report["settings"] == settings
+    returns = report["returns"]
+    assert len(returns) == 3 and all(math.isfinite(r) and r == int(r) and 8 <= r <= 500 for r in returns), returns
+    assert returns[:2] == [v for _, v in scalars(run_dir)["eval/episodic_return"]]
+    assert report["mean"] == pytest.approx(np.mean(returns))
+    assert "from its run: env_id=CartPole-v1 atari_protocol=deepmind network=mlp use_lstm=True" in proc.stdout
+    for written in run_dir.glob("eval-*.json"):  # named by the second: the next one may reuse the name
+        written.unlink()
+    proc = run_main(["--eval-only", str(run_dir / "checkpoint.pt"), "--eval-episodes", "3"])
+    assert proc.returncode == 0 and "eval episode 2: return" in proc.stdout, proc.stderr
+    (written,) = run_dir.glob("eval-*.json")
+    assert json.loads(written.read_text())["returns"] == returns
+
+
+def test_eval_only_refuses_what_it_cannot_evaluate(tracked_run, tmp_path, run_main):
+    run_dir, _ = tracked_run
+    assert_eval_only_refusals(SCRIPT, run_dir / "model.pt", tmp_path)  # other script, --env-id Acrobot-v1, garbage
+    lonely = tmp_path / "lonely"
+    lonely.mkdir()
+    (lonely / "model.pt").write_bytes((run_dir / "model.pt").read_bytes())
+    assert_one_error_line(run_main(["--eval-only", str(lonely / "model.pt")]), "cannot read its run's args.json")
+    proc = run_main(["--eval-only", str(run_dir / "model.pt"), "--network", "nature"])
+    assert_one_error_line(proc, "--network nature contradicts", "saved by a run with mlp")
+
+
+def test_track_without_wandb_is_refused_by_validate(monkeypatch):
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else find_spec(name, *a))
+    assert im.validate(im.Args(env_id="CartPole-v1", track=True)) == '--track needs wandb: pip install -e ".[track]"'
+    assert im.validate(im.Args(env_id="CartPole-v1")) is None
+
+
+class FakeWandb(types.SimpleNamespace):
+    """Records what the script asks of the wandb module."""
+
+    def __init__(self):
+        super().__init__(inits=[], logged=[], finished=[])
+
+    def init(self, **kwargs):
+        self.inits.append(kwargs)
+
+    def Video(self, path):  # wandb's name
+        return ("video", path)
+
+    def log(self, data):
+        self.logged.append(data)
+
+    def finish(self, exit_code=0):
+        self.finished.append(exit_code)
+
+
+def test_tracking_names_the_run_after_its_directory_resumes_it_and_ends_with_the_exit_status(monkeypatch, tmp_path):
+    """A --resume run continues the W&B run of its run directory (the same id); recorded videos are uploaded; the
+    W&B run ends with the run's exit status."""
+    wandb = FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", wandb)
+    run_dir = tmp_path / "CartPole-v1__impala_monobeast__1__1700000000"
+    (run_dir / "videos").mkdir(parents=True)
+    (run_dir / "videos" / "rl-video-episode-0.mp4").write_bytes(b"")
+    assert im.start_tracking(im.Args(env_id="CartPole-v1"), run_dir) is None and wandb.inits == []
+    assert im.start_tracking(im.Args(env_id="CartPole-v1", track=True, wandb_entity="me"), run_dir) is wandb
+    resumed = im.Args(env_id="CartPole-v1", track=True, resume=str(run_dir / "checkpoint.pt"))
+    im.start_tracking(resumed, run_dir)
+    first, second = wandb.inits
+    assert first["name"] == second["name"] == run_dir.name and first["id"] == second["id"]
+    assert first["resume"] is None and second["resume"] == "allow" and first["entity"] == "me"
+    assert first["sync_tensorboard"] and first["config"]["env_id"] == "CartPole-v1" and first["config"]["track"]
+    writer = types.SimpleNamespace(close=lambda: None)
+    learner = types.SimpleNamespace(args=resumed, run_dir=run_dir, global_step=0, writer=writer)
+    for failure, signum, code in [(None, None, 0), ("error: actor 0 died", None, 1), (None, signal.SIGTERM, 143)]:
+        with pytest.raises(SystemExit) if code else contextlib.nullcontext():
+            im.finish(learner, failure, signum, [], wandb)
+        assert wandb.finished[-1] == code
+    assert wandb.logged == [{"videos": ("video", str(run_dir / "videos" / "rl-video-episode-0.mp4"))}] * 3
 
 
 @pytest.mark.parametrize("lstm", [[], ["--use-lstm", "--lstm-size", "32"]])
@@ -381,6 +528,7 @@ def test_bad_flags_one_line_error(tmp_path, capsys):
         (dict(lstm_layers=0), "--lstm-layers must be >= 1"),
         (dict(learning_rate=math.inf), "--learning-rate must be a finite number, got inf"),
         (dict(gamma=math.nan), "--gamma must be a finite number, got nan"),
+        (dict(eval_only="/nonexistent/model.pt"), "--eval-only /nonexistent/model.pt: no such file"),
     ]
     for kwargs, message in cases:
         error = im.validate(im.Args(log_dir=str(tmp_path), **kwargs))
