@@ -22,8 +22,9 @@ worker with `--torch-deterministic` on CPU is reproducible.
 
 Examples:
   python a3c_large_batch.py --env-id ALE/Breakout-v5                                  # 4 workers x 16 envs, hogwild
-  python a3c_large_batch.py --env-id ALE/Breakout-v5 --update server --num-workers 8
+  python a3c_large_batch.py --env-id ALE/Breakout-v5 --update server --num-workers 8 --track
   python a3c_large_batch.py --env-id ALE/Pong-v5 --num-workers 16 --num-envs-per-worker 1    # original A3C
+  python a3c_large_batch.py --eval-only runs/<run>/model.pt --eval-episodes 10 --capture-video  # a saved agent
 """
 
 from __future__ import annotations
@@ -32,8 +33,11 @@ import contextlib
 import copy
 import ctypes
 import errno
+import hashlib
+import importlib.util
 import io
 import itertools
+import json
 import math
 import os
 import queue
@@ -43,7 +47,7 @@ import threading
 import time
 import traceback
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from multiprocessing.process import BaseProcess
 from multiprocessing.queues import Queue
 from multiprocessing.sharedctypes import Synchronized
@@ -92,8 +96,18 @@ class Args:
     """episodes to evaluate the final policy on (logged as eval/episodic_return)"""
     eval_greedy: bool = True
     """evaluate with argmax actions (GALA Table 1's protocol for A3C); `--no-eval-greedy` samples from the policy"""
+    eval_only: str | None = None
+    """evaluate a saved agent instead of training: a model.pt or checkpoint.pt of a run of this script; env, protocol,
+    network and model options come from the run's args.json / checkpoint (--eval-episodes 0 plays 10 episodes)"""
     capture_video: bool = False
-    """record videos of the evaluation episodes to {run_dir}/videos"""
+    """record videos of the evaluation episodes to {run_dir}/videos (--eval-only: {model dir}/videos-eval-{time})"""
+    track: bool = False
+    """log the run to Weights & Biases: TensorBoard synced, Args as config, videos uploaded; needs
+    `pip install -e ".[track]"`"""
+    wandb_project_name: str = "actorlearners"
+    """Weights & Biases project of --track"""
+    wandb_entity: str | None = None
+    """Weights & Biases entity (team or user) of --track; None: your default entity"""
     network: Literal["auto", "nature", "impala", "mlp"] = "auto"
     """`nature` (GALA Appendix C.2), `impala`, `mlp`, or `auto` (nature for frames, mlp for flat observations)"""
 
@@ -543,6 +557,8 @@ def gradient_server(model: nn.Module, args: Args, shared: Shared, device: torch.
 
 def validate(args: Args) -> str | None:
     """Every flag checked before anything is spawned; returns the error line or None (tyro checks the choices)."""
+    if args.track and importlib.util.find_spec("wandb") is None:
+        return '--track needs wandb: pip install -e ".[track]"'
     for name, value in asdict(args).items():
         if isinstance(value, float) and not math.isfinite(value):
             return f"--{name.replace('_', '-')} must be a finite number, got {value}"
@@ -562,6 +578,8 @@ def validate(args: Args) -> str | None:
             return f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}"
     if args.resume is not None and not Path(args.resume).is_file():
         return f"--resume {args.resume}: no such checkpoint file"
+    if args.eval_only is not None and not Path(args.eval_only).is_file():
+        return f"--eval-only {args.eval_only}: no such file"
     if args.total_timesteps < args.num_envs_per_worker * args.num_steps:
         return (
             f"--total-timesteps ({args.total_timesteps}) is less than one rollout "
@@ -612,6 +630,50 @@ def new_run_dir(args: Args) -> Path:
             continue
         except OSError as e:
             fail(f"cannot create the run directory {run_dir}: {e.strerror or e}")
+
+
+def write_run_args(run_dir: Path, args: Args, meta: dict) -> None:
+    """{run_dir}/args.json: the script, Args and checkpoint meta, so that --eval-only can rebuild the env and the model
+    of a model.pt lying beside it. Exit 2 if it cannot be written."""
+    try:
+        (run_dir / "args.json").write_text(json.dumps(dict(script=meta["script"], args=asdict(args), meta=meta)))
+    except OSError as e:
+        fail(f"cannot write {run_dir / 'args.json'}: {e.strerror or e}")
+
+
+def start_tracking(args: Args, run_dir: Path):
+    """--track: a Weights & Biases run named like the run directory, with the Args as config and the TensorBoard
+    scalars synced; returns the wandb module (None without --track). Call it before the SummaryWriter is made: wandb
+    patches TensorBoard at init. The id is derived from the run directory's name, so that a --resume run continues
+    the same W&B run."""
+    if not args.track:
+        return None
+    import wandb  # optional: pip install -e ".[track]"
+
+    try:
+        wandb.init(
+            project=args.wandb_project_name,
+            entity=args.wandb_entity,
+            name=run_dir.name,
+            id=hashlib.sha1(run_dir.name.encode()).hexdigest(),
+            resume="allow" if args.resume else None,
+            config=vars(args),
+            sync_tensorboard=True,
+            save_code=True,
+        )
+    except Exception as e:  # not logged in, no network, an unknown entity or project
+        fail(f"--track: wandb.init failed: {(str(e).strip().splitlines() or [type(e).__name__])[0][:200]}")
+    return wandb
+
+
+def finish_tracking(tracker, run_dir: Path, exit_code: int) -> None:
+    """--track: upload the evaluation videos and end the W&B run (`tracker`, from start_tracking) with the run's exit
+    status. Call it after the SummaryWriter is closed: wandb syncs the events files up to then."""
+    if tracker is None:
+        return
+    for video in sorted((run_dir / "videos").glob("*.mp4")):
+        tracker.log({"videos": tracker.Video(str(video))})
+    tracker.finish(exit_code=exit_code)
 
 
 def checkpoint_meta(args: Args, obs_space: gym.Space, act_space: gym.spaces.Discrete) -> dict:
@@ -713,12 +775,12 @@ class Checkpoints:
         return Finish(str(self.path) if self.args.checkpoint_interval else None, self.extra())
 
 
-def evaluate(model: nn.Module, args: Args, run_dir: Path) -> list[float]:
-    """Play `eval_episodes` full games with the final policy, true returns; argmax actions with `--eval-greedy`
-    (GALA Table 1), sampled ones otherwise."""
-    seed, video_dir = args.seed + 1_000_003, str(run_dir / "videos")
+def evaluate(model: nn.Module, args: Args, video_dir: Path) -> list[float]:
+    """Play `eval_episodes` full games with the final (or --eval-only's saved) policy, true returns; argmax actions
+    with `--eval-greedy` (GALA Table 1), sampled ones otherwise; videos to `video_dir` with --capture-video."""
+    seed = args.seed + 1_000_003
     env = make_env(
-        args.env_id, seed, protocol=args.atari_protocol, capture_video=args.capture_video, video_dir=video_dir
+        args.env_id, seed, protocol=args.atari_protocol, capture_video=args.capture_video, video_dir=str(video_dir)
     )
     generator = torch.Generator().manual_seed(seed)
     returns = []
@@ -730,9 +792,46 @@ def evaluate(model: nn.Module, args: Args, run_dir: Path) -> list[float]:
         obs, _, terminated, truncated, info = env.step(int(action[0]))
         if terminated or truncated:
             returns.append(float(info["episode"]["r"]))
-            obs, _ = env.reset()
+            if len(returns) < args.eval_episodes:  # no reset after the last game: it would record an empty video
+                obs, _ = env.reset()
     env.close()
     return returns
+
+
+def load_for_eval(args: Args) -> tuple[Args, nn.Module, dict]:
+    """--eval-only: the saved agent (a model.pt with its run's args.json beside it, or a checkpoint.pt), the Args to
+    evaluate it with (env, protocol and network from the saved run; seed and evaluation flags from this command line)
+    and the settings taken from the run. Anything this script cannot evaluate is one error line and exit 2."""
+    path, this = Path(args.eval_only), Path(__file__).name
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:  # garbage, truncated, or pickled objects this interpreter cannot rebuild
+        fail(f"--eval-only {path}: not a model.pt or checkpoint.pt ({type(e).__name__}: {str(e).strip()[:100]})")
+    is_checkpoint = isinstance(saved, dict) and isinstance(saved.get("meta"), dict)
+    if is_checkpoint:  # it carries its own args and meta
+        run = dict(saved, script=saved["meta"].get("script"))
+    else:
+        try:
+            run = json.loads((path.parent / "args.json").read_text())
+        except (OSError, ValueError) as e:
+            fail(f"--eval-only {path}: cannot read its run's args.json beside it (it names the env and network): {e}")
+    if run.get("script") != this:
+        fail(f"{path} was saved by {run.get('script')}, not {this}")
+    for name in ("env_id", "network"):  # a value given on the command line must be the saved run's
+        given, theirs = getattr(args, name), (run["meta"][name], run["args"][name])
+        if given != getattr(Args, name) and given not in theirs:
+            fail(f"--{name.replace('_', '-')} {given} contradicts {path}, saved by a run with {theirs[0]}")
+    own = dict(eval_only=args.eval_only, eval_episodes=args.eval_episodes or 10, eval_greedy=args.eval_greedy,
+               capture_video=args.capture_video, seed=args.seed, cuda=args.cuda)  # fmt: skip
+    known = {f.name for f in fields(Args)}
+    eval_args = Args(**{k: v for k, v in run["args"].items() if k in known} | own)
+    model = make_model(*env_spaces(eval_args), run["meta"]["network"])
+    try:
+        model.load_state_dict(saved["model"] if is_checkpoint else saved)
+    except Exception as e:  # not a state_dict, or one of another network
+        fail(f"--eval-only {path}: not parameters of its run's {run['meta']['network']} network ({type(e).__name__})")
+    settings = dict(env_id=eval_args.env_id, atari_protocol=eval_args.atari_protocol, network=run["meta"]["network"])
+    return eval_args, model, settings
 
 
 class StopSignals:
@@ -855,6 +954,12 @@ class Processes:
                 return f"error: {name} died ({how}); stopping the run"
         return None
 
+    def kill(self) -> None:
+        """Start-up failed after the processes started: nothing is saved, so they need no orderly stop."""
+        for p in self.procs.values():
+            p.kill()
+            p.join()
+
     def finish_server(self, message: Finish) -> None:
         if self.shared.grad_q is not None and not self.finish_sent:
             self.shared.grad_q.put(message)
@@ -973,7 +1078,7 @@ def finish_run(
         failure = failure or events_error(e, run_dir)
     print(progress.console_line(), flush=True)
     if failure is None and not interrupted and args.eval_episodes:
-        for i, ret in enumerate(evaluate(model, args, run_dir)):
+        for i, ret in enumerate(evaluate(model, args, run_dir / "videos")):
             progress.writer.add_scalar("eval/episodic_return", ret, i)
             print(f"eval episode {i}: return {ret:.1f}")
     try:
@@ -1015,6 +1120,9 @@ def train(
 def main(args: Args) -> None:
     if error := validate(args):
         fail(error)
+    if args.eval_only:
+        main_eval_only(args)
+        return
     obs_space, act_space = env_spaces(args)
     meta = checkpoint_meta(args, obs_space, act_space)
     checkpoint = load_checkpoint(args.resume, meta) if args.resume else None
@@ -1051,7 +1159,13 @@ def main(args: Args) -> None:
             run_dir.rmdir()
         print("interrupted during start-up", file=sys.stderr)
         raise SystemExit(128 + signals.signum)
+    write_run_args(run_dir, args, meta)
     processes.start()
+    try:
+        tracker = start_tracking(args, run_dir)  # after the forks: no worker inherits wandb's threads and pipes
+    except SystemExit:  # wandb.init failed (its error line is printed)
+        processes.kill()
+        raise
     progress = Progress(open_writer(run_dir, args), args.log_frequency, global_step, args.learning_rate,
                         server_done=args.update == "hogwild")  # fmt: skip
 
@@ -1072,9 +1186,34 @@ def main(args: Args) -> None:
     failure = finish_run(args, model, processes, progress, checkpoints, run_dir, failure, interrupted)
     if failure:
         print(failure, file=sys.stderr)
-        raise SystemExit(1)
-    if interrupted:
-        raise SystemExit(128 + signals.signum)
+    code = 1 if failure else 128 + signals.signum if interrupted else 0
+    finish_tracking(tracker, run_dir, code)
+    if code:
+        raise SystemExit(code)
+
+
+def main_eval_only(args: Args) -> None:
+    """--eval-only: play the saved agent with the end-of-training evaluation, print the true game returns and write
+    them to {model dir}/eval-{unix time}.json. Nothing trains, no run directory is made."""
+    eval_args, model, settings = load_for_eval(args)
+    path, stamp = Path(args.eval_only), int(time.time())
+    taken = " ".join(f"{k}={v}" for k, v in settings.items())
+    how = "greedy" if eval_args.eval_greedy else "sampled"
+    print(f"evaluating {path} ({eval_args.eval_episodes} episodes, {how} actions); from its run: {taken}", flush=True)
+    try:
+        returns = evaluate(model, eval_args, path.parent / f"videos-eval-{stamp}")
+    except (EnvError, gym.error.DependencyNotInstalled) as e:  # --capture-video without moviepy or a renderer
+        fail(str(e))
+    for i, ret in enumerate(returns):
+        print(f"eval episode {i}: return {ret:.1f}")
+    report = dict(model=str(path), episodes=len(returns), greedy=eval_args.eval_greedy, returns=returns,
+                  mean=float(np.mean(returns)), settings=settings)  # fmt: skip
+    out = path.parent / f"eval-{stamp}.json"
+    try:
+        out.write_text(json.dumps(report, indent=1))
+    except OSError as e:
+        fail(f"cannot write {out}: {e.strerror or e}")
+    print(f"mean return over {len(returns)} episodes: {report['mean']:.2f} (written to {out})")
 
 
 if __name__ == "__main__":

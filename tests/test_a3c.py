@@ -1,18 +1,24 @@
 """a3c_large_batch.py: n-step returns, the A3C loss and the shared RMSprop against independent references; Hogwild and
-gradient-server pushes from two processes; end-to-end runs in both update modes with the policy lag each predicts; a
-killed or crashing worker; SIGINT / SIGTERM shutdown with checkpoint and resume; bad flags.
+gradient-server pushes from two processes; end-to-end runs in both update modes with the policy lag each predicts;
+--track (one offline W&B run for a multi-worker run) and --eval-only; a killed or crashing worker; SIGINT / SIGTERM
+shutdown with checkpoint and resume; bad flags.
 
 Runs that end by themselves call `main` in this process (`run_main`: the workers fork from it, no interpreter start-up
 per run); runs that must be killed or signalled, and one bad-flag run, are subprocesses."""
 
+import importlib.machinery
+import importlib.util
+import json
 import math
 import multiprocessing
 import os
+import re
 import signal
 import subprocess
 import sys
 import threading
 import time
+import types
 from pathlib import Path
 
 import numpy as np
@@ -24,10 +30,14 @@ from helpers import (
     ROOT,
     FixedLogitsPolicy,
     RecordingEnv,
+    assert_eval_only_refusals,
     assert_finite_tags,
+    assert_tracked_once,
     children_of,
     fill_disk,
+    offline_wandb_env,
     only_run_dir,
+    run_eval_only,
     run_script,
     scalars,
     small_tmpfs,
@@ -45,12 +55,14 @@ from a3c_large_batch import (
     SharedRMSprop,
     Update,
     a2c_loss,
+    finish_tracking,
     flatten,
     gradient_server,
     main,
     n_step_returns,
     push_hogwild,
     push_server,
+    start_tracking,
     validate,
 )
 
@@ -290,17 +302,69 @@ def mean_lag(logged, updates: int, log_frequency: int) -> float:
     return sum(points) / len(points)
 
 
-def test_cartpole_hogwild_end_to_end_with_the_predicted_lag(tmp_path, run_main):
+@pytest.fixture(scope="module")
+def hogwild_run(tmp_path_factory):
+    """One tracked (offline) 2-worker hogwild run on CartPole with --save-model, a final checkpoint and one evaluation
+    episode, in a subprocess (wandb stays out of the test process): (its CompletedProcess, run directory, W&B
+    directory). 100 pushes of 2 workers x 4 envs x 5 steps, one TensorBoard point per 10."""
+    log_dir, wandb_dir = tmp_path_factory.mktemp("hogwild-runs"), tmp_path_factory.mktemp("wandb")
+    args = [*TINY_CARTPOLE, "--update", "hogwild", "--total-timesteps", "2000", "--track", "--save-model"]
+    args += ["--checkpoint-interval", "3600", "--eval-episodes", "1", "--no-cuda"]
+    proc = run_script(SCRIPT, args, log_dir, env=offline_wandb_env(wandb_dir))
+    assert proc.returncode == 0, proc.stderr
+    return proc, only_run_dir(log_dir), wandb_dir
+
+
+def test_cartpole_hogwild_end_to_end_with_the_predicted_lag(hogwild_run):
     """Each update of one worker falls between the pull and the push of at most one update of another, so over a run
-    the mean lag is at most W - 1 (module docstring)."""
-    total, workers = 2000, 2  # 100 pushes of 2 workers x 4 envs x 5 steps, one TensorBoard point per 10
-    code, out, err = run_main(**CARTPOLE, update="hogwild", total_timesteps=total, log_dir=str(tmp_path))
-    assert code == 0, err
-    assert out.splitlines()[-1].startswith(f"global_step={total} SPS=")  # the console line of every script
-    logged = scalars(only_run_dir(tmp_path))
+    the mean lag is at most W - 1 (module docstring). --track: the main process alone logs to W&B (one run for the two
+    worker processes)."""
+    proc, run_dir, wandb_dir = hogwild_run
+    total, workers = 2000, 2
+    assert re.search(rf"^global_step={total} SPS=", proc.stdout, re.MULTILINE), proc.stdout[-500:]  # every script's
+    logged = scalars(run_dir)
     check_tags(logged, "hogwild")
     assert max(s for s, _ in logged["charts/SPS"]) == total  # every agent step counted once
     assert mean_lag(logged, total // 20, 10) <= workers - 1 + 1e-6
+    tracked = assert_tracked_once(wandb_dir, run_dir)
+    assert tracked.config["num_workers"] == 2 and tracked.config["update"] == "hogwild"
+    saved = json.loads((run_dir / "args.json").read_text())
+    assert saved["script"] == SCRIPT and saved["args"]["env_id"] == "CartPole-v1" and saved["meta"]["network"] == "mlp"
+
+
+def test_eval_only_replays_the_saved_agent_with_the_end_of_training_evaluation(hogwild_run, tmp_path, run_main):
+    """model.pt (in a subprocess, with its args.json) and checkpoint.pt (in process) play the same greedy episodes,
+    and the first is the run's own eval episode: same policy, same evaluation seed. --no-eval-greedy samples."""
+    _, run_dir, _ = hogwild_run
+    proc, report = run_eval_only(SCRIPT, run_dir / "model.pt", tmp_path / "logs", "--eval-episodes", "3")
+    assert proc.returncode == 0 and report is not None, proc.stderr
+    assert report["episodes"] == 3 and report["greedy"] is True and report["model"] == str(run_dir / "model.pt")
+    assert report["settings"] == {"env_id": "CartPole-v1", "atari_protocol": "deepmind", "network": "mlp"}
+    returns = report["returns"]
+    assert len(returns) == 3 and all(math.isfinite(r) and r == int(r) and 8 <= r <= 500 for r in returns), returns
+    assert report["mean"] == pytest.approx(np.mean(returns))
+    assert returns[0] == scalars(run_dir)["eval/episodic_return"][0][1]
+    assert "from its run: env_id=CartPole-v1 atari_protocol=deepmind network=mlp" in proc.stdout
+    for greedy in (True, False):
+        code, out, err = run_main(eval_only=str(run_dir / "checkpoint.pt"), eval_episodes=3, eval_greedy=greedy)
+        assert code == 0 and "eval episode 2: return" in out, err
+        latest = max(run_dir.glob("eval-*.json"), key=lambda p: p.stat().st_mtime_ns)
+        from_checkpoint = json.loads(latest.read_text())
+        assert from_checkpoint["greedy"] is greedy and len(from_checkpoint["returns"]) == 3
+        if greedy:
+            assert from_checkpoint["returns"] == returns
+
+
+def test_eval_only_refuses_what_it_cannot_evaluate(hogwild_run, tmp_path, run_main):
+    _, run_dir, _ = hogwild_run
+    assert_eval_only_refusals(SCRIPT, run_dir / "model.pt", tmp_path)  # other script, --env-id Acrobot-v1, garbage
+    lonely = tmp_path / "lonely"
+    lonely.mkdir()
+    (lonely / "model.pt").write_bytes((run_dir / "model.pt").read_bytes())
+    code, _, err = run_main(eval_only=str(lonely / "model.pt"))
+    assert code == 2 and "cannot read its run's args.json" in err, err
+    code, _, err = run_main(eval_only=str(run_dir / "model.pt"), network="nature")
+    assert code == 2 and "--network nature contradicts" in err and "mlp" in err, err
 
 
 @pytest.mark.parametrize("update", ["hogwild", "server"])
@@ -358,11 +422,72 @@ def test_breakout_end_to_end(update, envs, tmp_path, run_main):
         (dict(env_id="CartPole-v1", learning_rate=math.inf), "--learning-rate must be a finite number, got inf"),
         (dict(env_id="CartPole-v1", max_grad_norm=math.nan), "--max-grad-norm must be a finite number, got nan"),
         (dict(env_id="Pendulum-v1"), "continuous action space"),
+        (dict(eval_only="/nonexistent/model.pt"), "--eval-only /nonexistent/model.pt: no such file"),
     ],
 )
 def test_bad_flags_are_one_error_line(args, message):
     error = validate(Args(**args))
     assert error is not None and message in error and "\n" not in error, error
+
+
+def test_track_without_wandb_is_refused_by_validate(monkeypatch):
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else find_spec(name, *a))
+    assert validate(Args(env_id="CartPole-v1", track=True)) == '--track needs wandb: pip install -e ".[track]"'
+    assert validate(Args(env_id="CartPole-v1")) is None
+
+
+class FakeWandb(types.SimpleNamespace):
+    """Records what the script asks of the wandb module; `init` raises `init_error` if one is given."""
+
+    def __init__(self, init_error: Exception | None = None):
+        super().__init__(inits=[], logged=[], finished=[], init_error=init_error)
+        self.__spec__ = importlib.machinery.ModuleSpec("wandb", None)  # for validate's find_spec
+
+    def init(self, **kwargs):
+        if self.init_error:
+            raise self.init_error
+        self.inits.append(kwargs)
+
+    def Video(self, path):  # wandb's name
+        return ("video", path)
+
+    def log(self, data):
+        self.logged.append(data)
+
+    def finish(self, exit_code=0):
+        self.finished.append(exit_code)
+
+
+def test_tracking_names_the_run_after_its_directory_resumes_it_and_ends_with_the_exit_status(monkeypatch, tmp_path):
+    """A --resume run continues the W&B run of its run directory (the same id); recorded videos are uploaded; the
+    W&B run ends with the run's exit status."""
+    wandb = FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", wandb)
+    run_dir = tmp_path / "CartPole-v1__a3c_large_batch__1__1700000000"
+    (run_dir / "videos").mkdir(parents=True)
+    (run_dir / "videos" / "rl-video-episode-0.mp4").write_bytes(b"")
+    assert start_tracking(Args(env_id="CartPole-v1"), run_dir) is None and wandb.inits == []
+    assert start_tracking(Args(env_id="CartPole-v1", track=True, wandb_entity="me"), run_dir) is wandb
+    start_tracking(Args(env_id="CartPole-v1", track=True, resume=str(run_dir / "checkpoint.pt")), run_dir)
+    first, second = wandb.inits
+    assert first["name"] == second["name"] == run_dir.name and first["id"] == second["id"]
+    assert first["resume"] is None and second["resume"] == "allow" and first["entity"] == "me"
+    assert first["sync_tensorboard"] and first["config"]["env_id"] == "CartPole-v1" and first["config"]["track"]
+    finish_tracking(None, run_dir, 0)
+    for code in (0, 1, 128 + signal.SIGTERM):
+        finish_tracking(wandb, run_dir, code)
+    assert wandb.finished == [0, 1, 143]
+    assert wandb.logged == [{"videos": ("video", str(run_dir / "videos" / "rl-video-episode-0.mp4"))}] * 3
+
+
+def test_failed_wandb_init_is_one_error_line_and_stops_the_started_processes(monkeypatch, tmp_path, run_main):
+    """wandb.init runs after the forks (no worker inherits its threads): when it fails (not logged in, no network), the
+    workers and the gradient server already started are stopped, and the run exits 2 with one error line."""
+    monkeypatch.setitem(sys.modules, "wandb", FakeWandb(init_error=RuntimeError("No API key configured.\nmore")))
+    code, _, err = run_main(**CARTPOLE, update="server", total_timesteps=100_000_000, track=True, log_dir=str(tmp_path))
+    assert code == 2 and err.strip() == "error: --track: wandb.init failed: No API key configured.", err
+    assert not multiprocessing.active_children()
 
 
 @pytest.mark.parametrize("flags", [["--update", "allreduce"], ["--atari-protocol", "atari57"], ["--optimizer", "adam"],
