@@ -23,6 +23,8 @@ seed, num_envs, num_executors, sync_interval and --sync, whatever num_actors and
     python hts_a2c.py --env-id ALE/Breakout-v5
     python hts_a2c.py --env-id CartPole-v1 --num-envs 8 --num-executors 8 --num-actors 2 --total-timesteps 200000
     python hts_a2c.py --env-id ALE/Breakout-v5 --sync  # the synchronous A2C baseline
+    python hts_a2c.py --env-id ALE/Breakout-v5 --save-model --track  # logged to Weights & Biases
+    python hts_a2c.py --eval-only runs/<run>/model.pt --eval-episodes 10 --capture-video
 """
 
 from __future__ import annotations
@@ -30,8 +32,11 @@ from __future__ import annotations
 import copy
 import ctypes
 import errno
+import hashlib
+import importlib.util
 import io
 import itertools
+import json
 import math
 import os
 import queue
@@ -43,7 +48,7 @@ import time
 import traceback
 from collections import deque
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from multiprocessing.connection import Connection
 from multiprocessing.queues import Queue, SimpleQueue
 from multiprocessing.synchronize import Barrier
@@ -92,9 +97,23 @@ class Args:
     """path of a checkpoint.pt to continue: its parameters, optimizer, run directory and step count (envs start new
     episodes)"""
     eval_episodes: int = 0
-    """episodes played by the final policy after training, logged as eval/episodic_return"""
+    """episodes played by the final policy after training, logged as eval/episodic_return (--eval-only: 0 plays 10)"""
+    eval_greedy: bool = False
+    """evaluate with argmax actions; by default actions are sampled, as the policy acts in training, whose episode
+    returns HTS-RL reports"""
+    eval_only: str | None = None
+    """evaluate a saved agent instead of training: a model.pt or checkpoint.pt of a run of this script; env, protocol,
+    network and model options come from the run's args.json / checkpoint"""
     capture_video: bool = False
-    """record the evaluation episodes to {run_dir}/videos (needs --eval-episodes)"""
+    """record the evaluation episodes to {run_dir}/videos (needs --eval-episodes; --eval-only: to
+    {model dir}/videos-eval-{unix time})"""
+    track: bool = False
+    """log the run to Weights & Biases: TensorBoard synced, Args as config, videos uploaded; needs
+    `pip install -e ".[track]"`"""
+    wandb_project_name: str = "actorlearners"
+    """Weights & Biases project of --track"""
+    wandb_entity: str | None = None
+    """Weights & Biases entity (team or user) of --track; None: your default entity"""
     log_interval: float = 10.0
     """seconds between console lines"""
     log_frequency: int = 10
@@ -457,16 +476,21 @@ def validate(args: Args) -> str | None:
         (args.checkpoint_interval >= 0,
          f"--checkpoint-interval must be >= 0 seconds (0 = off), got {args.checkpoint_interval}"),
         (args.eval_episodes >= 0, f"--eval-episodes must be >= 0, got {args.eval_episodes}"),
-        (not args.capture_video or args.eval_episodes > 0,
+        (not args.capture_video or args.eval_episodes > 0 or args.eval_only is not None,
          "--capture-video records the evaluation episodes; add --eval-episodes N (N >= 1)"),
         (bool(args.exp_name) and "/" not in args.exp_name,
          f"--exp-name must be a non-empty name without '/', got {args.exp_name!r}"),
         (args.resume is None or Path(args.resume).is_file(),
          f"--resume {args.resume!r}: no such file; pass the checkpoint.pt of an earlier run"),
+        (args.eval_only is None or Path(args.eval_only).is_file(), f"--eval-only {args.eval_only}: no such file"),
+        (not args.track or importlib.util.find_spec("wandb") is not None,
+         '--track needs wandb: pip install -e ".[track]"'),
     ]  # fmt: skip
     for ok, message in checks:
         if not ok:
             return message
+    if args.eval_only is not None:  # env, network and model are the saved run's: load_for_eval checks them
+        return None
     try:
         observation_space, action_space = env_spaces(args)
         if not isinstance(action_space, gym.spaces.Discrete):
@@ -508,6 +532,40 @@ def new_run_dir(args: Args) -> Path:
             continue
         except OSError as e:
             fail(f"cannot create the run directory {run_dir}: {e.strerror or e}")
+
+
+def write_run_args(run_dir: Path, args: Args, meta: dict) -> None:
+    """{run_dir}/args.json: the script, Args and checkpoint meta, so that --eval-only can rebuild the env and the model
+    of a model.pt lying beside it. Exit 2 if it cannot be written."""
+    try:
+        (run_dir / "args.json").write_text(json.dumps(dict(script=meta["script"], args=asdict(args), meta=meta)))
+    except OSError as e:
+        fail(f"cannot write {run_dir / 'args.json'}: {e.strerror or e}")
+
+
+def start_tracking(args: Args, run_dir: Path):
+    """--track: a Weights & Biases run named like the run directory, with the Args as config and the TensorBoard
+    scalars synced; returns the wandb module (None without --track). Call it before the SummaryWriter is made: wandb
+    patches TensorBoard at init. The id is derived from the run directory's name, so that a --resume run continues
+    the same W&B run."""
+    if not args.track:
+        return None
+    import wandb  # optional: pip install -e ".[track]"
+
+    try:
+        wandb.init(
+            project=args.wandb_project_name,
+            entity=args.wandb_entity,
+            name=run_dir.name,
+            id=hashlib.sha1(run_dir.name.encode()).hexdigest(),
+            resume="allow" if args.resume else None,
+            config=vars(args),
+            sync_tensorboard=True,
+            save_code=True,
+        )
+    except Exception as e:  # not logged in, no network, an unknown entity or project
+        fail(f"--track: wandb.init failed: {(str(e).strip().splitlines() or [type(e).__name__])[0][:200]}")
+    return wandb
 
 
 def checkpoint_meta(args: Args, observation_space: gym.Space, action_space: gym.Space) -> dict:
@@ -568,6 +626,15 @@ def quiet_writer_thread() -> None:
     error at its next write and reports it in one line, so the thread stays quiet about OSErrors."""
     default = threading.excepthook
     threading.excepthook = lambda hook_args: None if issubclass(hook_args.exc_type, OSError) else default(hook_args)
+
+
+def make_writer(run_dir: Path, args: Args) -> SummaryWriter:
+    quiet_writer_thread()
+    writer = SummaryWriter(str(run_dir))
+    writer.add_text(
+        "hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items())
+    )
+    return writer
 
 
 def fixed_mmap_threshold(nbytes: int = 4 << 20) -> None:
@@ -707,43 +774,90 @@ class Workers:
         self.results.cancel_join_thread()
 
 
-def evaluate(model: nn.Module, args: Args, run_dir: Path, device: torch.device) -> list[float]:
-    """Play `eval_episodes` full games with the final policy (sampling, seeded), unclipped returns."""
+def evaluate(model: nn.Module, args: Args, video_dir: Path, device: torch.device) -> list[float]:
+    """Play `eval_episodes` full games with the final (or --eval-only's saved) policy, unclipped returns; sampled
+    actions (seeded), argmax ones with --eval-greedy; videos to `video_dir` with --capture-video."""
     env = make_env(args.env_id, args.seed + 10_000, protocol=args.atari_protocol, capture_video=args.capture_video,
-                   video_dir=str(run_dir / "videos"))  # fmt: skip
+                   video_dir=str(video_dir))  # fmt: skip
     generator = torch.Generator().manual_seed(args.seed)
     returns = []
     obs, _ = env.reset()
     while len(returns) < args.eval_episodes:
         with torch.no_grad():
             logits, _ = model(torch.as_tensor(np.asarray(obs)).unsqueeze(0).to(device))
-        action = sample_actions(logits.cpu(), torch.rand(1, generator=generator))
+        uniforms = torch.rand(1, generator=generator)
+        action = logits.argmax(dim=1) if args.eval_greedy else sample_actions(logits.cpu(), uniforms)
         obs, _, terminated, truncated, info = env.step(int(action.item()))
         if terminated or truncated:
             returns.append(float(info["episode"]["r"]))
-            obs, _ = env.reset()
+            if len(returns) < args.eval_episodes:  # no reset after the last game: it would record an empty video
+                obs, _ = env.reset()
     env.close()
     return returns
 
 
-def finish(args: Args, learner: Learner, writer: SummaryWriter, run_dir: Path, device: torch.device, exit_code: int,
-           message: str | None) -> None:  # fmt: skip
-    """After the workers stopped: save the model and evaluate it (after a clean finish), close TensorBoard, print the
-    error line if any and exit with `exit_code`."""
+def load_for_eval(args: Args) -> tuple[Args, nn.Module, dict]:
+    """--eval-only: the saved agent (a model.pt with its run's args.json beside it, or a checkpoint.pt), the Args to
+    evaluate it with (env, protocol and network from the saved run; seed and evaluation flags from this command line)
+    and the settings taken from the run. Anything this script cannot evaluate is one error line and exit 2."""
+    path, this = Path(args.eval_only), Path(__file__).name
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:  # garbage, truncated, or pickled objects this interpreter cannot rebuild
+        reason = (str(e).strip().splitlines() or [""])[0][:100]
+        fail(f"--eval-only {path}: not a model.pt or checkpoint.pt ({type(e).__name__}: {reason})")
+    is_checkpoint = isinstance(saved, dict) and isinstance(saved.get("meta"), dict)
+    if is_checkpoint:  # it carries its own args and meta
+        run = dict(saved, script=saved["meta"].get("script"))
+    else:
+        try:
+            run = json.loads((path.parent / "args.json").read_text())
+        except (OSError, ValueError) as e:
+            fail(f"--eval-only {path}: cannot read its run's args.json beside it (it names the env and network): {e}")
+    if run.get("script") != this:
+        fail(f"{path} was saved by {run.get('script')}, not {this}")
+    for name in ("env_id", "network"):  # a value given on the command line must be the saved run's
+        given, theirs = getattr(args, name), (run["meta"][name], run["args"][name])
+        if given != getattr(Args, name) and given not in theirs:
+            fail(f"--{name.replace('_', '-')} {given} contradicts {path}, saved by a run with {theirs[0]}")
+    own = dict(eval_only=args.eval_only, eval_episodes=args.eval_episodes or 10, eval_greedy=args.eval_greedy,
+               capture_video=args.capture_video, seed=args.seed, cuda=args.cuda, track=False)  # fmt: skip
+    known = {f.name for f in fields(Args)}
+    eval_args = Args(**{k: v for k, v in run["args"].items() if k in known} | own)
+    network = run["meta"]["network"]  # `auto` as the run resolved it
+    model = make_model(*env_spaces(eval_args), network)
+    try:
+        model.load_state_dict(saved["model"] if is_checkpoint else saved)
+    except Exception as e:  # not a state_dict, or one of another network
+        fail(f"--eval-only {path}: not parameters of its run's {network} network ({type(e).__name__})")
+    settings = dict(env_id=eval_args.env_id, atari_protocol=eval_args.atari_protocol, network=network)
+    return eval_args, model, settings
+
+
+def finish(args: Args, learner: Learner, writer: SummaryWriter | None, run_dir: Path, device: torch.device,
+           exit_code: int, message: str | None, tracker=None) -> None:  # fmt: skip
+    """After the workers stopped: save the model and evaluate it (after a clean finish), close TensorBoard, finish the
+    W&B run (`tracker`, from start_tracking) with the exit status, print the error line if any and exit with
+    `exit_code`."""
     if exit_code == 0 and args.save_model:
         try:
             atomic_save(learner.target.state_dict(), run_dir / "model.pt")
         except WriteError as e:
             exit_code, message = 1, str(e)
     if exit_code == 0 and args.eval_episodes > 0:
-        for i, r in enumerate(evaluate(learner.target, args, run_dir, device)):
+        for i, r in enumerate(evaluate(learner.target, args, run_dir / "videos", device)):
             writer.add_scalar("eval/episodic_return", r, learner.global_step + i)
             print(f"eval episode {i}: return {r:.2f}", flush=True)
     try:
-        writer.close()
+        if writer is not None:  # None: it could not be made (the error line says why)
+            writer.close()
     except OSError as e:  # the events file could not be flushed: the error above, or this one
         message = message or f"error: {e.strerror or e} while writing the TensorBoard events in {run_dir}"
         exit_code = exit_code or 1
+    if tracker is not None:  # after the writer is closed: wandb syncs the events files up to then
+        for video in sorted((run_dir / "videos").glob("*.mp4")):
+            tracker.log({"videos": tracker.Video(str(video))})
+        tracker.finish(exit_code=exit_code)
     if message:
         print(message, file=sys.stderr, flush=True)
     if exit_code:
@@ -757,12 +871,16 @@ def main(args: Args) -> None:
     error = validate(args)
     if error is not None:
         fail(error)
+    if args.eval_only:
+        main_eval_only(args)
+        return
     spaces = env_spaces(args)
     meta = checkpoint_meta(args, *spaces)
     checkpoint = load_checkpoint(args.resume, meta) if args.resume else None
     run_dir = Path(args.resume).resolve().parent if args.resume else new_run_dir(args)
     if not os.access(run_dir, os.W_OK):
         fail(f"cannot write to the run directory {run_dir}")
+    write_run_args(run_dir, args, meta)
     random.seed(args.seed)
     torch.manual_seed(args.seed)
     torch.backends.cudnn.deterministic = args.torch_deterministic
@@ -774,20 +892,18 @@ def main(args: Args) -> None:
 
     learner = Learner.create(args, spaces, device, checkpoint)
     shared = Shared(args, spaces[0], learner.target, learner.update)
-    quiet_writer_thread()
-    writer = SummaryWriter(str(run_dir))
-    writer.add_text(
-        "hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items())
-    )
     steps_per_collection = args.num_envs * args.sync_interval
     num_collections = args.total_timesteps // steps_per_collection
     workers = Workers(args, shared, "spawn" if use_cuda else "fork", num_collections)  # CUDA cannot be forked
     stop = StopSignals()
     checkpoint_path, exit_code, message = run_dir / "checkpoint.pt", 0, None
-    start_step, start_time = learner.global_step, time.time()
-    last_console = last_checkpoint = time.time()
+    writer = tracker = None  # made in the try: whatever fails from there on stops the workers
     recent_returns: deque[float] = deque(maxlen=100)
     try:
+        tracker = start_tracking(args, run_dir)  # after the forks: no worker inherits wandb's threads and pipes
+        writer = make_writer(run_dir, args)
+        start_step, start_time = learner.global_step, time.time()
+        last_console = last_checkpoint = time.time()
         workers.start_collection(learner.update, learner.global_step)
         while learner.update < num_collections:
             j = learner.update
@@ -851,7 +967,32 @@ def main(args: Args) -> None:
     finally:
         workers.shutdown(graceful=exit_code == 0 and message is None)
         stop.restore()
-    finish(args, learner, writer, run_dir, device, exit_code, message)
+    finish(args, learner, writer, run_dir, device, exit_code, message, tracker)
+
+
+def main_eval_only(args: Args) -> None:
+    """--eval-only: play the saved agent with the end-of-training evaluation, print the true game returns and write
+    them to {model dir}/eval-{unix time}.json. Nothing trains, no run directory is made."""
+    eval_args, model, settings = load_for_eval(args)
+    device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
+    path, stamp = Path(args.eval_only), int(time.time())
+    taken = " ".join(f"{k}={v}" for k, v in settings.items())
+    how = "greedy" if eval_args.eval_greedy else "sampled"
+    print(f"evaluating {path} ({eval_args.eval_episodes} episodes, {how} actions); from its run: {taken}", flush=True)
+    try:
+        returns = evaluate(model.to(device), eval_args, path.parent / f"videos-eval-{stamp}", device)
+    except (EnvError, gym.error.DependencyNotInstalled) as e:  # --capture-video without moviepy or a renderer
+        fail(str(e))
+    for i, ret in enumerate(returns):
+        print(f"eval episode {i}: return {ret:.1f}")
+    report = dict(model=str(path), episodes=len(returns), greedy=eval_args.eval_greedy, returns=returns,
+                  mean=float(np.mean(returns)), settings=settings)  # fmt: skip
+    out = path.parent / f"eval-{stamp}.json"
+    try:
+        out.write_text(json.dumps(report, indent=1))
+    except OSError as e:
+        fail(f"cannot write {out}: {e.strerror or e}")
+    print(f"mean return over {len(returns)} episodes: {report['mean']:.2f} (written to {out})")
 
 
 if __name__ == "__main__":

@@ -1,17 +1,22 @@
 """hts_a2c.py and hts_ppo.py: pure functions against slow loops written from the definitions, then the scripts end to
-end on tiny budgets (TensorBoard tags, policy lag, determinism, storage role swap, resume, bad flags, shutdown).
+end on tiny budgets (TensorBoard tags, --track as one offline W&B run, --eval-only, policy lag, determinism, storage
+role swap, resume, bad flags, shutdown).
 
 Runs that only compare results call `main` in this process (no interpreter start-up per run); the command-line path,
 signals, killed workers and a full disk run the scripts as subprocesses."""
 
 import contextlib
+import importlib.util
 import io
+import json
 import math
 import os
 import re
 import signal
+import sys
 import threading
 import time
+import types
 from pathlib import Path
 
 import gymnasium as gym
@@ -21,11 +26,17 @@ import torch
 import tyro
 from helpers import (
     CORE_TAGS,
+    FixedLogitsPolicy,
+    RecordingEnv,
+    assert_eval_only_refusals,
     assert_finite_tags,
+    assert_tracked_once,
     children_of,
     event_accumulator,
     fill_disk,
+    offline_wandb_env,
     only_run_dir,
+    run_eval_only,
     run_script,
     scalars,
     small_tmpfs,
@@ -255,6 +266,22 @@ def test_delayed_update_applies_the_behavior_gradient_to_the_target(module):
 
 
 @pytest.mark.parametrize("module", [hts_a2c, hts_ppo])
+def test_evaluation_samples_by_default_and_takes_argmax_actions_with_eval_greedy(module, monkeypatch, tmp_path):
+    """The policy's argmax (action 2) has probability about 0.34: sampled, every action shows up."""
+    logits = torch.tensor([0.0, 0.4, 0.8, 0.2])
+    for flags, greedy in [([], False), (["--eval-greedy"], True)]:
+        env = RecordingEnv(length=25)
+        monkeypatch.setattr(module, "make_env", lambda *a, env=env, **k: env)
+        args = tyro.cli(module.Args, args=["--env-id", "CartPole-v1", "--eval-episodes", "4", *flags])
+        assert module.evaluate(FixedLogitsPolicy(logits), args, tmp_path, torch.device("cpu")) == [25.0] * 4
+        assert len(env.actions) == 100
+        if greedy:
+            assert set(env.actions) == {2}
+        else:
+            assert set(env.actions) == {0, 1, 2, 3} and 15 <= env.actions.count(2) <= 55
+
+
+@pytest.mark.parametrize("module", [hts_a2c, hts_ppo])
 def test_non_finite_loss_stops_before_any_parameter_changes(module):
     torch.manual_seed(0)
     obs_space, act_space = gym.spaces.Box(-1, 1, (4,), np.float32), gym.spaces.Discrete(2)
@@ -276,22 +303,25 @@ def test_non_finite_loss_stops_before_any_parameter_changes(module):
                 ids=lambda p: f"{p[0][:-3]}-{p[1]}")  # fmt: skip
 def tiny_run(request, tmp_path_factory):
     """One tiny CartPole run per script and mode with 2 actors, evaluation, a checkpoint and a saved model: HTS-RL
-    from the command line, --sync through `main` in this process. Returns what it printed on stdout."""
+    from the command line with --track (offline W&B), --sync through `main` in this process. Returns what it printed
+    on stdout and its W&B directory (None: not tracked)."""
     script, mode = request.param
     log_dir = tmp_path_factory.mktemp(f"{script[:-3]}_{mode}")
     settings = {**TINY[script], "sync": mode == "sync", "num_actors": 2, "eval_episodes": 2, "save_model": True,
                 "checkpoint_interval": 3600}  # fmt: skip
     if mode == "hts":
-        proc = run_script(script, cli(settings), log_dir)
+        wandb_dir = tmp_path_factory.mktemp(f"{script[:-3]}_wandb")
+        proc = run_script(script, [*cli(settings), "--track"], log_dir, env=offline_wandb_env(wandb_dir))
         assert proc.returncode == 0, proc.stderr
-        return script, mode, only_run_dir(log_dir), proc.stdout
+        return script, mode, only_run_dir(log_dir), proc.stdout, wandb_dir
     with process_state_kept(), contextlib.redirect_stdout(io.StringIO()) as stdout:
         MODULES[script].main(MODULES[script].Args(**settings, log_dir=str(log_dir)))
-    return script, mode, only_run_dir(log_dir), stdout.getvalue()
+    return script, mode, only_run_dir(log_dir), stdout.getvalue(), None
 
 
 def test_tensorboard_tags_are_logged_and_finite(tiny_run):
-    script, _, run_dir, stdout = tiny_run
+    """--track: the learner alone logs to W&B (one run for its 4 executors and 2 actors)."""
+    script, _, run_dir, stdout, wandb_dir = tiny_run
     data = scalars(run_dir)
     assert_finite_tags(data, REQUIRED_TAGS)
     assert any(tag.startswith("hyperparameters") for tag in event_accumulator(run_dir).Tags()["tensors"])
@@ -301,12 +331,67 @@ def test_tensorboard_tags_are_logged_and_finite(tiny_run):
     checkpoint = torch.load(run_dir / "checkpoint.pt", weights_only=False)
     assert {"model", "optimizer", "global_step", "update", "rng", "args", "meta"} <= set(checkpoint)
     assert not list(run_dir.glob("*.tmp"))
+    saved = json.loads((run_dir / "args.json").read_text())
+    assert saved["script"] == script and saved["args"]["env_id"] == "CartPole-v1" and saved["meta"]["network"] == "mlp"
+    if wandb_dir is not None:
+        tracked = assert_tracked_once(wandb_dir, run_dir)
+        assert tracked.config["num_executors"] == 4 and tracked.config["num_actors"] == 2
+
+
+def test_eval_only_replays_the_saved_agent_with_the_end_of_training_evaluation(tiny_run, tmp_path, capsys, in_process):
+    """checkpoint.pt (in this process) and, for the command-line runs, model.pt (with its args.json) play the run's own
+    evaluation episodes again: same final policy, same evaluation seed."""
+    script, mode, run_dir, _, _ = tiny_run
+    played = [v for _, v in scalars(run_dir)["eval/episodic_return"]]
+    MODULES[script].main(tyro.cli(MODULES[script].Args, args=["--eval-only", str(run_dir / "checkpoint.pt")]))
+    out = capsys.readouterr().out
+    assert "from its run: env_id=CartPole-v1 atari_protocol=deepmind network=mlp" in out
+    assert "(10 episodes, sampled actions)" in out and "eval episode 9: return" in out
+    report = json.loads(max(run_dir.glob("eval-*.json")).read_text())
+    assert report["episodes"] == 10 and report["greedy"] is False and report["returns"][:2] == played
+    if mode == "hts":
+        proc, report = run_eval_only(script, run_dir / "model.pt", tmp_path / "logs", "--eval-episodes", "3")
+        assert proc.returncode == 0 and report is not None, proc.stderr
+        assert report["model"] == str(run_dir / "model.pt") and report["episodes"] == 3 and not report["greedy"]
+        assert report["settings"] == {"env_id": "CartPole-v1", "atari_protocol": "deepmind", "network": "mlp"}
+        returns = report["returns"]
+        assert len(returns) == 3 and all(math.isfinite(r) and r == int(r) and 8 <= r <= 500 for r in returns), returns
+        assert returns[:2] == played and report["mean"] == pytest.approx(np.mean(returns))
+
+
+def run_main(module, capsys, flags):
+    """`main` on command-line flags that it must refuse: its one error line."""
+    with pytest.raises(SystemExit) as exc:
+        module.main(tyro.cli(module.Args, args=flags))
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code == 2 and len(lines) == 1, (exc.value.code, lines)
+    return lines[0]
+
+
+def test_eval_only_refuses_what_it_cannot_evaluate(tiny_run, tmp_path, capsys, in_process):
+    """From the command line (the helpers' cases: another script's model, --env-id Acrobot-v1, garbage), and in this
+    process: a model.pt without its args.json, a contradicting --network, a missing file."""
+    script, mode, run_dir, _, _ = tiny_run
+    if mode == "hts":
+        assert_eval_only_refusals(script, run_dir / "model.pt", tmp_path)
+        return
+    module = MODULES[script]
+    lonely = tmp_path / "lonely"
+    lonely.mkdir()
+    (lonely / "model.pt").write_bytes((run_dir / "model.pt").read_bytes())
+    error = run_main(module, capsys, ["--eval-only", str(lonely / "model.pt")])
+    assert "cannot read its run's args.json" in error, error
+    error = run_main(module, capsys, ["--eval-only", str(run_dir / "checkpoint.pt"), "--network", "nature"])
+    assert error == f"error: --network nature contradicts {run_dir / 'checkpoint.pt'}, saved by a run with mlp", error
+    error = run_main(module, capsys, ["--eval-only", str(tmp_path / "missing.pt")])
+    assert error == f"error: --eval-only {tmp_path / 'missing.pt'}: no such file", error
+    assert not list(tmp_path.glob("runs*"))
 
 
 def test_policy_lag_is_one_update_and_zero_with_sync(tiny_run):
     """HTS-RL: the first update learns from data of the initial policy (lag 0), every later one with a lag of exactly
     1. --sync: every update learns from data of the parameters it updates (lag 0)."""
-    script, mode, run_dir, _ = tiny_run
+    script, mode, run_dir, *_ = tiny_run
     data = scalars(run_dir)
     lags = [v for _, v in data["charts/policy_lag"]]
     assert len(lags) == updates(script)
@@ -325,7 +410,7 @@ def test_runs_are_deterministic_whatever_the_number_of_actors(tiny_run, tmp_path
     """Same seed with 1, 2 and 4 actors: bitwise the same final parameters and the same training episodes (step and
     return) after 15-30 synchronizations, in both modes (actors sample with executor-drawn uniforms and forward one
     executor's observations at a time). Another seed gives other parameters."""
-    script, mode, run_dir, _ = tiny_run
+    script, mode, run_dir, *_ = tiny_run
     runs = {"1": {"num_actors": 1}, "4": {"num_actors": 4}} | ({"seed2": {"seed": 2}} if mode == "hts" else {})
     for name, overrides in runs.items():
         MODULES[script].main(tiny_args(script, tmp_path / name, sync=mode == "sync", save_model=True, **overrides))
@@ -413,6 +498,7 @@ def test_resume_continues_the_run_directory_and_step_count(script, tmp_path, in_
         ({"learning_rate": math.inf}, "--learning-rate must be a finite number, got inf"),
         ({"max_grad_norm": math.nan}, "--max-grad-norm must be a finite number, got nan"),
         ({"env_id": "Pendulum-v1"}, "continuous action space"),
+        ({"eval_only": "/nonexistent/model.pt"}, "--eval-only /nonexistent/model.pt: no such file"),
     ],
 )
 def test_validate_names_the_bad_flag_in_one_line(module, flags, message):
@@ -424,11 +510,67 @@ def test_validate_names_the_bad_flag_in_one_line(module, flags, message):
 @pytest.mark.parametrize("module", [hts_a2c, hts_ppo])
 def test_good_flags_pass_and_choices_are_checked_by_tyro(module, capsys):
     assert module.validate(module.Args(env_id="CartPole-v1", num_envs=4)) is None
+    assert module.validate(module.Args(eval_only=__file__, capture_video=True)) is None  # --eval-only: 10 episodes
     for flags in (["--network", "resnet"], ["--atari-protocol", "openai"]):
         with pytest.raises(SystemExit) as exc:
             tyro.cli(module.Args, args=flags)
         assert exc.value.code == 2
     assert "resnet" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("module", [hts_a2c, hts_ppo])
+def test_track_without_wandb_is_refused_by_validate(module, monkeypatch):
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else find_spec(name, *a))
+    error = module.validate(module.Args(env_id="CartPole-v1", track=True))
+    assert error == '--track needs wandb: pip install -e ".[track]"'
+    assert module.validate(module.Args(env_id="CartPole-v1")) is None
+
+
+class FakeWandb(types.SimpleNamespace):
+    """Records what the script asks of the wandb module."""
+
+    def __init__(self):
+        super().__init__(inits=[], logged=[], finished=[])
+
+    def init(self, **kwargs):
+        self.inits.append(kwargs)
+
+    def Video(self, path):  # wandb's name
+        return ("video", path)
+
+    def log(self, data):
+        self.logged.append(data)
+
+    def finish(self, exit_code=0):
+        self.finished.append(exit_code)
+
+
+@pytest.mark.parametrize("module", [hts_a2c, hts_ppo])
+def test_tracking_names_the_run_after_its_directory_resumes_it_and_ends_with_the_exit_status(
+    module, monkeypatch, tmp_path, capsys
+):
+    """A --resume run continues the W&B run of its run directory (the same id); recorded videos are uploaded; the
+    W&B run ends with the run's exit status."""
+    wandb = FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", wandb)
+    run_dir = tmp_path / f"CartPole-v1__{module.__name__}__1__1700000000"
+    (run_dir / "videos").mkdir(parents=True)
+    (run_dir / "videos" / "rl-video-episode-0.mp4").write_bytes(b"")
+    assert module.start_tracking(module.Args(env_id="CartPole-v1"), run_dir) is None and wandb.inits == []
+    assert module.start_tracking(module.Args(env_id="CartPole-v1", track=True, wandb_entity="me"), run_dir) is wandb
+    resumed = module.Args(env_id="CartPole-v1", track=True, resume=str(run_dir / "checkpoint.pt"))
+    module.start_tracking(resumed, run_dir)
+    first, second = wandb.inits
+    assert first["name"] == second["name"] == run_dir.name and first["id"] == second["id"]
+    assert first["resume"] is None and second["resume"] == "allow" and first["entity"] == "me"
+    assert first["sync_tensorboard"] and first["config"]["env_id"] == "CartPole-v1" and first["config"]["track"]
+    for code, message in [(0, None), (1, "error: executor 0 failed"), (143, "stopped by SIGTERM at global step 96")]:
+        with pytest.raises(SystemExit) if code else contextlib.nullcontext():
+            module.finish(resumed, None, None, run_dir, torch.device("cpu"), code, message, wandb)
+        assert wandb.finished[-1] == code
+    assert wandb.logged == [{"videos": ("video", str(run_dir / "videos" / "rl-video-episode-0.mp4"))}] * 3
+    assert capsys.readouterr().err.splitlines() == ["error: executor 0 failed", "stopped by SIGTERM at global step 96"]
 
 
 @pytest.mark.parametrize(
