@@ -62,7 +62,7 @@ import torch.multiprocessing as mp
 import tyro
 from torch import nn
 
-from common.atari import EnvError, check_env_args, finished_episodes, make_env, make_vector_env
+from common.atari import EnvError, check_env_args, check_video, finished_episodes, make_env, make_vector_env
 from common.models import make_model
 
 # ---- Args ----
@@ -587,6 +587,8 @@ def validate(args: Args) -> str | None:
         )
     try:
         check_env_args(args.env_id, args.num_envs_per_worker, args.atari_protocol)
+        if args.capture_video and args.eval_only is None:  # fail now, not at the final evaluation
+            check_video(args.env_id, args.atari_protocol)
     except EnvError as e:
         return str(e)
     act_space = env_spaces(args)[1]

@@ -63,7 +63,7 @@ import tyro
 from torch import nn
 from torch.distributed import rpc
 
-from common.atari import EnvError, check_env_args, finished_episodes, make_env, make_vector_env
+from common.atari import EnvError, check_env_args, check_video, finished_episodes, make_env, make_vector_env
 from common.models import make_ddpg_model
 
 ALGORITHM = "Ape-X DDPG"
@@ -241,6 +241,8 @@ def validate(args: Args, world_size: int = 1) -> str | None:
         return f"--total-timesteps ({args.total_timesteps}) is less than one step of every env of every actor"
     try:
         check_env_args(args.env_id, args.num_envs_per_actor)
+        if args.capture_video and args.eval_only is None:  # fail now, not at the final evaluation
+            check_video(args.env_id)
         obs_space, act_space = env_spaces(args)
         if isinstance(act_space, gym.spaces.Discrete):
             return (

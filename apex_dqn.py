@@ -62,7 +62,16 @@ import tyro
 from torch import nn
 from torch.distributed import rpc
 
-from common.atari import FRAME_SKIP, EnvError, ale_game, check_env_args, finished_episodes, make_env, make_vector_env
+from common.atari import (
+    FRAME_SKIP,
+    EnvError,
+    ale_game,
+    check_env_args,
+    check_video,
+    finished_episodes,
+    make_env,
+    make_vector_env,
+)
 from common.models import make_q_network
 
 ALGORITHM = "Ape-X DQN"
@@ -245,6 +254,8 @@ def validate(args: Args, world_size: int = 1) -> str | None:
         return f"--total-timesteps ({args.total_timesteps}) is less than one step of every env of every actor"
     try:
         check_env_args(args.env_id, args.num_envs_per_actor, args.atari_protocol)
+        if args.capture_video and args.eval_only is None:  # fail now, not at the final evaluation
+            check_video(args.env_id, args.atari_protocol)
         obs_space, act_space = env_spaces(args)
         if not isinstance(act_space, gym.spaces.Discrete):
             return (

@@ -65,6 +65,7 @@ from common.atari import (
     EpisodeStatistics,
     ale_game,
     check_env_args,
+    check_video,
     finished_episodes,
     make_env,
     make_vector_env,
@@ -280,6 +281,8 @@ def validate(args: Args, world_size: int) -> str | None:
         )
     try:
         check_env_args(args.env_id, args.num_envs, args.atari_protocol)
+        if args.capture_video and args.eval_only is None:  # fail now, not at the final evaluation
+            check_video(args.env_id, args.atari_protocol)
     except EnvError as e:
         return str(e)
     return action_space_error(args.env_id)

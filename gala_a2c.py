@@ -67,7 +67,7 @@ import torch.multiprocessing as mp
 import tyro
 from torch import nn
 
-from common.atari import EnvError, ale_game, check_env_args, finished_episodes, make_env, make_vector_env
+from common.atari import EnvError, ale_game, check_env_args, check_video, finished_episodes, make_env, make_vector_env
 from common.models import make_model
 
 # ---- Args ----------------------------------------------------------------------------------------------------------
@@ -956,6 +956,8 @@ def validate(args: Args, n: int, torchrun: bool = False) -> str | None:
         )
     try:
         check_env_args(args.env_id, args.num_envs, args.atari_protocol)
+        if args.capture_video and args.eval_only is None:  # fail now, not at the final evaluation
+            check_video(args.env_id, args.atari_protocol)
     except EnvError as e:
         return str(e)
     if ale_game(args.env_id) is None:  # ALE ids are Discrete; the policy is categorical

@@ -64,7 +64,7 @@ import tyro
 from torch import nn
 from torch.utils.tensorboard import SummaryWriter
 
-from common.atari import EnvError, check_env_args, finished_episodes, make_env, make_vector_env
+from common.atari import EnvError, check_env_args, check_video, finished_episodes, make_env, make_vector_env
 from common.models import make_model
 
 # ---- Args ------------------------------------------------------------------------------------------------------------
@@ -557,6 +557,8 @@ def validate(args: Args) -> str | None:
         return None
     try:
         observation_space, action_space = env_spaces(args)
+        if args.capture_video and args.eval_only is None:  # fail now, not at the final evaluation
+            check_video(args.env_id, args.atari_protocol)
         if not isinstance(action_space, gym.spaces.Discrete):
             return (f"{args.env_id} has a continuous action space ({action_space}); {Path(__file__).name} handles "
                     "Discrete action spaces only (for continuous actions: apex_ddpg.py)")  # fmt: skip

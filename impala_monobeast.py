@@ -66,7 +66,7 @@ import tyro
 from torch import nn
 from torch.utils.tensorboard import SummaryWriter
 
-from common.atari import EnvError, check_env_args, make_env, make_vector_env
+from common.atari import EnvError, check_env_args, check_video, make_env, make_vector_env
 from common.models import LSTMState, make_model
 
 # ---- Args ------------------------------------------------------------------------------------------------------------
@@ -929,6 +929,8 @@ def validate(args: Args) -> str | None:
         )
     try:
         check_env_args(args.env_id, args.num_envs_per_actor, args.atari_protocol)  # the id too, without making the env
+        if args.capture_video and args.eval_only is None:  # fail now, not at the final evaluation
+            check_video(args.env_id, args.atari_protocol)
     except EnvError as e:
         return str(e)
     return None

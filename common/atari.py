@@ -31,9 +31,13 @@ the first frame 4 times.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import functools
 import importlib
+import tempfile
+import warnings
+from pathlib import Path
 from typing import Any
 
 import gymnasium as gym
@@ -309,8 +313,22 @@ def make_env(
             env = gym.wrappers.RecordVideo(env, video_dir, episode_trigger=lambda _: True, disable_logger=True)
         except gym.error.DependencyNotInstalled as e:
             raise EnvError(f'--capture-video needs moviepy: pip install -e ".[video]" ({e})') from None
-    env.reset(seed=seed)
+    try:
+        env.reset(seed=seed)  # with capture_video, the first frame is rendered here
+    except gym.error.DependencyNotInstalled as e:  # the env's renderer, e.g. pygame for classic control
+        env.close()
+        with contextlib.suppress(OSError):
+            Path(video_dir).rmdir()  # RecordVideo made it and recorded nothing: leave no empty folder behind
+        raise EnvError(f"--capture-video cannot render {env_id}: {str(e).splitlines()[0]}") from None
     return env
+
+
+def check_video(env_id: str, protocol: str = "deepmind") -> None:
+    """For `--capture-video`, before anything starts: raises EnvError (one line) unless an evaluation env of `env_id`
+    can render its frames and write mp4 (moviepy), so that a run does not fail only at its final evaluation."""
+    with tempfile.TemporaryDirectory(prefix="check-video-") as tmp, warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # RecordVideo's "zero frames to save" at close
+        make_env(env_id, 0, protocol=protocol, capture_video=True, video_dir=str(Path(tmp) / "videos")).close()
 
 
 def finished_episodes(info: dict) -> list[tuple[float, int]]:

@@ -1,4 +1,5 @@
-"""Envs that fail on purpose, for the crash and non-finite-loss tests (`--env-id tests.faulty_env:NaNCartPole-v0`)."""
+"""Envs that fail on purpose, for the crash, non-finite-loss and missing-renderer tests
+(`--env-id tests.faulty_env:NaNCartPole-v0`)."""
 
 import gymnasium as gym
 from gymnasium.envs.classic_control import CartPoleEnv
@@ -19,5 +20,13 @@ class FaultyCartPole(CartPoleEnv):
         return obs, reward, terminated, truncated, info
 
 
+class UnrenderableCartPole(CartPoleEnv):
+    """CartPole on a machine without its renderer (pygame), whatever this machine has."""
+
+    def render(self):
+        raise gym.error.DependencyNotInstalled("pygame is not installed (this env's renderer)")
+
+
 gym.register("CrashingCartPole-v0", entry_point=FaultyCartPole, kwargs=dict(fault="crash", after=300))
 gym.register("NaNCartPole-v0", entry_point=FaultyCartPole, kwargs=dict(fault="nan", after=300))
+gym.register("UnrenderableCartPole-v0", entry_point=UnrenderableCartPole)

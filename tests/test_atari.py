@@ -1,10 +1,12 @@
 """common.atari against real ALE ROMs and gymnasium envs, with ale-py's raw C++ env as the independent reference."""
 
+import importlib
+
 import numpy as np
 import pytest
 from ale_py.vector_env import AtariVectorEnv
 
-from common.atari import EnvError, check_env_args, finished_episodes, make_env, make_vector_env
+from common.atari import EnvError, check_env_args, check_video, finished_episodes, make_env, make_vector_env
 
 
 def raw_ale(game, num_envs, **kw):
@@ -248,3 +250,29 @@ def test_module_prefixed_ids_import_their_registration(tmp_path, monkeypatch):
     assert envs.reset()[0].shape == (2, 4)
     with pytest.raises(EnvError, match="cannot import"):
         check_env_args("no_such_module:Foo-v0")
+
+
+def test_capture_video_without_a_renderer_is_one_error_line_and_leaves_no_folder(tmp_path):
+    """An env that cannot render (CartPole without pygame) fails when the env is made, as one line, and the video
+    folder RecordVideo made is removed; `check_video` (the scripts' validate) gives the same line before a run."""
+    video_dir = tmp_path / "videos-eval"
+    with pytest.raises(EnvError, match=r"^--capture-video cannot render .*UnrenderableCartPole-v0: pygame") as e:
+        make_env("tests.faulty_env:UnrenderableCartPole-v0", 0, capture_video=True, video_dir=str(video_dir))
+    assert "\n" not in str(e.value) and not video_dir.exists()
+    with pytest.raises(EnvError, match="cannot render"):
+        check_video("tests.faulty_env:UnrenderableCartPole-v0")
+    check_video("ALE/Pong-v5")  # ALE renders its own frames
+
+
+@pytest.mark.parametrize(
+    ("script", "extra"),
+    [("a3c_large_batch", ()), ("apex_ddpg", ()), ("apex_dqn", ()), ("cleanba_ppo_impala", (1,)), ("gala_a2c", (2,)),
+     ("hts_a2c", ()), ("hts_ppo", ()), ("impala_monobeast", ())],
+)  # fmt: skip
+def test_every_script_refuses_capture_video_it_cannot_record_before_the_run(script, extra):
+    module = importlib.import_module(script)
+    args = module.Args(env_id="tests.faulty_env:UnrenderableCartPole-v0", capture_video=True, eval_episodes=1)
+    if hasattr(module, "resolve_defaults"):  # cleanba_ppo_impala.py: --algo's defaults, before validate
+        args = module.resolve_defaults(args)
+    error = module.validate(args, *extra)
+    assert error is not None and error.startswith("--capture-video cannot render") and "\n" not in error, error
