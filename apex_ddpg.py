@@ -834,7 +834,7 @@ def evaluator_loop(args: Args, shared: Shared, obs_space, act_space) -> None:
         params, rng = list(model.parameters()), np.random.default_rng(args.seed + 1_000_003)
         next_eval = (shared.global_step.value // args.eval_interval + 1) * args.eval_interval
         while True:
-            sleep_until(shared, lambda: shared.global_step.value >= next_eval, 0.5)  # noqa: B023 (called at once)
+            sleep_until(shared, lambda: shared.global_step.value >= next_eval, 0.05)  # noqa: B023 (called at once)
             step = shared.global_step.value
             shared.store.pull(params)
             shared.log_q.put(EvalReport(step, play_episodes(args, model, env, args.eval_interval_episodes, rng)))
@@ -1512,15 +1512,16 @@ def main(args: Args) -> None:
     except SystemExit:  # wandb.init failed: stop the processes, which ignore the SIGTERM that exit's cleanup sends
         shutdown(procs, shared, lambda t: drain_into(shared.log_q, lambda m: None, t), grace=1.0)
         raise
-    rng = np.random.default_rng([args.seed, 0])
-    replay = RemoteReplay(args, world_size) if distributed else LocalReplay(shared.buffers, rng)
-
+    # rank 0's writer (slow to start under --track's TensorBoard sync) before the actor ranks start acting, so that
+    # they do not run ahead of a learner still starting up
     from torch.utils.tensorboard import SummaryWriter  # after the forks: the writer runs a thread
 
     quiet_writer_thread()
     writer = SummaryWriter(str(run_dir))
     table = "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items())
     writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
+    rng = np.random.default_rng([args.seed, 0])
+    replay = RemoteReplay(args, world_size) if distributed else LocalReplay(shared.buffers, rng)
     run = LearnerRun(args, learner, replay, shared, procs, writer, run_dir, meta, global_step, num_actors)
     interrupted = False
     try:
