@@ -24,15 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 MARKER = re.compile(r"(<!-- report:(?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /report:(?P=name) -->)", re.S)
 
-CLASSIC_SOURCES = [
-    "cartpole.json",
-    "cartpole_cleanba_impala_sum.json",
-    "cartpole_cleanba_ppo_actorvalues.json",
-    "cartpole_hts_ppo_clipvloss.json",
-    "cartpole_impala_cleanba_updates.json",
-    "cartpole_apex_peps.json",
-    "pendulum.json",
-]
+CLASSIC_SOURCES = ["cartpole.json", "pendulum.json"]
 PONG_CPU_GLOB = "pong_cpu*.json"
 STRAGGLER_SOURCES = ["throughput.json", "throughput_apex.json", "throughput_cleanba_straggler.json"]
 MEMORY_SOURCES = ["memory_600s.json", "memory_cleanba_impala_600s.json", "memory_a3c_600s.json"]
