@@ -241,7 +241,7 @@ def validate(args: Args, world_size: int = 1) -> str | None:
         return f"--total-timesteps ({args.total_timesteps}) is less than one step of every env of every actor"
     try:
         check_env_args(args.env_id, args.num_envs_per_actor)
-        if args.capture_video and args.eval_only is None:  # fail now, not at the final evaluation
+        if args.capture_video:  # fail now, not at the final evaluation
             check_video(args.env_id)
         obs_space, act_space = env_spaces(args)
         if isinstance(act_space, gym.spaces.Discrete):
@@ -834,7 +834,7 @@ def evaluator_loop(args: Args, shared: Shared, obs_space, act_space) -> None:
         params, rng = list(model.parameters()), np.random.default_rng(args.seed + 1_000_003)
         next_eval = (shared.global_step.value // args.eval_interval + 1) * args.eval_interval
         while True:
-            sleep_until(shared, lambda: shared.global_step.value >= next_eval, 0.05)  # noqa: B023 (called at once)
+            sleep_until(shared, lambda: shared.global_step.value >= next_eval, 0.5)  # noqa: B023 (called at once)
             step = shared.global_step.value
             shared.store.pull(params)
             shared.log_q.put(EvalReport(step, play_episodes(args, model, env, args.eval_interval_episodes, rng)))

@@ -557,7 +557,7 @@ def validate(args: Args) -> str | None:
         return None
     try:
         observation_space, action_space = env_spaces(args)
-        if args.capture_video and args.eval_only is None:  # fail now, not at the final evaluation
+        if args.capture_video:  # fail now, not at the final evaluation
             check_video(args.env_id, args.atari_protocol)
         if not isinstance(action_space, gym.spaces.Discrete):
             return (f"{args.env_id} has a continuous action space ({action_space}); {Path(__file__).name} handles "
