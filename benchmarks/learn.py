@@ -281,8 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     entries = suite(a.suite)
     labels = {e.label for e in entries}
     if a.only is not None:
-        unknown = sorted(set(a.only) - labels)
-        if unknown:
+        if unknown := sorted(set(a.only) - labels):
             print(f"error: unknown label(s) {unknown}; the suite has {sorted(labels)}", file=sys.stderr)
             return 2
         entries = [e for e in entries if e.label in a.only]
