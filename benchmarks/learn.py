@@ -74,80 +74,35 @@ APEX_CARTPOLE = ["--num-actors", "4", "--buffer-size", "100000", "--learning-sta
 # as the cleanba_impala entry. The network gets TorchBeast's inputs (the script's default).
 IMPALA_CARTPOLE = ["--num-actors", "4", "--unroll-length", "20", "--batch-size", "2", "--learning-rate", "6e-4",
                    "--ent-coef", "0.01"]  # fmt: skip
+
+
+def cartpole(label: str, script: str, args: list[str], **kw) -> Entry:
+    return Entry(label, script, "CartPole-v1", CARTPOLE_STEPS, args, **kw)
+
+
 CARTPOLE = [
-    Entry(
-        "cleanba_ppo",
-        "cleanba_ppo_impala.py",
-        "CartPole-v1",
-        CARTPOLE_STEPS,
-        ["--num-envs", "4", "--clip-coef", "0.2", "--torch-threads", "1"],
-    ),
+    cartpole("cleanba_ppo", "cleanba_ppo_impala.py", ["--num-envs", "4", "--clip-coef", "0.2", "--torch-threads", "1"]),
     # Cleanba's IMPALA settings as they are (lr 6e-4, RMSprop eps 0.01, clip 40): its loss is summed over each
     # minibatch of 2 envs x 20 steps, so eps stays small beside the gradients without the classic-control eps.
-    Entry(
-        "cleanba_impala",
-        "cleanba_ppo_impala.py",
-        "CartPole-v1",
-        CARTPOLE_STEPS,
-        ["--algo", "impala", "--num-envs", "8", "--torch-threads", "1"],
-    ),
-    Entry(
-        "hts_a2c",
-        "hts_a2c.py",
-        "CartPole-v1",
-        CARTPOLE_STEPS,
-        ["--num-envs", "8", "--num-executors", "8", "--num-actors", "2"],
-    ),
-    Entry(
-        "hts_ppo",
-        "hts_ppo.py",
-        "CartPole-v1",
-        CARTPOLE_STEPS,
-        ["--num-envs", "4", "--num-executors", "4", "--num-actors", "2", "--clip-coef", "0.2"],
-    ),
-    Entry(
-        "impala_batched",
-        "impala_monobeast.py",
-        "CartPole-v1",
-        CARTPOLE_STEPS,
-        IMPALA_CARTPOLE,
-        note="cleanba_impala's updates: minibatches of 2 x 20, summed loss, eps 0.01, clip 40",
-    ),
-    Entry("gala_gossip", "gala_a2c.py", "CartPole-v1", CARTPOLE_STEPS, ["--num-learners", "2", "--num-envs", "8"]),
-    Entry(
-        "a3c_hogwild",
-        "a3c_large_batch.py",
-        "CartPole-v1",
-        CARTPOLE_STEPS,
-        ["--num-workers", "2", "--num-envs-per-worker", "8", *A3C_CARTPOLE_EPS],
-    ),
+    cartpole("cleanba_impala", "cleanba_ppo_impala.py",
+             ["--algo", "impala", "--num-envs", "8", "--torch-threads", "1"]),
+    cartpole("hts_a2c", "hts_a2c.py", ["--num-envs", "8", "--num-executors", "8", "--num-actors", "2"]),
+    cartpole("hts_ppo", "hts_ppo.py",
+             ["--num-envs", "4", "--num-executors", "4", "--num-actors", "2", "--clip-coef", "0.2"]),
+    cartpole("impala_batched", "impala_monobeast.py", IMPALA_CARTPOLE,
+             note="cleanba_impala's updates: minibatches of 2 x 20, summed loss, eps 0.01, clip 40"),
+    cartpole("gala_gossip", "gala_a2c.py", ["--num-learners", "2", "--num-envs", "8"]),
+    cartpole("a3c_hogwild", "a3c_large_batch.py",
+             ["--num-workers", "2", "--num-envs-per-worker", "8", *A3C_CARTPOLE_EPS]),
     # Ape-X's exploring actors (eps up to 0.4) never score 500: its bar is checked on the greedy evaluator's returns.
     # Off-policy with replay: 100k steps (the learner replays each transition about 32 times, `--replay-ratio 32`).
-    Entry(
-        "apex_dqn",
-        "apex_dqn.py",
-        "CartPole-v1",
-        100_000,
-        [*APEX_CARTPOLE],
-        tag="eval/episodic_return",
-        note="greedy evaluation every 5k agent steps",
-    ),
+    Entry("apex_dqn", "apex_dqn.py", "CartPole-v1", 100_000, APEX_CARTPOLE, tag="eval/episodic_return",
+          note="greedy evaluation every 5k agent steps"),
     # mode variants
-    Entry(
-        "gala_allreduce",
-        "gala_a2c.py",
-        "CartPole-v1",
-        CARTPOLE_STEPS,
-        ["--num-learners", "2", "--num-envs", "8", "--mode", "allreduce"],
-    ),
-    Entry(
-        "a3c_server",
-        "a3c_large_batch.py",
-        "CartPole-v1",
-        CARTPOLE_STEPS,
-        ["--num-workers", "2", "--num-envs-per-worker", "8", "--update", "server", *A3C_CARTPOLE_EPS],
-    ),
-]
+    cartpole("gala_allreduce", "gala_a2c.py", ["--num-learners", "2", "--num-envs", "8", "--mode", "allreduce"]),
+    cartpole("a3c_server", "a3c_large_batch.py",
+             ["--num-workers", "2", "--num-envs-per-worker", "8", "--update", "server", *A3C_CARTPOLE_EPS]),
+]  # fmt: skip
 
 # Pong, deepmind protocol: the PPO/A2C family at its Atari defaults (Nature CNN), budgeted at 10M frames and meant to
 # be cut by `--time-limit` (2M frames showed no rise for any of them). GALA and A3C run at their default RMSprop eps,
@@ -158,28 +113,23 @@ CARTPOLE = [
 # against 134 (Pong, this 2-core machine, 75-second runs).
 PONG_STEPS = 2_500_000
 DEEPMIND = ["--atari-protocol", "deepmind", "--checkpoint-interval", "600"]  # resumable: `learn.py ... --resume`
+
+
+def pong(label: str, script: str, args: list[str]) -> Entry:
+    return Entry(label, script, "ALE/Pong-v5", PONG_STEPS, args)
+
+
 ATARI_SMOKE = [
-    Entry("a3c_hogwild", "a3c_large_batch.py", "ALE/Pong-v5", PONG_STEPS, [*DEEPMIND, "--num-workers", "2"]),
-    Entry(
-        "cleanba_ppo",
-        "cleanba_ppo_impala.py",
-        "ALE/Pong-v5",
-        PONG_STEPS,
-        [*DEEPMIND, "--num-envs", "8"],  # the H100 runs pinned --torch-threads 1 (5 jobs side by side; manifest)
-    ),
-    Entry("hts_a2c", "hts_a2c.py", "ALE/Pong-v5", PONG_STEPS, DEEPMIND),
-    Entry("gala_gossip", "gala_a2c.py", "ALE/Pong-v5", PONG_STEPS, [*DEEPMIND, "--num-learners", "2"]),
-    Entry(
-        "hts_ppo",
-        "hts_ppo.py",
-        "ALE/Pong-v5",
-        PONG_STEPS,
-        [*DEEPMIND, "--num-envs", "8", "--torch-threads", "2"],  # why: above PONG_STEPS
-    ),
+    pong("a3c_hogwild", "a3c_large_batch.py", [*DEEPMIND, "--num-workers", "2"]),
+    # the H100 runs pinned --torch-threads 1 (5 jobs side by side; manifest)
+    pong("cleanba_ppo", "cleanba_ppo_impala.py", [*DEEPMIND, "--num-envs", "8"]),
+    pong("hts_a2c", "hts_a2c.py", DEEPMIND),
+    pong("gala_gossip", "gala_a2c.py", [*DEEPMIND, "--num-learners", "2"]),
+    pong("hts_ppo", "hts_ppo.py", [*DEEPMIND, "--num-envs", "8", "--torch-threads", "2"]),  # why: above PONG_STEPS
     # IMPALA at its references' settings: Cleanba's (8 envs x 20 steps, 4 minibatches) and TorchBeast's (4 actors,
     # unroll 80, batch 8, AtariNet inputs).
-    Entry("cleanba_impala", "cleanba_ppo_impala.py", "ALE/Pong-v5", PONG_STEPS, [*DEEPMIND, "--algo", "impala"]),
-    Entry("impala_batched", "impala_monobeast.py", "ALE/Pong-v5", PONG_STEPS, DEEPMIND),
+    pong("cleanba_impala", "cleanba_ppo_impala.py", [*DEEPMIND, "--algo", "impala"]),
+    pong("impala_batched", "impala_monobeast.py", DEEPMIND),
 ]
 
 # IMPALA on Pong within a 2-core CPU budget: the reference settings above take too few updates per sample to leave
@@ -187,11 +137,9 @@ ATARI_SMOKE = [
 # 640 samples). Both scripts take Cleanba's updates instead (minibatches of 2 unrolls x 20 steps, lr 6e-4, entropy
 # 0.01, summed loss, RMSprop eps 0.01, clip 40), as their CartPole entries do, and the Nature CNN.
 PONG_CPU_IMPALA = [
-    Entry("cleanba_impala_nature", "cleanba_ppo_impala.py", "ALE/Pong-v5", PONG_STEPS,
-          [*DEEPMIND, "--algo", "impala", "--network", "nature"]),
-    Entry("impala_batched_small", "impala_monobeast.py", "ALE/Pong-v5", PONG_STEPS,
-          [*DEEPMIND, *IMPALA_CARTPOLE]),
-]  # fmt: skip
+    pong("cleanba_impala_nature", "cleanba_ppo_impala.py", [*DEEPMIND, "--algo", "impala", "--network", "nature"]),
+    pong("impala_batched_small", "impala_monobeast.py", [*DEEPMIND, *IMPALA_CARTPOLE]),
+]
 
 # The A3C eps diagnosis on Pong (README, Results): hogwild at 1, 2 and 4 workers and the gradient server, RMSprop
 # eps 1e-5 against 1e-4 and 1e-3, CPU workers; a few hundred thousand steps show whether the value loss falls from
@@ -204,8 +152,7 @@ A3C_LAYOUTS = {
     "4x8": ["--num-workers", "4", "--num-envs-per-worker", "8"],
 }
 A3C_EPS_SWEEP = [
-    Entry(f"a3c_{layout}_eps{eps}", "a3c_large_batch.py", "ALE/Pong-v5", PONG_STEPS,
-          [*A3C_DIAG, *A3C_LAYOUTS[layout], "--rmsprop-eps", eps])
+    pong(f"a3c_{layout}_eps{eps}", "a3c_large_batch.py", [*A3C_DIAG, *A3C_LAYOUTS[layout], "--rmsprop-eps", eps])
     for layout, eps in [("1x16", "1e-5"), ("2x16", "1e-5"), ("server_2x16", "1e-5"), ("4x8", "1e-5"), ("4x8", "1e-4"),
                         ("4x8", "1e-3"), ("2x16", "1e-3")]
 ]  # fmt: skip
@@ -258,22 +205,9 @@ def latest_checkpoint(e: Entry, seed: int, out: Path) -> Path | None:
 
 
 def command(e: Entry, seed: int, out: Path, resume: Path | None = None) -> list[str]:
-    return [
-        sys.executable,
-        e.script,
-        "--env-id",
-        e.env_id,
-        "--seed",
-        str(seed),
-        "--total-timesteps",
-        str(e.total_timesteps),
-        "--exp-name",
-        e.label,
-        "--log-dir",
-        str(out),
-        *e.args,
-        *(["--resume", str(resume)] if resume else []),
-    ]
+    return [sys.executable, e.script, "--env-id", e.env_id, "--seed", str(seed), "--total-timesteps",
+            str(e.total_timesteps), "--exp-name", e.label, "--log-dir", str(out), *e.args,
+            *(["--resume", str(resume)] if resume else [])]  # fmt: skip
 
 
 def run_all(
@@ -347,8 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     entries = suite(a.suite)
     labels = {e.label for e in entries}
     if a.only is not None:
-        unknown = sorted(set(a.only) - labels)
-        if unknown:
+        if unknown := sorted(set(a.only) - labels):
             print(f"error: unknown label(s) {unknown}; the suite has {sorted(labels)}", file=sys.stderr)
             return 2
         entries = [e for e in entries if e.label in a.only]

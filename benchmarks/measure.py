@@ -55,6 +55,7 @@ import collections
 import contextlib
 import csv
 import datetime
+import itertools
 import json
 import math
 import multiprocessing
@@ -223,6 +224,10 @@ class Pieces:
         return replace(self, env_threads=1, env_copies=1, infer_threads=1, infer_copies=1, train_threads=1,
                        train_copies=1)  # fmt: skip
 
+    def kinds(self) -> tuple[str, ...]:
+        """The pieces measured: env, infer, and train unless there is no train piece (`learner_obs` 0)."""
+        return ("env", "infer", "train") if self.learner_obs else ("env", "infer")
+
 
 def timed(fn, items_per_call: int, seconds: float) -> tuple[float, float]:
     """(items per wall second, CPU-seconds of this process per item) of `fn` over about `seconds`, after 3 calls."""
@@ -256,9 +261,8 @@ def piece_fn(kind: str, p: Pieces, rng: np.random.Generator):
     envs.reset(seed=0)
     obs_space, act_space = envs.single_observation_space, envs.single_action_space
     if kind == "env":
-        actions = [envs.action_space.sample() for _ in range(64)]
-        i = iter(range(10**12))
-        return (lambda: envs.step(actions[next(i) % 64])), p.num_envs, envs.close
+        actions = itertools.cycle([envs.action_space.sample() for _ in range(64)])
+        return (lambda: envs.step(next(actions))), p.num_envs, envs.close
     envs.close()
     if p.model == "q":
         model = make_q_network(obs_space, act_space, p.network)
@@ -355,18 +359,13 @@ def run_piece(kind: str, p: Pieces, seconds: float) -> tuple[float, float]:
 
 def measure_pieces(p: Pieces, seconds: float) -> dict:
     """The ceiling's pieces and the ceiling, as the script runs them."""
-    rates = {
-        kind: run_piece(kind, p, seconds)[0] for kind in ("env", "infer", "train") if kind != "train" or p.learner_obs
-    }
+    rates = {kind: run_piece(kind, p, seconds)[0] for kind in p.kinds()}
     return dict(**rates, ceiling=ceiling(rates["env"], rates["infer"], rates.get("train")))
 
 
 def measure_bound(p: Pieces, seconds: float, cores: int) -> dict:
     """CPU-seconds per agent step of each piece alone at one thread, and the CPU bound they give."""
-    one = p.single()
-    cpu = {
-        kind: run_piece(kind, one, seconds)[1] for kind in ("env", "infer", "train") if kind != "train" or p.learner_obs
-    }
+    cpu = {kind: run_piece(kind, p.single(), seconds)[1] for kind in p.kinds()}
     return dict(cpu_us_per_step={k: 1e6 * v for k, v in cpu.items()}, bound=cpu_bound(cores, cpu))
 
 
@@ -484,10 +483,8 @@ def run_command(
         time.sleep(interval if run.started is None else min(interval, max(0.0, run.started + seconds - elapsed)))
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGINT) if whole_group else proc.send_signal(signal.SIGINT)
-    try:
+    with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=grace)
-    except subprocess.TimeoutExpired:
-        pass
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)  # no orphans: workers the run left behind, or the run itself
     proc.wait()

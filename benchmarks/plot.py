@@ -154,16 +154,13 @@ def on_grid(x: np.ndarray, curve: np.ndarray, grid: np.ndarray) -> np.ndarray:
 
 def bootstrap_band(values: np.ndarray, reps: int = 1000, seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """values [S, G] (NaN where a seed has no data): mean over seeds and the 95% percentile bootstrap interval."""
-    rng = np.random.default_rng(seed)
     s = values.shape[0]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        mean = np.nanmean(values, axis=0)
-    if s == 1:
-        return mean, mean.copy(), mean.copy()
-    picks = rng.integers(0, s, size=(reps, s))  # resample seeds with replacement
     with warnings.catch_warnings():  # all-NaN grid points (past every seed's end) stay NaN, silently
         warnings.simplefilter("ignore", RuntimeWarning)
+        mean = np.nanmean(values, axis=0)
+        if s == 1:
+            return mean, mean.copy(), mean.copy()
+        picks = np.random.default_rng(seed).integers(0, s, size=(reps, s))  # resample seeds with replacement
         boot = np.nanmean(values[picks], axis=1)  # [reps, G]
         lo, hi = np.nanpercentile(boot, [2.5, 97.5], axis=0)
     return mean, lo, hi
@@ -223,8 +220,7 @@ def draw(
             xs = [getattr(r, axis) for r in g.runs]
             grid = np.linspace(0.0, max(float(x[-1]) for x in xs), 200)
             curves = [on_grid(x, trailing_mean(r.returns, window), grid) for x, r in zip(xs, g.runs, strict=True)]
-            values = np.stack(curves)
-            mean, lo, hi = bootstrap_band(values)
+            mean, lo, hi = bootstrap_band(np.stack(curves))
             tag_note = "" if g.tag == tag else f", {g.tag}"
             ax.plot(grid, mean, color=color, label=f"{g.exp} ({len(g.runs)} seeds{tag_note})")
             ax.fill_between(grid, lo, hi, color=color, alpha=0.2, linewidth=0)

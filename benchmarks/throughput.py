@@ -43,6 +43,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Literal, get_args
 
+import gymnasium as gym
 import measure
 import numpy as np
 import tyro
@@ -219,6 +220,7 @@ HTS = ("--num-envs", "{n}", "--num-executors", "{w}", "--num-actors", "{w}")
 HTS_STRAGGLER = ("--num-envs", "{n}", "--num-executors", "{n}", "--num-actors", "2", "--log-frequency", "1")
 IMPALA = ("--num-actors", "{w}", "--num-envs-per-actor", "{nw}", "--batch-size", "8", "--unroll-length", "80")
 GALA = ("--num-learners", "{w}", "--num-envs", "{nw}")
+GALA_STRAGGLER = (*GALA, "--torch-threads", "1", "--sync-interval", "20")
 A3C = ("--num-workers", "{w}", "--num-envs-per-worker", "{nw}")
 # Ape-X: actor-side agent steps/s with the learner held back until the replay is full (as Ape-X's actors run while
 # the learner samples at its own pace); --log-interval 1: its console lines carry the rate until the learner logs
@@ -234,7 +236,7 @@ _ADAPTERS = dict(
     impala_batched=Adapter("impala_monobeast.py", ("--inference", "batched", *IMPALA), impala_pieces, 4,
                            baseline="impala_actor"),
     gala_gossip=Adapter("gala_a2c.py", ("--mode", "gossip", *GALA), gala_pieces, 2,
-                        (*GALA, "--torch-threads", "1", "--sync-interval", "20", "--mode", "gossip"), "gala_allreduce"),
+                        (*GALA_STRAGGLER, "--mode", "gossip"), "gala_allreduce"),
     a3c_hogwild=Adapter("a3c_large_batch.py", ("--update", "hogwild", *A3C), a3c_pieces, 2),
     apex_dqn=Adapter("apex_dqn.py", APEX, apex_pieces, 2),
     apex_ddpg=Adapter("apex_ddpg.py", APEX, apex_pieces, 2, continuous=True),
@@ -248,7 +250,7 @@ _ADAPTERS |= dict(
     hts_ppo_sync=_mode(_ADAPTERS["hts_ppo"], (*HTS, "--sync"), (*HTS_STRAGGLER, "--sync", "--sync-interval", "64")),
     impala_actor=_mode(_ADAPTERS["impala_batched"], ("--inference", "actor", *IMPALA)),
     gala_allreduce=_mode(_ADAPTERS["gala_gossip"], ("--mode", "allreduce", *GALA),
-                         (*GALA, "--torch-threads", "1", "--sync-interval", "20", "--mode", "allreduce")),
+                         (*GALA_STRAGGLER, "--mode", "allreduce")),
     a3c_server=_mode(_ADAPTERS["a3c_hogwild"], ("--update", "server", *A3C)),
 )  # fmt: skip
 ADAPTERS = dict(sorted(_ADAPTERS.items()))
@@ -415,8 +417,6 @@ def print_table(rows: list[dict], args: Args) -> None:
 def python_wrapped_env(env_id: str):
     """(env, label): the classic Python pipeline, gymnasium's AtariPreprocessing (84x84, opencv) or without opencv
     grayscale full frames, then a 4-frame stack."""
-    import gymnasium as gym
-
     try:
         env = gym.make(env_id, frameskip=1, repeat_action_probability=0.0)
         env = gym.wrappers.AtariPreprocessing(env, noop_max=30, frame_skip=4, screen_size=84)
@@ -429,7 +429,6 @@ def python_wrapped_env(env_id: str):
 
 def env_table(args: Args) -> list[dict]:
     """Agent steps/s of the vector env alone (random actions) in its settings, and of the baselines it replaces."""
-    import gymnasium as gym
 
     def stepper(envs, n: int, async_batch: bool = False):
         actions = itertools.cycle(np.random.default_rng(0).integers(0, envs.single_action_space.n, (64, n)))
@@ -522,8 +521,6 @@ def validate(args: Args) -> str | None:
 
 
 def continuous_env(env_id: str) -> bool:
-    import gymnasium as gym
-
     if env_id == STRAGGLER or ale_game(env_id):
         return False
     env = gym.make(env_id)

@@ -11,6 +11,7 @@ of stderr of every launch that was not clean.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -47,42 +48,18 @@ def free_port() -> int:
 
 
 def launcher_cmd(node_rank: int, port: int, script: str, script_args: list[str], log_dir: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nnodes",
-        "2",
-        "--node-rank",
-        str(node_rank),
-        "--nproc-per-node",
-        "1",
-        "--rdzv-backend",
-        "c10d",
-        "--rdzv-endpoint",
-        f"127.0.0.1:{port}",
-        script,
-        "--log-dir",
-        log_dir,
-        *script_args,
-    ]
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node_rank),
+            "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", script,
+            "--log-dir", log_dir, *script_args]  # fmt: skip
 
 
 def launch_once(script: str, script_args: list[str], timeout: float) -> dict:
     """Two launchers, node ranks 0 and 1, started together; returns their exit codes, seconds and stderr tails."""
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="soak-") as log_dir:
-        procs = [
-            subprocess.Popen(
-                launcher_cmd(i, port, script, script_args, log_dir),
-                cwd=ROOT,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.PIPE,
-                text=True,
-                start_new_session=True,
-            )
-            for i in range(2)
-        ]
+        procs = [subprocess.Popen(launcher_cmd(i, port, script, script_args, log_dir), cwd=ROOT,
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+                 for i in range(2)]  # fmt: skip
         start, errs, codes = time.time(), ["", ""], [None, None]
         for i, p in enumerate(procs):
             try:
@@ -90,10 +67,8 @@ def launch_once(script: str, script_args: list[str], timeout: float) -> dict:
                 codes[i] = p.returncode
             except subprocess.TimeoutExpired:
                 for q in procs:  # the launchers and their ranks: nothing of a stuck launch may outlive it
-                    try:
+                    with contextlib.suppress(ProcessLookupError):
                         os.killpg(q.pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
                 _, errs[i] = p.communicate()
                 codes[i] = "timeout"
     aborted = any("terminate called" in e for e in errs)
