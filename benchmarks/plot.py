@@ -102,13 +102,16 @@ def superseded(wall: float, step: int, parts: list[tuple[float, float, int]]) ->
 def load_run(run_dir: Path, tag: str) -> Run | None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})  # 0 = keep every event
+    # every event of every file (0: no sampling); the accumulator reads a run's files in name order and would drop the
+    # events of a file that sorts first when a later-read file's steps go back, so `superseded` drops repeats instead
+    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0}, purge_orphaned_data=False)
     acc.Reload()
     tags = acc.Tags()["scalars"]
     if tag not in tags:
         return None
     parts = pieces(run_dir)
-    events = [e for e in acc.Scalars(tag) if not superseded(e.wall_time, e.step, parts)]
+    kept = [e for e in acc.Scalars(tag) if not superseded(e.wall_time, e.step, parts)]
+    events = sorted(kept, key=lambda e: e.wall_time)
     all_events = [e for t in tags for e in acc.Scalars(t)]
     t0 = min(e.wall_time for e in all_events)
     final_step = max(e.step for e in all_events)

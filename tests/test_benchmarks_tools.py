@@ -128,10 +128,12 @@ def test_every_suite_entry_parses_with_its_script(suite, tmp_path):
         )
 
 
-def test_resumed_run_is_timed_without_its_downtime(tmp_path):
+@pytest.mark.parametrize("later_piece_sorts_first", [False, True])
+def test_resumed_run_is_timed_without_its_downtime(tmp_path, later_piece_sorts_first):
     """A run resumed from a checkpoint writes a second event file in the same directory; plot.py times it by its
     running time. Piece 1: steps 100..1000 at t = 1000..1009 s; the machine is off for an hour; piece 2 restarts from
-    the step-500 checkpoint: steps 600..1500 at t = 4609..4618 s."""
+    the step-500 checkpoint: steps 600..1500 at t = 4609..4618 s. Which file's name sorts first (two pieces started in
+    the same second differ only in pid and a per-process counter) does not matter."""
     run_dir = tmp_path / "runs" / "CartPole-v1__algo__1__1700000001"
     for start_step, t_start in ((100, 1000.0), (600, 4609.0)):
         w = SummaryWriter(str(run_dir), filename_suffix=f".{int(t_start)}")  # one file per piece
@@ -139,10 +141,14 @@ def test_resumed_run_is_timed_without_its_downtime(tmp_path):
         for i in range(10):
             w.add_scalar("charts/episodic_return", float(i), start_step + 100 * i, walltime=t_start + i)
         w.close()
-    assert len(list(run_dir.glob("events.out.tfevents.*"))) == 2
+    files = sorted(run_dir.glob("events.out.tfevents.*"), key=lambda f: f.name.endswith(".4609"))  # piece 1 first
+    assert len(files) == 2
+    for f, tie in zip(files, "ba" if later_piece_sorts_first else "ab", strict=True):  # same second, pid and counter
+        f.rename(run_dir / f"events.out.tfevents.1.host.{tie}.{f.name.rsplit('.', 1)[1]}")
     assert plot.pieces(run_dir) == [(1000.0, 1009.0, 100), (4609.0, 4618.0, 600)]
     run = plot.load_run(run_dir, "charts/episodic_return")
-    # running time: 9 s in piece 1, then piece 2 continues at 9 s (the step-500..1000 events it repeats are purged)
+    # running time: 9 s in piece 1, then piece 2 continues at 9 s (piece 1's steps 600..1000, which piece 2 redid,
+    # are left out)
     np.testing.assert_allclose(run.steps, [100, 200, 300, 400, 500, *range(600, 1501, 100)])
     np.testing.assert_allclose(run.walls, [0, 1, 2, 3, 4, *range(9, 19)])
     np.testing.assert_allclose(run.sps, 1500 / 18)
