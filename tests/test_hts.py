@@ -431,11 +431,13 @@ def test_runs_are_deterministic_whatever_the_number_of_actors(tiny_run, tmp_path
 def test_each_update_learns_from_the_previous_policy_while_the_next_rollout_runs(script, sync, monkeypatch, tmp_path,
                                                                                   in_process):  # fmt: skip
     """HTS-RL's one step of delay, read off the parameters: update k's gradient is taken at behavior = theta_{k-1}
-    (the target before update k-1; theta_0 for k = 0), on storage k % 2, while the executors fill the other storage
-    (collection k+1 overwrites its bootstrap observations during the update; waited for as a condition, not timed).
+    (the target before update k-1; theta_0 for k = 0), on storage k % 2, while the executors fill the other storage:
+    before update k returns, collection k+1 has replaced the bootstrap observations update k-1 read there (zeros for
+    k = 0). Waited for as a condition, not timed; collection k+1 may also have finished before update k began.
     --sync: behavior = theta_k, the parameters being updated."""
     module = MODULES[script]
     seen = []  # per update: (storage, target before it, behavior)
+    read_last = []  # per update: the bootstrap observations it read
     step = module.Learner.step
 
     def watching_step(learner, batch, lr, args):
@@ -443,11 +445,13 @@ def test_each_update_learns_from_the_previous_policy_while_the_next_rollout_runs
         s = (batch.obs.data_ptr() - storages.data_ptr()) // storages[0].nbytes
         params = [nn.utils.parameters_to_vector(m.parameters()).clone() for m in (learner.target, learner.behavior)]
         seen.append((s, *params))
+        read_last.append(storages[s, -1].clone())
         if not sync and len(seen) < 6:  # all but the last update have a collection running concurrently
-            other_last, deadline = storages[1 - s, -1].clone(), time.time() + 60
-            while torch.equal(storages[1 - s, -1], other_last) and time.time() < deadline:
+            previous = read_last[-2] if len(read_last) > 1 else torch.zeros_like(storages[1 - s, -1])
+            deadline = time.time() + 60
+            while torch.equal(storages[1 - s, -1], previous) and time.time() < deadline:
                 time.sleep(0.01)
-            assert not torch.equal(storages[1 - s, -1], other_last), "executors did not fill the other storage"
+            assert not torch.equal(storages[1 - s, -1], previous), "executors did not fill the other storage"
         return step(learner, batch, lr, args)
 
     monkeypatch.setattr(module.Learner, "step", watching_step)
