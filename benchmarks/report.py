@@ -26,8 +26,6 @@ MARKER = re.compile(r"(<!-- report:(?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /re
 
 CLASSIC_SOURCES = ["cartpole.json", "pendulum.json"]
 PONG_CPU_GLOB = "pong_cpu*.json"
-STRAGGLER_SOURCES = ["throughput.json", "throughput_apex.json", "throughput_cleanba_straggler.json"]
-MEMORY_SOURCES = ["memory_600s.json", "memory_cleanba_impala_600s.json", "memory_a3c_600s.json"]
 # learn.py and the benchmark drivers name a run after what it runs: the first matching prefix gives the script
 SCRIPT_OF_PREFIX = [("cleanba_", "cleanba_ppo_impala.py"), ("hts_a2c", "hts_a2c.py"), ("hts_ppo", "hts_ppo.py"),
                     ("impala", "impala_monobeast.py"), ("gala", "gala_a2c.py"), ("a3c", "a3c_large_batch.py"),
@@ -187,13 +185,54 @@ def a3c_eps_table(results: Path) -> str:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Throughput and memory (the JSON of each benchmark driver)
+# Throughput and memory (throughput.py's JSON: one row per configuration, medians over its rounds)
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def ceiling(r: dict, env: str = "env", infer: str = "infer", train: str = "train") -> str:
+def ceiling(r: dict) -> str:
     """`ceiling (env / infer / train)`; a script whose learner runs apart from its actors (Ape-X) has no train piece."""
-    return f"{num(r['ceiling'])} ({num(r[env])} / {num(r[infer])} / {num(r.get(train))})"
+    return f"{num(r['ceiling'])} ({num(r['env'])} / {num(r['infer'])} / {num(r.get('train'))})"
+
+
+def driver_rows(results: Path, names: list[str]) -> list[dict]:
+    """The rows of throughput.py's JSONs `names`, in order, without the external commands (peers)."""
+    return [r for name in names for r in load(results / name)["rows"] if not r.get("external")]
+
+
+def scalar(r: dict, tag: str) -> float:
+    """The median over a row's rounds of a TensorBoard scalar's mean over each run's steady part."""
+    values = [x["scalars"][tag] for x in r["rounds"] if tag in x.get("scalars", {})]
+    return statistics.median(values) if values else math.nan
+
+
+def lag_max(r: dict) -> float | None:
+    return max((x["policy_lag_max"] for x in r["rounds"] if x.get("policy_lag_max") is not None), default=None)
+
+
+def versus(r: dict) -> str:
+    """The speed-up over the row's baseline mode in the same JSON ('—' on the baseline's own row)."""
+    return f"{r['speedup_vs_baseline']:.2f}x" if r.get("speedup_vs_baseline") else "—"
+
+
+# A column: (header, alignment l or r, its cell from one row)
+Column = tuple[str, str, Callable[[dict], str]]
+RUN: Column = ("run", "l", lambda r: f"`{r['label']}`")
+SCRIPT: Column = ("script", "l", lambda r: script_of(r["label"]))
+SPLIT: Column = ("workers x envs", "l", lambda r: f"{r['workers']} x {r['num_envs'] // r['workers']}")
+CEILING: Column = ("ceiling (env / infer / train)", "r", ceiling)
+SPS: Column = ("agent steps/s", "r", lambda r: num(r["sps"]))
+EFFICIENCY: Column = ("efficiency", "r", lambda r: num(r.get("efficiency"), 2))
+VERSUS: Column = ("against its baseline mode", "r", versus)
+LAG: Column = ("policy lag mean / max", "r", lambda r: f"{num(r['policy_lag_mean'], 2)} / {num(lag_max(r))}")
+PSS: Column = ("peak PSS MiB", "r", lambda r: num(r["pss_peak_mib"]))
+STD: Column = ("step-time std", "r", lambda r: f"{num(r['std_ms'])} ms")
+
+
+def driver_table(results: Path, names: list[str], columns: list[Column], keep=lambda r: True) -> str:
+    """One Markdown row per kept row of throughput.py's JSONs `names`, one cell per column, then the sources."""
+    rows = [" | ".join(cell(r) for _, _, cell in columns) for r in driver_rows(results, names) if keep(r)]
+    header, align = " | ".join(c[0] for c in columns), "".join(c[1] for c in columns)
+    return table(header, align, rows) + sources(results, names)
 
 
 TABLE_SOURCE = "throughput_table.json"  # `python benchmarks/throughput.py` (every label, one configuration)
@@ -201,35 +240,28 @@ TABLE_SOURCE = "throughput_table.json"  # `python benchmarks/throughput.py` (eve
 
 def all_scripts_table(results: Path) -> str:
     """throughput.py's table mode: each label's steady rate against its ceiling and CPU bound, and its baseline mode."""
-    rows = []
-    for r in (r for r in load(results / TABLE_SOURCE)["rows"] if not r["external"]):  # peers: see their section
-        versus = f"{r['speedup_vs_baseline']:.2f}x" if r.get("speedup_vs_baseline") else "—"
-        bound = num(r.get("bound")) + (" (exceeded)" if r.get("exceeds_bound") else "")
-        rows.append(f"`{r['label']}` | {script_of(r['label'])} | {flags_of(r['command'].split()[1:], SHARED_FLAGS)} | "
-                    f"{num(r['sps'])} | {ceiling(r)} | {num(r['efficiency'], 2)} | {bound} | {versus} | "
-                    f"{num(r['pss_peak_mib'])}")  # fmt: skip
-    header = ("run | script | flags | agent steps/s | ceiling (env / infer / train) | efficiency | CPU bound | "
-              "against its baseline mode | peak PSS MiB")  # fmt: skip
-    return table(header, "lllrrrrrr", rows) + sources(results, [TABLE_SOURCE])
+    flags = ("flags", "l", lambda r: flags_of(r["command"].split()[1:], SHARED_FLAGS))
+    bound = ("CPU bound", "r", lambda r: num(r.get("bound")) + (" (exceeded)" if r.get("exceeds_bound") else ""))
+    return driver_table(results, [TABLE_SOURCE], [RUN, SCRIPT, flags, SPS, CEILING, EFFICIENCY, bound, VERSUS, PSS])
+
+
+# every label in 20-s runs, then Cleanba PPO in 60-s runs (an update of 8 x 128 straggler steps takes about 11 s)
+STRAGGLER_SOURCES = ["throughput_straggler.json", "throughput_straggler_cleanba_ppo.json"]
 
 
 def straggler_table(results: Path) -> str:
-    found = {
-        r["label"]: (r, n)
-        for n in STRAGGLER_SOURCES
-        for r in load(results / n)["straggler"]
-        if r["std_0ms"] == r["std_0ms"]
-    }
-    rows = [
-        f"`{label}` | {script_of(label)} | {num(r['std_0ms'])} | {num(r['std_20ms'])} | {link(name)}"
-        for label, (r, name) in found.items()
-    ]
-    header = "run | script | agent steps/s, std 0 ms | agent steps/s, std 20 ms | JSON"
-    return table(header, "llrrl", rows) + sources(results, STRAGGLER_SOURCES)
+    """Every label on the straggler env, one column per step-time std; a later JSON's run replaces an earlier one's."""
+    rows = driver_rows(results, STRAGGLER_SOURCES)
+    stds = sorted({r["std_ms"] for r in rows})
+    sps = {(r["label"], r["std_ms"]): r["sps"] for r in rows}
+    labels = list(dict.fromkeys(r["label"] for r in rows))
+    lines = [f"`{label}` | {script_of(label)} | " + " | ".join(num(sps[label, s]) for s in stds) for label in labels]
+    header = "run | script | " + " | ".join(f"agent steps/s, std {num(s)} ms" for s in stds)
+    return table(header, "ll" + "r" * len(stds), lines) + sources(results, STRAGGLER_SOURCES)
 
 
 def env_table(results: Path) -> str:
-    name = "env_throughput.json"
+    name = "throughput_env.json"
     rows = [
         f"{r['env']} | {r['num_envs']} | {r['num_threads']} | {r['batch']} | {num(r['agent_steps_per_s'])} | "
         f"{num(r['frames_per_s'])}"
@@ -239,150 +271,109 @@ def env_table(results: Path) -> str:
 
 
 def cleanba_table(results: Path) -> str:
-    name = "cleanba_throughput.json"
-    d = load(results / name)
-    sync = {r["algo"]: r["sps"] for r in d["rows"] if r["mode"] == "sync"}
-    rows = [
-        f"{r['algo']} | {'`--sync`' if r['mode'] == 'sync' else 'Cleanba'} | {c['num_envs']} x {c['num_steps']}, "
-        f"{c['network']} | {ceiling(c)} | {num(r['sps'])} | {r['efficiency']:.2f} | {r['sps'] / sync[r['algo']]:.2f}x"
-        f" | {r['learner_wait_rollout_share']:.0%} | {r['actor_wait_param_share']:.0%} | {num(r['peak_rss_mib'])} MiB"
-        for r in d["rows"]
-        for c in [d["components"][r["algo"]]]
-    ]
-    header = ("algo | mode | envs x steps, network | ceiling (env / infer / train) | agent steps/s | efficiency | "
-              "vs `--sync` | learner waits on `rollout_Q` | actor waits on `param_Q` | peak RSS")  # fmt: skip
-    return table(header, "lllrrrrrrr", rows) + sources(results, [name])
+    """Seconds per update: the learner's training and its wait on rollout_Q, the actor's wait on param_Q."""
+    seconds = [(f"{what} (s/update)", "r", lambda r, tag=tag: num(scalar(r, tag), 3)) for what, tag in (
+        ("learner trains", "timing/train"), ("learner waits on `rollout_Q`", "timing/rollout_queue_get"),
+        ("actor waits on `param_Q`", "timing/param_queue_get"))]  # fmt: skip
+    columns = [RUN, CEILING, SPS, EFFICIENCY, VERSUS, *seconds, PSS]
+    return driver_table(results, ["throughput_cleanba.json"], columns)
 
 
 def hts_table(results: Path) -> str:
-    name = "hts_throughput.json"
-    d = load(results / name)
-    sync = {r["script"]: r["sps"] for r in d["rows"] if r["mode"] == "sync"}
-    rows = [
-        f"`{r['script']}` | {'HTS-RL' if r['mode'] == 'hts' else '`--sync`'} | {ceiling(r)} | {num(r['sps'])} | "
-        f"{r['efficiency']:.2f} | {r['sps'] / sync[r['script']]:.2f}x | {num(r['peak_pss_mb'])} MiB"
-        for r in d["rows"]
-    ]
-    header = "script | mode | ceiling (env / infer / train) | agent steps/s | efficiency | vs `--sync` | peak PSS"
-    return table(header, "llrrrrr", rows) + sources(results, [name])
+    return driver_table(results, ["throughput_hts.json"], [RUN, CEILING, SPS, EFFICIENCY, VERSUS, PSS])
 
 
 def hts_straggler_table(results: Path) -> str:
-    name = "hts_straggler.json"
-    rows = [
-        f"{num(r['std_ms'])} ms | {num(r['sync_sps'])} | {num(r['hts_sps'])} | {r['speedup']:.2f}x | "
-        f"{num(r['eq7_async_sps'])} | {r['hts_runtime_vs_async']:.2f}"
-        for r in load(results / name)["rows"]
-    ]
-    header = ("step-time std | `--sync` agent steps/s | HTS-RL agent steps/s | speedup | Eq. 7 asynchronous bound | "
-              "HTS-RL runtime / bound")  # fmt: skip
-    return table(header, "rrrrrr", rows) + sources(results, [name])
-
-
-def hts_memory_table(results: Path) -> str:
-    name = "hts_memory_600s.json"
-    d = load(results / name)
-    rows = [
-        f"`{r['script']}` | {num(d['meta']['args']['seconds'])} | {num(r['sps'])} | {num(r['peak_pss_mb'])} MiB | "
-        f"{r['pss_growth_mb']:+.1f} MiB | {r['rss_growth_mb']:+.1f} MiB"
-        for r in d["rows"]
-    ]
-    header = "script | seconds | agent steps/s | peak PSS | PSS growth | RSS growth"
-    return table(header, "lrrrrr", rows) + sources(results, [name])
+    """HTS-RL against its --sync mode at each step-time std (the HTS-RL row carries both), with Eq. 7's bound."""
+    columns = [STD, ("`--sync` agent steps/s", "r", lambda r: num(r["sps"] / r["speedup_vs_baseline"])),
+               ("HTS-RL agent steps/s", "r", lambda r: num(r["sps"])), ("speedup", "r", versus),
+               ("Eq. 7 asynchronous bound", "r", lambda r: num(r["eq7_async_sps"])),
+               ("HTS-RL runtime / bound", "r", lambda r: num(r["runtime_vs_async"], 2))]  # fmt: skip
+    return driver_table(results, ["throughput_hts_straggler.json"], columns, keep=lambda r: r["label"] == "hts_a2c")
 
 
 def impala_table(results: Path) -> str:
-    name = "impala_throughput.json"
-    d = load(results / name)
-    actor = {r["actors"]: r["sps"] for r in d["rows"] if r["mode"] == "actor"}
-    rows = [
-        f"{r['mode']} | {r['actors']} | {ceiling(r)} | {num(r['sps'])} | {r['efficiency']:.2f} | "
-        f"{r['sps'] / actor[r['actors']]:.2f}x | {r['policy_lag']:.1f} | {num(r['peak_rss_mb'])} MiB"
-        for r in d["rows"]
-    ]
-    header = ("`--inference` | actors | ceiling (env / infer / train) | agent steps/s | efficiency | vs `actor` | "
-              "policy lag | peak RSS")  # fmt: skip
-    return table(header, "lrrrrrrr", rows) + sources(results, [name])
+    columns = [RUN, ("actors", "r", lambda r: str(r["workers"])), CEILING, SPS, EFFICIENCY, VERSUS, LAG, PSS]
+    return driver_table(results, ["throughput_impala.json"], columns)
+
+
+def gala_share(r: dict, part: str) -> str:
+    """The share of a learner's iteration spent in `part` (gossip or all-reduce)."""
+    return f"{scalar(r, f'timing/{part}') / scalar(r, 'timing/iteration'):.1%}"
+
+
+GALA_SHARES: list[Column] = [("gossip share of an iteration", "r", lambda r: gala_share(r, "gossip")),
+                             ("all-reduce share", "r", lambda r: gala_share(r, "allreduce"))]  # fmt: skip
 
 
 def gala_straggler_table(results: Path) -> str:
-    name = "gala_throughput.json"
-    d = load(results / name)
-    share = {(r["std_ms"], r["learners"], r["mode"]): r for r in d["runs"] if r["env"] == "straggler"}
-    rows = [
-        f"{num(s['std_ms'])} ms | {s['learners']} | {num(s['gossip_sps'])} | {num(s['allreduce_sps'])} | "
-        f"{s['speedup']:.2f}x | {share[(s['std_ms'], s['learners'], 'gossip')]['gossip_share']:.1%} | "
-        f"{share[(s['std_ms'], s['learners'], 'allreduce')]['allreduce_share']:.1%}"
-        for s in d["summary"]
-    ]
-    header = ("step-time std | learners | gossip agent steps/s | all-reduce agent steps/s | gossip / all-reduce | "
-              "gossip share of an iteration | all-reduce share")  # fmt: skip
-    return table(header, "rrrrrrr", rows) + sources(results, [name])
+    learners: Column = ("learners", "r", lambda r: str(r["workers"]))
+    columns = [STD, RUN, learners, SPS, VERSUS, *GALA_SHARES]
+    return driver_table(results, ["throughput_gala_straggler.json"], columns)
 
 
 def gala_breakout_table(results: Path) -> str:
-    name = "gala_breakout_steady.json"
-    rows = [
-        f"{r['mode']} | {r['learners']} | {ceiling(r, 'env_sps', 'infer_sps', 'train_sps')} | "
-        f"{num(r['steady_sps'])} | {r['efficiency']:.2f} | {r['gossip_share']:.1%} | {r['allreduce_share']:.1%}"
-        for r in load(results / name)["runs"]
-    ]
-    header = ("mode | learners | ceiling (env / infer / train per learner) | agent steps/s (steady) | efficiency | "
-              "gossip share of an iteration | all-reduce share")  # fmt: skip
-    return table(header, "lrrrrrr", rows) + sources(results, [name])
+    columns = [RUN, SPLIT, CEILING, SPS, EFFICIENCY, VERSUS, *GALA_SHARES]
+    return driver_table(results, ["throughput_gala.json"], columns)
+
+
+A3C_ROUNDS = "throughput_a3c_rounds.json"  # 2 workers, 3 rounds; throughput_a3c_lag.json: 4 workers, 1 round
 
 
 def a3c_table(results: Path) -> str:
-    name = "a3c_throughput_rounds.json"
-    rows = [
-        f"{r['update']} | {r['workers']} x {r['envs_per_worker']} | {ceiling(r)} | {num(r['agent_steps_per_s'])} | "
-        f"{r['efficiency']:.2f} | {' '.join(f'{e:.2f}' for e in r['efficiency_per_round'])} | "
-        f"{r['policy_lag_mean']:.2f} / {r['policy_lag_max']} | {num(r['peak_pss_mb'])} MiB"
-        for r in load(results / name)["rows"]
-    ]
-    header = ("update | workers x envs | ceiling (env / infer / train), median | agent steps/s | efficiency (median) | "
-              "efficiency per round | policy lag mean / max | peak PSS")  # fmt: skip
-    return table(header, "llrrrlrr", rows) + sources(results, [name])
+    per_round = ("efficiency per round", "l", lambda r: " ".join(f"{x['efficiency']:.2f}" for x in r["rounds"]))
+    return driver_table(results, [A3C_ROUNDS], [RUN, SPLIT, CEILING, SPS, EFFICIENCY, per_round, LAG, PSS])
 
 
 def a3c_lag_table(results: Path) -> str:
-    name = "a3c_throughput.json"
-    rows = [
-        f"{r['update']} | {r['workers']} x {r['envs_per_worker']} | {r['policy_lag_mean']:.2f} | {r['policy_lag_max']}"
-        for r in load(results / name)["rows"]
-    ]
-    return table("update | workers x envs | policy lag, mean | policy lag, max", "llrr", rows) + sources(
-        results, [name]
-    )
+    return driver_table(results, [A3C_ROUNDS, "throughput_a3c_lag.json"], [RUN, SPLIT, LAG])
 
 
 def noise_table(results: Path) -> str:
     """How far the same measurement moves between rounds a few minutes apart on this machine."""
-    name = "a3c_throughput_rounds.json"
-    rows = [
-        f"`a3c_large_batch.py --update {r['update']}`, {r['workers']} x {r['envs_per_worker']} envs | "
-        + " | ".join(spread([x[key] for x in r["rounds"]]) for key in ("env", "infer", "train", "agent_steps_per_s"))
-        for r in load(results / name)["rows"]
+    names = {"env": "env piece, min–max (spread)", "infer": "infer piece", "train": "train piece",
+             "sps": "the run's agent steps/s"}  # fmt: skip
+    columns = [RUN, SPLIT] + [
+        (header, "r", lambda r, key=key: spread([x[key] for x in r["rounds"]])) for key, header in names.items()
     ]
-    header = "configuration | env piece, min–max (spread) | infer piece | train piece | the run's agent steps/s"
-    return table(header, "lrrrr", rows) + sources(results, [name])
+    return driver_table(results, [A3C_ROUNDS], columns)
+
+
+PEER_SOURCES = ["throughput_peers_ppo.json", "throughput_peers_impala.json"]
+PEER_NAMES = {"cleanrl_ppo_atari": "CleanRL's `ppo_atari.py`", "torchbeast_monobeast": "TorchBeast's MonoBeast"}
+
+
+def peers_table(results: Path) -> str:
+    """Our scripts and a peer's own code (throughput.py --external) in the same rounds: each row's rate over the
+    peer's from the same JSON."""
+    lines = []
+    for name in PEER_SOURCES:
+        rows = load(results / name)["rows"]
+        peer = next(r for r in rows if r["external"])
+        for r in rows:
+            code = PEER_NAMES.get(r["label"], r["label"]) if r["external"] else script_of(r["label"])
+            rates = " ".join(num(x["sps"]) for x in r["rounds"])
+            versus_peer = "—" if r is peer else f"{r['sps'] / peer['sps']:.2f}x"
+            sources_read = ", ".join(sorted({x["rate_source"] for x in r["rounds"]}))
+            lines.append(f"`{r['label']}` | {code} | {num(r['sps'])} | {rates} | {versus_peer} | {sources_read}")
+    header = "run | code | agent steps/s (median) | per round | against the peer | rate read from"
+    return table(header, "llrrrl", lines) + sources(results, PEER_SOURCES)
+
+
+def first_round(key: str, fmt: Callable[[float], str] = num) -> Callable[[dict], str]:
+    """A memory run's cell: `key` of its one round, formatted."""
+    return lambda r: fmt(r["rounds"][0][key])
 
 
 def memory_table(results: Path) -> str:
-    rows = []
-    for name in MEMORY_SOURCES:
-        d = load(results / name)
-        for r in d["rows"]:
-            others = [f"`{o}`" for o in d["args"]["only"] if o != r["label"]] if d["args"]["parallel"] else ["—"]
-            rows.append(
-                f"`{r['label']}` | {flags_of(r['command'].split(), SHARED_FLAGS)} | {', '.join(others)} | "
-                f"{d['load_average_at_end'][0]:.1f} | {num(r['agent_steps'])} | {num(r['pss_baseline_mb'])} MiB | "
-                f"{num(r['pss_end_mb'])} MiB | {r['pss_growth_pct']:+.2f}% | {r['pss_slope_mb_per_min']:+.2f} MiB/min"
-                f" | {link(name)}"
-            )
-    header = ("run | flags | side by side with | 1-min load at the end | agent steps | PSS after warm-up | "
-              "PSS at the end | growth | slope | JSON")  # fmt: skip
-    return table(header, "lllrrrrrrl", rows) + sources(results, MEMORY_SOURCES)
+    """Long runs: PSS after the warm-up against the end of the run, and the least-squares slope over it."""
+    columns = [RUN, ("flags", "l", lambda r: flags_of(r["command"].split()[1:], SHARED_FLAGS)),
+               ("agent steps", "r", first_round("agent_steps")),
+               ("PSS after warm-up MiB", "r", first_round("pss_baseline_mib")),
+               ("PSS at the end MiB", "r", first_round("pss_end_mib")),
+               ("growth", "r", first_round("pss_growth_pct", lambda x: f"{x:+.2f}%")),
+               ("slope", "r", first_round("pss_slope_mib_per_min", lambda x: f"{x:+.2f} MiB/min"))]  # fmt: skip
+    return driver_table(results, ["throughput_memory.json"], columns)
 
 
 def soak_table(results: Path) -> str:
@@ -440,8 +431,20 @@ def breakout_throughput(results: Path) -> dict[str, str]:
     return out
 
 
+def against_peers(results: Path) -> dict[str, str]:
+    """Label -> 'N.NNx <peer>': its rate over the peer's own code's in the same peers JSON (its rounds alternated)."""
+    out = {}
+    for name in PEER_SOURCES:
+        rows = load(results / name)["rows"]
+        peer = next(r for r in rows if r["external"])
+        for r in (r for r in rows if not r["external"]):
+            out[r["label"]] = f"{r['sps'] / peer['sps']:.2f}x {PEER_NAMES.get(peer['label'], peer['label'])}"
+    return out
+
+
 def summary_table(results: Path) -> str:
     rel = "benchmarks/RESULTS.md#"
+    peers = against_peers(results)
     classic = {r["exp"]: r for r, _ in learning_runs(results, CLASSIC_SOURCES)}
     pong = [r for n in pong_cpu_files(results) for r in load(results / n)["runs"]]
     speed = breakout_throughput(results)
@@ -458,10 +461,12 @@ def summary_table(results: Path) -> str:
             atari = f"[{best['final_return_mean']:+.1f} after {steps:.2f}M steps]({rel}pong-on-2-cpu-cores)"
         rate, versus = speed.get(label, "— | —").split(" | ")
         rate = f"[{rate}]({rel}{ONE_CONFIG})" if label in speed else rate
-        rows.append(f"{script} | {learned} | {atari} | {rate} | {versus}")
+        peer = f"[{peers[label]}]({rel}against-the-peers-own-code)" if label in peers else "—"
+        rows.append(f"{script} | {learned} | {atari} | {rate} | {versus} | {peer}")
     header = ("script | CartPole-v1: final return, seeds reaching 475 | Pong on 2 CPU cores: final return (best run) | "
-              "Breakout agent steps/s (efficiency) | against the design it replaces")  # fmt: skip
-    return table(header, "lrrrl", rows)
+              "Breakout agent steps/s (efficiency) | against the design it replaces | "
+              "against the peer's own code")  # fmt: skip
+    return table(header, "lrrrll", rows)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -482,12 +487,12 @@ DOCUMENTS: dict[str, dict[str, Callable[[Path], str]]] = {
         "cleanba": cleanba_table,
         "hts": hts_table,
         "hts-straggler": hts_straggler_table,
-        "hts-memory": hts_memory_table,
         "impala": impala_table,
         "gala-straggler": gala_straggler_table,
         "gala-breakout": gala_breakout_table,
         "a3c": a3c_table,
         "a3c-lag": a3c_lag_table,
+        "peers": peers_table,
         "memory": memory_table,
         "soak": soak_table,
     },

@@ -168,3 +168,87 @@ def test_links_to_results_sections_resolve():
     assert targets and not sorted(set(targets) - sections)
     files = re.findall(r"\]\((results/[^)#]+)\)", results)
     assert files and not [f for f in files if not (ROOT / "benchmarks" / f).exists()]
+
+
+def driver_row(label, **fields):
+    """One row of throughput.py's JSON (medians over `rounds`)."""
+    return dict(label=label, external=False, command=f"python {label}.py", num_envs=8, workers=2, sps=100.0,
+                pss_peak_mib=500.0, policy_lag_mean=None, rounds=[]) | fields  # fmt: skip
+
+
+def test_driver_tables_pivot_derive_and_spread_with_hand_computed_values(tmp_path):
+    meta = {"date": "2026-11-24T20:00:00+00:00", "cores": 2}
+    write(tmp_path / "throughput_straggler.json", {"meta": meta, "rows": [
+        driver_row("hts_a2c", std_ms=0.0, sps=700.0), driver_row("hts_a2c", std_ms=20.0, sps=650.4),
+        driver_row("gala_gossip", std_ms=0.0, sps=210.0), driver_row("gala_gossip", std_ms=20.0, sps=190.0),
+        driver_row("cleanba_ppo", std_ms=0.0, sps=math.nan), driver_row("cleanba_ppo", std_ms=20.0, sps=94.0),
+        driver_row("peer", external=True, std_ms=0.0),
+    ]})  # fmt: skip
+    write(tmp_path / "throughput_straggler_cleanba_ppo.json", {"meta": meta, "rows": [
+        driver_row("cleanba_ppo", std_ms=0.0, sps=97.0), driver_row("cleanba_ppo", std_ms=20.0, sps=98.0),
+    ]})  # fmt: skip
+    # one row per label, one column per std; a later JSON's run replaces an earlier one's; the peer is left out
+    assert table_rows(report.straggler_table(tmp_path)) == [
+        ["`hts_a2c`", "hts_a2c.py", "700", "650"], ["`gala_gossip`", "gala_a2c.py", "210", "190"],
+        ["`cleanba_ppo`", "cleanba_ppo_impala.py", "97", "98"]]  # fmt: skip
+
+    # HTS-RL's row carries its --sync rate: 600 / 2.5 = 240; the --sync row itself is not a row of the table
+    write(tmp_path / "throughput_hts_straggler.json", {"meta": meta, "rows": [
+        driver_row("hts_a2c", std_ms=20.0, sps=600.0, speedup_vs_baseline=2.5, eq7_async_sps=750.0,
+                   runtime_vs_async=1.25),
+        driver_row("hts_a2c_sync", std_ms=20.0, sps=240.0),
+    ]})  # fmt: skip
+    assert table_rows(report.hts_straggler_table(tmp_path)) == [["20 ms", "240", "600", "2.50x", "750", "1.25"]]
+
+    # shares of an iteration from the median over rounds of each timing/* mean: gossip median(0.01, 0.03, 0.02) = 0.02
+    # of median(0.4, 0.5, 0.5) = 0.5 -> 4.0%; all-reduce 0 -> 0.0%
+    rounds = [dict(round=i + 1, scalars={"timing/gossip": g, "timing/allreduce": 0.0, "timing/iteration": it})
+              for i, (g, it) in enumerate([(0.01, 0.4), (0.03, 0.5), (0.02, 0.5)])]  # fmt: skip
+    write(tmp_path / "throughput_gala_straggler.json", {"meta": meta, "rows": [
+        driver_row("gala_gossip", std_ms=4.0, workers=4, num_envs=16, sps=993.0, speedup_vs_baseline=1.3222,
+                   rounds=rounds),
+    ]})  # fmt: skip
+    assert table_rows(report.gala_straggler_table(tmp_path)) == [
+        ["4 ms", "`gala_gossip`", "4", "993", "1.32x", "4.0%", "0.0%"]]  # fmt: skip
+
+    # the noise table: min–max over the rounds and (max / min - 1)
+    pieces = [dict(env=2000.0, infer=5000.0, train=1000.0, sps=600.0, efficiency=0.8, policy_lag_max=2.0),
+              dict(env=2500.0, infer=5000.0, train=1200.0, sps=690.0, efficiency=0.9, policy_lag_max=3.0)]  # fmt: skip
+    write(tmp_path / report.A3C_ROUNDS, {"meta": meta, "rows": [
+        driver_row("a3c_hogwild", num_envs=32, sps=645.0, env=2250.0, infer=5000.0, train=1100.0, ceiling=700.0,
+                   efficiency=0.85, policy_lag_mean=0.99, rounds=pieces),
+    ]})  # fmt: skip
+    assert table_rows(report.noise_table(tmp_path)) == [
+        ["`a3c_hogwild`", "2 x 16", "2,000–2,500 (25%)", "5,000–5,000 (0%)", "1,000–1,200 (20%)", "600–690 (15%)"]
+    ]
+    # the A3C table: ceiling (pieces), median rate, per-round efficiencies, mean lag / the largest max of any round
+    assert table_rows(report.a3c_table(tmp_path)) == [
+        ["`a3c_hogwild`", "2 x 16", "700 (2,250 / 5,000 / 1,100)", "645", "0.85", "0.80 0.90", "0.99 / 3", "500"]
+    ]
+
+
+def test_peers_are_timed_against_the_peer_of_their_own_json(tmp_path):
+    meta = {"date": "2026-11-24T20:00:00+00:00", "cores": 2}
+    ppo = [
+        driver_row(
+            "cleanba_ppo",
+            sps=380.0,
+            rounds=[dict(sps=370.0, rate_source="tensorboard"), dict(sps=390.0, rate_source="tensorboard")],
+        ),
+        driver_row("cleanrl_ppo_atari", external=True, sps=240.0, rounds=[dict(sps=240.0, rate_source="csv")]),
+    ]
+    impala = [
+        driver_row("impala_batched", sps=660.0, rounds=[dict(sps=660.0, rate_source="tensorboard")]),
+        driver_row("torchbeast_monobeast", external=True, sps=550.0, rounds=[dict(sps=550.0, rate_source="csv")]),
+    ]
+    for name, rows in zip(report.PEER_SOURCES, [ppo, impala], strict=True):
+        write(tmp_path / name, {"meta": meta, "rows": rows})
+    # 380 / 240 = 1.583; 660 / 550 = 1.2: each against the peer of its own JSON, never the other one's
+    assert table_rows(report.peers_table(tmp_path)) == [
+        ["`cleanba_ppo`", "cleanba_ppo_impala.py", "380", "370 390", "1.58x", "tensorboard"],
+        ["`cleanrl_ppo_atari`", "CleanRL's `ppo_atari.py`", "240", "240", "—", "csv"],
+        ["`impala_batched`", "impala_monobeast.py", "660", "660", "1.20x", "tensorboard"],
+        ["`torchbeast_monobeast`", "TorchBeast's MonoBeast", "550", "550", "—", "csv"],
+    ]
+    assert report.against_peers(tmp_path) == {"cleanba_ppo": "1.58x CleanRL's `ppo_atari.py`",
+                                              "impala_batched": "1.20x TorchBeast's MonoBeast"}  # fmt: skip
