@@ -252,3 +252,16 @@ def test_peers_are_timed_against_the_peer_of_their_own_json(tmp_path):
     ]
     assert report.against_peers(tmp_path) == {"cleanba_ppo": "1.58x CleanRL's `ppo_atari.py`",
                                               "impala_batched": "1.20x TorchBeast's MonoBeast"}  # fmt: skip
+
+
+def test_cleanba_threads_table_pairs_each_thread_count_with_its_sync_mode(tmp_path):
+    rates = {"cleanba_ppo": 380.0, "cleanba_ppo_sync": 400.0, "cleanba_ppo_1_thread": 300.0,
+             "cleanba_ppo_sync_1_thread": 250.0}  # fmt: skip
+    rows = [driver_row(label, external=label.endswith("thread"), sps=v, rounds=[dict(sps=v - 10), dict(sps=v + 10)])
+            for label, v in rates.items()]  # fmt: skip
+    write(tmp_path / report.CLEANBA_THREADS_SOURCE, {"meta": {"cores": 2}, "rows": rows})
+    # 380 / 400 = 0.95; 300 / 250 = 1.2
+    assert table_rows(report.cleanba_threads_table(tmp_path)) == [
+        ["torch's default, one per core", "380 (370 390)", "400 (390 410)", "0.95x"],
+        ["1 (`--torch-threads 1`)", "300 (290 310)", "250 (240 260)", "1.20x"],
+    ]
