@@ -361,19 +361,26 @@ PEER_SOURCES = ["throughput_peers_ppo.json", "throughput_peers_impala.json"]
 PEER_NAMES = {"cleanrl_ppo_atari": "CleanRL's `ppo_atari.py`", "torchbeast_monobeast": "TorchBeast's MonoBeast"}
 
 
+def with_peer(results: Path) -> list[tuple[dict, dict]]:
+    """(row, the peer's row of the same JSON) for every row of the peers' JSONs, the peer's own row included."""
+    pairs = []
+    for name in PEER_SOURCES:
+        rows = load(results / name)["rows"]
+        peer = next(r for r in rows if r["external"])
+        pairs += [(r, peer) for r in rows]
+    return pairs
+
+
 def peers_table(results: Path) -> str:
     """Our scripts and a peer's own code (throughput.py --external) in the same rounds: each row's rate over the
     peer's from the same JSON."""
     lines = []
-    for name in PEER_SOURCES:
-        rows = load(results / name)["rows"]
-        peer = next(r for r in rows if r["external"])
-        for r in rows:
-            code = PEER_NAMES.get(r["label"], r["label"]) if r["external"] else script_of(r["label"])
-            rates = " ".join(num(x["sps"]) for x in r["rounds"])
-            versus_peer = "—" if r is peer else f"{r['sps'] / peer['sps']:.2f}x"
-            sources_read = ", ".join(sorted({x["rate_source"] for x in r["rounds"]}))
-            lines.append(f"`{r['label']}` | {code} | {num(r['sps'])} | {rates} | {versus_peer} | {sources_read}")
+    for r, peer in with_peer(results):
+        code = PEER_NAMES.get(r["label"], r["label"]) if r is peer else script_of(r["label"])
+        rates = " ".join(num(x["sps"]) for x in r["rounds"])
+        versus_peer = "—" if r is peer else f"{r['sps'] / peer['sps']:.2f}x"
+        sources_read = ", ".join(sorted({x["rate_source"] for x in r["rounds"]}))
+        lines.append(f"`{r['label']}` | {code} | {num(r['sps'])} | {rates} | {versus_peer} | {sources_read}")
     header = "run | code | agent steps/s (median) | per round | against the peer | rate read from"
     return table(header, "llrrrl", lines) + sources(results, PEER_SOURCES)
 
@@ -451,13 +458,11 @@ def breakout_throughput(results: Path) -> dict[str, str]:
 
 def against_peers(results: Path) -> dict[str, str]:
     """Label -> 'N.NNx <peer>': its rate over the peer's own code's in the same peers JSON (its rounds alternated)."""
-    out = {}
-    for name in PEER_SOURCES:
-        rows = load(results / name)["rows"]
-        peer = next(r for r in rows if r["external"])
-        for r in (r for r in rows if not r["external"]):
-            out[r["label"]] = f"{r['sps'] / peer['sps']:.2f}x {PEER_NAMES.get(peer['label'], peer['label'])}"
-    return out
+    return {
+        r["label"]: f"{r['sps'] / peer['sps']:.2f}x {PEER_NAMES.get(peer['label'], peer['label'])}"
+        for r, peer in with_peer(results)
+        if r is not peer
+    }
 
 
 def summary_table(results: Path) -> str:
