@@ -11,7 +11,8 @@ keeps its new priority. Ape-X DDPG (continuous actions) is `apex_ddpg.py`: this 
   learner (main process, GPU if any): priority sums of all buffers -> split the batch -> sample each buffer
       -> n-step double-Q update of the dueling network, IS weights -> new priorities back where slot versions match
       -> ParamStore (flat shared tensor + version) -> pulled by actors every --actor-update-interval frames
-  evaluator (process): greedy episodes every --eval-interval agent steps -> EvalReport on log_q
+  evaluator (process): greedy episodes every --eval-interval agent steps -> EvalReport on log_q (the run's end
+      waits for the round due at the last boundary it crossed)
   torchrun: rank 0 is the learner and the evaluator; rank 0 builds an ActorHost on every other rank over rpc
       (`--num-actors` actors and their buffers) and calls it for buffer statistics, samples and priority updates,
       and every 0.25 s to exchange parameters (out) for actor reports (back).
@@ -189,7 +190,8 @@ class Args:
     learner waits when ahead, actors wait when more than a small slack ahead (under torchrun only the learner side).
     0 = off: actors and learner run free, as in Ape-X. CPU-only runs need it, or actors starve the learner"""
     eval_interval: int = 100_000
-    """agent steps between greedy evaluation rounds during training, logged as eval/episodic_return (0 = off)"""
+    """agent steps between greedy evaluation rounds during training, logged as eval/episodic_return (0 = off); the run
+    ends only once a round has reported from at or after the last boundary it crossed"""
     eval_interval_episodes: int = 5
     """episodes per evaluation round during training"""
     log_frequency: int = 10
@@ -1338,6 +1340,7 @@ class LearnerRun:
         self.actors_done: set[int] = set()
         self.failure: str | None = None
         self.stale_updates, self.replay_wait = 0, 0.0
+        self.last_eval_step = -1  # the step of the newest evaluator round reported
         self.learn_start, self.start_version = -1, 0  # the rate limiter's origin: step and version at the 1st update
         self.stats = ReplayStats(np.zeros(1), np.ones(1), np.zeros(1, dtype=np.int64))  # until the loop reads it
         self.means, self.rng = Means(), np.random.default_rng([args.seed, 1])
@@ -1358,8 +1361,19 @@ class LearnerRun:
         elif isinstance(message, EvalReport):
             for ret in message.returns:
                 self.writer.add_scalar("eval/episodic_return", ret, message.step)
+            self.last_eval_step = max(self.last_eval_step, message.step)
         else:
             self.failure = self.failure or message.error
+
+    def evaluation_due(self) -> bool:
+        """The budget is spent, but no evaluator round has yet reported from at or after the last --eval-interval
+        boundary the run crossed. The evaluator is triggered by the step count, so a slow machine delays a round (it
+        plays the newest parameters when it gets there) but the run waits for it rather than dropping it."""
+        interval = self.args.eval_interval
+        if not interval or self.failure is not None:
+            return False
+        boundary = (self.global_step - 1) // interval * interval  # the last boundary before the final step
+        return boundary > self.start_step and self.last_eval_step < boundary
 
     def can_learn(self) -> bool:
         """Enough transitions in the replay, and with --replay-ratio the learner is not ahead of the actors."""
@@ -1547,6 +1561,11 @@ def main(args: Args) -> None:
                 run.learn()
             else:
                 run.wait_for_data()
+            run.housekeeping()
+        while run.evaluation_due():
+            if signals.requested.is_set():
+                raise KeyboardInterrupt
+            drain_into(shared.log_q, run.handle, RPC_PERIOD)
             run.housekeeping()
     except KeyboardInterrupt:
         interrupted = True

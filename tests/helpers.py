@@ -125,6 +125,30 @@ def children_of(pid):
     return out
 
 
+def state_of(pid) -> str | None:
+    """The state letter of process `pid` from /proc (R, S, T for stopped, Z for zombie, ...); None once it is gone."""
+    try:
+        return (Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]) or None
+    except (OSError, IndexError):
+        return None
+
+
+def alive(pid) -> bool:
+    """Process `pid` exists and is not a zombie."""
+    return state_of(pid) not in (None, "Z")
+
+
+def wait_for(condition, what: str, timeout: float = 60.0, period: float = 0.05):
+    """Poll `condition()` until it returns something true, and return that; the deadline only catches a hang (a
+    loaded machine may take long, never that long), failing the test with `what` was awaited."""
+    deadline = time.monotonic() + timeout
+    while not (result := condition()):
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(period)
+    return result
+
+
 class FixedLogitsPolicy(nn.Module):
     """An actor-critic whose logits are the given [A] tensor for every observation (values 0): (logits, values)."""
 

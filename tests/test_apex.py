@@ -32,6 +32,7 @@ import tyro
 from helpers import (
     ROOT,
     RecordingEnv,
+    alive,
     assert_eval_only_refusals,
     assert_finite_tags,
     assert_tracked_once,
@@ -44,6 +45,8 @@ from helpers import (
     scalars,
     small_tmpfs,
     start_run,
+    state_of,
+    wait_for,
     write_unusable_checkpoint,
 )
 from torch import nn
@@ -218,6 +221,21 @@ def test_importance_weights_known_values(m):
 
 
 @script_ids
+def test_a_full_buffer_wraps_dropping_its_oldest_transitions(m):
+    """Three appends of 5 into 8 slots: the ring holds the newest 8 transitions in order of arrival, the trees hold
+    only their priorities, and no sample returns one of the 7 overwritten."""
+    buffer = make_buffer(m, 8)
+    for tag in range(3):
+        buffer.append(transitions(m, 5, float(tag)), np.full(5, 1.0 + tag))  # priority 1, 2, 3 per append
+    held = sorted(map(tuple, buffer.data.obs.tolist()))
+    assert held == sorted([(1.0, 2.0), (1.0, 3.0), (1.0, 4.0), *((2.0, float(i)) for i in range(5))])
+    assert int(buffer.size) == 8 and int(buffer.next_slot) == 15 % 8
+    assert buffer.sum_tree[1] == 3 * 2.0 + 5 * 3.0 and buffer.min_tree[1] == 2.0
+    sampled = buffer.sample(256, np.random.default_rng(0)).data.obs
+    assert set(sampled[:, 0].tolist()) == {1.0, 2.0} and sampled[sampled[:, 0] == 1.0, 1].min() >= 2.0
+
+
+@script_ids
 def test_taint_overwritten_slot_keeps_its_new_priority(m):
     rng = np.random.default_rng(3)
     buffer = make_buffer(m, 4)
@@ -378,8 +396,11 @@ def test_dqn_cartpole_under_torchrun_with_two_actor_ranks(dqn_torchrun_run):
                                 "eval/episodic_return"])  # fmt: skip
     assert max(s for s, _ in logged["charts/episodic_return"]) <= total
     assert max(s for s, _ in logged["charts/SPS"]) == total  # both ranks' steps, every one counted once
-    assert max(v for _, v in logged["replay/size"]) <= 1000  # the ring buffers wrapped (4000 steps into 1000 slots)
-    assert len(logged["eval/episodic_return"]) >= 2 + 1  # final evaluation + at least one round during training
+    assert logged["replay/size"][-1][1] == 1000  # every slot written (the wrap itself: the buffer test above)
+    # the evaluator's rounds, then the 2 games of the final evaluation; the run ends only once a round has reported
+    # from at or after the last --eval-interval boundary it crossed (3000), however slowly the evaluator runs
+    *rounds, _, _ = logged["eval/episodic_return"]
+    assert rounds and max(step for step, _ in rounds) >= 3000, rounds
     checkpoint = torch.load(run_dir / "checkpoint.pt", weights_only=False)
     assert checkpoint["global_step"] == total and checkpoint["meta"]["script"] == "apex_dqn.py"
     final = torch.load(run_dir / "model.pt")
@@ -754,13 +775,6 @@ def test_runs_started_in_the_same_second_get_their_own_directories(tmp_path, mon
 # ------------------------------------------------------------------ failures and shutdown
 
 
-def alive(pid: int) -> bool:
-    try:
-        return "State:\tZ" not in Path(f"/proc/{pid}/status").read_text()
-    except FileNotFoundError:
-        return False
-
-
 def long_run(script: str, log_dir, extra=()):
     """A CartPole (DQN) or Pendulum (DDPG) run with no end in sight, with its children: actor 0, actor 1, evaluator."""
     env_id, tiny = ("CartPole-v1", TINY_DQN) if script == "apex_dqn.py" else ("Pendulum-v1", TINY_DDPG)
@@ -785,9 +799,7 @@ def test_crashing_actor_stops_the_run_naming_it(tmp_path):
 def test_killed_actor_stops_the_run_naming_it(tmp_path):
     proc, workers = long_run("apex_dqn.py", tmp_path)
     os.kill(workers[1], signal.SIGKILL)
-    start = time.time()
-    _, err = proc.communicate(timeout=60)
-    assert time.time() - start < 10, err
+    _, err = proc.communicate(timeout=60)  # the deadline only catches a hang: RESULTS.md measures the time to stop
     assert proc.returncode == 1 and "error: actor 1 died (killed by signal 9)" in err, err
     assert not any(alive(pid) for pid in workers)
 
@@ -829,22 +841,21 @@ def test_a_process_killed_holding_a_lock_is_named_not_the_lock_timeout_it_causes
 
 def test_sigint_stops_cleanly_with_a_checkpoint_even_with_a_stopped_process(tmp_path):
     """The evaluator stopped (SIGSTOP, asleep on the stop flag: it can never wake) must not block Ctrl+C, which stops
-    every process within 10 s, exits 130 and writes a final checkpoint."""
+    every process, exits 130 and writes a final checkpoint."""
     proc, workers = long_run("apex_ddpg.py", tmp_path, ["--checkpoint-interval", "3600"])
     for line in proc.stdout:  # until the learner has updated: the checkpoint then holds a trained model
         if " updates=0 " not in line:
             break
     os.kill(workers[2], signal.SIGSTOP)
-    time.sleep(0.5)
+    wait_for(lambda: state_of(workers[2]) == "T", "the evaluator to stop")
     proc.send_signal(signal.SIGINT)
-    start = time.time()
     try:
         _, err = proc.communicate(timeout=60)
     finally:
         for pid in [proc.pid, *workers]:
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
-    assert time.time() - start < 10 and proc.returncode == 130 and "Traceback" not in err, err
+    assert proc.returncode == 130 and "Traceback" not in err, err
     assert not any(alive(pid) for pid in workers)  # no orphans
     checkpoint = torch.load(only_run_dir(tmp_path) / "checkpoint.pt", weights_only=False)
     assert checkpoint["global_step"] > 0 and checkpoint["learner"]["version"] > 0
