@@ -13,7 +13,8 @@ actions) is `apex_dqn.py`: this file with DQN's actor and learner.
       -> IS-weighted n-step critic update, deterministic policy gradient, soft target updates
       -> new priorities back where slot versions match
       -> ParamStore (flat shared tensor + version) -> pulled by actors every --actor-update-interval steps
-  evaluator (process): noise-free episodes every --eval-interval agent steps -> EvalReport on log_q
+  evaluator (process): noise-free episodes every --eval-interval agent steps -> EvalReport on log_q (the run's
+      end waits for the round due at the last boundary it crossed)
   torchrun: rank 0 is the learner and the evaluator; rank 0 builds an ActorHost on every other rank over rpc
       (`--num-actors` actors and their buffers) and calls it for buffer statistics, samples and priority updates,
       and every 0.25 s to exchange parameters (out) for actor reports (back).
