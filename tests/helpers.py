@@ -125,6 +125,19 @@ def children_of(pid):
     return out
 
 
+def processes_with(text) -> list[int]:
+    """pids whose command line mentions `text` (a test's unique log directory: a script's forked workers share its
+    command line)."""
+    pids = []
+    for d in Path("/proc").iterdir():
+        try:
+            if d.name.isdigit() and text in (d / "cmdline").read_bytes().decode(errors="ignore"):
+                pids.append(int(d.name))
+        except OSError:
+            pass
+    return pids
+
+
 def state_of(pid) -> str | None:
     """The state letter of process `pid` from /proc (R, S, T for stopped, Z for zombie, ...); None once it is gone."""
     try:

@@ -587,9 +587,7 @@ def test_killed_worker_stops_the_run_naming_it(update, tmp_path):
     proc, workers = start_long_run(tmp_path, ["--update", update])
     assert len(workers) == (2 if update == "hogwild" else 3)  # the workers (and the gradient server, started first)
     os.kill(workers[-1], signal.SIGKILL)  # the last started: worker 1
-    start = time.time()
     _, err = proc.communicate(timeout=60)
-    assert time.time() - start < 10, err
     assert proc.returncode == 1 and "error: worker 1 died (killed by signal 9)" in err, err
     assert not any(alive(pid) for pid in workers)
 
@@ -618,9 +616,8 @@ def test_signal_stops_cleanly_with_checkpoint_and_resume_continues(update, sig, 
     proc, workers = start_long_run(tmp_path, ["--update", update, "--checkpoint-interval", "3600"])
     pids = [proc.pid, *workers]
     proc.send_signal(sig)
-    start = time.time()
     _, err = proc.communicate(timeout=60)
-    assert time.time() - start < 10 and proc.returncode == 128 + sig, err
+    assert proc.returncode == 128 + sig, err
     assert "Traceback" not in err
     assert not any(alive(pid) for pid in workers)  # no orphans
     assert not shm_segments(pids)  # no leaked shared memory
@@ -644,9 +641,8 @@ def test_ctrl_c_during_start_up_stops_cleanly(tmp_path):
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
     assert proc.stdout.readline().startswith("run directory:")  # the workers are being started now
     proc.send_signal(signal.SIGINT)
-    start = time.time()
     _, err = proc.communicate(timeout=60)
-    assert time.time() - start < 10 and proc.returncode == 130 and "Traceback" not in err, err
+    assert proc.returncode == 130 and "Traceback" not in err, err
     assert not children_of(proc.pid)
 
 

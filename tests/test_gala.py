@@ -34,6 +34,7 @@ from helpers import (
     fill_disk,
     offline_wandb_env,
     only_run_dir,
+    processes_with,
     rank_pid,
     run_eval_only,
     run_script,
@@ -41,6 +42,7 @@ from helpers import (
     small_tmpfs,
     start_run,
     two_node_launch,
+    wait_for,
 )
 
 import gala_a2c
@@ -445,19 +447,6 @@ def test_bad_flag_is_one_error_line_and_exit_2_before_anything_starts(tmp_path):
     assert not any(Path(tmp_path).iterdir())
 
 
-def processes_with(text):
-    """pids whose command line mentions `text` (this test's unique log directory)."""
-    pids = []
-    for pid in os.listdir("/proc"):
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="ignore")
-        except OSError:
-            continue
-        if pid.isdigit() and text in cmdline:
-            pids.append(int(pid))
-    return pids
-
-
 def learner_pids(proc, tmp_path):
     return [p for p in processes_with(str(tmp_path)) if p != proc.pid]
 
@@ -468,11 +457,9 @@ LONG_RUN = [*TINY_CARTPOLE, "--total-timesteps", "10000000", "--log-frequency", 
 def test_sigint_stops_everything_with_checkpoint_and_resume_continues(tmp_path):
     proc = start_run(SCRIPT, [*LONG_RUN, "--checkpoint-interval", "3600"], tmp_path)
     proc.send_signal(signal.SIGINT)
-    start = time.time()
-    _, err = proc.communicate(timeout=30)
-    assert time.time() - start < 10 and proc.returncode == 130 and "Traceback" not in err, err
-    time.sleep(0.5)
-    assert processes_with(str(tmp_path)) == []  # no orphan learners
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "Traceback" not in err, err
+    wait_for(lambda: not processes_with(str(tmp_path)), "no learner left (no orphans)")
     run_dir = only_run_dir(tmp_path)
     checkpoint = torch.load(run_dir / "checkpoint.pt", weights_only=False)
     stopped_at = checkpoint["global_step"]
@@ -490,21 +477,17 @@ def test_killed_learner_stops_the_run_naming_it(tmp_path):
     children = learner_pids(proc, tmp_path)
     assert children
     os.kill(children[-1], signal.SIGKILL)
-    start = time.time()
-    _, err = proc.communicate(timeout=30)
-    assert time.time() - start < 10 and proc.returncode == 1
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1
     assert "learner" in err and "killed by signal 9" in err, err
-    time.sleep(0.5)
-    assert processes_with(str(tmp_path)) == []
+    wait_for(lambda: not processes_with(str(tmp_path)), "no learner left (no orphans)")
 
 
 def test_crashing_learner_stops_the_run_with_its_traceback(tmp_path):
-    start = time.time()
     args = ["--env-id", "tests.faulty_env:CrashingCartPole-v0", "--num-learners", "2", "--num-envs", "1"]
     proc = run_script(SCRIPT, args, tmp_path)
     assert proc.returncode == 1
     assert "learner" in proc.stderr and "died" in proc.stderr and "injected env failure" in proc.stderr
-    assert time.time() - start < 60
 
 
 def test_torchrun_rank_that_fails_exits_with_its_error_not_an_abort(tmp_path):
@@ -606,16 +589,14 @@ def test_stuck_learner_does_not_block_ctrl_c_or_sigterm(mode, signum, tmp_path):
     stuck = learner_pids(proc, tmp_path)[-1]
     os.kill(stuck, signal.SIGSTOP)
     proc.send_signal(signum)
-    start = time.time()
     try:
-        _, err = proc.communicate(timeout=30)
+        _, err = proc.communicate(timeout=60)
+        wait_for(lambda: not processes_with(str(tmp_path)), "no learner left (no orphans)")
     finally:
         for pid in processes_with(str(tmp_path)):
             os.kill(pid, signal.SIGKILL)
-    assert time.time() - start < 10 and proc.returncode == 128 + signum, err
+    assert proc.returncode == 128 + signum, err
     assert "did not stop within 5 s; killed" in err and "Traceback" not in err, err
-    time.sleep(0.5)
-    assert processes_with(str(tmp_path)) == []
 
 
 def test_learners_die_with_a_killed_main_process(tmp_path):
@@ -623,14 +604,12 @@ def test_learners_die_with_a_killed_main_process(tmp_path):
     children = learner_pids(proc, tmp_path)
     assert children
     proc.kill()
-    proc.communicate(timeout=30)
-    deadline = time.time() + 10
-    while processes_with(str(tmp_path)) and time.time() < deadline:
-        time.sleep(0.2)
-    left = processes_with(str(tmp_path))
-    for pid in left:
-        os.kill(pid, signal.SIGKILL)
-    assert left == [], "learners outlived the main process"
+    proc.communicate(timeout=60)
+    try:
+        wait_for(lambda: not processes_with(str(tmp_path)), "the learners to die with the main process")
+    finally:
+        for pid in processes_with(str(tmp_path)):
+            os.kill(pid, signal.SIGKILL)
 
 
 @pytest.fixture
@@ -643,22 +622,19 @@ def tmpfs(tmp_path):
 def test_full_disk_stops_the_run_keeping_the_last_checkpoint(tmpfs):
     proc = start_run(SCRIPT, [*LONG_RUN, "--checkpoint-interval", "0.5"], tmpfs)
     run_dir = only_run_dir(tmpfs)
-    deadline = time.time() + 60
-    while not (run_dir / "checkpoint.pt").exists() and time.time() < deadline:
-        time.sleep(0.2)
+    wait_for((run_dir / "checkpoint.pt").exists, "the first checkpoint")
     fill_disk(tmpfs)
-    start = time.time()
     try:
         _, err = proc.communicate(timeout=60)
+        wait_for(lambda: not processes_with(str(tmpfs)), "no learner left (no orphans)")
     finally:
         for pid in processes_with(str(tmpfs)):
             os.kill(pid, signal.SIGKILL)
-    assert time.time() - start < 15 and proc.returncode == 1, err
+    assert proc.returncode == 1, err
     assert "Traceback" not in err and "error: no space left on device while writing" in err, err
     (tmpfs / "filler").unlink()
     checkpoint = torch.load(run_dir / "checkpoint.pt", weights_only=False)
     assert checkpoint["global_step"] > 0 and not list(run_dir.glob("*.tmp"))
-    assert processes_with(str(tmpfs)) == []
 
 
 # ------------------------------------------------------------------ torchrun: a lost rank
@@ -675,11 +651,10 @@ def test_torchrun_survivor_names_the_rank_that_died(mode, tmp_path):
             if (match := CONSOLE_LINE.match(line)) and int(match.group(1)) > 0:
                 break
         os.kill(rank_pid(proc.pid, 1), signal.SIGKILL)
-        start = time.time()
         _, err = proc.communicate(timeout=60)
     finally:
         for pid in children_of(proc.pid):
             os.kill(pid, signal.SIGKILL)
         proc.kill()
-    assert proc.returncode != 0 and time.time() - start < 15, err
+    assert proc.returncode != 0, err
     assert "error: learner 0 (rank 0): lost contact with rank 1" in err and "learner 0 died" not in err, err
