@@ -30,6 +30,7 @@ from helpers import (
     ROOT,
     FixedLogitsPolicy,
     RecordingEnv,
+    alive,
     assert_eval_only_refusals,
     assert_finite_tags,
     assert_tracked_once,
@@ -37,11 +38,13 @@ from helpers import (
     fill_disk,
     offline_wandb_env,
     only_run_dir,
+    processes_with,
     run_eval_only,
     run_script,
     scalars,
     small_tmpfs,
     start_run,
+    wait_for,
     write_unusable_checkpoint,
 )
 from torch import nn
@@ -564,14 +567,6 @@ def cmdline(pid: int) -> str:
         return ""
 
 
-def alive(pid: int) -> bool:
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except FileNotFoundError:
-        return False
-    return "State:\tZ" not in status
-
-
 def start_long_run(log_dir, extra):
     """The script on CartPole with an endless budget, once training is under way, and its worker (and server) pids."""
     proc = start_run(SCRIPT, [*TINY_CARTPOLE, "--total-timesteps", "100000000", *extra], log_dir)
@@ -589,7 +584,7 @@ def test_killed_worker_stops_the_run_naming_it(update, tmp_path):
     os.kill(workers[-1], signal.SIGKILL)  # the last started: worker 1
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 1 and "error: worker 1 died (killed by signal 9)" in err, err
-    assert not any(alive(pid) for pid in workers)
+    wait_for(lambda: not any(alive(pid) for pid in workers), "no worker left (no orphans)")
 
 
 def test_crashing_worker_stops_the_run_with_its_traceback(tmp_path, run_main):
@@ -619,7 +614,7 @@ def test_signal_stops_cleanly_with_checkpoint_and_resume_continues(update, sig, 
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 128 + sig, err
     assert "Traceback" not in err
-    assert not any(alive(pid) for pid in workers)  # no orphans
+    wait_for(lambda: not any(alive(pid) for pid in workers), "no worker left (no orphans)")
     assert not shm_segments(pids)  # no leaked shared memory
     run_dir = only_run_dir(tmp_path)
     checkpoint = torch.load(run_dir / "checkpoint.pt", weights_only=False)
@@ -643,7 +638,7 @@ def test_ctrl_c_during_start_up_stops_cleanly(tmp_path):
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130 and "Traceback" not in err, err
-    assert not children_of(proc.pid)
+    wait_for(lambda: not processes_with(str(tmp_path)), "no worker left (no orphans)")  # forked: same command line
 
 
 def test_full_disk_stops_cleanly_and_keeps_the_last_checkpoint(tmp_path):
@@ -660,4 +655,4 @@ def test_full_disk_stops_cleanly_and_keeps_the_last_checkpoint(tmp_path):
         assert "error: no space left on device while writing " in err and len(err.strip().splitlines()) <= 2, err
         assert torch.load(checkpoint, weights_only=False)["global_step"] > 0  # the last good one, intact
         assert not list(checkpoint.parent.glob("*.tmp"))
-        assert not any(alive(pid) for pid in workers)
+        wait_for(lambda: not any(alive(pid) for pid in workers), "no worker left (no orphans)")

@@ -135,13 +135,14 @@ def test_straggler_step_times_have_the_requested_mean_and_std(monkeypatch):
 
 
 def test_run_command_stops_with_sigint_and_times_console_lines(tmp_path):
-    code = (
-        "import time\ntry:\n    for i in range(1000):\n        print(f'global_step={i} SPS=1 mean_return=0')\n"
-        "        time.sleep(0.05)\nexcept KeyboardInterrupt:\n    print('interrupted')\n    raise SystemExit(130)\n"
+    code = (  # one second of start-up before the first console line, which the clock must not count
+        "import time\ntry:\n    time.sleep(1.0)\n    for i in range(1000):\n"
+        "        print(f'global_step={i} SPS=1 mean_return=0')\n        time.sleep(0.05)\n"
+        "except KeyboardInterrupt:\n    print('interrupted')\n    raise SystemExit(130)\n"
     )
     run = measure.run_command([sys.executable, "-c", code], 1.5, cwd=tmp_path, log_dir=tmp_path, interval=0.2)
     assert run.exit_code == 130 and run.tail[-1] == "interrupted"
-    assert 0 < run.started < run.seconds - 1.5  # the clock starts at its first console line
+    assert run.started >= 1.0 and run.seconds >= run.started + 1.5  # the clock starts at its first console line
     assert len(run.console) >= 3 and [s for _, s in run.console] == list(range(len(run.console)))
     assert len(run.pss) >= 3 and all(m > 0 for _, m in run.pss)
 

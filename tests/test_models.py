@@ -4,6 +4,7 @@ import gymnasium as gym
 import numpy as np
 import pytest
 import torch
+from torch import nn
 
 from common.models import make_ddpg_model, make_model, make_q_network
 
@@ -196,7 +197,12 @@ def test_ddpg_actor_respects_bounds_and_critic_takes_actions():
         np.testing.assert_allclose(a, torch.stack([pre[:, 0] * 2, (pre[:, 1] + 1) / 2], 1), rtol=1e-5, atol=1e-6)
         q = model.q(obs, a)
         assert q.shape == (7,)
-        np.testing.assert_allclose(q, model.critic(torch.cat([obs, a], 1))[:, 0], rtol=1e-6)
+        # Q(s, a) by hand from the critic's weights, observation columns first, then the action's (Section 7):
+        # three ReLU layers written out as matrix products
+        (w1, b1), (w2, b2), (w3, b3) = ((m.weight, m.bias) for m in model.critic if isinstance(m, nn.Linear))
+        h = torch.relu(obs @ w1[:, :3].T + a @ w1[:, 3:].T + b1)
+        np.testing.assert_allclose(q, (torch.relu(h @ w2.T + b2) @ w3.T + b3)[:, 0], rtol=1e-5, atol=1e-6)
+        assert not torch.allclose(model.q(obs, torch.zeros_like(a)), q)  # the action reaches Q
 
 
 def test_ape_x_networks_reject_wrong_spaces():

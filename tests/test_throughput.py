@@ -75,7 +75,7 @@ def test_every_adapter_command_parses_with_its_script(label, straggler):
     tyro.cli(module.Args, args=[*cfg.command[1:], "--log-dir", "runs"])
 
 
-def test_summaries_take_medians_flag_a_beaten_bound_and_add_eq7():
+def test_summaries_take_medians_flag_a_beaten_bound_and_add_eq7(monkeypatch):
     c, args = configs(["cleanba_ppo", "cleanba_ppo_sync"], bound=True)
     for sps, bound in ((100.0, 250.0), (300.0, 260.0), (200.0, 240.0)):
         c["cleanba_ppo"].rounds.append(
@@ -88,18 +88,32 @@ def test_summaries_take_medians_flag_a_beaten_bound_and_add_eq7():
     assert (
         row["speedup_vs_baseline"] == 2.0 and tp.summarise(c["cleanba_ppo_sync"], args, by_key)["pss_peak_mib"] == 300
     )
+    # Eq. 7 itself is checked in test_measure.py; here, which times the summary asks it for and what it does with them
+    calls, seconds = [], {1500: 3.0, 1: 8.0, 512: 2.0}  # Eq. 7's time at alpha = K / n (async), 1 (lockstep), 512
+    monkeypatch.setattr(measure, "eq7_time", lambda *a: calls.append(a) or seconds[a[2]])
     c, args = configs(["hts_a2c", "hts_a2c_sync"], straggler=True, stds_ms=[10.0])
     c["hts_a2c"].rounds.append(dict(sps=600.0, steps_measured=12000, pss_peak_mib=1.0))
     c["hts_a2c_sync"].rounds.append(dict(sps=100.0, steps_measured=3000, pss_peak_mib=1.0))
     by_key = {(x.label, x.num_envs, x.workers, x.std_ms): x for x in c.values()}
     row = tp.summarise(c["hts_a2c"], args, by_key)
-    eq7 = dict(n=8, K=12000, mean_s=0.01, std_s=0.01)
-    async_sps = 12000 / measure.eq7_time(alpha=1500, **eq7)
+    assert sorted(calls) == [(8, 12000, a, 0.01, 0.01) for a in (1, 512, 1500)]  # n, K, alpha, mean, std (seconds)
     assert row["speedup_vs_baseline"] == 6.0 and row["speedup_target_5x_met"] and row["eq7_alpha"] == 512
-    assert row["eq7_async_sps"] == pytest.approx(async_sps) and row["runtime_vs_async"] == pytest.approx(
-        async_sps / 600
-    )
-    assert row["eq7_speedup"] == pytest.approx(measure.eq7_time(alpha=1, **eq7) / measure.eq7_time(alpha=512, **eq7))
+    assert row["eq7_async_sps"] == 4000.0 and row["runtime_vs_async"] == pytest.approx(4000 / 600)  # 12000 / 3 s
+    assert row["eq7_speedup"] == 4.0 and not row["runtime_within_1.25x_async_met"]  # 8 s / 2 s; 6.67 > 1.25
+
+
+def test_a_round_takes_its_ceiling_from_the_three_pieces_and_its_efficiency_against_it(monkeypatch):
+    """CONVENTIONS.md: ceiling = 1 / (1/env + 1/infer + 1/train) of the pieces measured just before the run, and
+    efficiency = the run's agent steps/s over that ceiling. Pieces and run are stubbed with known rates."""
+    rates = {"env": 1000.0, "infer": 2000.0, "train": 4000.0}
+    monkeypatch.setattr(measure, "run_piece", lambda kind, p, seconds: (rates[kind], 1e-4))
+    monkeypatch.setattr(tp, "run_config", lambda cfg, args, seconds: dict(sps=400.0, pss_peak_mib=1.0))
+    c, args = configs(["cleanba_ppo"])
+    tp.measure_round(c["cleanba_ppo"], args, 0, cores=2)
+    record = c["cleanba_ppo"].rounds[0]
+    assert {k: record[k] for k in rates} == rates
+    assert record["ceiling"] == pytest.approx(4000 / 7)  # 1 / (1/1000 + 1/2000 + 1/4000)
+    assert record["efficiency"] == pytest.approx(0.7)  # 400 / (4000 / 7)
 
 
 @pytest.mark.parametrize(
@@ -151,11 +165,10 @@ def test_driver_runs_a_script_and_an_external_command_the_same_way(tmp_path):
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
-    assert result["meta"]["mode"] == "table" and result["meta"]["cores"] >= 1 and result["meta"]["torch"]
+    assert result["meta"]["mode"] == "table" and result["meta"]["torch"]
     ours, peer = result["rows"]
     assert ours["label"] == "cleanba_ppo" and not ours["external"] and ours["rounds"][0]["rate_source"] == "tensorboard"
-    assert ours["sps"] > 0 and min(ours[k] for k in ("env", "infer", "train")) > ours["ceiling"] > 0
-    assert ours["efficiency"] == pytest.approx(ours["sps"] / ours["ceiling"], rel=1e-3) and ours["pss_peak_mib"] > 50
+    assert ours["sps"] > 0 and ours["ceiling"] > 0 and ours["efficiency"] > 0 and ours["pss_peak_mib"] > 50
     assert peer["label"] == "peer" and peer["external"] and peer["rounds"][0]["rate_source"] == "tensorboard"
     assert peer["sps"] == pytest.approx(1000.0, rel=0.01) and peer["pss_peak_mib"] > 10 and "ceiling" not in peer
     assert "| cleanba_ppo |" in proc.stdout and "| peer |" in proc.stdout
@@ -170,7 +183,4 @@ def test_env_table_writes_json(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     names = {r["env"].split(",")[0] for r in rows}
     assert {"make_vector_env (ale-py C++ vector env)", "gymnasium AsyncVectorEnv", "one env"} <= names
-    assert all(
-        r["agent_steps_per_s"] > 0 and r["frames_per_s"] == pytest.approx(4 * r["agent_steps_per_s"], rel=1e-3)
-        for r in rows
-    )
+    assert all(r["agent_steps_per_s"] > 0 for r in rows)
