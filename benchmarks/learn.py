@@ -107,7 +107,7 @@ CARTPOLE = [
 
 # Pong, deepmind protocol: the PPO/A2C family at its Atari defaults (Nature CNN), budgeted at 10M frames and meant to
 # be cut by `--time-limit` (2M frames showed no rise for any of them). GALA and A3C run at their default RMSprop eps,
-# 1e-5 and 1e-3, not Table 2's 0.01 (their `--rmsprop-eps` help, and README, Results, say why).
+# 1e-5 and 1e-3, not Table 2's 0.01 (their `--rmsprop-eps` help and Results' Differences from the papers say whose).
 # HTS-PPO takes CleanRL ppo_atari's (and the Cleanba entry's) 8 envs x 128 steps: twice the updates per sample of its
 # 16-env default, whose H100 run was still at -19.2 after 1.08M agent steps. And 2 learner threads: the default rule
 # (cores left by 4 executors and 4 actors, at least 1) leaves one thread for a learner-bound run; 2 ran 199 steps/s
