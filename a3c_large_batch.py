@@ -134,9 +134,9 @@ class Args:
     rmsprop_alpha: float = 0.99
     """RMSprop smoothing constant (Table 2: 0.99, momentum 0)"""
     rmsprop_eps: float = 1e-3
-    """RMSprop epsilon, added outside the square root as in PyTorch (GALA's implementation language); there Table 2's
-    0.01 turns the clipped gradients' steps into small plain-SGD steps and Pong does not learn, and GALA's code's 1e-5
-    lets the first, stale hogwild steps kill the ReLUs (the A3C eps study in benchmarks/RESULTS.md)"""
+    """RMSprop epsilon, added outside the square root as in PyTorch; 1e-3 is neither GALA's Table 2 (0.01) nor GALA's
+    code (1e-5), but the value of the A3C eps study in benchmarks/RESULTS.md, where 1e-5 lets the first, stale hogwild
+    steps of 4 workers kill the ReLUs"""
     max_grad_norm: float = 0.5
     """clip each pushed gradient to this global norm"""
     ent_coef: float = 0.01

@@ -387,7 +387,8 @@ def double_q_targets(next_q_online: torch.Tensor, next_q_target: torch.Tensor, r
 
 
 def huber(x: torch.Tensor, delta: float = 1.0) -> torch.Tensor:
-    """Elementwise Huber loss (Mnih et al. 2015's error clipping)."""
+    """Elementwise Huber loss (Mnih et al. 2015's error clipping); Ape-X writes the squared error (RESULTS.md,
+    Differences from the papers)."""
     a = x.abs()
     return torch.where(a <= delta, 0.5 * x * x, delta * (a - 0.5 * delta))
 

@@ -23,7 +23,9 @@ Algorithms (`--algo`, all it switches is in `algorithm()`): PPO (clipped surroga
   mask. Step t pairs x_t and a_t with the reward and done of its own transition; Cleanba's cleanba_impala.py pairs x_t
   with those that arrived with x_t, one step earlier, so its IMPALA curves are not expected to match step for step.
 
-  python cleanba_ppo_impala.py --env-id ALE/Breakout-v5
+  python cleanba_ppo_impala.py --env-id ALE/Breakout-v5                     # Cleanba's settings: 128 envs, ResNet
+  python cleanba_ppo_impala.py --network nature --num-envs 8 --num-actor-threads 1 --total-timesteps 10000000 \\
+      --env-id ALE/Breakout-v5                                              # CleanRL ppo_atari's, CPU-sized
   python cleanba_ppo_impala.py --algo impala --env-id ALE/Pong-v5 --num-envs 32 --num-actor-threads 2 --track
   python cleanba_ppo_impala.py --eval-only runs/<run>/model.pt --eval-episodes 10 --capture-video  # a saved agent
   torchrun --nnodes 2 --node-rank $NODE_RANK --nproc-per-node 8 --rdzv-backend c10d \\
@@ -51,7 +53,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Literal, NamedTuple
+from typing import Annotated, Literal, NamedTuple
 
 import gymnasium as gym
 import numpy as np
@@ -89,8 +91,8 @@ class Args:
     """gymnasium id; ALE ids run in ale-py's C++ vector env"""
     atari_protocol: Literal["deepmind", "machado"] = "machado"
     """ALE preprocessing: `machado` (sticky actions, full action set; Cleanba's evaluation) or `deepmind`"""
-    total_timesteps: int = 10_000_000
-    """agent steps summed over all envs of all ranks"""
+    total_timesteps: int = 50_000_000
+    """agent steps summed over all envs of all ranks (Cleanba's 50M; the learning rate anneals over them)"""
     log_dir: str = "runs"
     """where run directories go"""
     save_model: bool = False
@@ -122,20 +124,26 @@ class Args:
     sync: bool = False
     """the paper's Synchronous architecture: rollout, then learn, no overlap (policy lag 0)"""
     network: Literal["auto", "nature", "impala", "mlp"] = "auto"
-    """`auto`: nature for ppo, impala for impala (Cleanba's); mlp for flat observations"""
-    num_envs: int = 8
-    """environments per rank, split evenly over the actor threads (CleanRL ppo_atari: 8; Cleanba: 64 x 2 threads)"""
-    num_actor_threads: int = 1
-    """actor threads per rank (hardware, not a hyperparameter: the data does not depend on it per env)"""
+    """`auto`: Cleanba's IMPALA ResNet (16/32/32, fc 256) on images for both algorithms, mlp on flat observations;
+    `nature` is CleanRL ppo_atari's network"""
+    num_envs: int = 128
+    """environments per rank, split evenly over the actor threads (Cleanba: 64 per thread x 2 threads; CleanRL
+    ppo_atari: 8 in one thread)"""
+    num_actor_threads: int = 2
+    """actor threads per rank (Cleanba: 2; the data does not depend on it per env)"""
     env_threads: int = 0
     """ale-py stepping threads per actor thread (0 = the machine's cores / actor threads)"""
     torch_threads: int = 0
     """torch intra-op threads of the learner (the main thread; each actor thread uses one); 0 = torch's default, one
     per core"""
-    num_steps: int | None = None
-    """steps per env per rollout (default: 128 ppo, 20 impala)"""
-    learning_rate: float | None = None
-    """learning rate (default: 2.5e-4 ppo with Adam, 6e-4 impala with RMSprop)"""
+    num_steps: Annotated[int | None, tyro.conf.arg(help_behavior_hint="(default: 128 ppo, 20 impala; Cleanba's)")] = (
+        None
+    )
+    """steps per env per rollout"""
+    learning_rate: Annotated[
+        float | None, tyro.conf.arg(help_behavior_hint="(default: 2.5e-4 ppo, 6e-4 impala; Cleanba's)")
+    ] = None
+    """learning rate (ppo: Adam, impala: RMSprop)"""
     anneal_lr: bool = True
     """linearly anneal the learning rate to 0 over the run"""
     gamma: float = 0.99
@@ -154,8 +162,10 @@ class Args:
     """entropy bonus coefficient"""
     vf_coef: float = 0.5
     """value loss coefficient"""
-    max_grad_norm: float | None = None
-    """global gradient-norm clip (default: 0.5 ppo, 40 impala)"""
+    max_grad_norm: Annotated[
+        float | None, tyro.conf.arg(help_behavior_hint="(default: 0.5 ppo, 40 impala; Cleanba's)")
+    ] = None
+    """global gradient-norm clip"""
     adam_eps: float = 1e-5
     """PPO: Adam epsilon"""
     rmsprop_alpha: float = 0.99
@@ -179,7 +189,6 @@ class Algorithm(NamedTuple):
     """Everything `--algo` switches."""
 
     defaults: dict[str, float]  # of the flags left at None
-    network: str  # what `--network auto` picks for image observations
     optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
     update: Callable[..., dict[str, float]]  # the learner's update on one rollout (ppo_update, impala_update)
 
@@ -189,13 +198,11 @@ def algorithm(args: Args) -> Algorithm:
     if args.algo == "ppo":
         return Algorithm(
             defaults=dict(num_steps=128, learning_rate=2.5e-4, max_grad_norm=0.5),
-            network="nature",
             optimizer=lambda params: torch.optim.Adam(params, lr=args.learning_rate, eps=args.adam_eps),
             update=ppo_update,
         )
     return Algorithm(
         defaults=dict(num_steps=20, learning_rate=6e-4, max_grad_norm=40.0),
-        network="impala",
         optimizer=lambda params: torch.optim.RMSprop(
             params, lr=args.learning_rate, alpha=args.rmsprop_alpha, eps=args.rmsprop_eps
         ),
@@ -212,10 +219,10 @@ def resolve_defaults(args: Args) -> Args:
 
 
 def pick_network(args: Args, obs_shape: tuple[int, ...]) -> str:
-    """`auto`: the algorithm's network for image observations, an MLP for flat ones."""
+    """`auto`: Cleanba's IMPALA ResNet for image observations, with either algorithm; an MLP for flat ones."""
     if args.network != "auto":
         return args.network
-    return algorithm(args).network if len(obs_shape) == 3 else "mlp"
+    return "impala" if len(obs_shape) == 3 else "mlp"
 
 
 FLOAT_FLAGS = (

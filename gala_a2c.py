@@ -125,7 +125,8 @@ class Args:
     time_varying: bool = False
     """rotate each learner's peers through the ring every iteration (single-machine launch only)"""
     max_staleness: int = 10
-    """tau: local iterations a learner may run without mixing before it blocks for its in-peers"""
+    """tau: local iterations a learner may run without mixing before it blocks for its in-peers (the paper gives no
+    value; GALA's code defaults to 0, always wait, and its README runs 1e8)"""
     sync_interval: int = 20
     """iterations between consensus-distance measurements (and, under torchrun, the ranks' stop/checkpoint meeting)"""
     num_envs: int = 16
@@ -147,8 +148,7 @@ class Args:
     """RMSprop smoothing constant (momentum 0, Table 2)"""
     rmsprop_eps: float = 1e-5
     """RMSprop epsilon, added outside the square root as in torch.optim.RMSprop; 1e-5 is the default of GALA's released
-    code, while Table 2's 0.01, outside the root, turns the clipped gradients' steps into small plain-SGD steps and
-    Pong does not learn (README)"""
+    code (gala/arguments.py), not Table 2's 0.01"""
     max_grad_norm: float = 0.5
     """clip the global gradient norm (Table 2)"""
     ent_coef: float = 0.01

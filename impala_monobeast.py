@@ -24,11 +24,12 @@ Defaults are TorchBeast's (monobeast.py flags): 4 actors, unroll 80, batch 8, RM
   0, shallow network and AtariNet's inputs (the clipped reward and a one-hot of the last action beside the torso
   features, into a 2-layer LSTM as wide as them with `--use-lstm`), losses summed over the batch. Rewards reach the
   buffers raw; the loss clips them (`--clip-rewards`). The IMPALA paper's Atari setting (Table G.1):
-  `--unroll-length 20 --batch-size 32 --network impala`.
+  `--unroll-length 20 --batch-size 32 --learning-rate 6e-4 --ent-coef 0.01 --network impala`.
 
     python impala_monobeast.py --env-id ALE/Breakout-v5                                # batched inference, 4 actors
     python impala_monobeast.py --env-id ALE/Pong-v5 --inference actor --num-actors 8    # MonoBeast exactly
-    python impala_monobeast.py --env-id ALE/Pong-v5 --unroll-length 20 --batch-size 32 --network impala --use-lstm
+    python impala_monobeast.py --env-id ALE/Pong-v5 --unroll-length 20 --batch-size 32 --learning-rate 6e-4 \\
+        --ent-coef 0.01 --network impala --use-lstm                                     # Table G.1
     python impala_monobeast.py --env-id ALE/Breakout-v5 --save-model --track         # logged to Weights & Biases
     python impala_monobeast.py --eval-only runs/<run>/model.pt --eval-episodes 10 --capture-video  # a saved agent
 """
@@ -100,7 +101,8 @@ class Args:
     """episodes to evaluate the final policy on (logged as eval/episodic_return; --eval-only: 0 plays 10)"""
     eval_greedy: bool = True
     """evaluate with argmax actions (TorchBeast's test mode: AtariNet in eval mode takes the argmax);
-    `--no-eval-greedy` samples from the policy instead"""
+    `--no-eval-greedy` samples from the policy instead. An evaluation episode is a full game; TorchBeast's test() ends
+    one at each lost life"""
     eval_only: str | None = None
     """evaluate a saved agent instead of training: a model.pt or checkpoint.pt of a run of this script; env, protocol,
     network and model options (TorchBeast's inputs, the LSTM) come from the run's args.json / checkpoint"""
@@ -141,7 +143,8 @@ class Args:
     action_reward_inputs: bool = True
     """feed the clipped reward and a one-hot of the last action beside the torso features (TorchBeast's AtariNet)"""
 
-    # loss and optimiser (TorchBeast monobeast.py defaults; IMPALA paper Table G.1 for Atari: unroll 20, batch 32)
+    # loss and optimiser (TorchBeast monobeast.py defaults; IMPALA paper Table G.1 for Atari: unroll 20, batch 32,
+    # learning rate 6e-4, entropy cost 0.01)
     unroll_length: int = 80
     """steps per rollout (T)"""
     batch_size: int = 8

@@ -81,11 +81,12 @@ def cartpole(label: str, script: str, args: list[str], **kw) -> Entry:
 
 
 CARTPOLE = [
-    cartpole("cleanba_ppo", "cleanba_ppo_impala.py", ["--num-envs", "4", "--clip-coef", "0.2", "--torch-threads", "1"]),
+    cartpole("cleanba_ppo", "cleanba_ppo_impala.py",
+             ["--num-envs", "4", "--num-actor-threads", "1", "--clip-coef", "0.2", "--torch-threads", "1"]),
     # Cleanba's IMPALA settings as they are (lr 6e-4, RMSprop eps 0.01, clip 40): its loss is summed over each
     # minibatch of 2 envs x 20 steps, so eps stays small beside the gradients without the classic-control eps.
     cartpole("cleanba_impala", "cleanba_ppo_impala.py",
-             ["--algo", "impala", "--num-envs", "8", "--torch-threads", "1"]),
+             ["--algo", "impala", "--num-envs", "8", "--num-actor-threads", "1", "--torch-threads", "1"]),
     cartpole("hts_a2c", "hts_a2c.py", ["--num-envs", "8", "--num-executors", "8", "--num-actors", "2"]),
     cartpole("hts_ppo", "hts_ppo.py",
              ["--num-envs", "4", "--num-executors", "4", "--num-actors", "2", "--clip-coef", "0.2"]),
@@ -106,13 +107,16 @@ CARTPOLE = [
 
 # Pong, deepmind protocol: the PPO/A2C family at its Atari defaults (Nature CNN), budgeted at 10M frames and meant to
 # be cut by `--time-limit` (2M frames showed no rise for any of them). GALA and A3C run at their default RMSprop eps,
-# 1e-5 and 1e-3, not Table 2's 0.01 (their `--rmsprop-eps` help, and README, Results, say why).
+# 1e-5 and 1e-3, not Table 2's 0.01 (their `--rmsprop-eps` help and Results' Differences from the papers say whose).
 # HTS-PPO takes CleanRL ppo_atari's (and the Cleanba entry's) 8 envs x 128 steps: twice the updates per sample of its
 # 16-env default, whose H100 run was still at -19.2 after 1.08M agent steps. And 2 learner threads: the default rule
 # (cores left by 4 executors and 4 actors, at least 1) leaves one thread for a learner-bound run; 2 ran 199 steps/s
 # against 134 (Pong, this 2-core machine, 75-second runs).
 PONG_STEPS = 2_500_000
 DEEPMIND = ["--atari-protocol", "deepmind", "--checkpoint-interval", "600"]  # resumable: `learn.py ... --resume`
+# cleanba_ppo_impala.py at CleanRL ppo_atari's size (Nature CNN, 8 envs in one actor thread), not Cleanba's 2 x 64
+# envs and IMPALA ResNet, which a 2-core machine steps too slowly to see learning
+CLEANRL_SIZED = ["--network", "nature", "--num-envs", "8", "--num-actor-threads", "1"]
 
 
 def pong(label: str, script: str, args: list[str]) -> Entry:
@@ -122,13 +126,17 @@ def pong(label: str, script: str, args: list[str]) -> Entry:
 ATARI_SMOKE = [
     pong("a3c_hogwild", "a3c_large_batch.py", [*DEEPMIND, "--num-workers", "2"]),
     # the H100 runs pinned --torch-threads 1 (5 jobs side by side; manifest)
-    pong("cleanba_ppo", "cleanba_ppo_impala.py", [*DEEPMIND, "--num-envs", "8"]),
+    pong("cleanba_ppo", "cleanba_ppo_impala.py", [*DEEPMIND, *CLEANRL_SIZED]),
     pong("hts_a2c", "hts_a2c.py", DEEPMIND),
     pong("gala_gossip", "gala_a2c.py", [*DEEPMIND, "--num-learners", "2"]),
     pong("hts_ppo", "hts_ppo.py", [*DEEPMIND, "--num-envs", "8", "--torch-threads", "2"]),  # why: above PONG_STEPS
-    # IMPALA at its references' settings: Cleanba's (8 envs x 20 steps, 4 minibatches) and TorchBeast's (4 actors,
-    # unroll 80, batch 8, AtariNet inputs).
-    pong("cleanba_impala", "cleanba_ppo_impala.py", [*DEEPMIND, "--algo", "impala"]),
+    # IMPALA at its references' updates: Cleanba's (20 steps, 4 minibatches, ResNet; 8 envs in one thread, not 2 x 64)
+    # and TorchBeast's (4 actors, unroll 80, batch 8, AtariNet inputs).
+    pong(
+        "cleanba_impala",
+        "cleanba_ppo_impala.py",
+        [*DEEPMIND, "--algo", "impala", "--num-envs", "8", "--num-actor-threads", "1"],
+    ),
     pong("impala_batched", "impala_monobeast.py", DEEPMIND),
 ]
 
@@ -137,7 +145,7 @@ ATARI_SMOKE = [
 # 640 samples). Both scripts take Cleanba's updates instead (minibatches of 2 unrolls x 20 steps, lr 6e-4, entropy
 # 0.01, summed loss, RMSprop eps 0.01, clip 40), as their CartPole entries do, and the Nature CNN.
 PONG_CPU_IMPALA = [
-    pong("cleanba_impala_nature", "cleanba_ppo_impala.py", [*DEEPMIND, "--algo", "impala", "--network", "nature"]),
+    pong("cleanba_impala_nature", "cleanba_ppo_impala.py", [*DEEPMIND, "--algo", "impala", *CLEANRL_SIZED]),
     pong("impala_batched_small", "impala_monobeast.py", [*DEEPMIND, *IMPALA_CARTPOLE]),
 ]
 

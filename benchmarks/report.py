@@ -134,11 +134,23 @@ def pong_cpu_files(results: Path) -> list[str]:
     return sorted(p.name for p in results.glob(PONG_CPU_GLOB) if not p.name.endswith("_manifest.json"))
 
 
+# Runs whose command left a flag at a default the script has since changed: the values they ran with.
+# cleanba_ppo_impala.py's defaults are Cleanba's (IMPALA ResNet, 128 envs x 2 actor threads); these runs ran at
+# CleanRL ppo_atari's size (8 envs, one actor thread; the Nature CNN, which `auto` picked for PPO).
+RAN_WITH = {
+    ("pong_cpu_cleanba2.json", "cleanba_ppo"): ["--network", "nature", "--num-actor-threads", "1"],
+    ("pong_cpu_impala2.json", "cleanba_impala_nature"): ["--num-envs", "8", "--num-actor-threads", "1"],
+    ("pong_h100.json", "cleanba_ppo"): ["--network", "nature", "--num-actor-threads", "1"],
+    ("pong_h100_eps0.01.json", "cleanba_ppo"): ["--network", "nature", "--num-actor-threads", "1"],
+}
+
+
 def run_flags(results: Path, name: str, label: str) -> str:
-    """A learn.py run's settings: the flags of its command in the JSON's manifest (its last piece, if resumed)."""
+    """A learn.py run's settings: the flags of its command in the JSON's manifest (its last piece, if resumed), with
+    those it ran with at a default since changed (RAN_WITH)."""
     manifest = results / name.replace(".json", "_manifest.json")
     commands = [r["command"] for r in load(manifest)["runs"] if r["label"] == label] if manifest.exists() else []
-    return flags_of(commands[-1], NAMING_FLAGS | PONG_FLAGS) if commands else "—"
+    return flags_of([*commands[-1], *RAN_WITH.get((name, label), [])], NAMING_FLAGS | PONG_FLAGS) if commands else "—"
 
 
 def pong_cpu_table(results: Path) -> str:

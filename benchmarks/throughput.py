@@ -126,12 +126,12 @@ def _env(flags: list[str], env_id: str) -> dict:
 def cleanba_pieces(flags: list[str], env_id: str, cores: int) -> Pieces:
     """cleanba_ppo_impala.py: actor threads with N/A envs each, a learner thread (PPO: epochs x minibatches after a
     bootstrap pass over next_obs, the actors' stored values; IMPALA: one pass over minibatches of whole unrolls)."""
-    n, a = opt(flags, "--num-envs", 8), opt(flags, "--num-actor-threads", 1)
+    n, a = opt(flags, "--num-envs", 128), opt(flags, "--num-actor-threads", 2)
     ppo = opt(flags, "--algo", "ppo", str) == "ppo"
     t = opt(flags, "--num-steps", 128 if ppo else 20)
     env = _env(flags, env_id)
-    if env["network"] == "auto" and not ppo and ale_game(env_id):
-        env["network"] = "impala"  # the script's `auto` for IMPALA on frames: Cleanba's ResNet
+    if env["network"] == "auto" and ale_game(env_id):
+        env["network"] = "impala"  # the script's `auto` on frames: Cleanba's ResNet, for both algorithms
     shared = dict(num_envs=n // a, actor_batch=n // a, env_threads=opt(flags, "--env-threads", 0) or max(1, cores // a),
                   env_copies=a, infer_copies=a, samples=t * n, minibatches=opt(flags, "--num-minibatches", 4),
                   train_threads=opt(flags, "--torch-threads", 0) or cores, **env)  # fmt: skip

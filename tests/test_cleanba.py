@@ -15,6 +15,7 @@ import types
 from pathlib import Path
 from typing import NamedTuple
 
+import gymnasium as gym
 import numpy as np
 import pytest
 import torch
@@ -54,6 +55,7 @@ from cleanba_ppo_impala import (
     load_checkpoint,
     main,
     new_run_dir,
+    pick_network,
     ppo_loss,
     ppo_update,
     resolve_defaults,
@@ -61,12 +63,13 @@ from cleanba_ppo_impala import (
     validate,
     vtrace,
 )
+from common.models import make_model
 
 SCRIPT = "cleanba_ppo_impala.py"
 # --log-interval 0: a console line after every update, so start_run returns as soon as the first update is done;
-# one learner thread: more only adds OpenMP hand-offs for the MLP, beside the two actor threads on a 2-core machine
+# one learner thread: more only adds OpenMP hand-offs for the MLP, beside the actor threads on a 2-core machine
 TINY_CARTPOLE = ["--env-id", "CartPole-v1", "--num-envs", "4", "--num-steps", "32", "--log-interval", "0"]
-TINY_CARTPOLE += ["--torch-threads", "1"]
+TINY_CARTPOLE += ["--torch-threads", "1", "--num-actor-threads", "1"]
 
 
 # ------------------------------------------------------------------ references written from the definitions
@@ -450,7 +453,7 @@ def test_leave_survives_a_thread_still_inside_torch(module):
 
 def test_breakout_end_to_end(tmp_path):
     flags = ["--env-id", "ALE/Breakout-v5", "--num-envs", "4", "--num-steps", "64", "--num-minibatches", "2"]
-    flags += ["--update-epochs", "1", "--total-timesteps", "1024"]
+    flags += ["--update-epochs", "1", "--total-timesteps", "1024", "--network", "nature", "--num-actor-threads", "1"]
     proc = run_script(SCRIPT, flags, tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert_finite_tags(scalars(only_run_dir(tmp_path)), REQUIRED_TAGS)
@@ -458,10 +461,38 @@ def test_breakout_end_to_end(tmp_path):
 
 def test_impala_on_breakout_deepmind_protocol(tmp_path):
     flags = ["--algo", "impala", "--env-id", "ALE/Breakout-v5", "--atari-protocol", "deepmind", "--num-envs", "4"]
+    flags += ["--num-actor-threads", "1"]
     proc = run_script(SCRIPT, [*flags, "--total-timesteps", "160"], tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stderr
     logged = scalars(only_run_dir(tmp_path))
     assert len(logged["losses/total_loss"]) == 2 and all(math.isfinite(v) for _, v in logged["losses/total_loss"])
+
+
+# ------------------------------------------------------------------ defaults
+
+
+@pytest.mark.parametrize("algo", ["ppo", "impala"])
+def test_defaults_are_cleanbas(algo):
+    """cleanba_ppo.py and cleanba_impala.py (vwxyzjn/cleanba) Args: local_num_envs 64 per actor thread,
+    num_actor_threads 2, total_timesteps 50M, IMPALA's ResNet (channels 16/32/32, hiddens 256) for both algorithms;
+    num_steps, learning_rate and max_grad_norm per algorithm."""
+    args = resolve_defaults(Args(algo=algo))
+    assert (args.num_envs, args.num_actor_threads, args.total_timesteps) == (64 * 2, 2, 50_000_000)
+    assert pick_network(args, (4, 84, 84)) == "impala" and pick_network(args, (4,)) == "mlp"
+    expected = dict(ppo=(128, 2.5e-4, 0.5), impala=(20, 6e-4, 40.0))[algo]
+    assert (args.num_steps, args.learning_rate, args.max_grad_norm) == expected
+    model = make_model(gym.spaces.Box(0, 255, (4, 84, 84), np.uint8), gym.spaces.Discrete(4), "impala")
+    convs = [m.out_channels for m in model.modules() if isinstance(m, nn.Conv2d)]
+    linears = [m.out_features for m in model.modules() if isinstance(m, nn.Linear)]
+    assert sorted(set(convs)) == [16, 32] and convs[0] == 16 and convs[-1] == 32 and 256 in linears
+
+
+def test_help_shows_one_default_per_flag(capsys):
+    with pytest.raises(SystemExit):
+        tyro.cli(Args, args=["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for default in ["(default: 128)", "(default: 50000000)", "(default: 128 ppo, 20 impala; Cleanba's)"]:
+        assert default in text.replace("│ ", ""), default
 
 
 # ------------------------------------------------------------------ bad input
@@ -599,6 +630,7 @@ def test_refused_resume_exits_2_and_leaves_nothing_in_the_run_directory(tmp_path
 
 def test_crashing_actor_stops_the_run_with_its_traceback(tmp_path):
     flags = ["--env-id", "tests.faulty_env:CrashingCartPole-v0", "--num-envs", "1", "--num-steps", "16"]
+    flags += ["--num-actor-threads", "1"]
     flags += ["--update-epochs", "1", "--num-minibatches", "1", "--torch-threads", "1", "--total-timesteps", "100000"]
     proc = run_script(SCRIPT, flags, tmp_path, timeout=120)
     assert proc.returncode == 1
@@ -607,6 +639,7 @@ def test_crashing_actor_stops_the_run_with_its_traceback(tmp_path):
 
 def test_non_finite_loss_stops_and_keeps_last_checkpoint(tmp_path):
     flags = ["--env-id", "tests.faulty_env:NaNCartPole-v0", "--num-envs", "1", "--num-steps", "16"]
+    flags += ["--num-actor-threads", "1"]
     flags += ["--update-epochs", "1", "--num-minibatches", "1", "--torch-threads", "1", "--total-timesteps", "100000"]
     flags += ["--checkpoint-interval", "0.000001"]
     proc = run_script(SCRIPT, flags, tmp_path, timeout=120)
