@@ -128,7 +128,8 @@ class Args:
     """torch intra-op threads of each actor and of the evaluator"""
     hidden_sizes: tuple[int, ...] = (256, 256)
     """ReLU MLP widths of the actor and of the critic"""
-    # Horgan et al. 2018, Appendix D (Ape-X DPG); the rest as in Appendix C
+    # Horgan et al. 2018, Appendix D (Ape-X DPG), the rest as in Appendix C: our reading, not checked against the
+    # paper's text (RESULTS.md, Differences from the papers)
     buffer_size: int = 100_000
     """replay capacity over all actors, split evenly"""
     actor_batch: int = 50
