@@ -7,10 +7,13 @@ benchmarks/atari_human_random.json.
 
 A run's score is the mean of its last `--window` true game returns (`charts/episodic_return`, or `--tag`, e.g.
 `eval/episodic_return`), read from the run directories every script writes (`{env}__{exp}__{seed}__{time}`). Runs are
-grouped by exp name: one script or variant is one algorithm. rliable's stratified bootstrap resamples the runs of each
-game, so an algorithm needs the same number of runs on every game it played: where the counts differ, the lowest `n`
-seeds of each game are kept (n = the fewest runs of any game) and the runs left out are named on stderr. Algorithms
-that played different sets of games are aggregated over their own games, and the table says how many.
+grouped by exp name: one script or variant is one algorithm. A seed counts once (plot.py's rule: the seed in the run's
+args.json, else in its name; of several runs of one exp name, game and seed the latest is used, and the others are
+named on stderr). rliable's stratified bootstrap resamples the seeds of each game, so it needs two of them for an
+interval: an algorithm with one seed per game gets its point estimates only. It also needs the same number of seeds on
+every game an algorithm played: where the counts differ, the lowest `n` seeds of each game are kept (n = the fewest
+runs of any game) and the runs left out are named on stderr. Algorithms that played different sets of games are
+aggregated over their own games, and the table says how many.
 
 Examples:
   python benchmarks/aggregate.py runs/learn/atari-paper --out benchmarks/results/atari_aggregate
@@ -93,7 +96,7 @@ def score_matrices(
     """Group runs by algorithm (exp name) into [seeds, games] matrices; runs on a game without reference scores
     stop the tool (an aggregate over a subset the user did not choose would mislead)."""
     by_algo: dict[str, dict[str, dict[int, float]]] = {}
-    for run in runs:
+    for run in plot.distinct_seeds(runs):
         game = env_id_of(run.env)
         if game not in references:
             raise SystemExit(f"error: no random/human reference scores for {game} (run {run.path})")
@@ -124,41 +127,64 @@ def bootstrap(score_dict: dict[str, np.ndarray], func, reps: int, seed: int):
         return rly.get_interval_estimates(score_dict, func, reps=reps, random_state=np.random.RandomState(seed))
 
 
-def interval_estimates(matrices: dict[str, ScoreMatrix], reps: int, seed: int) -> dict[str, dict[str, list[float]]]:
-    """{algo: {aggregate: [point, ci low, ci high]}}, 95% stratified-bootstrap percentile intervals."""
+def interval_estimates(
+    matrices: dict[str, ScoreMatrix], reps: int, seed: int
+) -> dict[str, dict[str, list[float | None]]]:
+    """{algo: {aggregate: [point, ci low, ci high]}}, 95% stratified-bootstrap percentile intervals (None, None for an
+    algorithm with one seed)."""
 
     def all_aggregates(scores: np.ndarray) -> np.ndarray:
         return np.array([f(scores) for f in AGGREGATES.values()])
 
     points, cis = bootstrap({a: m.scores for a, m in matrices.items()}, all_aggregates, reps, seed)
     return {
-        a: {name: [float(points[a][k]), float(cis[a][0, k]), float(cis[a][1, k])] for k, name in enumerate(AGGREGATES)}
-        for a in matrices
+        a: {
+            name: [float(points[a][k]), *([float(cis[a][0, k]), float(cis[a][1, k])] if banded(m) else [None, None])]
+            for k, name in enumerate(AGGREGATES)
+        }
+        for a, m in matrices.items()
     }
 
 
 def performance_profiles(
     matrices: dict[str, ScoreMatrix], taus: np.ndarray, reps: int, seed: int
-) -> dict[str, dict[str, list[float]]]:
-    """{algo: {fraction, low, high}} at each tau: the fraction of runs x games with a normalised score above tau."""
+) -> dict[str, dict[str, list[float | None]]]:
+    """{algo: {fraction, low, high}} at each tau: the fraction of runs x games with a normalised score above tau (low
+    and high None for an algorithm with one seed)."""
     points, cis = bootstrap(
         {a: m.scores for a, m in matrices.items()}, lambda scores: rly.score_distributions(scores, taus), reps, seed
     )
-    return {a: {"fraction": points[a].tolist(), "low": cis[a][0].tolist(), "high": cis[a][1].tolist()} for a in points}
+    return {
+        a: {
+            "fraction": points[a].tolist(),
+            "low": cis[a][0].tolist() if banded(m) else None,
+            "high": cis[a][1].tolist() if banded(m) else None,
+        }
+        for a, m in matrices.items()
+    }
 
 
-def markdown_table(matrices: dict[str, ScoreMatrix], estimates: dict[str, dict[str, list[float]]]) -> str:
+def banded(m: ScoreMatrix) -> bool:
+    """A bootstrap interval needs two seeds: resampling one seed always gives that seed back."""
+    return len(m.seeds) > 1
+
+
+def markdown_table(matrices: dict[str, ScoreMatrix], estimates: dict[str, dict[str, list[float | None]]]) -> str:
     lines = [
-        "| algorithm | games | runs per game | " + " | ".join(AGGREGATES) + " |",
+        "| algorithm | games | seeds per game | " + " | ".join(AGGREGATES) + " |",
         "| --- | ---: | ---: | " + " | ".join("---:" for _ in AGGREGATES) + " |",
     ]
     for algo, m in matrices.items():
-        cells = [f"{p:.3f} [{lo:.3f}, {hi:.3f}]" for p, lo, hi in (estimates[algo][name] for name in AGGREGATES)]
-        lines.append(f"| {algo} | {len(m.games)} | {len(m.seeds)} | " + " | ".join(cells) + " |")
+        cells = [
+            f"{p:.3f} [{lo:.3f}, {hi:.3f}]" if banded(m) else f"{p:.3f}"
+            for p, lo, hi in (estimates[algo][name] for name in AGGREGATES)
+        ]
+        n = len(m.seeds) if banded(m) else "1 (no interval)"
+        lines.append(f"| {algo} | {len(m.games)} | {n} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-def draw_profiles(profiles: dict[str, dict[str, list[float]]], taus: np.ndarray, path: Path) -> None:
+def draw_profiles(profiles: dict[str, dict[str, list[float] | None]], taus: np.ndarray, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -166,8 +192,11 @@ def draw_profiles(profiles: dict[str, dict[str, list[float]]], taus: np.ndarray,
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for algo, p in profiles.items():
-        ax.plot(taus, p["fraction"], label=algo)
-        ax.fill_between(taus, p["low"], p["high"], alpha=0.2)
+        if p["low"] is None:
+            ax.plot(taus, p["fraction"], label=f"{algo} (1 seed, no band)")
+        else:
+            (line,) = ax.plot(taus, p["fraction"], label=algo)
+            ax.fill_between(taus, p["low"], p["high"], color=line.get_color(), alpha=0.2)
     ax.set_xlabel("human-normalised score (tau)")
     ax.set_ylabel("fraction of runs with score > tau")
     ax.set_ylim(0, 1)

@@ -4,11 +4,15 @@ Every script writes `runs/{env_id}__{exp_name}__{seed}__{unix_time}/events.out.t
 `charts/episodic_return` and `charts/SPS` against global agent steps (CONVENTIONS.md). This tool finds every run
 directory under the paths it is given, groups runs by (env id, exp name) — one colour per script/mode, seeds pooled —
 and draws, per env, episodic return against agent steps and against wall-clock time: the mean over seeds and a 95%
-bootstrap confidence band (seeds resampled with replacement). Next to the figure it writes a JSON file and prints a
-Markdown table: final return (mean of each seed's last `--window` episodes), steps/s, and time to threshold (first
-agent step / second at which the mean of the last `--window` episodes reaches `--threshold`, counted once `--window`
-episodes exist). A run taken in pieces (`--resume`) is timed by its running time (the downtime between its pieces is
-left out), and the episodes that a later piece redid from its checkpoint count once.
+bootstrap confidence band (seeds resampled with replacement); a group with one seed is drawn as its single curve, with
+no band, and its legend entry and table row say so. A seed counts once: a run's seed is `args.seed` in its
+`args.json`, or the seed in its directory name when it has none, and of several runs with the same exp name and seed
+the latest (by the start time in the directory name) is used and the others are named in a warning. Next to the figure
+it writes a JSON file and prints a Markdown table: final return (mean of each seed's last `--window` episodes),
+steps/s, and time to threshold (first agent step / second at which the mean of the last `--window` episodes reaches
+`--threshold`, counted once `--window` episodes exist). A run taken in pieces (`--resume`) is timed by its running
+time (the downtime between its pieces is left out), and the episodes that a later piece redid from its checkpoint
+count once.
 
 Examples:
   python benchmarks/plot.py runs/                                        # every run under runs/
@@ -32,7 +36,7 @@ from pathlib import Path
 import numpy as np
 
 # a run started in the same second as another of the same name gets the suffix -2, -3, ...
-RUN_NAME = re.compile(r"^(?P<env>.+?)__(?P<exp>.+)__(?P<seed>-?\d+)__(?P<time>\d+)(?:-\d+)?$")
+RUN_NAME = re.compile(r"^(?P<env>.+?)__(?P<exp>.+)__(?P<seed>-?\d+)__(?P<time>\d+)(?:-(?P<n>\d+))?$")
 
 
 @dataclass
@@ -46,6 +50,7 @@ class Run:
     returns: np.ndarray  # [E]
     sps: float  # agent steps per second over the whole run
     final_step: int
+    started: tuple[int, int] = (0, 0)  # (unix time, same-second suffix) of the directory name: orders repeated runs
 
 
 @dataclass
@@ -124,13 +129,44 @@ def load_run(run_dir: Path, tag: str) -> Run | None:
         path=run_dir,
         env=env,
         exp=exp,
-        seed=seed,
+        seed=seed_of(run_dir, seed),
         steps=np.array([e.step for e in events], dtype=np.float64),
         walls=running_seconds(np.array([e.wall_time for e in events], dtype=np.float64), t0, parts),
         returns=np.array([e.value for e in events], dtype=np.float64),
         sps=sps,
         final_step=final_step,
+        started=(int(m["time"]), int(m["n"] or 1)) if m else (0, 0),
     )
+
+
+def seed_of(run_dir: Path, name_seed: int) -> int:
+    """The seed the run was started with: `args.seed` in its args.json (written by every script at start), else the
+    seed in its directory name."""
+    try:
+        return int(json.loads((run_dir / "args.json").read_text())["args"]["seed"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return name_seed
+
+
+def distinct_seeds(runs: list[Run]) -> list[Run]:
+    """One run per (env, exp name, seed), the latest started, ordered by seed within each (env, exp name). Repeats of
+    a seed are the same experiment run again (a bitwise identical copy with deterministic scripts): pooled as seeds
+    they would give a band that measures nothing, so each repeat is named on stderr and left out."""
+    by_seed: dict[tuple[str, str, int], list[Run]] = defaultdict(list)
+    for r in runs:
+        by_seed[r.env, r.exp, r.seed].append(r)
+    kept = []
+    for (env, exp, seed), same in sorted(by_seed.items()):
+        same.sort(key=lambda r: (r.started, str(r.path)))
+        if len(same) > 1:
+            dirs = ", ".join(str(r.path) for r in same)
+            latest = same[-1].path
+            print(
+                f"warning: {exp} on {env}: seed {seed} has {len(same)} runs ({dirs}); using the latest, {latest}",
+                file=sys.stderr,
+            )
+        kept.append(same[-1])
+    return kept
 
 
 def trailing_mean(x: np.ndarray, window: int) -> np.ndarray:
@@ -182,7 +218,7 @@ def summarise(group: Group, window: int, threshold: float | None) -> dict:
     out = {
         "env": group.env,
         "exp": group.exp,
-        "seeds": sorted(r.seed for r in group.runs),
+        "seeds": [r.seed for r in group.runs],  # distinct, in order (distinct_seeds)
         "agent_steps": [r.final_step for r in group.runs],
         "episodes": [len(r.returns) for r in group.runs],
         "final_return_per_seed": finals,
@@ -219,14 +255,15 @@ def draw(
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, g in enumerate(groups):
         color = colors[i % len(colors)]
+        tag_note = "" if g.tag == tag else f", {g.tag}"
         for ax, axis in zip(axes, ("steps", "walls"), strict=True):
             xs = [getattr(r, axis) for r in g.runs]
             grid = np.linspace(0.0, max(float(x[-1]) for x in xs), 200)
             curves = [on_grid(x, trailing_mean(r.returns, window), grid) for x, r in zip(xs, g.runs, strict=True)]
             mean, lo, hi = bootstrap_band(np.stack(curves))
-            tag_note = "" if g.tag == tag else f", {g.tag}"
-            ax.plot(grid, mean, color=color, label=f"{g.exp} ({len(g.runs)} seeds{tag_note})")
-            ax.fill_between(grid, lo, hi, color=color, alpha=0.2, linewidth=0)
+            ax.plot(grid, mean, color=color, label=f"{g.exp} ({seed_note(len(g.runs))}{tag_note})")
+            if len(g.runs) > 1:  # one seed has no spread to resample
+                ax.fill_between(grid, lo, hi, color=color, alpha=0.2, linewidth=0)
     for ax, xlabel in zip(axes, ("agent steps", "wall-clock time (s)"), strict=True):
         if threshold is not None:
             ax.axhline(threshold, color="grey", linestyle=":", linewidth=1)
@@ -236,10 +273,16 @@ def draw(
         ax.set_ylabel(f"{tag} (mean of last {window})")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8, loc="best")
-    fig.suptitle(f"{env}: mean over seeds, 95% bootstrap CI")
+    banded = any(len(g.runs) > 1 for g in groups)
+    fig.suptitle(f"{env}: mean over seeds, 95% bootstrap CI" if banded else f"{env}: one seed per run, no band")
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
+
+
+def seed_note(n: int) -> str:
+    """How many distinct seeds a curve or row stands for, and that one seed gets no band."""
+    return f"{n} seeds" if n > 1 else "1 seed, no band"
 
 
 def markdown_table(rows: list[dict], tag: str = "charts/episodic_return") -> str:
@@ -255,7 +298,8 @@ def markdown_table(rows: list[dict], tag: str = "charts/episodic_return") -> str
     lines = [head, sep]
     for r in rows:
         line = (
-            f"| {r['env']} | {r['exp']} | {len(r['seeds'])} | {int(np.median(r['agent_steps'])):,} "
+            f"| {r['env']} | {r['exp']} | {len(r['seeds']) if len(r['seeds']) > 1 else '1 (no band)'} "
+            f"| {int(np.median(r['agent_steps'])):,} "
             f"| {short(r['final_return_mean'])} ({short(r['final_return_min'])}) | {r['sps_mean']:,.0f} |"
         )
         if has_threshold:
@@ -299,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: no run under {' '.join(a.paths)} has `{a.tag}` events", file=sys.stderr)
         return 2
     groups: dict[tuple[str, str], Group] = {}
-    for r in runs:
+    for r in distinct_seeds(runs):
         groups.setdefault((r.env, r.exp), Group(r.env, r.exp, tag_for.get(r.exp, a.tag))).runs.append(r)
     by_env: dict[str, list[Group]] = defaultdict(list)
     for key in sorted(groups):

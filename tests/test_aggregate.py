@@ -28,13 +28,15 @@ ALGO_B = {1: [0.4, 0.4, 0.9, 0.1], 2: [0.4, 0.4, 0.9, 0.1], 3: [0.4, 0.4, 0.9, 0
 WINDOW = 3
 
 
-def write_run(root: Path, game: str, exp: str, seed: int, normalised: float) -> None:
+def write_run(root: Path, game: str, exp: str, seed: int, normalised: float, started: int = 1700000000) -> Path:
     """A run whose last WINDOW episodes average to the raw score of `normalised`, after an early episode far off."""
     random, human = GAMES[game]
     raw = random + normalised * (human - random)
-    with SummaryWriter(str(root / f"{game.replace('/', '_')}__{exp}__{seed}__1700000000")) as w:
+    run_dir = root / f"{game.replace('/', '_')}__{exp}__{seed}__{started}"
+    with SummaryWriter(str(run_dir)) as w:
         for step, value in enumerate([raw - 1000.0, raw - 1.0, raw, raw + 1.0]):
             w.add_scalar("charts/episodic_return", value, step * 100)
+    return run_dir
 
 
 @pytest.fixture(scope="module")
@@ -106,3 +108,33 @@ def test_game_without_reference_scores_is_refused(tmp_path):
         w.add_scalar("charts/episodic_return", 500.0, 0)
     with pytest.raises(SystemExit, match="no random/human reference scores for CartPole-v1"):
         aggregate.main(aggregate.Args(paths=(str(tmp_path),), reps=10))
+
+
+def test_repeated_seed_counts_once_and_the_latest_run_is_used(tmp_path, capsys):
+    """Two runs of seed 1 on Pong are one seed: the later (by the start time in the name, not the name's sort order)
+    is scored, and a warning names both."""
+    older = write_run(tmp_path, "ALE/Pong-v5", "algo", 1, 0.9, started=999999999)
+    newer = write_run(tmp_path, "ALE/Pong-v5", "algo", 1, 0.2, started=1700000000)
+    write_run(tmp_path, "ALE/Pong-v5", "algo", 2, 0.4)
+    runs = [aggregate.plot.load_run(d, "charts/episodic_return") for d in aggregate.plot.find_run_dirs([str(tmp_path)])]
+    m = aggregate.score_matrices(runs, WINDOW, aggregate.load_references(aggregate.REFERENCES))["algo"]
+    assert m.seeds == [1, 2]
+    np.testing.assert_allclose(m.scores, [[0.2], [0.4]], atol=1e-9)
+    (warning,) = capsys.readouterr().err.splitlines()
+    assert "algo" in warning and "seed 1 has 2 runs" in warning and str(older) in warning, warning
+    assert warning.endswith(f"using the latest, {newer}"), warning
+
+
+def test_one_seed_gives_points_without_intervals(tmp_path, capsys):
+    """Resampling one seed per game gives that seed back: a zero-width interval that would claim certainty."""
+    for game, score in zip(GAMES, ALGO_A[1], strict=True):
+        write_run(tmp_path, game, "algo", 1, score)
+    out = tmp_path / "agg"
+    assert aggregate.main(aggregate.Args(paths=(str(tmp_path),), out=str(out), window=WINDOW, reps=200)) == 0
+    table = capsys.readouterr().out
+    assert "| algo | 4 | 1 (no interval) | " in table and "[" not in table, table
+    a = json.loads(Path(f"{out}.json").read_text())["algorithms"]["algo"]
+    assert a["seeds"] == [1]
+    # per-game scores 0.1 0.2 0.3 2.0: mean 0.65
+    assert a["aggregates"]["mean"] == [pytest.approx(0.65), None, None]
+    assert a["profile"]["low"] is None and a["profile"]["high"] is None

@@ -111,6 +111,101 @@ def test_plot_reports_missing_runs(tmp_path, capsys):
     assert plot.main([str(tmp_path / "empty")]) == 2
 
 
+def write_pieces(run_dir: Path, pieces: list[list[float]], args_seed: int | None = None) -> Path:
+    """A run in one directory, one event file per piece (a resumed run writes one more per `--resume`); each piece
+    restarts 5 steps back, as from a checkpoint. With `args_seed`, an args.json as every script writes it."""
+    for k, returns in enumerate(pieces):
+        t_start = 1000.0 + 100 * k
+        with SummaryWriter(str(run_dir), filename_suffix=f".{k}") as w:
+            for i, r in enumerate(returns):
+                w.add_scalar("charts/episodic_return", r, 100 * (5 * k + i + 1), walltime=t_start + i)
+    if args_seed is not None:
+        (run_dir / "args.json").write_text(json.dumps({"script": "x.py", "args": {"seed": args_seed}, "meta": {}}))
+    return run_dir
+
+
+class Figures:
+    """Records what plot.py draws instead of writing PNGs: per figure, its title, legend and bands per axis."""
+
+    def __init__(self, monkeypatch):
+        import matplotlib.figure
+
+        self.drawn = []
+        monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, path, **kw: self.drawn.append(fig))
+
+    def legend(self, i=0):
+        return [t.get_text() for t in self.drawn[i].axes[0].get_legend().get_texts()]
+
+    def bands(self, i=0):
+        return [len(ax.collections) for ax in self.drawn[i].axes]  # fill_between adds one collection per band
+
+
+def test_repeated_seed_counts_once_and_the_latest_run_is_used(tmp_path, monkeypatch, capsys):
+    """Two hts_a2c runs of seed 1 are one seed, not two: a warning names both directories and the later run (by the
+    start time in its name, not by the name's sort order: 999999999 sorts after 1700000000) is the one used."""
+    runs = tmp_path / "runs"
+    older = write_pieces(runs / "CartPole-v1__hts_a2c__1__999999999", [[10.0] * 25])
+    newer = write_pieces(runs / "CartPole-v1__hts_a2c__1__1700000000", [[20.0] * 25])
+    figures = Figures(monkeypatch)
+    assert plot.main([str(runs), "--out", str(tmp_path / "out")]) == 0
+    out, err = capsys.readouterr()
+    warnings = [line for line in err.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1, err
+    assert "hts_a2c" in warnings[0] and "seed 1 has 2 runs" in warnings[0], warnings[0]
+    assert str(older) in warnings[0] and warnings[0].endswith(f"using the latest, {newer}"), warnings[0]
+    (row,) = json.loads((tmp_path / "out.json").read_text())["runs"]
+    assert row["seeds"] == [1]
+    assert row["final_return_per_seed"] == [20.0] and row["episodes"] == [25]
+    assert "| CartPole-v1 | hts_a2c | 1 (no band) |" in out, out
+    assert figures.legend() == ["hts_a2c (1 seed, no band)"]
+    assert figures.bands() == [0, 0]
+    assert figures.drawn[0]._suptitle.get_text() == "CartPole-v1: one seed per run, no band"
+
+
+def test_latest_of_runs_started_in_the_same_second_goes_by_the_suffix_number(tmp_path, capsys):
+    runs = tmp_path / "runs"
+    for suffix, value in (("", 1.0), ("-2", 2.0), ("-13", 13.0)):  # "-13" sorts before "-2" as text
+        write_pieces(runs / f"CartPole-v1__algo__1__1700000000{suffix}", [[value] * 5])
+    loaded = [plot.load_run(d, "charts/episodic_return") for d in plot.find_run_dirs([str(runs)])]
+    (kept,) = plot.distinct_seeds(loaded)
+    assert kept.path.name.endswith("-13") and kept.returns[-1] == 13.0
+    assert "seed 1 has 3 runs" in capsys.readouterr().err
+
+
+def test_two_seeds_give_a_band_and_a_resumed_run_is_one_run(tmp_path, monkeypatch, capsys):
+    """Seed 2 of algo_a was resumed once (two event files in its directory): still one run, no warning. algo_b beside
+    it has one seed: its curve alone, no band."""
+    runs = tmp_path / "runs"
+    write_pieces(runs / "CartPole-v1__algo_a__1__1700000001", [[10.0] * 25])
+    write_pieces(runs / "CartPole-v1__algo_a__2__1700000002", [[30.0] * 15, [40.0] * 20])
+    write_pieces(runs / "CartPole-v1__algo_b__1__1700000003", [[50.0] * 25])
+    figures = Figures(monkeypatch)
+    assert plot.main([str(runs), "--out", str(tmp_path / "out")]) == 0
+    out, err = capsys.readouterr()
+    assert "warning" not in err, err
+    rows = {r["exp"]: r for r in json.loads((tmp_path / "out.json").read_text())["runs"]}
+    assert rows["algo_a"]["seeds"] == [1, 2] and rows["algo_b"]["seeds"] == [1]
+    # piece 2 redid piece 1's last 10 episodes: 5 + 20 episodes, the last 20 from piece 2
+    assert rows["algo_a"]["episodes"] == [25, 25] and rows["algo_a"]["final_return_per_seed"] == [10.0, 40.0]
+    assert "| CartPole-v1 | algo_a | 2 |" in out and "| CartPole-v1 | algo_b | 1 (no band) |" in out, out
+    assert figures.legend() == ["algo_a (2 seeds)", "algo_b (1 seed, no band)"]
+    assert figures.bands() == [1, 1]  # algo_a's, on the steps and the wall-clock axes
+    assert figures.drawn[0]._suptitle.get_text() == "CartPole-v1: mean over seeds, 95% bootstrap CI"
+
+
+def test_seed_comes_from_args_json_when_there_is_one(tmp_path, capsys):
+    """Directory names that disagree with the seed the runs were started with (renamed, copied): args.json decides.
+    Two runs started with seed 7 are one seed; a directory without args.json keeps the seed in its name."""
+    runs = tmp_path / "runs"
+    write_pieces(runs / "CartPole-v1__algo__1__1700000001", [[10.0] * 25], args_seed=7)
+    write_pieces(runs / "CartPole-v1__algo__2__1700000002", [[20.0] * 25], args_seed=7)
+    write_pieces(runs / "CartPole-v1__algo__3__1700000003", [[30.0] * 25])
+    assert plot.main([str(runs), "--out", str(tmp_path / "out")]) == 0
+    assert "seed 7 has 2 runs" in capsys.readouterr().err
+    (row,) = json.loads((tmp_path / "out.json").read_text())["runs"]
+    assert row["seeds"] == [3, 7] and row["final_return_per_seed"] == [30.0, 20.0]
+
+
 @pytest.mark.parametrize("suite", sorted(learn.SUITES))
 def test_every_suite_entry_parses_with_its_script(suite, tmp_path):
     entries = learn.suite(suite)
