@@ -24,11 +24,15 @@ Definitions
   `window` seconds after `warmup` seconds, in percent of the latter; the least-squares slope after warm-up (MiB per
   minute) beside it, since two endpoints can hide a steady creep or show noise as one. throughput.py takes the
   warm-up as the `--warmup` share of the run after its first logged point, and a tenth of the run as the window.
+- Time to stop (`time_to_stop`): seconds from SIGINT or SIGTERM to the main process, or SIGKILL to one of its worker
+  processes, sent once training is under way (its first console line with a step above 0), to the main process's
+  exit; processes of its group still alive 1 s later are left behind.
 
 JSON written by throughput.py (`write_json`): {"meta": {...}, "rows": [...]}, floats to 4 significant digits, a value
 that could not be measured as null.
 - meta: command, date (ISO 8601 with offset), cpu_model, cores (os.cpu_count), usable_cores (affinity), python,
-  torch, platform, load_average_start, load_average_end (1, 5, 15 min), mode (table | memory | straggler | env), args.
+  torch, platform, load_average_start, load_average_end (1, 5, 15 min), mode (table | memory | straggler | env |
+  stop_times), args.
 - rows, modes table / memory / straggler: one per configuration, external commands last:
   label, external, command (a runnable command line), env_id, num_envs (in total), workers;
   medians over rounds: sps, env, infer, train, ceiling, efficiency (sps / the same round's ceiling), pss_growth_pct,
@@ -45,6 +49,11 @@ that could not be measured as null.
   pieces env, infer, train, ceiling, efficiency; with --bound cpu_us_per_step {env, infer, train} and bound; in
   memory mode pss_samples [[seconds since launch, MiB], ...].
 - rows, env mode: env, num_envs, num_threads, batch, agent_steps_per_s, frames_per_s.
+- rows, stop_times mode: one per label and kind (sigint | sigterm | killed_worker): label, script, kind, command,
+  env_id, timeout (seconds before a try counts as hung), victim (the worker killed) or not_applicable (why no worker
+  can be killed); tries: round, startup_seconds, seconds (null when hung or never signalled), exit_code, hung,
+  workers (worker processes found), left_behind (their pids), error, last_lines; over the tries that exited: seconds,
+  median, worst, exit_codes; hung and errors (counts), left_behind (processes, summed).
 
 HTS-RL's straggler env also lives here (`Straggler-v0`, id `benchmarks.measure:Straggler-v0`), with Eq. 7.
 """
