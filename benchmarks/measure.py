@@ -24,11 +24,15 @@ Definitions
   `window` seconds after `warmup` seconds, in percent of the latter; the least-squares slope after warm-up (MiB per
   minute) beside it, since two endpoints can hide a steady creep or show noise as one. throughput.py takes the
   warm-up as the `--warmup` share of the run after its first logged point, and a tenth of the run as the window.
+- Time to stop (`time_to_stop`): seconds from SIGINT or SIGTERM to the main process, or SIGKILL to one of its worker
+  processes, sent once training is under way (its first console line with a step above 0), to the main process's
+  exit; processes of its group still alive 1 s later are left behind.
 
 JSON written by throughput.py (`write_json`): {"meta": {...}, "rows": [...]}, floats to 4 significant digits, a value
 that could not be measured as null.
 - meta: command, date (ISO 8601 with offset), cpu_model, cores (os.cpu_count), usable_cores (affinity), python,
-  torch, platform, load_average_start, load_average_end (1, 5, 15 min), mode (table | memory | straggler | env), args.
+  torch, platform, load_average_start, load_average_end (1, 5, 15 min), mode (table | memory | straggler | env |
+  stop_times), args.
 - rows, modes table / memory / straggler: one per configuration, external commands last:
   label, external, command (a runnable command line), env_id, num_envs (in total), workers;
   medians over rounds: sps, env, infer, train, ceiling, efficiency (sps / the same round's ceiling), pss_growth_pct,
@@ -45,6 +49,11 @@ that could not be measured as null.
   pieces env, infer, train, ceiling, efficiency; with --bound cpu_us_per_step {env, infer, train} and bound; in
   memory mode pss_samples [[seconds since launch, MiB], ...].
 - rows, env mode: env, num_envs, num_threads, batch, agent_steps_per_s, frames_per_s.
+- rows, stop_times mode: one per label and kind (sigint | sigterm | killed_worker): label, script, kind, command,
+  env_id, timeout (seconds before a try counts as hung), victim (the worker killed) or not_applicable (why no worker
+  can be killed); tries: round, startup_seconds, seconds (null when hung or never signalled), exit_code, hung,
+  workers (worker processes found), left_behind (their pids), error, last_lines; over the tries that exited: seconds,
+  median, worst, exit_codes; hung and errors (counts), left_behind (processes, summed).
 
 HTS-RL's straggler env also lives here (`Straggler-v0`, id `benchmarks.measure:Straggler-v0`), with Eq. 7.
 """
@@ -491,6 +500,98 @@ def run_command(
     reader.join(timeout=10)
     run.exit_code, run.seconds, run.tail = proc.returncode, time.time() - t0, list(tail)
     return run
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Time to stop
+# ----------------------------------------------------------------------------------------------------------------
+
+StopKind = Literal["sigint", "sigterm", "killed_worker"]
+
+
+def _stat(pid_dir: Path) -> list[str]:
+    """The fields of /proc/PID/stat after the command name: state, ppid, pgrp, ..., starttime at index 19."""
+    return (pid_dir / "stat").read_text().rsplit(")", 1)[1].split()
+
+
+def workers_of(pid: int, script: str) -> list[int]:
+    """The live children of `pid` whose command line names `script` (forked workers carry their parent's command line;
+    multiprocessing's resource tracker and compile workers do not), in start order."""
+    found = []
+    for d in Path("/proc").iterdir():
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            if d.name.isdigit() and int((fields := _stat(d))[1]) == pid and fields[0] != "Z":
+                if script in (d / "cmdline").read_bytes().decode(errors="replace"):
+                    found.append((int(fields[19]), int(d.name)))
+    return [p for _, p in sorted(found)]
+
+
+def group_alive(pgid: int) -> list[int]:
+    """The processes of process group `pgid` that are alive (zombies count as gone)."""
+    found = []
+    for d in Path("/proc").iterdir():
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            if d.name.isdigit() and int((fields := _stat(d))[2]) == pgid and fields[0] != "Z":
+                found.append(int(d.name))
+    return found
+
+
+def time_to_stop(cmd: list[str], kind: StopKind, *, cwd: Path, script: str, victim: int | None = None,
+                 startup: float = 300.0, timeout: float = 60.0) -> dict:  # fmt: skip
+    """Start `cmd` in a process group of its own, wait until training is under way (its first console line
+    `global_step=N ...` with N > 0), then stop it by `kind`: SIGINT or SIGTERM to its main process, or SIGKILL to its
+    worker `victim` (an index into `workers_of(pid, script)`). Returns the seconds from the signal to its exit (None
+    when it had not exited `timeout` s later: `hung`, it is then killed), its exit code, the processes of its group
+    still alive 1 s after its exit (then killed with the group) and its last 3 output lines; `error` when it never got
+    under way or had no such worker."""
+    proc = subprocess.Popen(
+        cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # not ignored, as in a background job
+    )  # fmt: skip
+    under_way, tail = threading.Event(), collections.deque(maxlen=20)
+
+    def read() -> None:
+        for line in proc.stdout:
+            tail.append(line.rstrip())
+            if (match := CONSOLE_STEP.match(line)) and int(match.group(1)) > 0:
+                under_way.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    t0 = time.monotonic()
+    while not under_way.wait(0.1) and proc.poll() is None and time.monotonic() - t0 < startup:
+        pass
+    out = dict(startup_seconds=time.monotonic() - t0, seconds=None, exit_code=None, hung=False, workers=None,
+               left_behind=[], error=None)  # fmt: skip
+    target, signum = proc.pid, {"sigint": signal.SIGINT, "sigterm": signal.SIGTERM}.get(kind, signal.SIGKILL)
+    if under_way.is_set() and kind == "killed_worker":
+        workers = workers_of(proc.pid, script)
+        out["workers"] = len(workers)
+        if victim is None or not -len(workers) <= victim < len(workers):
+            out["error"] = f"no worker {victim} among the {len(workers)} worker processes"
+        else:
+            target = workers[victim]
+    if not under_way.is_set():
+        out["error"] = f"not under way after {out['startup_seconds']:.0f} s (exit code {proc.poll()})"
+    if out["error"] is None:
+        os.kill(target, signum)
+        sent = time.monotonic()
+        try:
+            proc.wait(timeout=timeout)
+            out["seconds"], out["exit_code"] = time.monotonic() - sent, proc.returncode
+        except subprocess.TimeoutExpired:
+            out["hung"] = True
+        deadline = time.monotonic() + 1.0
+        while (left := group_alive(proc.pid)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        out["left_behind"] = left
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)  # the safety net: nothing outlives a try
+    proc.wait()
+    reader.join(timeout=10)
+    out["last_lines"] = [line for line in tail if line.strip()][-3:]
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------------------

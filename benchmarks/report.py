@@ -13,6 +13,7 @@ is, so a new Pong result is its JSON and manifest plus a re-run of this tool.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import math
 import re
@@ -413,6 +414,52 @@ def memory_table(results: Path) -> str:
     return driver_table(results, ["throughput_memory.json"], columns)
 
 
+STOP_SOURCE = "throughput_stop_times.json"  # throughput.py --stop-times
+STOP_KINDS = {"sigint": "Ctrl+C (SIGINT)", "sigterm": "SIGTERM", "killed_worker": "a killed worker"}
+
+
+def stop_cell(row: dict) -> str:
+    """'median / worst (tries)' seconds from the signal to the exit, over the tries that exited; a hung try makes the
+    worst '> timeout', a try that never got under way is counted apart; 'n/a' where the kind does not apply."""
+    if "not_applicable" in row:
+        return "n/a"
+    tries = row["tries"]
+    seconds = [t["seconds"] for t in tries if t["seconds"] is not None]
+    hung, failed = sum(t["hung"] for t in tries), sum(bool(t["error"]) for t in tries)
+    worst = f"> {num(row['timeout'])}" if hung else num(max(seconds), 2) if seconds else "—"
+    cell = f"{num(statistics.median(seconds), 2) if seconds else '—'} / {worst} ({len(tries)})"
+    return cell + (f", {hung} hung" if hung else "") + (f", {failed} not under way" if failed else "")
+
+
+def exit_cell(row: dict) -> str:
+    """The exit status of its tries: one value, or each with its count when they differ ('—' where none exited)."""
+    codes = collections.Counter(t["exit_code"] for t in row["tries"] if t["exit_code"] is not None)
+    if len(codes) <= 1:
+        return next((str(code) for code in codes), "—")
+    return ", ".join(f"{code} ({n}x)" for code, n in sorted(codes.items()))
+
+
+def stop_table(results: Path) -> str:
+    """throughput.py --stop-times: one row per script, each kind of stop with its exit status, and the processes its
+    tries left behind."""
+    by_label: dict[str, dict[str, dict]] = {}
+    for r in load(results / STOP_SOURCE)["rows"]:
+        by_label.setdefault(r["label"], {})[r["kind"]] = r
+    lines, notes = [], []
+    for label, kinds in by_label.items():
+        script = next(iter(kinds.values()))["script"]
+        killed = kinds["killed_worker"].get("victim", "—")
+        cells = [f"{stop_cell(kinds[k])} | {exit_cell(kinds[k])}" for k in STOP_KINDS]
+        left = sum(len(t["left_behind"]) for r in kinds.values() for t in r["tries"])
+        lines.append(f"`{script}` | `{label}` | {' | '.join(cells)} | {killed} | {left}")
+        notes += [f"`{script}`, {STOP_KINDS[k]}: n/a, {r['not_applicable']}." for k, r in kinds.items()
+                  if "not_applicable" in r]  # fmt: skip
+    header = ("script | run | " + " | ".join(f"{name}: median / worst s (tries) | exit" for name in STOP_KINDS.values())
+              + " | worker killed | processes left behind")  # fmt: skip
+    notes_text = "\n\n" + " ".join(notes) if notes else ""
+    return table(header, "ll" + "rr" * len(STOP_KINDS) + "lr", lines) + notes_text + sources(results, [STOP_SOURCE])
+
+
 def soak_table(results: Path) -> str:
     names = sorted(p.name for p in results.glob("torchrun_soak_*.json"))
     rows = [
@@ -530,6 +577,7 @@ DOCUMENTS: dict[str, dict[str, Callable[[Path], str]]] = {
         "a3c-lag": a3c_lag_table,
         "peers": peers_table,
         "memory": memory_table,
+        "stop-times": stop_table,
         "soak": soak_table,
     },
 }

@@ -17,6 +17,9 @@ Modes (one per call):
   for a Gamma time of mean `--mean-ms` and std `--stds-ms`, with Eq. 7's asynchronous bound and predicted speedup.
 - `--env-table`: the vector env alone over `--num-envs` x `--env-threads`, its async batch mode, ale-py without our
   wrapper, gymnasium's AsyncVectorEnv over Python-wrapped envs (opencv) and one plain env.
+- `--stop-times`: seconds from Ctrl+C (SIGINT), SIGTERM and a killed worker (SIGKILL) to each script's exit, in its
+  default mode on a tiny CartPole run (Pendulum for Ape-X DDPG) with 2 workers and checkpointing on (`STOP_RUNS`),
+  signalled once training is under way; `--rounds` tries of each kind, alternating between scripts and kinds.
 `--external NAME=COMMAND` runs a user's installed command (a peer such as CleanRL's ppo_atari.py or TorchBeast's
 monobeast.py) in the same rounds and the same way: started in a fresh directory (`{log_dir}` in COMMAND names it),
 stopped with SIGINT to its process group, its rate read from its TensorBoard events, CSV log or console lines.
@@ -29,6 +32,7 @@ stopped with SIGINT to its process group, its rate read from its TensorBoard eve
     python benchmarks/throughput.py --memory --only cleanba_ppo impala_batched gala_gossip a3c_hogwild
     python benchmarks/throughput.py --straggler --only hts_a2c hts_a2c_sync --num-envs 8
     python benchmarks/throughput.py --env-table --num-envs 1 8 16 32 64
+    python benchmarks/throughput.py --stop-times --rounds 5
 """
 
 from __future__ import annotations
@@ -78,7 +82,8 @@ class Args:
     warmup: float = 0.25
     """share of the logged span left out of the steady rate, and of the run before the PSS baseline"""
     rounds: int = 1
-    """rounds of (pieces, run) per configuration, alternating between configurations; the table gives medians"""
+    """rounds of (pieces, run) per configuration, alternating between configurations; the table gives medians
+    (--stop-times: tries of each kind)"""
     piece_seconds: float = 3.0
     """measuring time of each ceiling piece"""
     bound: bool = False
@@ -97,6 +102,11 @@ class Args:
     """env mode: the vector env alone and its baselines"""
     env_threads: list[int] = field(default_factory=lambda: [1, 2])
     """stepping threads of the env table"""
+    stop_times: bool = False
+    """stop-times mode: seconds from SIGINT, SIGTERM and a killed worker to each script's exit (--only picks among
+    the labels of the scripts' default modes)"""
+    stop_timeout: float = 60.0
+    """stop-times: seconds after the signal before a run counts as hung (it is then killed)"""
     external: list[str] = field(default_factory=list)
     """NAME=COMMAND: a user's installed command timed in the same rounds ({log_dir}: its fresh directory and cwd)"""
     extra: list[str] = field(default_factory=list)
@@ -104,7 +114,7 @@ class Args:
     interval: float = 2.0
     """seconds between PSS samples"""
     out: str | None = None
-    """where the JSON goes (default benchmarks/results/throughput_{table,memory,straggler,env}.json)"""
+    """where the JSON goes (default benchmarks/results/throughput_{table,memory,straggler,env,stop_times}.json)"""
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -255,6 +265,47 @@ _ADAPTERS |= dict(
 )  # fmt: skip
 ADAPTERS = dict(sorted(_ADAPTERS.items()))
 assert list(ADAPTERS) == list(get_args(Label)), "Label lists every adapter"
+
+
+@dataclass(frozen=True)
+class StopRun:
+    """--stop-times: a label's script in its default mode on a tiny budget (the flags its tests start it with), and
+    the worker a try kills."""
+
+    script: str
+    flags: tuple[str, ...]
+    victim: int | None  # index into its worker processes in start order (measure.workers_of); None: none to kill
+    victim_name: str  # which worker that is, or why there is none
+
+
+# endless budgets with a checkpoint only at the end, so that every stop includes the final checkpoint's write
+ENDLESS = ("--total-timesteps", "100000000", "--checkpoint-interval", "3600")
+CARTPOLE = ("--env-id", "CartPole-v1", *ENDLESS)
+APEX_TINY = ("--num-actors", "2", "--learning-starts", "200", "--batch-size", "32", "--actor-batch", "20",
+             "--actor-update-interval", "20", "--log-frequency", "5", "--log-interval", "0.5", "--hidden-sizes", "32",
+             "32", "--eval-interval", "500", *ENDLESS)  # fmt: skip
+STOP_RUNS = dict(
+    a3c_hogwild=StopRun("a3c_large_batch.py", (*CARTPOLE, "--num-workers", "2", "--num-envs-per-worker", "4",
+                        "--log-interval", "1", "--torch-threads", "1"), -1, "worker 1"),
+    apex_ddpg=StopRun("apex_ddpg.py", ("--env-id", "Pendulum-v1", *APEX_TINY, "--critic-learning-rate", "1e-3"), 1,
+                      "actor 1 (the evaluator starts last)"),
+    apex_dqn=StopRun("apex_dqn.py", ("--env-id", "CartPole-v1", *APEX_TINY, "--target-network-frequency", "20",
+                     "--optimizer", "adam", "--learning-rate", "1e-3"), 1, "actor 1 (the evaluator starts last)"),
+    cleanba_ppo=StopRun("cleanba_ppo_impala.py", (*CARTPOLE, "--num-envs", "4", "--num-steps", "32",
+                        "--num-actor-threads", "2", "--log-interval", "0", "--torch-threads", "1", "--env-threads",
+                        "1"), None, "its actors are threads of the one process: there is no worker process to kill"),
+    gala_gossip=StopRun("gala_a2c.py", (*CARTPOLE, "--num-learners", "2", "--num-envs", "4", "--log-interval", "1",
+                        "--torch-threads", "1", "--env-threads", "1"), -1, "learner 1"),
+    hts_a2c=StopRun("hts_a2c.py", (*CARTPOLE, "--num-envs", "4", "--num-executors", "2", "--num-actors", "2",
+                    "--sync-interval", "8", "--log-interval", "0.2", "--torch-threads", "1"), -1,
+                    "actor 1 (executors start first)"),
+    hts_ppo=StopRun("hts_ppo.py", (*CARTPOLE, "--num-envs", "4", "--num-executors", "2", "--num-actors", "2",
+                    "--sync-interval", "16", "--num-minibatches", "2", "--log-interval", "0.2", "--torch-threads",
+                    "1"), -1, "actor 1 (executors start first)"),
+    impala_batched=StopRun("impala_monobeast.py", (*CARTPOLE, "--unroll-length", "16", "--batch-size", "2",
+                           "--num-actors", "2", "--log-interval", "0.1", "--torch-threads", "1"), 0, "actor 0"),
+)  # fmt: skip
+STOP_KINDS: tuple[measure.StopKind, ...] = get_args(measure.StopKind)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -483,14 +534,72 @@ def env_table(args: Args) -> list[dict]:
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# Time to stop
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def stop_row(label: str, kind: measure.StopKind, args: Args) -> dict:
+    """A --stop-times row before its tries: what runs, how it is stopped and, where it cannot be, why not."""
+    run = STOP_RUNS[label]
+    row = dict(label=label, script=run.script, kind=kind, command=shlex.join(["python", run.script, *run.flags]),
+               env_id=opt(list(run.flags), "--env-id", "", str), timeout=args.stop_timeout)  # fmt: skip
+    if kind == "killed_worker":
+        row |= dict(victim=run.victim_name) if run.victim is not None else dict(not_applicable=run.victim_name)
+    return row | dict(tries=[])
+
+
+def stop_summary(row: dict) -> dict:
+    """A --stop-times row with its tries summed up: the seconds of the tries that exited, their median and worst,
+    the exit codes seen, the tries that hung or failed to start, and the processes left behind."""
+    seconds = [t["seconds"] for t in row["tries"] if t["seconds"] is not None]
+    return row | dict(seconds=seconds, median=median(seconds), worst=max(seconds, default=None),
+                      exit_codes=sorted({t["exit_code"] for t in row["tries"] if t["exit_code"] is not None}),
+                      hung=sum(t["hung"] for t in row["tries"]), errors=sum(bool(t["error"]) for t in row["tries"]),
+                      left_behind=sum(len(t["left_behind"]) for t in row["tries"]))  # fmt: skip
+
+
+def stop_times(args: Args) -> list[dict]:
+    """--rounds tries of every kind of stop for each label, alternating between labels and kinds; one row each."""
+    rows = [stop_row(label, kind, args) for label in args.only or list(STOP_RUNS) for kind in STOP_KINDS]
+    for r, row in itertools.product(range(1, args.rounds + 1), rows):
+        if "not_applicable" in row:
+            continue
+        run = STOP_RUNS[row["label"]]
+        with tempfile.TemporaryDirectory(prefix="stop-times-") as log_dir:
+            cmd = [sys.executable, run.script, *run.flags, "--log-dir", log_dir]
+            result = measure.time_to_stop(cmd, row["kind"], cwd=ROOT, script=run.script, victim=run.victim,
+                                          timeout=args.stop_timeout)  # fmt: skip
+        row["tries"].append(dict(round=r) | result)
+        print(f"round {r} {row['label']} {row['kind']}: {fmt(result['seconds'], '.2f')} s, exit {result['exit_code']}"
+              + (", hung" if result["hung"] else "") + (f", left behind {result['left_behind']}"
+              if result["left_behind"] else "") + (f", {result['error']}" if result["error"] else "")
+              + "; last lines: " + " / ".join(line[:100] for line in result["last_lines"]), flush=True)  # fmt: skip
+    return [stop_summary(row) for row in rows]
+
+
+def print_stop_table(rows: list[dict]) -> None:
+    print("\n| label | kind | median s | worst s | tries | exit codes | hung | left behind |\n|" + "---|" * 8)
+    for r in rows:
+        print(f"| {r['label']} | {r['kind']} | {fmt(r['median'], '.2f')} | {fmt(r['worst'], '.2f')} | "
+              f"{len(r['tries'])} | {r['exit_codes']} | {r['hung']} | {r['left_behind']} |"
+              + (f" n/a: {r['not_applicable']}" if "not_applicable" in r else ""))  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # main
 # ----------------------------------------------------------------------------------------------------------------
 
 
 def validate(args: Args) -> str | None:
     """The error line for bad flags, else None (and the defaults filled in)."""
-    if sum([args.memory, args.straggler, args.env_table]) > 1:
-        return "--memory, --straggler and --env-table are separate modes: pick one"
+    if sum([args.memory, args.straggler, args.env_table, args.stop_times]) > 1:
+        return "--memory, --straggler, --env-table and --stop-times are separate modes: pick one"
+    if args.stop_times and (bad := [label for label in args.only if label not in STOP_RUNS]):
+        return f"--stop-times measures each script's default mode: --only takes {sorted(STOP_RUNS)}, not {bad}"
+    if args.stop_times and (args.external or args.extra):
+        return "--stop-times runs each script as its tests do: no --external or --extra"
+    if args.stop_timeout <= 0:
+        return f"--stop-timeout must be > 0 seconds, got {args.stop_timeout}"
     args.seconds = args.seconds or (
         3.0 if args.env_table else 600.0 if args.memory else 40.0 if args.straggler else 45.0
     )
@@ -533,10 +642,17 @@ def main(args: Args) -> None:
         print(f"error: {error}", file=sys.stderr)
         raise SystemExit(2)
     mode = "env" if args.env_table else "memory" if args.memory else "straggler" if args.straggler else "table"
+    mode = "stop_times" if args.stop_times else mode
     out = args.out or f"benchmarks/results/throughput_{mode}.json"
     meta = measure.machine_meta() | dict(mode=mode, args=asdict(args))
     if args.env_table:
         measure.write_json(out, meta, env_table(args))
+        print(f"wrote {out}")
+        return
+    if args.stop_times:
+        rows = stop_times(args)
+        measure.write_json(out, meta, rows)
+        print_stop_table(rows)
         print(f"wrote {out}")
         return
     env_id = STRAGGLER if args.straggler else args.env_id

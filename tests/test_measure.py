@@ -162,3 +162,58 @@ def test_pieces_in_several_processes_sum_their_rates():
     assert rate > 0 and cpu > 0
     one_rate, _ = measure.run_piece("env", p.single(), 0.2)  # one copy, in this process
     assert one_rate > 0
+
+
+FAKE_RUN = """import os, signal, sys, time
+worker = os.fork()
+if worker == 0:  # a worker that outlives its parent unless the parent kills it
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    time.sleep(120)
+    os._exit(0)
+stop = []
+if "hang" in sys.argv:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+else:
+    signal.signal(signal.SIGINT, lambda *_: stop.append(130))
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(143))
+print("global_step=0 SPS=0 mean_return=0", flush=True)  # not under way yet
+print("global_step=8 SPS=1 mean_return=0", flush=True)
+while not stop:
+    if os.waitpid(worker, os.WNOHANG)[0]:
+        print("error: worker died", flush=True)
+        sys.exit(1)
+    time.sleep(0.05)
+if "leave" not in sys.argv:
+    os.kill(worker, signal.SIGKILL)
+print("stopped", flush=True)
+sys.exit(stop[0])
+"""
+
+
+UNDER_WAY = "global_step=8 SPS=1 mean_return=0"
+
+
+# (kind, fake's flag, victim) -> (exit code, hung, processes left behind, last line, workers found, error)
+@pytest.mark.parametrize(
+    ("kind", "flag", "victim", "expected"),
+    [
+        ("sigint", "", None, (130, False, 0, "stopped", None, None)),
+        ("sigterm", "", None, (143, False, 0, "stopped", None, None)),
+        ("killed_worker", "", 0, (1, False, 0, "error: worker died", 1, None)),
+        ("sigint", "leave", None, (130, False, 1, "stopped", None, None)),  # its worker outlives it
+        ("sigterm", "hang", None, (None, True, 2, UNDER_WAY, None, None)),  # it and its worker, after the timeout
+        ("killed_worker", "", 3, (None, False, 0, UNDER_WAY, 1, "no worker 3 among the 1 worker processes")),
+    ],
+)
+def test_time_to_stop_signals_once_under_way_and_kills_what_is_left(kind, flag, victim, expected, tmp_path):
+    script = tmp_path / "fake_run.py"
+    script.write_text(FAKE_RUN)
+    out = measure.time_to_stop([sys.executable, str(script), flag], kind, cwd=tmp_path, script="fake_run.py",
+                               victim=victim, timeout=1.0)  # fmt: skip
+    got = (out["exit_code"], out["hung"], len(out["left_behind"]), out["last_lines"][-1], out["workers"], out["error"])
+    assert got == expected
+    assert (out["seconds"] is not None) == (expected[0] is not None)
+    assert not [pid for pid in out["left_behind"] if Path(f"/proc/{pid}").exists()
+                and "State:\tZ" not in Path(f"/proc/{pid}/status").read_text()]  # fmt: skip

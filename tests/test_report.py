@@ -265,3 +265,39 @@ def test_cleanba_threads_table_pairs_each_thread_count_with_its_sync_mode(tmp_pa
         ["torch's default, one per core", "380 (370 390)", "400 (390 410)", "0.95x"],
         ["1 (`--torch-threads 1`)", "300 (290 310)", "250 (240 260)", "1.20x"],
     ]
+
+
+def stop_row(label, script, kind, *tries, **fields):
+    """One row of throughput.py --stop-times; each try (seconds or None, exit code or None, hung, processes left)."""
+    made = [dict(seconds=s, exit_code=c, hung=h, left_behind=[100] * n, error=None) for s, c, h, n in tries]
+    return dict(label=label, script=script, kind=kind, timeout=60.0, tries=made) | fields
+
+
+def test_stop_table_takes_median_and_worst_of_each_kind_with_hand_computed_values(tmp_path):
+    rows = [
+        stop_row("a3c_hogwild", "a3c.py", "sigint", (1.2, 130, False, 0), (0.8, 130, False, 0), (3.1, 130, False, 1)),
+        stop_row(
+            "a3c_hogwild",
+            "a3c.py",
+            "sigterm",
+            (2.0, 143, False, 0),
+            (1.0, 143, False, 0),
+            (None, None, True, 2),
+            (4.0, -9, False, 0),
+        ),
+        stop_row("a3c_hogwild", "a3c.py", "killed_worker", (0.5, 1, False, 0), victim="worker 1"),
+        stop_row("cleanba_ppo", "cleanba.py", "sigint", (0.3, 130, False, 0)),
+        stop_row("cleanba_ppo", "cleanba.py", "sigterm", (0.4, 143, False, 0)),
+        stop_row("cleanba_ppo", "cleanba.py", "killed_worker", not_applicable="its actors are threads"),
+    ]
+    write(tmp_path / report.STOP_SOURCE, {"meta": {"date": "2026-11-25T10:00:00+00:00", "cores": 2}, "rows": rows})
+    text = report.stop_table(tmp_path)
+    # SIGINT: median of 0.8, 1.2, 3.1 is 1.2, worst 3.1; SIGTERM: median of the three that exited (1.0, 2.0, 4.0) is
+    # 2.0, worst beyond the 60-s timeout; processes left: 1 + 2
+    assert table_rows(text) == [
+        ["`a3c.py`", "`a3c_hogwild`", "1.20 / 3.10 (3)", "130", "2.00 / > 60 (4), 1 hung", "-9 (1x), 143 (2x)",
+         "0.50 / 0.50 (1)", "1", "worker 1", "3"],
+        ["`cleanba.py`", "`cleanba_ppo`", "0.30 / 0.30 (1)", "130", "0.40 / 0.40 (1)", "143", "n/a", "—", "—", "0"],
+    ]  # fmt: skip
+    assert "`cleanba.py`, a killed worker: n/a, its actors are threads." in text
+    assert "(2026-11-25, 2 CPUs)" in text

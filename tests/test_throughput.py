@@ -116,6 +116,39 @@ def test_a_round_takes_its_ceiling_from_the_three_pieces_and_its_efficiency_agai
     assert record["efficiency"] == pytest.approx(0.7)  # 400 / (4000 / 7)
 
 
+@pytest.mark.parametrize("label", sorted(tp.STOP_RUNS))
+def test_every_stop_times_command_parses_with_its_script(label):
+    """Each --stop-times run: its script's default mode, 2 workers, an endless budget, a checkpoint at the end."""
+    run = tp.STOP_RUNS[label]
+    row = tp.stop_row(label, "killed_worker", tp.Args(stop_times=True))
+    assert row["command"].startswith(f"python {run.script} --env-id ") and row["env_id"] in (
+        "CartPole-v1",
+        "Pendulum-v1",
+    )
+    assert ("not_applicable" in row) == (run.victim is None) == (label == "cleanba_ppo")
+    args = tyro.cli(importlib.import_module(Path(run.script).stem).Args, args=[*run.flags, "--log-dir", "runs"])
+    assert args.checkpoint_interval == 3600 and args.total_timesteps == 10**8
+    workers = [getattr(args, f) for f in ("num_workers", "num_learners", "num_actors", "num_actor_threads")
+               if hasattr(args, f)]  # fmt: skip
+    assert workers and all(w == 2 for w in workers)
+    for flag, default in (("mode", "gossip"), ("update", "hogwild"), ("inference", "batched"), ("algo", "ppo")):
+        assert getattr(args, flag, default) == default
+
+
+def test_stop_summary_with_hand_computed_values():
+    row = tp.stop_row("a3c_hogwild", "sigint", tp.Args(stop_times=True))
+
+    def attempt(seconds, code, hung=False, left=(), error=None):
+        return dict(seconds=seconds, exit_code=code, hung=hung, left_behind=list(left), error=error)
+
+    row["tries"] = [attempt(1.5, 130), attempt(4.0, 130), attempt(None, None, hung=True, left=(7, 8)),
+                    attempt(2.5, 1, left=(9,)), attempt(None, None, error="not under way")]  # fmt: skip
+    out = tp.stop_summary(row)
+    # the three that exited: median of 1.5, 2.5, 4.0 is 2.5, worst 4.0
+    assert (out["seconds"], out["median"], out["worst"], out["exit_codes"]) == ([1.5, 4.0, 2.5], 2.5, 4.0, [1, 130])
+    assert (out["hung"], out["errors"], out["left_behind"], out["timeout"]) == (1, 1, 3, 60.0)
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -127,6 +160,10 @@ def test_a_round_takes_its_ceiling_from_the_three_pieces_and_its_efficiency_agai
         (["--env-id", "Breakout-v9"], "unknown env id"),
         (["--only", "a3c_hogwild", "--num-envs", "15"], "does not split evenly"),
         (["--only", "apex_ddpg"], "need a Box action space"),
+        (["--stop-times", "--env-table"], "separate modes"),
+        (["--stop-times", "--only", "cleanba_ppo_sync"], "default mode"),
+        (["--stop-times", "--extra", "a3c_hogwild=--num-steps 8"], "no --external or --extra"),
+        (["--stop-times", "--stop-timeout", "0"], "--stop-timeout must be > 0"),
     ],
 )
 def test_bad_flags_exit_2_with_one_line(argv, message, capsys):
