@@ -1362,6 +1362,14 @@ class LearnerRun:
         boundary = (self.global_step - 1) // interval * interval  # the last boundary before the final step
         return boundary > self.start_step and self.last_eval_step < boundary
 
+    def wait_for_evaluation(self, signals: StopSignals) -> None:
+        """The budget is spent: take messages and check on the processes until no evaluator round is due."""
+        while self.evaluation_due():
+            if signals.requested.is_set():
+                raise KeyboardInterrupt
+            drain_into(self.shared.log_q, self.handle, RPC_PERIOD)
+            self.housekeeping()
+
     def can_learn(self) -> bool:
         """Enough transitions in the replay, and with --replay-ratio the learner is not ahead of the actors."""
         args = self.args
@@ -1549,11 +1557,7 @@ def main(args: Args) -> None:
             else:
                 run.wait_for_data()
             run.housekeeping()
-        while run.evaluation_due():
-            if signals.requested.is_set():
-                raise KeyboardInterrupt
-            drain_into(shared.log_q, run.handle, RPC_PERIOD)
-            run.housekeeping()
+        run.wait_for_evaluation(signals)
     except KeyboardInterrupt:
         interrupted = True
         print("interrupted: shutting down", file=sys.stderr, flush=True)
