@@ -45,6 +45,8 @@ from torch import nn
 import cleanba_ppo_impala
 from cleanba_ppo_impala import (
     Args,
+    Learner,
+    NonFiniteLoss,
     Rollout,
     checkpoint_meta,
     env_spaces,
@@ -645,6 +647,19 @@ def test_non_finite_loss_stops_and_keeps_last_checkpoint(tmp_path):
     assert "non-finite loss" in proc.stderr
     checkpoint = torch.load(only_run_dir(tmp_path) / "checkpoint.pt", weights_only=False)
     assert 0 < checkpoint["update"] and all(torch.isfinite(v).all() for v in checkpoint["model"].values())
+
+
+def test_a_non_finite_loss_or_gradient_is_refused_before_the_optimizer_step():
+    """A finite loss can have a NaN gradient (here sqrt at 0, times 0): Learner.step refuses both, before the optimizer
+    touches the parameters (checked after the all-reduce, so that every rank sees the NaN and stops)."""
+    model = nn.Linear(1, 1)
+    learner = Learner(checked(), model, [], torch.device("cpu"), 0, 1, {}, None)
+    before = [p.detach().clone() for p in model.parameters()]
+    nan_loss, nan_gradient = model.weight.sum() * math.nan, torch.sqrt(model.weight.sum() * 0)
+    for loss, message in [(nan_loss, "non-finite loss nan"), (nan_gradient, r"loss 0.0 \(gradient norm nan\)")]:
+        with pytest.raises(NonFiniteLoss, match=message):
+            learner.step({"total_loss": loss})
+        assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
 
 
 def interrupt_training(tmp_path, sig, extra=()):
