@@ -50,10 +50,10 @@ import threading
 import time
 import traceback
 from collections import deque
-from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, field, fields
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Annotated, Literal, NamedTuple
+from typing import Annotated, Literal, NamedTuple, NoReturn
 
 import gymnasium as gym
 import numpy as np
@@ -185,140 +185,7 @@ class Args:
     """seconds between console lines"""
 
 
-class Algorithm(NamedTuple):
-    """Everything `--algo` switches."""
-
-    defaults: dict[str, float]  # of the flags left at None
-    optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
-    update: Callable[..., dict[str, float]]  # the learner's update on one rollout (ppo_update, impala_update)
-
-
-def algorithm(args: Args) -> Algorithm:
-    """The one place `--algo` branches; the defaults are Cleanba's (cleanba_ppo.py and cleanba_impala.py Args)."""
-    if args.algo == "ppo":
-        return Algorithm(
-            defaults=dict(num_steps=128, learning_rate=2.5e-4, max_grad_norm=0.5),
-            optimizer=lambda params: torch.optim.Adam(params, lr=args.learning_rate, eps=args.adam_eps),
-            update=ppo_update,
-        )
-    return Algorithm(
-        defaults=dict(num_steps=20, learning_rate=6e-4, max_grad_norm=40.0),
-        optimizer=lambda params: torch.optim.RMSprop(
-            params, lr=args.learning_rate, alpha=args.rmsprop_alpha, eps=args.rmsprop_eps
-        ),
-        update=impala_update,
-    )
-
-
-def resolve_defaults(args: Args) -> Args:
-    """Fill the flags left at None from Cleanba's settings for `--algo`."""
-    for name, value in algorithm(args).defaults.items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
-    return args
-
-
-def pick_network(args: Args, obs_shape: tuple[int, ...]) -> str:
-    """`auto`: Cleanba's IMPALA ResNet for image observations, with either algorithm; an MLP for flat ones."""
-    if args.network != "auto":
-        return args.network
-    return "impala" if len(obs_shape) == 3 else "mlp"
-
-
-FLOAT_FLAGS = (
-    "learning_rate", "gamma", "gae_lambda", "clip_coef", "ent_coef", "vf_coef", "max_grad_norm", "adam_eps",
-    "rmsprop_alpha", "rmsprop_eps", "vtrace_rho_bar", "vtrace_c_bar", "vtrace_pg_rho_bar", "checkpoint_interval",
-    "learner_delay", "log_interval",
-)  # fmt: skip
-POSITIVE_FLAGS = (
-    "learning_rate", "max_grad_norm", "gamma", "vtrace_rho_bar", "vtrace_c_bar", "vtrace_pg_rho_bar", "rmsprop_eps",
-    "adam_eps",
-)  # fmt: skip
-AT_LEAST_ONE_FLAGS = ("total_timesteps", "num_actor_threads", "num_steps", "num_minibatches", "update_epochs")
-NON_NEGATIVE_FLAGS = ("checkpoint_interval", "learner_delay", "eval_episodes", "env_threads", "torch_threads")
-
-
-def flag(name: str) -> str:
-    return f"--{name.replace('_', '-')}"
-
-
-def validate(args: Args, world_size: int) -> str | None:
-    """Every flag checked before anything is spawned (after resolve_defaults); returns the error line or None."""
-    for name in AT_LEAST_ONE_FLAGS:
-        if getattr(args, name) < 1:
-            return f"{flag(name)} must be >= 1, got {getattr(args, name)}"
-    if args.num_envs < 1 or args.num_envs % args.num_actor_threads:
-        return (
-            f"--num-envs ({args.num_envs}) must be a positive multiple of --num-actor-threads "
-            f"({args.num_actor_threads})"
-        )
-    if args.algo == "ppo" and args.num_envs * args.num_steps < args.num_minibatches:
-        return (
-            f"a rollout of {args.num_envs * args.num_steps} samples cannot fill --num-minibatches "
-            f"{args.num_minibatches}"
-        )
-    if args.algo == "impala" and args.num_envs < args.num_minibatches:
-        return (
-            f"IMPALA minibatches are whole unrolls: --num-envs ({args.num_envs}) must be >= --num-minibatches "
-            f"({args.num_minibatches})"
-        )
-    for name in FLOAT_FLAGS:
-        if not math.isfinite(getattr(args, name)):
-            return f"{flag(name)} must be a finite number, got {getattr(args, name)}"
-    for name in POSITIVE_FLAGS:
-        if not getattr(args, name) > 0:
-            return f"{flag(name)} must be > 0, got {getattr(args, name)}"
-    if not 0 <= args.gae_lambda <= 1 or not 0 < args.gamma <= 1:
-        return "--gamma must be in (0, 1] and --gae-lambda in [0, 1]"
-    for name in NON_NEGATIVE_FLAGS:
-        if getattr(args, name) < 0:
-            return f"{flag(name)} must be >= 0, got {getattr(args, name)}"
-    if args.resume is not None and not Path(args.resume).is_file():
-        return f"--resume {args.resume}: no such checkpoint file"
-    if args.eval_only is not None and world_size > 1:
-        return "--eval-only runs in one process: python cleanba_ppo_impala.py --eval-only PATH, without torchrun"
-    if args.eval_only is not None and not Path(args.eval_only).is_file():
-        return f"--eval-only {args.eval_only}: no such file"
-    if args.track and importlib.util.find_spec("wandb") is None:
-        return '--track needs wandb: pip install -e ".[track]"'
-    if args.total_timesteps < args.num_envs * args.num_steps * world_size:
-        return (
-            f"--total-timesteps ({args.total_timesteps}) is less than one rollout "
-            f"({args.num_envs} envs x {args.num_steps} steps x {world_size} ranks)"
-        )
-    try:
-        check_env_args(args.env_id, args.num_envs, args.atari_protocol)
-        if args.capture_video and args.eval_only is None:  # fail now, not at the final evaluation
-            check_video(args.env_id, args.atari_protocol)
-    except EnvError as e:
-        return str(e)
-    return action_space_error(args.env_id)
-
-
-def action_space_error(env_id: str) -> str | None:
-    """The policy is categorical: a continuous-action env is refused before anything starts (ALE ids are Discrete)."""
-    if ale_game(env_id) is not None:
-        return None
-    env = gym.make(env_id)
-    space = env.action_space
-    env.close()
-    if isinstance(space, gym.spaces.Discrete):
-        return None
-    return (
-        f"{env_id} has a {type(space).__name__} action space {space}; cleanba_ppo_impala.py needs a Discrete one "
-        f"(continuous actions: apex_ddpg.py)"
-    )
-
-
 # ---- Algorithm ----
-
-
-def sample_actions(logits: torch.Tensor, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gumbel-max sampling from a seeded generator (thread-safe, reproducible). [B, A] -> actions [B], logprob [B]."""
-    u = torch.rand(logits.shape, generator=generator, device=logits.device).clamp_(min=1e-20)
-    actions = torch.argmax(logits - torch.log(-torch.log(u)), dim=1)
-    logprob = torch.log_softmax(logits, dim=1).gather(1, actions[:, None]).squeeze(1)
-    return actions, logprob
 
 
 def gae(rewards, values, dones, next_value, gamma: float, lam: float) -> torch.Tensor:
@@ -340,16 +207,7 @@ def gae(rewards, values, dones, next_value, gamma: float, lam: float) -> torch.T
 
 
 def vtrace(
-    behaviour_logprob,
-    target_logprob,
-    rewards,
-    values,
-    dones,
-    next_value,
-    gamma: float,
-    rho_bar: float,
-    c_bar: float,
-    pg_rho_bar: float,
+    behaviour_logprob, target_logprob, rewards, values, dones, next_value, gamma, rho_bar, c_bar, pg_rho_bar
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """V-trace targets v_s and policy-gradient advantages (Espeholt et al. 2018, Eq. 1 and Section 4.2).
 
@@ -374,23 +232,8 @@ def vtrace(
     return vs, pg_advantages
 
 
-def logprob_entropy(logits: torch.Tensor, actions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """log pi(a|s) and the policy entropy, [..., A] logits -> [...]."""
-    logp = torch.log_softmax(logits, dim=-1)
-    return logp.gather(-1, actions[..., None]).squeeze(-1), -(logp.exp() * logp).sum(-1)
-
-
 def ppo_loss(
-    new_logprob,
-    old_logprob,
-    advantages,
-    new_value,
-    returns,
-    entropy,
-    clip_coef: float,
-    ent_coef: float,
-    vf_coef: float,
-    norm_adv: bool,
+    new_logprob, old_logprob, advantages, new_value, returns, entropy, clip_coef, ent_coef, vf_coef, norm_adv
 ) -> dict[str, torch.Tensor]:
     """Clipped surrogate objective (Schulman et al. 2017, Eq. 7) + value loss - entropy bonus, on a minibatch [M]."""
     if norm_adv:
@@ -429,19 +272,77 @@ def impala_loss(
     )
 
 
+def logprob_entropy(logits: torch.Tensor, actions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """log pi(a|s) and the policy entropy, [..., A] logits -> [...]."""
+    logp = torch.log_softmax(logits, dim=-1)
+    return logp.gather(-1, actions[..., None]).squeeze(-1), -(logp.exp() * logp).sum(-1)
+
+
+class Algorithm(NamedTuple):
+    """Everything `--algo` switches."""
+
+    defaults: dict[str, float]  # of the flags left at None
+    optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+    update: Callable[..., Iterator[dict[str, torch.Tensor]]]  # the losses of one update (ppo_update, impala_update)
+
+
+def algorithm(args: Args) -> Algorithm:
+    """The one place `--algo` branches; the defaults are Cleanba's (cleanba_ppo.py and cleanba_impala.py Args)."""
+    if args.algo == "ppo":
+        return Algorithm(
+            defaults=dict(num_steps=128, learning_rate=2.5e-4, max_grad_norm=0.5),
+            optimizer=lambda params: torch.optim.Adam(params, lr=args.learning_rate, eps=args.adam_eps),
+            update=ppo_update,
+        )
+    return Algorithm(
+        defaults=dict(num_steps=20, learning_rate=6e-4, max_grad_norm=40.0),
+        optimizer=lambda params: torch.optim.RMSprop(
+            params, lr=args.learning_rate, alpha=args.rmsprop_alpha, eps=args.rmsprop_eps
+        ),
+        update=impala_update,
+    )
+
+
+def ppo_update(model: nn.Module, data: Rollout, args: Args, generator) -> Iterator[dict[str, torch.Tensor]]:
+    """Cleanba's PPO learner (cleanba_ppo.py `compute_gae`): GAE on the values the actor stored with the rollout and
+    a bootstrap value recomputed with the current parameters, then epochs x shuffled minibatches. Yields each
+    minibatch's losses; the learner takes its gradient step (Learner.step) before the next minibatch is computed."""
+    with torch.no_grad():
+        _, next_value = model(data.next_obs)
+        advantages = gae(data.rewards, data.values, data.dones, next_value, args.gamma, args.gae_lambda)
+        returns = advantages + data.values
+    obs = data.obs.flatten(0, 1)  # [T * N, *obs_shape]
+    actions, logprobs, advantages, returns = (x.reshape(-1) for x in (data.actions, data.logprobs, advantages, returns))
+    mb_size = obs.shape[0] // args.num_minibatches
+    coefs = (args.clip_coef, args.ent_coef, args.vf_coef, args.norm_adv)
+    for _ in range(args.update_epochs):
+        order = torch.randperm(obs.shape[0], generator=generator).to(obs.device)
+        for start in range(0, mb_size * args.num_minibatches, mb_size):
+            idx = order[start : start + mb_size]
+            logits, new_value = model(obs[idx])
+            new_logprob, entropy = logprob_entropy(logits, actions[idx])
+            yield ppo_loss(new_logprob, logprobs[idx], advantages[idx], new_value, returns[idx], entropy, *coefs)
+
+
+def impala_update(model: nn.Module, data: Rollout, args: Args, generator) -> Iterator[dict[str, torch.Tensor]]:
+    """One pass over minibatches of whole unrolls (envs split in `num_minibatches`), V-trace at the current policy.
+    Yields each minibatch's losses; the learner steps on them before the next minibatch is computed."""
+    T, N = data.rewards.shape
+    envs_per_mb = N // args.num_minibatches
+    order = torch.randperm(N, generator=generator).to(data.rewards.device)
+    bars = (args.gamma, args.vtrace_rho_bar, args.vtrace_c_bar, args.vtrace_pg_rho_bar)
+    for start in range(0, envs_per_mb * args.num_minibatches, envs_per_mb):
+        cols = order[start : start + envs_per_mb]  # whole unrolls of a subset of envs
+        B = len(cols)
+        logits, values = model(torch.cat([data.obs[:, cols].flatten(0, 1), data.next_obs[cols]]))  # [T * B + B]
+        values, next_value = values[: T * B].reshape(T, B), values[T * B :]
+        target_logprob, entropy = logprob_entropy(logits[: T * B].reshape(T, B, -1), data.actions[:, cols])
+        mu, rewards, dones = data.logprobs[:, cols], data.rewards[:, cols], data.dones[:, cols]
+        vs, pg_adv = vtrace(mu, target_logprob.detach(), rewards, values.detach(), dones, next_value.detach(), *bars)
+        yield impala_loss(target_logprob, entropy, values, vs, pg_adv, args.ent_coef, args.vf_coef)
+
+
 # ---- Storage and messages ----
-
-
-class Stop(Exception):
-    """Raised inside a thread when the run is shutting down."""
-
-
-class NonFiniteLoss(RuntimeError):
-    pass
-
-
-class WriteError(RuntimeError):
-    """A checkpoint or model file could not be written; the message is the error line."""
 
 
 ROLLOUT_TENSORS = ("obs", "actions", "logprobs", "values", "rewards", "dones", "next_obs")
@@ -564,7 +465,15 @@ def stack_rollouts(rollouts: list[Rollout], device: torch.device) -> Rollout:
     return Rollout(**{k: v.to(device, non_blocking=True) for k, v in tensors.items()})
 
 
-# ---- Workers ----
+# ---- Actor threads ----
+
+
+def sample_actions(logits: torch.Tensor, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gumbel-max sampling from a seeded generator (thread-safe, reproducible). [B, A] -> actions [B], logprob [B]."""
+    u = torch.rand(logits.shape, generator=generator, device=logits.device).clamp_(min=1e-20)
+    actions = torch.argmax(logits - torch.log(-torch.log(u)), dim=1)
+    logprob = torch.log_softmax(logits, dim=1).gather(1, actions[:, None]).squeeze(1)
+    return actions, logprob
 
 
 def actor_thread(actor: Actor, device: torch.device, iterations: int, sync: bool, control: Control) -> None:
@@ -629,79 +538,16 @@ def make_actors(args: Args, rank: int, device, network: str, obs_space, act_spac
     return actors
 
 
-def optimizer_step(
-    model: nn.Module, optimizer: torch.optim.Optimizer, losses: dict, args: Args, world_size: int, stop
-) -> dict[str, torch.Tensor]:
-    """Backward, average gradients over ranks (one flat all-reduce), clip the global norm, step. Returns the detached
-    losses and the gradient norm; raises Stop once `stop` is set (an actor died or Ctrl+C: the update in progress
-    ends at this minibatch, and the checkpoint snapshot, taken between updates, stays consistent)."""
-    loss = losses["total_loss"]
-    if not torch.isfinite(loss):
-        raise NonFiniteLoss(f"non-finite loss {loss.item()}")
-    optimizer.zero_grad(set_to_none=False)
-    loss.backward()
-    if world_size > 1:
-        grads = [p.grad for p in model.parameters()]
-        flat = flatten(grads)
-        dist.all_reduce(flat)
-        copy_flat_into(grads, flat.div_(world_size))
-    grad_norm = nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-    optimizer.step()
-    if stop.is_set():
-        raise Stop
-    return {**{k: v.detach() for k, v in losses.items()}, "grad_norm": grad_norm}
+# ---- Learner ----
 
 
 def mean_metrics(metrics: list[dict[str, torch.Tensor]]) -> dict[str, float]:
     return {k: torch.stack([m[k] for m in metrics]).mean().item() for k in metrics[0]}
 
 
-def ppo_update(model, optimizer, data: Rollout, args: Args, generator, world_size: int, stop) -> dict[str, float]:
-    """Cleanba's PPO learner (cleanba_ppo.py `compute_gae`): GAE on the values the actor stored with the rollout and
-    a bootstrap value recomputed with the current parameters, then epochs x shuffled minibatches."""
-    with torch.no_grad():
-        _, next_value = model(data.next_obs)
-        advantages = gae(data.rewards, data.values, data.dones, next_value, args.gamma, args.gae_lambda)
-        returns = advantages + data.values
-    obs = data.obs.flatten(0, 1)  # [T * N, *obs_shape]
-    actions, logprobs, advantages, returns = (x.reshape(-1) for x in (data.actions, data.logprobs, advantages, returns))
-    mb_size = obs.shape[0] // args.num_minibatches
-    coefs = (args.clip_coef, args.ent_coef, args.vf_coef, args.norm_adv)
-    metrics = []
-    for _ in range(args.update_epochs):
-        order = torch.randperm(obs.shape[0], generator=generator).to(obs.device)
-        for start in range(0, mb_size * args.num_minibatches, mb_size):
-            idx = order[start : start + mb_size]
-            logits, new_value = model(obs[idx])
-            new_logprob, entropy = logprob_entropy(logits, actions[idx])
-            losses = ppo_loss(new_logprob, logprobs[idx], advantages[idx], new_value, returns[idx], entropy, *coefs)
-            metrics.append(optimizer_step(model, optimizer, losses, args, world_size, stop))
-    return mean_metrics(metrics)
-
-
-def impala_update(model, optimizer, data: Rollout, args: Args, generator, world_size: int, stop) -> dict[str, float]:
-    """One pass over minibatches of whole unrolls (envs split in `num_minibatches`), V-trace at the current policy."""
-    T, N = data.rewards.shape
-    envs_per_mb = N // args.num_minibatches
-    order = torch.randperm(N, generator=generator).to(data.rewards.device)
-    bars = (args.gamma, args.vtrace_rho_bar, args.vtrace_c_bar, args.vtrace_pg_rho_bar)
-    metrics = []
-    for start in range(0, envs_per_mb * args.num_minibatches, envs_per_mb):
-        cols = order[start : start + envs_per_mb]  # whole unrolls of a subset of envs
-        B = len(cols)
-        logits, values = model(torch.cat([data.obs[:, cols].flatten(0, 1), data.next_obs[cols]]))  # [T * B + B]
-        values, next_value = values[: T * B].reshape(T, B), values[T * B :]
-        target_logprob, entropy = logprob_entropy(logits[: T * B].reshape(T, B, -1), data.actions[:, cols])
-        mu, rewards, dones = data.logprobs[:, cols], data.rewards[:, cols], data.dones[:, cols]
-        vs, pg_adv = vtrace(mu, target_logprob.detach(), rewards, values.detach(), dones, next_value.detach(), *bars)
-        losses = impala_loss(target_logprob, entropy, values, vs, pg_adv, args.ent_coef, args.vf_coef)
-        metrics.append(optimizer_step(model, optimizer, losses, args, world_size, stop))
-    return mean_metrics(metrics)
-
-
 class Learner:
-    """The learner's state between updates (what a checkpoint holds) and its steps: take one rollout from every actor
-    thread, train on them, publish the new parameters."""
+    """The learner's state between updates (what a checkpoint holds) and its loop: take one rollout from every actor
+    thread, step on the update's minibatch losses with gradients averaged over ranks, publish the new parameters."""
 
     def __init__(self, args: Args, model: nn.Module, actors: list[Actor], device, rank, world_size, meta, checkpoint):
         self.args, self.model, self.actors, self.device = args, model, actors, device
@@ -740,7 +586,14 @@ class Learner:
             group["lr"] = lr
         start = time.perf_counter()
         data = stack_rollouts(rollouts, self.device)
-        losses = self.update_rule(self.model, self.optimizer, data, self.args, self.generator, self.world_size, stop)
+        metrics = []
+        for losses in self.update_rule(self.model, data, self.args, self.generator):
+            metrics.append(self.step(losses))
+            # an actor died or Ctrl+C: the update ends at this minibatch (the checkpoint snapshot, taken between
+            # updates, stays consistent)
+            if stop.is_set():
+                raise Stop
+        losses = mean_metrics(metrics)
         train_time = time.perf_counter() - start
         self.global_step += self.steps_per_update
         lag = (self.update - 1) - rollouts[0].version
@@ -749,6 +602,24 @@ class Learner:
         return UpdateRecord(
             self.update, self.global_step, lag, lr, losses, rollout_wait, param_wait, train_time, episodes
         )
+
+    def step(self, losses: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Backward, gradients averaged over ranks (one flat all-reduce), the global norm clipped, an optimizer step.
+        Returns the detached losses and the gradient norm. The finiteness check comes after the all-reduce: a NaN on
+        one rank reaches every rank's gradient norm there, so all ranks stop together instead of one waiting alone."""
+        loss = losses["total_loss"]
+        self.optimizer.zero_grad(set_to_none=False)
+        loss.backward()
+        if self.world_size > 1:
+            grads = [p.grad for p in self.model.parameters()]
+            flat = flatten(grads)
+            dist.all_reduce(flat)
+            copy_flat_into(grads, flat.div_(self.world_size))
+        grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), self.args.max_grad_norm)
+        if not (torch.isfinite(loss) & torch.isfinite(grad_norm)):  # one device sync for both
+            raise NonFiniteLoss(f"non-finite loss {loss.item()} (gradient norm {grad_norm.item()})")
+        self.optimizer.step()
+        return {**{k: v.detach() for k, v in losses.items()}, "grad_norm": grad_norm}
 
     def snapshot(self) -> dict:
         """A copy of everything a checkpoint holds, taken between updates (a stop may cut the next update half way)."""
@@ -766,272 +637,13 @@ class Learner:
         return copy.deepcopy(state)
 
 
-# ---- Lifecycle ----
-
-
-def init_torch(args: Args, rank: int, world_size: int) -> torch.device:
-    """The device, the process group (gloo on CPU, NCCL on GPU), learner threads, seed and determinism settings."""
-    use_cuda = args.cuda and torch.cuda.is_available()
-    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if use_cuda else "cpu")
-    if world_size > 1:
-        dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world_size)
-    if args.torch_threads:
-        torch.set_num_threads(args.torch_threads)
-    torch.manual_seed(args.seed)  # identical initial parameters on every rank
-    torch.backends.cudnn.deterministic = args.torch_deterministic
-    torch.use_deterministic_algorithms(args.torch_deterministic, warn_only=True)
-    # deterministic mode would also fill every new tensor with NaN: nothing here reads uninitialised memory, and the
-    # fill is a large share of the learner's time on CPU
-    torch.utils.deterministic.fill_uninitialized_memory = False
-    return device
-
-
-class StopSignals:
-    """Ctrl+C and SIGTERM set `stop`: the learner leaves the update in progress at the next minibatch and blocked
-    queue calls give up within a second. `signum` (the first signal) gives the exit status 128 + signum."""
-
-    def __init__(self, stop: threading.Event):
-        self.stop, self.signum = stop, 0
-        signal.signal(signal.SIGINT, self.handler)
-        signal.signal(signal.SIGTERM, self.handler)
-
-    def handler(self, signum, frame) -> None:
-        self.signum = self.signum or signum
-        self.stop.set()
-
-    def restore_defaults(self) -> None:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-
-
-def fail(message: str) -> None:
-    print(f"error: {message}", file=sys.stderr)
-    raise SystemExit(2)
-
-
-def env_spaces(args: Args):
-    """(observation space, action space) of one env of the training vector env."""
-    probe = make_vector_env(args.env_id, 1, args.seed, protocol=args.atari_protocol, num_threads=1)
-    spaces = probe.single_observation_space, probe.single_action_space
-    probe.close()
-    return spaces
-
-
-def new_run_dir(args: Args) -> Path:
-    """Create this run's directory, never one that exists: a run started in the same second with the same name gets
-    the suffix -2, -3, ... (mkdir is atomic, so two runs cannot both take one name). Exit 2 if it cannot be made."""
-    base = Path(args.log_dir) / f"{args.env_id.replace('/', '_')}__{args.exp_name}__{args.seed}__{int(time.time())}"
-    try:
-        base.parent.mkdir(parents=True, exist_ok=True)
-    except FileExistsError:
-        fail(f"cannot create the run directory {base}: {base.parent} is not a directory")
-    except OSError as e:
-        fail(f"cannot create the run directory {base}: {e.strerror or e}")
-    for n in itertools.count(1):
-        run_dir = base if n == 1 else base.with_name(f"{base.name}-{n}")
-        try:
-            run_dir.mkdir()
-            return run_dir
-        except FileExistsError:
-            continue
-        except OSError as e:
-            fail(f"cannot create the run directory {run_dir}: {e.strerror or e}")
-
-
-def write_run_args(run_dir: Path, args: Args, meta: dict) -> None:
-    """{run_dir}/args.json: the script, Args and checkpoint meta, so that --eval-only can rebuild the env and the model
-    of a model.pt lying beside it. Exit 2 if it cannot be written."""
-    try:
-        (run_dir / "args.json").write_text(json.dumps(dict(script=meta["script"], args=asdict(args), meta=meta)))
-    except OSError as e:
-        fail(f"cannot write {run_dir / 'args.json'}: {e.strerror or e}")
-
-
-def start_tracking(args: Args, run_dir: Path):
-    """--track: a Weights & Biases run named like the run directory, with the Args as config and the TensorBoard
-    scalars synced; returns the wandb module (None without --track). Call it before the SummaryWriter is made: wandb
-    patches TensorBoard at init. The id is derived from the run directory's name, so that a --resume run continues
-    the same W&B run."""
-    if not args.track:
-        return None
-    import wandb  # optional: pip install -e ".[track]"
-
-    try:
-        wandb.init(
-            project=args.wandb_project_name,
-            entity=args.wandb_entity,
-            name=run_dir.name,
-            id=hashlib.sha1(run_dir.name.encode()).hexdigest(),
-            resume="allow" if args.resume else None,
-            config=vars(args),
-            sync_tensorboard=True,
-            save_code=True,
-        )
-    except Exception as e:  # not logged in, no network, an unknown entity or project
-        fail(f"--track: wandb.init failed: {(str(e).strip().splitlines() or [type(e).__name__])[0][:200]}")
-    return wandb
-
-
-def checkpoint_meta(args: Args, obs_space, act_space) -> dict:
-    """What a checkpoint was trained on: --resume refuses one whose script, algo, env, network or shapes differ."""
-    return dict(
-        script=Path(__file__).name,
-        algo=args.algo,
-        env_id=args.env_id,
-        network=pick_network(args, obs_space.shape),
-        obs_shape=list(obs_space.shape),
-        action_shape_or_n=int(act_space.n),
-    )
-
-
-def load_checkpoint(path: str, meta: dict) -> dict:
-    """The checkpoint at `path` if this run can continue it; otherwise one error line and exit 2 (nothing started)."""
-    try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as e:  # garbage, truncated, or pickled objects this interpreter cannot rebuild
-        reason = (str(e).strip().splitlines() or [""])[0][:120]
-        fail(f"cannot resume from {path}: not a checkpoint this script can read ({type(e).__name__}: {reason})")
-    theirs = checkpoint.get("meta") if isinstance(checkpoint, dict) else None
-    if not isinstance(theirs, dict):
-        fail(f'cannot resume from {path}: not a checkpoint this script can read (it has no "meta" entry)')
-    if differ := [k for k in meta if theirs.get(k) != meta[k]]:
-        fail(
-            f"cannot resume from {path}: it is a {theirs.get('script')} checkpoint "
-            f"({', '.join(f'{k} {theirs.get(k)}' for k in differ)}), this run is "
-            f"{', '.join(f'{k} {meta[k]}' for k in differ)}"
-        )
-    run_dir = Path(path).parent
-    if not os.access(run_dir, os.W_OK):
-        fail(f"cannot write to the run directory {run_dir} of --resume {path}")
-    return checkpoint
-
-
-def load_for_eval(args: Args) -> tuple[Args, nn.Module, dict]:
-    """--eval-only: the saved agent (a model.pt with its run's args.json beside it, or a checkpoint.pt), the Args to
-    evaluate it with (env, protocol, algo and network from the saved run; seed and evaluation flags from this command
-    line) and the settings taken from the run. Anything this script cannot evaluate is one error line and exit 2."""
-    path, this = Path(args.eval_only), Path(__file__).name
-    try:
-        saved = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as e:  # garbage, truncated, or pickled objects this interpreter cannot rebuild
-        reason = (str(e).strip().splitlines() or [""])[0][:100]
-        fail(f"--eval-only {path}: not a model.pt or checkpoint.pt ({type(e).__name__}: {reason})")
-    is_checkpoint = isinstance(saved, dict) and isinstance(saved.get("meta"), dict)
-    if is_checkpoint:  # it carries its own args and meta
-        run = dict(saved, script=saved["meta"].get("script"))
-    else:
-        try:
-            run = json.loads((path.parent / "args.json").read_text())
-        except (OSError, ValueError) as e:
-            fail(f"--eval-only {path}: cannot read its run's args.json beside it (it names the env and network): {e}")
-    if run.get("script") != this:
-        fail(f"{path} was saved by {run.get('script')}, not {this}")
-    for name in ("env_id", "algo", "network"):  # a value given on the command line must be the saved run's
-        given, theirs = getattr(args, name), (run["meta"][name], run["args"][name])
-        if given != getattr(Args, name) and given not in theirs:
-            fail(f"{flag(name)} {given} contradicts {path}, saved by a run with {theirs[0]}")
-    own = dict(eval_only=args.eval_only, eval_episodes=args.eval_episodes or 10, eval_greedy=args.eval_greedy,
-               capture_video=args.capture_video, seed=args.seed, cuda=args.cuda, track=False)  # fmt: skip
-    known = {f.name for f in fields(Args)}
-    eval_args = Args(**{k: v for k, v in run["args"].items() if k in known} | own)
-    network = run["meta"]["network"]  # `auto` resolved by the run (it depends on --algo)
-    model = make_model(*env_spaces(eval_args), network)
-    try:
-        model.load_state_dict(saved["model"] if is_checkpoint else saved)
-    except Exception as e:  # not a state_dict, or one of another network
-        fail(f"--eval-only {path}: not parameters of its run's {network} network ({type(e).__name__})")
-    settings = dict(env_id=eval_args.env_id, atari_protocol=eval_args.atari_protocol, algo=eval_args.algo,
-                    network=network)  # fmt: skip
-    return eval_args, model, settings
-
-
-def atomic_save(obj, path: Path) -> None:
-    """torch.save to a temporary file beside `path`, then a rename over `path`, so a crash or a full disk leaves the
-    previous file intact. Raises WriteError with the error line."""
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)  # serialised in memory first: a full disk then shows as ENOSPC, not a zip-writer error
-    tmp = path.with_suffix(".tmp")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(buffer.getbuffer())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as e:
-        try:
-            tmp.unlink(missing_ok=True)
-        except OSError:
-            pass
-        raise WriteError(write_error(e, path)) from None
-
-
-def write_error(e: OSError, what) -> str:
-    if e.errno == errno.ENOSPC:
-        return f"error: no space left on device while writing {what}"
-    return f"error: cannot write {what}: {e.strerror or e}"
-
-
-def run_error(e: Exception, rank: int, world_size: int) -> str:
-    """The error line of an exception that ended the learner: a TensorBoard write that failed (a full disk), a
-    collective that failed because another rank is gone (with two ranks it can only be the other one), or a bug."""
-    frames = traceback.extract_tb(e.__traceback__)
-    if isinstance(e, OSError) and any("tensorboard" in f.filename for f in frames):
-        return write_error(e, "the TensorBoard events")
-    text = str(e)
-    signs = ("Connection closed by peer", "Connection reset", "Broken pipe", "Timed out", "timed out")
-    if world_size > 1 and (isinstance(e, dist.DistError) or any(m in text for m in signs)):
-        who = f"rank {1 - rank}" if world_size == 2 else "another rank"
-        reason = (text.strip().splitlines() or [""])[0][:160]
-        return f"error: rank {rank}: lost contact with {who}, which died or lost its connection ({reason})"
-    where = f" (rank {rank})" if world_size > 1 else ""
-    return f"error: the learner{where} died:\n{traceback.format_exc()}"
-
-
-def quiet_writer_thread_errors(hook) -> None:
-    """threading.excepthook: TensorBoard's writer thread dies on a write error (a full disk) and the next write or
-    close raises it again in the main thread, which reports it as the run's one error line; its traceback is noise."""
-    frames = traceback.extract_tb(hook.exc_traceback)
-    if not (issubclass(hook.exc_type, OSError) and any("tensorboard" in f.filename for f in frames)):
-        threading.__excepthook__(hook)
-
-
-def evaluate(model: nn.Module, args: Args, video_dir: Path, device: torch.device) -> list[float]:
-    """Play `eval_episodes` full games with the final (or --eval-only's saved) policy, true returns; sampled actions,
-    argmax ones with --eval-greedy; videos to `video_dir` with --capture-video."""
-    env = make_env(
-        args.env_id,
-        args.seed + 1_000_003,
-        protocol=args.atari_protocol,
-        capture_video=args.capture_video,
-        video_dir=str(video_dir),
-    )
-    generator = torch.Generator(device=device).manual_seed(args.seed + 1_000_003)
-    returns = []
-    obs, _ = env.reset()
-    while len(returns) < args.eval_episodes:
-        with torch.inference_mode():
-            logits, _ = model(torch.as_tensor(obs[None], device=device))
-        action = logits.argmax(dim=1) if args.eval_greedy else sample_actions(logits, generator)[0]
-        obs, _, terminated, truncated, info = env.step(int(action[0]))
-        if terminated or truncated:
-            returns.append(float(info["episode"]["r"]))
-            if len(returns) < args.eval_episodes:  # no reset after the last game: it would record an empty video
-                obs, _ = env.reset()
-    env.close()
-    return returns
-
-
 class UpdateLog:
     """Rank 0's record of the run: every update's scalars to TensorBoard, the console line every --log-interval
     seconds (mean_return: the last 20 finished games)."""
 
     def __init__(self, args: Args, run_dir: Path, world_size: int, learner: Learner, network: str):
-        from torch.utils.tensorboard import SummaryWriter
-
-        threading.excepthook = quiet_writer_thread_errors
-        self.writer = SummaryWriter(str(run_dir))
-        table = "\n".join(f"|{k}|{v}|" for k, v in {**asdict(args), "world_size": world_size}.items())
-        self.writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
+        self.writer = make_writer(run_dir, args)
+        self.writer.add_text("world_size", str(world_size))  # the ranks' envs all count in the global step
         self.interval, self.num_updates = args.log_interval, learner.num_updates
         self.returns: deque[float] = deque(maxlen=20)
         self.start_time = self.last_print = time.time()
@@ -1070,83 +682,24 @@ class UpdateLog:
             self.last_print = time.time()
 
 
-class Checkpoints:
-    """--checkpoint-interval on rank 0: a snapshot after every update, written atomically every interval; `last` is
-    written once more at the end of the run, unless it failed (then the last good checkpoint stays as it is)."""
-
-    def __init__(self, args: Args, run_dir: Path | None, learner: Learner):
-        self.interval = args.checkpoint_interval
-        self.path = run_dir / "checkpoint.pt" if run_dir is not None and self.interval else None
-        self.last = learner.snapshot() if self.path else None
-        self.written_at = time.time()
-
-    def after_update(self, learner: Learner) -> None:
-        if self.path is None:
-            return
-        self.last = learner.snapshot()
-        if time.time() - self.written_at >= self.interval:
-            atomic_save(self.last, self.path)
-            self.written_at = time.time()
-
-
-def ranks_agree(model: nn.Module, rank: int, world_size: int) -> str | None:
-    """After a finished multi-rank run every rank must hold rank 0's parameters (identical averaged gradients).
-    Returns the error line if they diverged; leaves the process group."""
-    flat = flatten(model.parameters())
-    reference = flat.clone()
-    dist.broadcast(reference, src=0)
-    divergence = (flat - reference).abs().max()
-    dist.all_reduce(divergence, op=dist.ReduceOp.MAX)
-    if rank == 0:
-        print(f"max |parameter difference| across {world_size} ranks: {divergence.item():.3g}")
-    dist.barrier()  # no rank leaves the group while a peer may still be sending to it
-    dist.destroy_process_group()
-    return f"error: ranks diverged (max parameter difference {divergence.item():.3g})" if divergence > 0 else None
-
-
-def end_run(args: Args, run_dir: Path, log: UpdateLog, model, final_state: dict | None, finished: bool, device):
-    """Rank 0 after training: the final checkpoint, --save-model, --eval-episodes, the writer closed. Returns the
-    error line of a write that failed (a full disk); never raises, so the shutdown always completes."""
-    failure = None
-    try:
-        if final_state is not None:
-            atomic_save(final_state, run_dir / "checkpoint.pt")
-        if finished and args.save_model:
-            atomic_save(model.state_dict(), run_dir / "model.pt")
-        if finished and args.eval_episodes:
-            for i, ret in enumerate(evaluate(model, args, run_dir / "videos", device)):
-                log.writer.add_scalar("eval/episodic_return", ret, i)
-                print(f"eval episode {i}: return {ret:.1f}")
-    except WriteError as e:
-        failure = str(e)
-    except OSError as e:
-        failure = write_error(e, f"the TensorBoard events in {run_dir}")
-    try:
-        log.writer.close()
-    except OSError as e:
-        failure = failure or write_error(e, f"the TensorBoard events in {run_dir}")
-    return failure
-
-
-def leave(code: int, threads: list[threading.Thread], teardown: bool = True) -> None:
-    """Exit with `code`. A thread still inside torch when the interpreter tears down makes C++ static destructors
-    abort the process ("terminate called without an active exception", SIGABRT), so if a worker thread outlived its
-    join, skip the teardown: TensorBoard is closed and checkpoints are written by now. `teardown=False` skips it too,
-    for torchrun ranks: gloo's transport threads outlive destroy_process_group (or the group lost a rank and was never
-    destroyed), and the teardown can abort the same way."""
-    alive = [t.name for t in threads if t.is_alive()]
-    if alive:
-        print(f"warning: {', '.join(alive)} still running at exit; leaving without interpreter teardown",
-              file=sys.stderr, flush=True)  # fmt: skip
-    if alive or not teardown:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    if code:
-        raise SystemExit(code)
-
-
 # ---- Main ----
+
+
+def init_torch(args: Args, rank: int, world_size: int) -> torch.device:
+    """The device, the process group (gloo on CPU, NCCL on GPU), learner threads, seed and determinism settings."""
+    use_cuda = args.cuda and torch.cuda.is_available()
+    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if use_cuda else "cpu")
+    if world_size > 1:
+        dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world_size)
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
+    torch.manual_seed(args.seed)  # identical initial parameters on every rank
+    torch.backends.cudnn.deterministic = args.torch_deterministic
+    torch.use_deterministic_algorithms(args.torch_deterministic, warn_only=True)
+    # deterministic mode would also fill every new tensor with NaN: nothing here reads uninitialised memory, and the
+    # fill is a large share of the learner's time on CPU
+    torch.utils.deterministic.fill_uninitialized_memory = False
+    return device
 
 
 def main(args: Args) -> None:
@@ -1208,7 +761,7 @@ def main(args: Args) -> None:
         deadline = time.time() + 8.0  # every wait wakes within a second; a rollout or minibatch ends within seconds
         for thread in threads:
             thread.join(timeout=max(0.0, deadline - time.time()))
-        signals.restore_defaults()
+        signals.restore()
 
     failure = failure or (control.errors[0] if control.errors else None)
     if signals.signum:
@@ -1222,11 +775,231 @@ def main(args: Args) -> None:
     if failure:
         print(failure, file=sys.stderr)
     code = 1 if failure else (128 + signals.signum if signals.signum else 0)
-    if tracker is not None:  # after end_run closed the writer: wandb has synced the events written up to then
-        for video in sorted((run_dir / "videos").glob("*.mp4")):
-            tracker.log({"videos": tracker.Video(str(video))})
-        tracker.finish(exit_code=code)
+    finish_tracking(tracker, run_dir, code)  # after end_run closed the writer
     leave(code, threads, teardown=world_size == 1)
+
+
+# ---- run plumbing ------------------------------------------------------------------------------------------------
+# Validation, the run directory, tracking, checkpoints, evaluation of a saved agent, signals, supervision and error
+# lines: nothing here is needed to read or change the algorithm above. A function here that several scripts have is
+# the same text in all of them (tests/test_plumbing.py names the script and function that drift): change it in every
+# script. What differs between scripts lives in the few script-specific functions at the end of this section.
+
+
+class Stop(Exception):
+    """The run is stopping (a signal, a dead worker, the budget spent): raised to leave a wait or a loop early."""
+
+
+class NonFiniteLoss(Exception):
+    """A loss or gradient norm that is NaN or infinite: the run stops and the last good checkpoint is kept."""
+
+
+class WriteError(Exception):
+    """A checkpoint, model or TensorBoard write that failed (a full disk): the message is the run's error line."""
+
+
+class StopSignals:
+    """Ctrl+C, SIGTERM and SIGHUP (a closed terminal or ssh session) record the first signal's number, for the exit
+    status 128 + signum, and set `stop`, the event the run's waits and loops check; the run then stops at its own pace
+    and writes its final checkpoint. A second signal changes nothing, so a second Ctrl+C cannot cut the shutdown."""
+
+    def __init__(self, stop):
+        self.stop, self.signum = stop, 0
+        self.previous = {s: signal.signal(s, self.handler) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+
+    def handler(self, signum: int, frame) -> None:
+        self.signum = self.signum or signum
+        # set from another thread: the handler runs in the main thread between two bytecodes, possibly while that
+        # thread holds the event's own lock (inside wait or is_set), and a set() here would wait for it forever
+        threading.Thread(target=self.stop.set, daemon=True).start()
+
+    def restore(self) -> None:
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
+
+
+def fail(message: str) -> NoReturn:
+    """Bad input: one error line, exit status 2, before anything is started or written."""
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def flag(name: str) -> str:
+    return f"--{name.replace('_', '-')}"
+
+
+def rule_holds(rule: str, value) -> bool:
+    return {
+        ">= 1": value >= 1, ">= 0": value >= 0, "> 0": value > 0,
+        "in (0, 1]": 0 < value <= 1, "in [0, 1]": 0 <= value <= 1, "in [0, 1)": 0 <= value < 1,
+    }[rule]  # fmt: skip
+
+
+def check_flags(args: Args) -> str | None:
+    """The error line of the first float flag that is not a finite number or the first flag that breaks its rule in
+    FLAG_RULES (flags left at None are filled in later and skipped); None if all hold."""
+    for f in fields(args):
+        value = getattr(args, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            return f"{flag(f.name)} must be a finite number, got {value}"
+    for rule, names in FLAG_RULES:
+        for name in names:
+            value = getattr(args, name)
+            if value is not None and not rule_holds(rule, value):
+                return f"{flag(name)} must be {rule}, got {value}"
+    return None
+
+
+def new_run_dir(args: Args) -> Path:
+    """Create this run's directory, never one that exists: a run started in the same second with the same name gets
+    the suffix -2, -3, ... (mkdir is atomic, so two runs cannot both take one name). Exit 2 if it cannot be made."""
+    base = Path(args.log_dir) / f"{args.env_id.replace('/', '_')}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    for n in itertools.count(1):
+        run_dir = base if n == 1 else base.with_name(f"{base.name}-{n}")
+        try:
+            base.parent.mkdir(parents=True, exist_ok=True)
+            run_dir.mkdir()
+            return run_dir
+        except FileExistsError:
+            if not base.parent.is_dir():
+                fail(f"cannot create the run directory {base}: {base.parent} is not a directory")
+        except OSError as e:
+            fail(f"cannot create the run directory {run_dir}: {e.strerror or e}")
+
+
+def write_run_args(run_dir: Path, args: Args, meta: dict) -> None:
+    """{run_dir}/args.json: the script, Args and checkpoint meta, so that --eval-only can rebuild the env and the model
+    of a model.pt lying beside it. Exit 2 if it cannot be written."""
+    try:
+        (run_dir / "args.json").write_text(json.dumps(dict(script=meta["script"], args=asdict(args), meta=meta)))
+    except OSError as e:
+        fail(f"cannot write {run_dir / 'args.json'}: {e.strerror or e}")
+
+
+def start_tracking(args: Args, run_dir: Path):
+    """--track: a Weights & Biases run named like the run directory, with the Args as config and the TensorBoard
+    scalars synced; returns the wandb module (None without --track). Call it before the SummaryWriter is made: wandb
+    patches TensorBoard at init. The id is derived from the run directory's name, so that a --resume run continues
+    the same W&B run."""
+    if not args.track:
+        return None
+    import wandb  # optional: pip install -e ".[track]"
+
+    try:
+        wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=run_dir.name, config=vars(args),
+                   id=hashlib.sha1(run_dir.name.encode()).hexdigest(), resume="allow" if args.resume else None,
+                   sync_tensorboard=True, save_code=True)  # fmt: skip
+    except Exception as e:  # not logged in, no network, an unknown entity or project
+        fail(f"--track: wandb.init failed: {(str(e).strip().splitlines() or [type(e).__name__])[0][:200]}")
+    return wandb
+
+
+def finish_tracking(tracker, run_dir: Path, exit_code: int) -> None:
+    """--track (`tracker` from start_tracking): upload the final evaluation's videos, then end the W&B run with the
+    run's exit status. Call it after the SummaryWriter is closed: wandb has synced the events written up to then."""
+    if tracker is None:
+        return
+    for video in sorted((run_dir / "videos").glob("*.mp4")):
+        tracker.log({"videos": tracker.Video(str(video))})
+    tracker.finish(exit_code=exit_code)
+
+
+def make_writer(run_dir: Path, args: Args):
+    """The run's TensorBoard writer with the hyperparameter table. Its writer thread dies of a write error (a full
+    disk) that the next write or close raises again in the main thread, which reports it in one line: the thread's own
+    traceback is kept quiet."""
+    from torch.utils.tensorboard import SummaryWriter  # here, not at import: the writer starts a thread
+
+    default = threading.excepthook
+    threading.excepthook = lambda hook: None if issubclass(hook.exc_type, OSError) else default(hook)
+    writer = SummaryWriter(str(run_dir))
+    table = "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items())
+    writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
+    return writer
+
+
+def write_error(e: OSError, what) -> str:
+    """The error line of a write that failed: a full disk said plainly, anything else with the system's reason."""
+    if e.errno == errno.ENOSPC:
+        return f"error: no space left on device while writing {what}"
+    return f"error: cannot write {what}: {e.strerror or e}"
+
+
+def atomic_save(obj, path: Path) -> None:
+    """torch.save to a temporary file beside `path`, then a rename over `path`, so a crash or a full disk leaves the
+    previous file intact. Raises WriteError with the error line."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)  # serialised in memory first: a full disk then shows as ENOSPC, not a zip-writer error
+    tmp = path.with_suffix(".tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(buffer.getbuffer())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
+        raise WriteError(write_error(e, path)) from None
+
+
+def load_checkpoint(path: str, meta: dict) -> dict:
+    """The checkpoint at `path` if this run can continue it (its meta, from checkpoint_meta, equals this run's);
+    otherwise one error line and exit 2, with nothing started."""
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:  # garbage, truncated, or pickled objects this interpreter cannot rebuild
+        reason = (str(e).strip().splitlines() or [""])[0][:120]
+        fail(f"cannot resume from {path}: not a checkpoint this script can read ({type(e).__name__}: {reason})")
+    theirs = checkpoint.get("meta") if isinstance(checkpoint, dict) else None
+    if not isinstance(theirs, dict):
+        fail(f'cannot resume from {path}: not a checkpoint this script can read (it has no "meta" entry)')
+    if differ := [k for k in meta if theirs.get(k) != meta[k]]:
+        fail(
+            f"cannot resume from {path}: it is a {theirs.get('script')} checkpoint "
+            f"({', '.join(f'{k} {theirs.get(k)}' for k in differ)}), this run is "
+            f"{', '.join(f'{k} {meta[k]}' for k in differ)}"
+        )
+    if not os.access(Path(path).parent, os.W_OK):
+        fail(f"cannot write to the run directory {Path(path).parent} of --resume {path}")
+    return checkpoint
+
+
+def load_for_eval(args: Args) -> tuple[Args, nn.Module, dict]:
+    """--eval-only: the saved agent (a model.pt with its run's args.json beside it, or a checkpoint.pt), the Args to
+    evaluate it with (the RUN_SETTINGS flags from the saved run; seed, evaluation flags and the rest from this command
+    line) and the settings taken from the run. Anything this script cannot evaluate is one error line and exit 2."""
+    path, this = Path(args.eval_only), Path(__file__).name
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:  # garbage, truncated, or pickled objects this interpreter cannot rebuild
+        reason = (str(e).strip().splitlines() or [""])[0][:100]
+        fail(f"--eval-only {path}: not a model.pt or checkpoint.pt ({type(e).__name__}: {reason})")
+    is_checkpoint = isinstance(saved, dict) and isinstance(saved.get("meta"), dict)
+    if is_checkpoint:  # it carries its own args and meta
+        run = dict(saved, script=saved["meta"].get("script"))
+    else:
+        try:
+            run = json.loads((path.parent / "args.json").read_text())
+        except (OSError, ValueError) as e:
+            fail(f"--eval-only {path}: cannot read its run's args.json beside it (it names the env and network): {e}")
+    if run.get("script") != this:
+        fail(f"{path} was saved by {run.get('script')}, not {this}")
+    settings = {k: run["meta"].get(k, run["args"][k]) for k in RUN_SETTINGS}  # meta: what `auto` resolved to
+    for name, value in settings.items():  # a flag given on the command line must be the saved run's
+        given = getattr(args, name)
+        if given != getattr(Args, name) and given not in (value, run["args"][name]):
+            fail(f"{flag(name)} {given} contradicts {path}, saved by a run with {value}")
+    eval_args = replace(args, **{k: run["args"][k] for k in RUN_SETTINGS}, eval_episodes=args.eval_episodes or 10)
+    try:
+        model = saved_model(eval_args, settings, saved["model"] if is_checkpoint else saved)
+    except EnvError as e:  # the run's env is not installed here
+        fail(f"--eval-only {path}: {e}")
+    except Exception as e:  # not a state_dict, or one of another network
+        fail(f"--eval-only {path}: not parameters of its run's network ({type(e).__name__})")
+    return eval_args, model, settings
 
 
 def main_eval_only(args: Args) -> None:
@@ -1252,6 +1025,220 @@ def main_eval_only(args: Args) -> None:
     except OSError as e:
         fail(f"cannot write {out}: {e.strerror or e}")
     print(f"mean return over {len(returns)} episodes: {report['mean']:.2f} (written to {out})")
+
+
+# -- script-specific: FLAG_RULES, RUN_SETTINGS, validate, env_spaces, checkpoint_meta, saved_model, evaluate, ... --
+
+FLAG_RULES = (
+    (">= 1", ("total_timesteps", "num_envs", "num_actor_threads", "num_steps", "num_minibatches", "update_epochs")),
+    (">= 0", ("checkpoint_interval", "learner_delay", "log_interval", "eval_episodes", "env_threads", "torch_threads",
+              "clip_coef", "ent_coef", "vf_coef")),
+    ("> 0", ("learning_rate", "max_grad_norm", "adam_eps", "rmsprop_eps", "vtrace_rho_bar", "vtrace_c_bar",
+             "vtrace_pg_rho_bar")),
+    ("in (0, 1]", ("gamma",)),
+    ("in [0, 1]", ("gae_lambda", "rmsprop_alpha")),
+)  # fmt: skip
+RUN_SETTINGS = ("env_id", "atari_protocol", "algo", "network")
+
+
+def resolve_defaults(args: Args) -> Args:
+    """Fill the flags left at None from Cleanba's settings for `--algo`."""
+    for name, value in algorithm(args).defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    return args
+
+
+def pick_network(args: Args, obs_shape: tuple[int, ...]) -> str:
+    """`auto`: Cleanba's IMPALA ResNet for image observations, with either algorithm; an MLP for flat ones."""
+    if args.network != "auto":
+        return args.network
+    return "impala" if len(obs_shape) == 3 else "mlp"
+
+
+def validate(args: Args, world_size: int) -> str | None:
+    """Every flag checked before anything is spawned (after resolve_defaults); returns the error line or None."""
+    if error := check_flags(args):
+        return error
+    n, threads, minibatches = args.num_envs, args.num_actor_threads, args.num_minibatches
+    if n % threads:
+        return f"--num-envs ({n}) must be a multiple of --num-actor-threads ({threads})"
+    if args.algo == "ppo" and n * args.num_steps < minibatches:
+        return f"a rollout of {n * args.num_steps} samples cannot fill --num-minibatches {minibatches}"
+    if args.algo == "impala" and n < minibatches:
+        return f"IMPALA minibatches are whole unrolls: --num-envs ({n}) must be >= --num-minibatches ({minibatches})"
+    if args.total_timesteps < n * args.num_steps * world_size:
+        return (
+            f"--total-timesteps ({args.total_timesteps}) is less than one rollout "
+            f"({n} envs x {args.num_steps} steps x {world_size} ranks)"
+        )
+    if args.resume is not None and not Path(args.resume).is_file():
+        return f"--resume {args.resume}: no such checkpoint file"
+    if args.eval_only is not None and world_size > 1:
+        return "--eval-only runs in one process: python cleanba_ppo_impala.py --eval-only PATH, without torchrun"
+    if args.eval_only is not None and not Path(args.eval_only).is_file():
+        return f"--eval-only {args.eval_only}: no such file"
+    if args.track and importlib.util.find_spec("wandb") is None:
+        return '--track needs wandb: pip install -e ".[track]"'
+    try:
+        check_env_args(args.env_id, args.num_envs, args.atari_protocol)
+        if args.capture_video and args.eval_only is None:  # fail now, not at the final evaluation
+            check_video(args.env_id, args.atari_protocol)
+    except EnvError as e:
+        return str(e)
+    return action_space_error(args.env_id)
+
+
+def action_space_error(env_id: str) -> str | None:
+    """The policy is categorical: a continuous-action env is refused before anything starts (ALE ids are Discrete)."""
+    if ale_game(env_id) is not None:
+        return None
+    env = gym.make(env_id)
+    space = env.action_space
+    env.close()
+    if isinstance(space, gym.spaces.Discrete):
+        return None
+    return (
+        f"{env_id} has a {type(space).__name__} action space {space}; cleanba_ppo_impala.py needs a Discrete one "
+        f"(continuous actions: apex_ddpg.py)"
+    )
+
+
+def env_spaces(args: Args):
+    """(observation space, action space) of one env of the training vector env."""
+    probe = make_vector_env(args.env_id, 1, args.seed, protocol=args.atari_protocol, num_threads=1)
+    spaces = probe.single_observation_space, probe.single_action_space
+    probe.close()
+    return spaces
+
+
+def checkpoint_meta(args: Args, obs_space, act_space) -> dict:
+    """What a checkpoint was trained on: --resume refuses one whose script, algo, env, network or shapes differ."""
+    network = pick_network(args, obs_space.shape)
+    return dict(script=Path(__file__).name, algo=args.algo, env_id=args.env_id, network=network,
+                obs_shape=list(obs_space.shape), action_shape_or_n=int(act_space.n))  # fmt: skip
+
+
+def saved_model(args: Args, settings: dict, state_dict: dict) -> nn.Module:
+    """--eval-only: the saved run's network (`auto` as that run resolved it) for its env, with the saved parameters."""
+    model = make_model(*env_spaces(args), settings["network"])
+    model.load_state_dict(state_dict)
+    return model
+
+
+def evaluate(model: nn.Module, args: Args, video_dir: Path, device: torch.device) -> list[float]:
+    """Play `eval_episodes` full games with the final (or --eval-only's saved) policy, true returns; sampled actions,
+    argmax ones with --eval-greedy; videos to `video_dir` with --capture-video."""
+    seed = args.seed + 1_000_003
+    env = make_env(
+        args.env_id, seed, protocol=args.atari_protocol, capture_video=args.capture_video, video_dir=str(video_dir)
+    )
+    generator = torch.Generator(device=device).manual_seed(seed)
+    returns = []
+    obs, _ = env.reset()
+    while len(returns) < args.eval_episodes:
+        with torch.inference_mode():
+            logits, _ = model(torch.as_tensor(obs[None], device=device))
+        action = logits.argmax(dim=1) if args.eval_greedy else sample_actions(logits, generator)[0]
+        obs, _, terminated, truncated, info = env.step(int(action[0]))
+        if terminated or truncated:
+            returns.append(float(info["episode"]["r"]))
+            if len(returns) < args.eval_episodes:  # no reset after the last game: it would record an empty video
+                obs, _ = env.reset()
+    env.close()
+    return returns
+
+
+class Checkpoints:
+    """--checkpoint-interval on rank 0: a snapshot after every update, written atomically every interval; `last` is
+    written once more at the end of the run, unless it failed (then the last good checkpoint stays as it is)."""
+
+    def __init__(self, args: Args, run_dir: Path | None, learner: Learner):
+        self.interval = args.checkpoint_interval
+        self.path = run_dir / "checkpoint.pt" if run_dir is not None and self.interval else None
+        self.last = learner.snapshot() if self.path else None
+        self.written_at = time.time()
+
+    def after_update(self, learner: Learner) -> None:
+        if self.path is None:
+            return
+        self.last = learner.snapshot()
+        if time.time() - self.written_at >= self.interval:
+            atomic_save(self.last, self.path)
+            self.written_at = time.time()
+
+
+def end_run(args: Args, run_dir: Path, log: UpdateLog, model, final_state: dict | None, finished: bool, device):
+    """Rank 0 after training: the final checkpoint, --save-model, --eval-episodes, the writer closed. Returns the
+    error line of a write that failed (a full disk); never raises, so the shutdown always completes."""
+    failure = None
+    try:
+        if final_state is not None:
+            atomic_save(final_state, run_dir / "checkpoint.pt")
+        if finished and args.save_model:
+            atomic_save(model.state_dict(), run_dir / "model.pt")
+        if finished and args.eval_episodes:
+            for i, ret in enumerate(evaluate(model, args, run_dir / "videos", device)):
+                log.writer.add_scalar("eval/episodic_return", ret, i)
+                print(f"eval episode {i}: return {ret:.1f}")
+    except WriteError as e:
+        failure = str(e)
+    except OSError as e:
+        failure = write_error(e, f"the TensorBoard events in {run_dir}")
+    try:
+        log.writer.close()
+    except OSError as e:
+        failure = failure or write_error(e, f"the TensorBoard events in {run_dir}")
+    return failure
+
+
+def ranks_agree(model: nn.Module, rank: int, world_size: int) -> str | None:
+    """After a finished multi-rank run every rank must hold rank 0's parameters (identical averaged gradients).
+    Returns the error line if they diverged; leaves the process group."""
+    flat = flatten(model.parameters())
+    reference = flat.clone()
+    dist.broadcast(reference, src=0)
+    divergence = (flat - reference).abs().max()
+    dist.all_reduce(divergence, op=dist.ReduceOp.MAX)
+    if rank == 0:
+        print(f"max |parameter difference| across {world_size} ranks: {divergence.item():.3g}")
+    dist.barrier()  # no rank leaves the group while a peer may still be sending to it
+    dist.destroy_process_group()
+    return f"error: ranks diverged (max parameter difference {divergence.item():.3g})" if divergence > 0 else None
+
+
+def run_error(e: Exception, rank: int, world_size: int) -> str:
+    """The error line of an exception that ended the learner: a TensorBoard write that failed (a full disk), a
+    collective that failed because another rank is gone (with two ranks it can only be the other one), or a bug."""
+    frames = traceback.extract_tb(e.__traceback__)
+    if isinstance(e, OSError) and any("tensorboard" in f.filename for f in frames):
+        return write_error(e, "the TensorBoard events")
+    text = str(e)
+    signs = ("Connection closed by peer", "Connection reset", "Broken pipe", "Timed out", "timed out")
+    if world_size > 1 and (isinstance(e, dist.DistError) or any(m in text for m in signs)):
+        who = f"rank {1 - rank}" if world_size == 2 else "another rank"
+        reason = (text.strip().splitlines() or [""])[0][:160]
+        return f"error: rank {rank}: lost contact with {who}, which died or lost its connection ({reason})"
+    where = f" (rank {rank})" if world_size > 1 else ""
+    return f"error: the learner{where} died:\n{traceback.format_exc()}"
+
+
+def leave(code: int, threads: list[threading.Thread], teardown: bool = True) -> None:
+    """Exit with `code`. A thread still inside torch when the interpreter tears down makes C++ static destructors
+    abort the process ("terminate called without an active exception", SIGABRT), so if a worker thread outlived its
+    join, skip the teardown: TensorBoard is closed and checkpoints are written by now. `teardown=False` skips it too,
+    for torchrun ranks: gloo's transport threads outlive destroy_process_group (or the group lost a rank and was never
+    destroyed), and the teardown can abort the same way."""
+    alive = [t.name for t in threads if t.is_alive()]
+    if alive:
+        print(f"warning: {', '.join(alive)} still running at exit; leaving without interpreter teardown",
+              file=sys.stderr, flush=True)  # fmt: skip
+    if alive or not teardown:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    if code:
+        raise SystemExit(code)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 import types
 from pathlib import Path
@@ -46,6 +45,8 @@ from torch import nn
 import cleanba_ppo_impala
 from cleanba_ppo_impala import (
     Args,
+    Learner,
+    NonFiniteLoss,
     Rollout,
     checkpoint_meta,
     env_spaces,
@@ -258,7 +259,7 @@ class StubActorCritic(nn.Module):
 def test_ppo_gae_uses_the_actors_values_and_a_learner_bootstrap():
     """Cleanba's cleanba_ppo.py computes GAE from the values stored by the actor, recomputing only the bootstrap value
     V(x_T) with the learner's parameters. One epoch, one minibatch, no advantage normalisation and ratio 1 make the
-    logged losses -mean(A) and 0.5 mean((V_learner - (A + V_actor))^2), checked against the slow GAE reference."""
+    minibatch's losses -mean(A) and 0.5 mean((V_learner - (A + V_actor))^2), checked against the slow GAE reference."""
     rng = np.random.default_rng(4)
     T, N, A, gamma, lam = 6, 2, 3, 0.9, 0.8
     obs = rng.normal(size=(T, N, 2))
@@ -279,12 +280,11 @@ def test_ppo_gae_uses_the_actors_values_and_a_learner_bootstrap():
     args = resolve_defaults(
         Args(update_epochs=1, num_minibatches=1, norm_adv=False, ent_coef=0.0, gamma=gamma, gae_lambda=lam)
     )
-    model = StubActorCritic(A)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    metrics = ppo_update(model, optimizer, data, args, torch.Generator().manual_seed(0), 1, threading.Event())
+    (losses,) = ppo_update(StubActorCritic(A), data, args, torch.Generator().manual_seed(0))  # the one minibatch
     adv = gae_reference(rewards, actor_values, dones, next_obs[:, 0], gamma, lam)
-    assert metrics["policy_loss"] == pytest.approx(-adv.mean(), rel=1e-5, abs=1e-6)
-    assert metrics["value_loss"] == pytest.approx(0.5 * ((obs[:, :, 0] - (adv + actor_values)) ** 2).mean(), rel=1e-5)
+    assert losses["policy_loss"].item() == pytest.approx(-adv.mean(), rel=1e-5, abs=1e-6)
+    expected_value_loss = 0.5 * ((obs[:, :, 0] - (adv + actor_values)) ** 2).mean()
+    assert losses["value_loss"].item() == pytest.approx(expected_value_loss, rel=1e-5)
 
 
 # ------------------------------------------------------------------ running the script
@@ -647,6 +647,19 @@ def test_non_finite_loss_stops_and_keeps_last_checkpoint(tmp_path):
     assert "non-finite loss" in proc.stderr
     checkpoint = torch.load(only_run_dir(tmp_path) / "checkpoint.pt", weights_only=False)
     assert 0 < checkpoint["update"] and all(torch.isfinite(v).all() for v in checkpoint["model"].values())
+
+
+def test_a_non_finite_loss_or_gradient_is_refused_before_the_optimizer_step():
+    """A finite loss can have a NaN gradient (here sqrt at 0, times 0): Learner.step refuses both, before the optimizer
+    touches the parameters (checked after the all-reduce, so that every rank sees the NaN and stops)."""
+    model = nn.Linear(1, 1)
+    learner = Learner(checked(), model, [], torch.device("cpu"), 0, 1, {}, None)
+    before = [p.detach().clone() for p in model.parameters()]
+    nan_loss, nan_gradient = model.weight.sum() * math.nan, torch.sqrt(model.weight.sum() * 0)
+    for loss, message in [(nan_loss, "non-finite loss nan"), (nan_gradient, r"loss 0.0 \(gradient norm nan\)")]:
+        with pytest.raises(NonFiniteLoss, match=message):
+            learner.step({"total_loss": loss})
+        assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
 
 
 def interrupt_training(tmp_path, sig, extra=()):
