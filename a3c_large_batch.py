@@ -618,28 +618,21 @@ class Progress:
 
 @dataclass
 class Checkpoints:
-    """{run_dir}/checkpoint.pt: main writes it in hogwild mode, the gradient server (which owns the model and the
-    optimizer) in server mode."""
+    """{run_dir}/checkpoint.pt, written by main in hogwild mode and, in server mode, by the gradient server, which owns
+    the model and the optimizer (main sends it SaveCheckpoint, then Finish)."""
 
-    args: Args
-    meta: dict
-    run_dir: Path
+    path: Path
     model: nn.Module  # hogwild: the shared model
     shared: Shared
-
-    def extra(self) -> dict:
-        return dict(update=self.args.update, args=asdict(self.args), torch_rng=torch.get_rng_state(), meta=self.meta)
+    extra: dict  # what main adds to every checkpoint: the Args, meta and its RNG state
+    final: bool  # write a final checkpoint (--checkpoint-interval > 0)
 
     def write(self, global_step: int) -> None:
-        path = self.run_dir / "checkpoint.pt"
         if self.shared.grad_q is not None:
-            self.shared.grad_q.put(SaveCheckpoint(str(path), self.extra()))
+            self.shared.grad_q.put(SaveCheckpoint(str(self.path), self.extra))
             return
         own = dict(model=self.model.state_dict(), optimizer=self.shared.optimizer.state_dict())
-        atomic_save({**own, "global_step": global_step, "version": self.shared.updates.value, **self.extra()}, path)
-
-    def finish_message(self) -> Finish:
-        return Finish(str(self.run_dir / "checkpoint.pt") if self.args.checkpoint_interval else None, self.extra())
+        atomic_save({**own, "global_step": global_step, "version": self.shared.updates.value, **self.extra}, self.path)
 
 
 def start_processes(
@@ -675,7 +668,7 @@ def train(args: Args, shared: Shared, processes: Processes, progress: Progress, 
     except WriteError as e:
         return f"{e}; stopping (the last good checkpoint is kept)"
     except OSError as e:
-        return write_error(e, f"the TensorBoard events in {checkpoints.run_dir}")
+        return write_error(e, f"the TensorBoard events in {checkpoints.path.parent}")
     return None
 
 
@@ -693,9 +686,10 @@ def shut_down(
     failure = failure or failure_line(processes, shared.error_q)
     server = processes.procs.get("gradient server")
     if server is not None and failure is None:
-        shared.grad_q.put(checkpoints.finish_message())  # behind every gradient of the workers, which have stopped
-        busy = lambda: not progress.server_done and server.is_alive()  # noqa: E731
-        progress.drain_while(shared.log_q, busy, 5.0 if interrupted else 60.0)
+        final = str(checkpoints.path) if checkpoints.final else None
+        shared.grad_q.put(Finish(final, checkpoints.extra))  # behind every gradient of the workers, which have stopped
+        wait = 5.0 if interrupted else 60.0  # the final checkpoint of a finished run may take a while to write
+        progress.drain_while(shared.log_q, lambda: not progress.server_done and server.is_alive(), wait)
         if not progress.server_done:
             failure = failure_line(processes, shared.error_q) or "error: the gradient server did not finish; stopping"
     killed = processes.stop(grace=1.0)
@@ -712,12 +706,12 @@ def finish_run(
 ) -> str | None:  # fmt: skip
     """After the processes stopped: main's model becomes the final one, then the final checkpoint (hogwild), model.pt,
     the last TensorBoard point and console line, the evaluation. Returns the run's error line, if any."""
-    run_dir = checkpoints.run_dir
+    run_dir = checkpoints.path.parent
     if shared.grad_q is not None:  # main's view of the shared model: the latest published version
         with torch.no_grad():
             copy_flat_into(list(model.parameters()), shared.published)
     try:
-        if failure is None and args.checkpoint_interval and shared.grad_q is None:
+        if failure is None and checkpoints.final and shared.grad_q is None:
             checkpoints.write(progress.global_step)
         if failure is None and not interrupted and args.save_model:
             atomic_save(model.state_dict(), run_dir / "model.pt")
@@ -761,13 +755,11 @@ def main(args: Args) -> None:
     if checkpoint:
         model.load_state_dict(checkpoint["model"])
     shared = make_shared(args, ctx, signals.stop, model, checkpoint)
-    checkpoints = Checkpoints(args, meta, run_dir, model, shared)
-    print(
-        f"run directory: {run_dir}  ({args.num_workers} workers x {args.num_envs_per_worker} envs, {args.update} "
-        f"updates, {args.num_steps}-step rollouts of {args.num_envs_per_worker * args.num_steps} agent steps, "
-        f"{device})",
-        flush=True,
-    )
+    extra = dict(update=args.update, args=asdict(args), torch_rng=torch.get_rng_state(), meta=meta)
+    checkpoints = Checkpoints(run_dir / "checkpoint.pt", model, shared, extra, final=args.checkpoint_interval > 0)
+    rollout = f"{args.num_steps}-step rollouts of {args.num_envs_per_worker * args.num_steps} agent steps"
+    print(f"run directory: {run_dir}  ({args.num_workers} workers x {args.num_envs_per_worker} envs, {args.update} "
+          f"updates, {rollout}, {device})", flush=True)  # fmt: skip
     if signals.stop.is_set():  # Ctrl+C while setting up: stop before any process starts, leave nothing behind
         if not checkpoint:
             run_dir.rmdir()

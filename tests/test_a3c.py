@@ -269,7 +269,8 @@ def run_main(capsys):
     def run(**kw):
         saved = (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM), torch.get_num_threads(),
                  torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
-                 torch.backends.cudnn.deterministic, torch.get_rng_state(), threading.excepthook)  # fmt: skip
+                 torch.backends.cudnn.deterministic, torch.get_rng_state(), threading.excepthook,
+                 signal.getsignal(signal.SIGHUP))  # fmt: skip
         try:
             main(Args(cuda=False, **kw))
             code = 0
@@ -283,6 +284,7 @@ def run_main(capsys):
             torch.backends.cudnn.deterministic = saved[5]
             torch.set_rng_state(saved[6])
             threading.excepthook = saved[7]
+            signal.signal(signal.SIGHUP, saved[8])
         out = capsys.readouterr()
         return code, out.out, out.err
 
