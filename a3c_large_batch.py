@@ -39,6 +39,7 @@ import io
 import itertools
 import json
 import math
+import multiprocessing.connection
 import os
 import queue
 import signal
@@ -47,13 +48,12 @@ import threading
 import time
 import traceback
 from collections import deque
-from dataclasses import asdict, dataclass, field, fields
-from multiprocessing.process import BaseProcess
+from dataclasses import asdict, dataclass, field, fields, replace
 from multiprocessing.queues import Queue
 from multiprocessing.sharedctypes import Synchronized
 from multiprocessing.synchronize import Event, Lock
 from pathlib import Path
-from typing import Literal, NamedTuple
+from typing import Literal, NamedTuple, NoReturn
 
 import gymnasium as gym
 import numpy as np
@@ -255,18 +255,6 @@ def copy_flat_into(tensors: list[torch.Tensor], flat: torch.Tensor) -> None:
 # ---- Storage and messages ----
 
 
-class Stop(Exception):
-    """Raised inside a process when the run is shutting down."""
-
-
-class NonFiniteLoss(RuntimeError):
-    pass
-
-
-class WriteError(RuntimeError):
-    """A checkpoint or model file could not be written: "<reason> while writing <path>"."""
-
-
 class Update(NamedTuple):
     """worker (hogwild) or gradient server -> main, on `log_q`: one gradient applied to the shared model."""
 
@@ -326,9 +314,8 @@ class Shared:
 
     stop: Event  # the run is shutting down
     log_q: Queue  # -> main: Update, WorkerDone, ServerDone
-    error_q: Queue  # -> main: "<who> died:\n<traceback>"
+    error_q: Queue  # -> main: the error line of a process that fails (run_child)
     steps_claimed: Synchronized  # int64: agent steps handed out to rollouts (the budget counter)
-    parent_pid: int
     # hogwild
     params: list[torch.Tensor] | None = None  # shared-memory parameters of the model
     optimizer: SharedRMSprop | None = None
@@ -342,9 +329,28 @@ class Shared:
     param_lock: Lock | None = None  # guards (published, version) so a pull never mixes two versions
 
 
-def should_stop(shared: Shared) -> bool:
-    """The run is stopping, or the main process is gone (then no one would ever tell us)."""
-    return shared.stop.is_set() or os.getppid() != shared.parent_pid
+def make_shared(args: Args, ctx, stop: Event, model: nn.Module, checkpoint: dict | None) -> Shared:
+    """The shared state of `--update`, resumed from `checkpoint` if given; hogwild moves `model` to shared memory."""
+    version = checkpoint["version"] if checkpoint else 0
+    steps = ctx.Value("q", checkpoint["global_step"] if checkpoint else 0)
+    shared = Shared(stop=stop, log_q=ctx.Queue(), error_q=ctx.Queue(), steps_claimed=steps)
+    params = list(model.parameters())
+    if args.update == "hogwild":
+        model.share_memory()
+        shared.params, shared.updates = params, ctx.Value("q", version)
+        shared.optimizer = make_optimizer(params, args).share_memory()
+        if checkpoint:
+            shared.optimizer.load_state_dict(checkpoint["optimizer"])
+        return shared
+    shared.grad_q = ctx.Queue()
+    shared.grad_slots = torch.zeros((args.num_workers, 2, sum(p.numel() for p in params))).share_memory_()
+    shared.free_slots = [ctx.Queue() for _ in range(args.num_workers)]
+    for q in shared.free_slots:
+        q.put(0)
+        q.put(1)
+    shared.published = flatten(params).share_memory_()
+    shared.version, shared.param_lock = ctx.Value("q", version, lock=False), ctx.Lock()
+    return shared
 
 
 def blocking_get(q: Queue, shared: Shared):
@@ -353,7 +359,7 @@ def blocking_get(q: Queue, shared: Shared):
         try:
             return q.get(timeout=1.0)
         except queue.Empty:
-            if should_stop(shared):
+            if shared.stop.is_set():
                 raise Stop from None
 
 
@@ -399,39 +405,9 @@ def push_server(shared: Shared, grads: list[torch.Tensor], update: Update) -> No
 # ---- Workers ----
 
 
-def die_with_parent(parent_pid: int) -> None:
-    """Linux: the kernel kills this process when the main process dies, even by kill -9, so no child outlives the run.
-    The main process may have died before prctl ran: then exit at once. Signals are the main process's to handle."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):  # no prctl (not Linux)
-        pass
-    if os.getppid() != parent_pid:
-        os._exit(0)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})  # blocked by main around start()
-
-
 def threads(requested: int, workers: int) -> int:
     """`--torch-threads` / `--env-threads`: the value given, or for 0 the machine's cores shared by the workers."""
     return requested or max(1, (os.cpu_count() or 1) // workers)
-
-
-def child_process(who: str, shared: Shared, body, *body_args) -> None:
-    """A worker's or the gradient server's process: run `body`, reporting an error to the main process in one line
-    (a non-finite loss, a full disk) or with its traceback."""
-    die_with_parent(shared.parent_pid)
-    try:
-        body(*body_args)
-    except Stop:
-        pass
-    except (NonFiniteLoss, WriteError) as e:
-        shared.error_q.put(f"error: {e} ({who}); stopping (the last good checkpoint, if any, is kept)")
-        raise SystemExit(1) from None
-    except BaseException:
-        shared.error_q.put(f"error: {who} died:\n{traceback.format_exc()}")
-        raise SystemExit(1) from None
 
 
 def worker_loop(worker: int, args: Args, shared: Shared, device: torch.device) -> None:
@@ -456,7 +432,7 @@ def worker_loop(worker: int, args: Args, shared: Shared, device: torch.device) -
         next_obs, _ = envs.reset()
         obs_buf[0].copy_(torch.from_numpy(next_obs))
         batch = n * T
-        while not should_stop(shared):
+        while not shared.stop.is_set():
             global_step = claim_steps(shared, batch, args.total_timesteps)
             if not global_step:
                 break
@@ -520,13 +496,8 @@ def gradient_server(model: nn.Module, args: Args, shared: Shared, device: torch.
         optimizer.load_state_dict(state["optimizer"])
     grads = [torch.zeros_like(p) for p in params]
     global_step = state.get("global_step", 0)
-    while True:
-        try:
-            message = shared.grad_q.get(timeout=1.0)
-        except queue.Empty:
-            if os.getppid() != shared.parent_pid:
-                raise Stop from None
-            continue  # the main process ends the server with a Finish message, after the workers
+    while True:  # until main's Finish, sent after the workers stopped (child_main ends it if main dies)
+        message = shared.grad_q.get()
         if isinstance(message, Gradient):
             update, t0 = message.update, time.perf_counter()
             copy_flat_into(grads, shared.grad_slots[update.worker, message.slot])
@@ -552,304 +523,7 @@ def gradient_server(model: nn.Module, args: Args, shared: Shared, device: torch.
                 return
 
 
-# ---- Lifecycle ----
-
-
-def validate(args: Args) -> str | None:
-    """Every flag checked before anything is spawned; returns the error line or None (tyro checks the choices)."""
-    if args.track and importlib.util.find_spec("wandb") is None:
-        return '--track needs wandb: pip install -e ".[track]"'
-    for name, value in asdict(args).items():
-        if isinstance(value, float) and not math.isfinite(value):
-            return f"--{name.replace('_', '-')} must be a finite number, got {value}"
-    for name in ("num_workers", "num_envs_per_worker", "num_steps", "log_frequency"):
-        if getattr(args, name) < 1:
-            return f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}"
-    for name in ("learning_rate", "max_grad_norm", "rmsprop_eps"):
-        if not getattr(args, name) > 0:
-            return f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}"
-    if not 0 <= args.rmsprop_alpha < 1:
-        return f"--rmsprop-alpha must be in [0, 1), got {args.rmsprop_alpha}"
-    if not 0 < args.gamma <= 1:
-        return f"--gamma must be in (0, 1], got {args.gamma}"
-    for name in ("env_threads", "torch_threads", "ent_coef", "vf_coef", "checkpoint_interval", "eval_episodes",
-                 "log_interval"):  # fmt: skip
-        if getattr(args, name) < 0:
-            return f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}"
-    if args.resume is not None and not Path(args.resume).is_file():
-        return f"--resume {args.resume}: no such checkpoint file"
-    if args.eval_only is not None and not Path(args.eval_only).is_file():
-        return f"--eval-only {args.eval_only}: no such file"
-    if args.total_timesteps < args.num_envs_per_worker * args.num_steps:
-        return (
-            f"--total-timesteps ({args.total_timesteps}) is less than one rollout "
-            f"({args.num_envs_per_worker} envs x {args.num_steps} steps)"
-        )
-    try:
-        check_env_args(args.env_id, args.num_envs_per_worker, args.atari_protocol)
-        if args.capture_video and args.eval_only is None:  # fail now, not at the final evaluation
-            check_video(args.env_id, args.atari_protocol)
-    except EnvError as e:
-        return str(e)
-    act_space = env_spaces(args)[1]
-    if not isinstance(act_space, gym.spaces.Discrete):
-        return (
-            f"{args.env_id} has a continuous action space ({act_space}); a3c_large_batch.py handles Discrete "
-            f"action spaces only (for continuous actions: apex_ddpg.py)"
-        )
-    return None
-
-
-def env_spaces(args: Args) -> tuple[gym.Space, gym.Space]:
-    """(observation space, action space) of one env of the training vector env."""
-    probe = make_vector_env(args.env_id, 1, args.seed, protocol=args.atari_protocol, num_threads=1)
-    spaces = probe.single_observation_space, probe.single_action_space
-    probe.close()
-    return spaces
-
-
-def fail(message: str) -> None:
-    print(f"error: {message}", file=sys.stderr)
-    raise SystemExit(2)
-
-
-def new_run_dir(args: Args) -> Path:
-    """Create this run's directory, never one that exists: a run started in the same second with the same name gets
-    the suffix -2, -3, ... (mkdir is atomic, so two runs cannot both take one name). Exit 2 if it cannot be made."""
-    base = Path(args.log_dir) / f"{args.env_id.replace('/', '_')}__{args.exp_name}__{args.seed}__{int(time.time())}"
-    try:
-        base.parent.mkdir(parents=True, exist_ok=True)
-    except FileExistsError:
-        fail(f"cannot create the run directory {base}: {base.parent} is not a directory")
-    except OSError as e:
-        fail(f"cannot create the run directory {base}: {e.strerror or e}")
-    for n in itertools.count(1):
-        run_dir = base if n == 1 else base.with_name(f"{base.name}-{n}")
-        try:
-            run_dir.mkdir()
-            return run_dir
-        except FileExistsError:
-            continue
-        except OSError as e:
-            fail(f"cannot create the run directory {run_dir}: {e.strerror or e}")
-
-
-def write_run_args(run_dir: Path, args: Args, meta: dict) -> None:
-    """{run_dir}/args.json: the script, Args and checkpoint meta, so that --eval-only can rebuild the env and the model
-    of a model.pt lying beside it. Exit 2 if it cannot be written."""
-    try:
-        (run_dir / "args.json").write_text(json.dumps(dict(script=meta["script"], args=asdict(args), meta=meta)))
-    except OSError as e:
-        fail(f"cannot write {run_dir / 'args.json'}: {e.strerror or e}")
-
-
-def start_tracking(args: Args, run_dir: Path):
-    """--track: a Weights & Biases run named like the run directory, with the Args as config and the TensorBoard
-    scalars synced; returns the wandb module (None without --track). Call it before the SummaryWriter is made: wandb
-    patches TensorBoard at init. The id is derived from the run directory's name, so that a --resume run continues
-    the same W&B run."""
-    if not args.track:
-        return None
-    import wandb  # optional: pip install -e ".[track]"
-
-    try:
-        wandb.init(
-            project=args.wandb_project_name,
-            entity=args.wandb_entity,
-            name=run_dir.name,
-            id=hashlib.sha1(run_dir.name.encode()).hexdigest(),
-            resume="allow" if args.resume else None,
-            config=vars(args),
-            sync_tensorboard=True,
-            save_code=True,
-        )
-    except Exception as e:  # not logged in, no network, an unknown entity or project
-        fail(f"--track: wandb.init failed: {(str(e).strip().splitlines() or [type(e).__name__])[0][:200]}")
-    return wandb
-
-
-def finish_tracking(tracker, run_dir: Path, exit_code: int) -> None:
-    """--track: upload the evaluation videos and end the W&B run (`tracker`, from start_tracking) with the run's exit
-    status. Call it after the SummaryWriter is closed: wandb syncs the events files up to then."""
-    if tracker is None:
-        return
-    for video in sorted((run_dir / "videos").glob("*.mp4")):
-        tracker.log({"videos": tracker.Video(str(video))})
-    tracker.finish(exit_code=exit_code)
-
-
-def checkpoint_meta(args: Args, obs_space: gym.Space, act_space: gym.spaces.Discrete) -> dict:
-    """What a checkpoint must match to be resumed by this run: script, update mode, env, network and shapes."""
-    return dict(
-        script=Path(__file__).name,
-        algo=args.update,
-        env_id=args.env_id,
-        network=args.network if args.network != "auto" else ("nature" if len(obs_space.shape) == 3 else "mlp"),
-        obs_shape=list(obs_space.shape),
-        action_shape_or_n=int(act_space.n),
-    )
-
-
-def load_checkpoint(path: str, meta: dict) -> dict:
-    """The checkpoint at `path` if this run can continue it; otherwise one error line and exit 2 (nothing started)."""
-    try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as e:
-        reason = (str(e).strip().splitlines() or [""])[0][:120]
-        fail(f"cannot resume from {path}: not a checkpoint this script can read ({type(e).__name__}: {reason})")
-    theirs = checkpoint.get("meta") if isinstance(checkpoint, dict) else None
-    if not isinstance(theirs, dict):
-        fail(f'cannot resume from {path}: not a checkpoint this script can read (it has no "meta" entry)')
-    differ = [k for k in meta if theirs.get(k) != meta[k]]
-    if differ:
-        fail(
-            f"cannot resume from {path}: it is a {theirs.get('script')} checkpoint "
-            f"({', '.join(f'{k} {theirs.get(k)}' for k in differ)}), this run is "
-            f"{', '.join(f'{k} {meta[k]}' for k in differ)}"
-        )
-    return checkpoint
-
-
-def os_error_reason(e: OSError) -> str:
-    return "no space left on device" if e.errno == errno.ENOSPC else (e.strerror or str(e))
-
-
-def events_error(e: OSError, run_dir: Path) -> str:
-    """The error line for a TensorBoard events file that cannot be written (a full disk, most often). TensorBoard's
-    writer thread dies of it and the main thread gets it at its next write; the thread is kept from printing its own
-    traceback (`threading.excepthook`), so the run reports it in this one line."""
-    return f"error: {os_error_reason(e)} while writing the TensorBoard events in {run_dir}; stopping"
-
-
-def open_writer(run_dir: Path, args: Args):
-    """The run's TensorBoard writer, with the hyperparameter table; its thread's OSErrors are reported by main."""
-    from torch.utils.tensorboard import SummaryWriter  # after the forks: the writer runs a thread
-
-    default = threading.excepthook
-    threading.excepthook = lambda hook_args: None if issubclass(hook_args.exc_type, OSError) else default(hook_args)
-    writer = SummaryWriter(str(run_dir))
-    table = "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items())
-    writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
-    return writer
-
-
-def atomic_save(obj, path: Path) -> None:
-    """torch.save, atomic: a temporary file, then a rename over the old file, so a full disk leaves the last good one.
-    Serialised in memory first: torch.save to a full disk raises a cryptic "unexpected pos" instead of ENOSPC."""
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    tmp = path.with_suffix(".tmp")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(buffer.getbuffer())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise WriteError(f"{os_error_reason(e)} while writing {path}") from None
-
-
-@dataclass
-class Checkpoints:
-    """checkpoint.pt of this run: main writes it in hogwild mode, the gradient server (which owns the model and the
-    optimizer) in server mode."""
-
-    args: Args
-    meta: dict
-    path: Path
-    model: nn.Module  # hogwild: the shared model
-    shared: Shared
-
-    def extra(self) -> dict:
-        return dict(update=self.args.update, args=asdict(self.args), torch_rng=torch.get_rng_state(), meta=self.meta)
-
-    def write(self, global_step: int) -> None:
-        if self.shared.grad_q is not None:
-            self.shared.grad_q.put(SaveCheckpoint(str(self.path), self.extra()))
-            return
-        own = dict(model=self.model.state_dict(), optimizer=self.shared.optimizer.state_dict())
-        atomic_save(
-            {**own, "global_step": global_step, "version": self.shared.updates.value, **self.extra()}, self.path
-        )
-
-    def finish_message(self) -> Finish:
-        return Finish(str(self.path) if self.args.checkpoint_interval else None, self.extra())
-
-
-def evaluate(model: nn.Module, args: Args, video_dir: Path) -> list[float]:
-    """Play `eval_episodes` full games with the final (or --eval-only's saved) policy, true returns; argmax actions
-    with `--eval-greedy` (GALA Table 1), sampled ones otherwise; videos to `video_dir` with --capture-video."""
-    seed = args.seed + 1_000_003
-    env = make_env(
-        args.env_id, seed, protocol=args.atari_protocol, capture_video=args.capture_video, video_dir=str(video_dir)
-    )
-    generator = torch.Generator().manual_seed(seed)
-    returns = []
-    obs, _ = env.reset()
-    while len(returns) < args.eval_episodes:
-        with torch.inference_mode():
-            logits, _ = model(torch.as_tensor(obs[None]))
-        action = logits.argmax(dim=1) if args.eval_greedy else sample_actions(logits, generator)
-        obs, _, terminated, truncated, info = env.step(int(action[0]))
-        if terminated or truncated:
-            returns.append(float(info["episode"]["r"]))
-            if len(returns) < args.eval_episodes:  # no reset after the last game: it would record an empty video
-                obs, _ = env.reset()
-    env.close()
-    return returns
-
-
-def load_for_eval(args: Args) -> tuple[Args, nn.Module, dict]:
-    """--eval-only: the saved agent (a model.pt with its run's args.json beside it, or a checkpoint.pt), the Args to
-    evaluate it with (env, protocol and network from the saved run; seed and evaluation flags from this command line)
-    and the settings taken from the run. Anything this script cannot evaluate is one error line and exit 2."""
-    path, this = Path(args.eval_only), Path(__file__).name
-    try:
-        saved = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as e:  # garbage, truncated, or pickled objects this interpreter cannot rebuild
-        fail(f"--eval-only {path}: not a model.pt or checkpoint.pt ({type(e).__name__}: {str(e).strip()[:100]})")
-    is_checkpoint = isinstance(saved, dict) and isinstance(saved.get("meta"), dict)
-    if is_checkpoint:  # it carries its own args and meta
-        run = dict(saved, script=saved["meta"].get("script"))
-    else:
-        try:
-            run = json.loads((path.parent / "args.json").read_text())
-        except (OSError, ValueError) as e:
-            fail(f"--eval-only {path}: cannot read its run's args.json beside it (it names the env and network): {e}")
-    if run.get("script") != this:
-        fail(f"{path} was saved by {run.get('script')}, not {this}")
-    for name in ("env_id", "network"):  # a value given on the command line must be the saved run's
-        given, theirs = getattr(args, name), (run["meta"][name], run["args"][name])
-        if given != getattr(Args, name) and given not in theirs:
-            fail(f"--{name.replace('_', '-')} {given} contradicts {path}, saved by a run with {theirs[0]}")
-    own = dict(eval_only=args.eval_only, eval_episodes=args.eval_episodes or 10, eval_greedy=args.eval_greedy,
-               capture_video=args.capture_video, seed=args.seed, cuda=args.cuda)  # fmt: skip
-    known = {f.name for f in fields(Args)}
-    eval_args = Args(**{k: v for k, v in run["args"].items() if k in known} | own)
-    model = make_model(*env_spaces(eval_args), run["meta"]["network"])
-    try:
-        model.load_state_dict(saved["model"] if is_checkpoint else saved)
-    except Exception as e:  # not a state_dict, or one of another network
-        fail(f"--eval-only {path}: not parameters of its run's {run['meta']['network']} network ({type(e).__name__})")
-    settings = dict(env_id=eval_args.env_id, atari_protocol=eval_args.atari_protocol, network=run["meta"]["network"])
-    return eval_args, model, settings
-
-
-class StopSignals:
-    """Ctrl+C and SIGTERM only set `requested` (and `signum`, for the exit status 128 + signum): start-up checks it
-    before starting processes and the main loop at the top of every iteration, then unwinds through `finally`. An
-    exception raised from the handler could cut start-up between two process starts (orphans, a traceback), or leave
-    half a message in the pipe inside a `log_q.get` (`EOFError: Ran out of input` at the next read)."""
-
-    def __init__(self):
-        self.requested, self.signum = threading.Event(), 0
-        signal.signal(signal.SIGINT, self.handler)
-        signal.signal(signal.SIGTERM, self.handler)
-
-    def handler(self, signum, frame) -> None:
-        self.signum = self.signum or signum
-        self.requested.set()
+# ---- The run's record ----
 
 
 @dataclass
@@ -918,6 +592,16 @@ class Progress:
         except queue.Empty:
             pass
 
+    def drain_while(self, log_q: Queue, busy, seconds: float) -> None:
+        """Handle the messages on `log_q` while `busy()` holds, for at most `seconds` (a process that stops exits only
+        once its queued messages are in the pipe). The events file's errors are the caller's to report."""
+        deadline = time.monotonic() + seconds
+        while busy() and time.monotonic() < deadline:
+            try:
+                self.drain(log_q, 0.2)
+            except OSError:
+                time.sleep(0.2)
+
     def sps(self) -> float:
         return (self.global_step - self.start_step) / max(1e-9, time.time() - self.start_time)
 
@@ -929,194 +613,124 @@ class Progress:
         )
 
 
-class Processes:
-    """The worker processes and the gradient server: started together, watched, stopped workers first."""
-
-    def __init__(self, procs: dict[str, BaseProcess], shared: Shared):
-        self.procs, self.shared, self.finish_sent = procs, shared, False
-
-    def start(self) -> None:
-        """Children start with SIGINT/SIGTERM blocked, then ignore them: Ctrl+C reaches the whole process group."""
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
-        try:
-            for p in self.procs.values():
-                p.start()
-        finally:
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
-
-    def failure(self, ignore: tuple[str, ...] = ()) -> str | None:
-        """The error line of the first process that exited with an error: its own if it lived to send one (a process
-        killed by a signal did not)."""
-        for name, p in self.procs.items():
-            if name not in ignore and p.exitcode is not None and p.exitcode != 0:
-                if p.exitcode > 0:
-                    with contextlib.suppress(queue.Empty):
-                        return self.shared.error_q.get(timeout=2.0)
-                how = f"killed by signal {-p.exitcode}" if p.exitcode < 0 else f"exit status {p.exitcode}"
-                return f"error: {name} died ({how}); stopping the run"
-        return None
-
-    def kill(self) -> None:
-        """Start-up failed after the processes started: nothing is saved, so they need no orderly stop."""
-        for p in self.procs.values():
-            p.kill()
-            p.join()
-
-    def finish_server(self, message: Finish) -> None:
-        if self.shared.grad_q is not None and not self.finish_sent:
-            self.shared.grad_q.put(message)
-            self.finish_sent = True
-
-    def stop(self, names: list[str], progress: Progress, grace: float) -> list[str]:
-        """Stop these processes within `grace` seconds: set `stop`, keep draining the log queue while they exit (a
-        process waits for its queued messages to reach the pipe before exiting), kill what is left and return their
-        names. After a death the grace is short: a process killed while writing to a queue leaves its lock held, and
-        the others' exits would hang on it."""
-        self.shared.stop.set()
-        procs = [(name, self.procs[name]) for name in names]
-        deadline = time.time() + grace
-        while any(p.is_alive() for _, p in procs) and time.time() < deadline:
-            try:
-                progress.drain(self.shared.log_q, 0.2)
-            except OSError:  # TensorBoard's events file cannot be written (reported by the caller): keep stopping
-                time.sleep(0.2)
-        killed = []
-        for name, p in procs:
-            if p.is_alive():
-                p.kill()
-                killed.append(name)
-            p.join(timeout=2.0)
-        try:
-            progress.drain(self.shared.log_q, 0.0)
-        except OSError:
-            pass
-        return killed
-
-    def shut_down(
-        self, progress: Progress, checkpoints: Checkpoints, failure: str | None, interrupted: bool
-    ) -> str | None:
-        """Stop the workers, then let the server apply what is queued and write the final checkpoint, then stop it.
-        Returns the run's failure line, if any."""
-        workers = [name for name in self.procs if name.startswith("worker")]
-        killed = self.stop(workers, progress, grace=4.0 if failure is None else 1.0)
-        server = self.procs.get("gradient server")
-        if server is not None:
-            if failure is None and server.is_alive():
-                self.finish_server(checkpoints.finish_message())
-                deadline = time.time() + 4.0
-                while not progress.server_done and server.is_alive() and time.time() < deadline:
-                    progress.drain(self.shared.log_q, 0.2)
-            killed += self.stop(["gradient server"], progress, grace=1.0)
-            if failure is None and not progress.server_done:
-                failure = self.failure() or "error: the gradient server did not finish; stopping"
-        if interrupted and killed:  # e.g. Ctrl+C while a worker was still starting up: not a crash
-            print(f"{', '.join(killed)} did not stop in time after the interrupt: killed", file=sys.stderr)
-        done = [f"worker {w}" for w in progress.workers_done] + (["gradient server"] if progress.server_done else [])
-        slow = [name for name in killed if interrupted or name in done]  # killed while exiting, its work done
-        return failure or self.failure(ignore=tuple(slow))
+# ---- Main ----
 
 
-def make_processes(
-    args: Args, model: nn.Module, checkpoint: dict | None, version: int, global_step: int, device: str
+@dataclass
+class Checkpoints:
+    """{run_dir}/checkpoint.pt, written by main in hogwild mode and, in server mode, by the gradient server, which owns
+    the model and the optimizer (main sends it SaveCheckpoint, then Finish)."""
+
+    path: Path
+    model: nn.Module  # hogwild: the shared model
+    shared: Shared
+    extra: dict  # what main adds to every checkpoint: the Args, meta and its RNG state
+    final: bool  # write a final checkpoint (--checkpoint-interval > 0)
+
+    def write(self, global_step: int) -> None:
+        if self.shared.grad_q is not None:
+            self.shared.grad_q.put(SaveCheckpoint(str(self.path), self.extra))
+            return
+        own = dict(model=self.model.state_dict(), optimizer=self.shared.optimizer.state_dict())
+        atomic_save({**own, "global_step": global_step, "version": self.shared.updates.value, **self.extra}, self.path)
+
+
+def start_processes(
+    args: Args, ctx, shared: Shared, model: nn.Module, checkpoint: dict | None, device: str
 ) -> Processes:
-    """The shared state of `--update` and the (not yet started) processes; hogwild moves `model` to shared memory."""
-    ctx = mp.get_context("spawn" if device == "cuda" else "fork")  # CUDA cannot be used in forked children
-    shared = Shared(
-        stop=ctx.Event(),
-        log_q=ctx.Queue(),
-        error_q=ctx.Queue(),
-        steps_claimed=ctx.Value("q", global_step),
-        parent_pid=os.getpid(),
-    )
-    params = list(model.parameters())
-    procs: dict[str, BaseProcess] = {}
-    if args.update == "hogwild":
-        model.share_memory()
-        shared.params, shared.updates = params, ctx.Value("q", version)
-        shared.optimizer = make_optimizer(params, args).share_memory()
-        if checkpoint:
-            shared.optimizer.load_state_dict(checkpoint["optimizer"])
-    else:
-        shared.grad_q = ctx.Queue()
-        shared.grad_slots = torch.zeros((args.num_workers, 2, sum(p.numel() for p in params))).share_memory_()
-        shared.free_slots = [ctx.Queue() for _ in range(args.num_workers)]
-        for q in shared.free_slots:
-            q.put(0)
-            q.put(1)
-        shared.published = flatten(params).share_memory_()
-        shared.version, shared.param_lock = ctx.Value("q", version, lock=False), ctx.Lock()
-        server_model = copy.deepcopy(model)
-        state = {"global_step": global_step, **({"optimizer": checkpoint["optimizer"]} if checkpoint else {})}
-        body = (gradient_server, server_model, args, shared, torch.device(device), state)
-        procs["gradient server"] = ctx.Process(
-            target=child_process, args=("gradient server", shared, *body), daemon=True
-        )
+    """Server mode: the gradient server first, with its own copy of the model and the optimizer; then the workers."""
+    processes, device = Processes(ctx), torch.device(device)
+    if shared.grad_q is not None:
+        state = dict(global_step=checkpoint["global_step"], optimizer=checkpoint["optimizer"]) if checkpoint else None
+        body = (gradient_server, copy.deepcopy(model), args, shared, device, state)
+        processes.start("gradient server", run_child, "gradient server", shared.error_q, *body)
     for w in range(args.num_workers):
-        body = (worker_loop, w, args, shared, torch.device(device))
-        procs[f"worker {w}"] = ctx.Process(target=child_process, args=(f"worker {w}", shared, *body), daemon=True)
-    return Processes(procs, shared)
+        processes.start(f"worker {w}", run_child, f"worker {w}", shared.error_q, worker_loop, w, args, shared, device)
+    return processes
+
+
+def train(args: Args, shared: Shared, processes: Processes, progress: Progress, checkpoints: Checkpoints) -> str | None:
+    """Main's loop: log what the workers report, print the console line, write checkpoints and watch the processes
+    until every worker is done or the run stops (a signal); returns the error line of a failed process or write."""
+    last_print = last_checkpoint = time.time()
+    try:
+        while len(progress.workers_done) < args.num_workers and not shared.stop.is_set():
+            progress.drain(shared.log_q, 0.5)
+            if failure := failure_line(processes, shared.error_q):
+                return failure
+            now = time.time()
+            if now - last_print >= args.log_interval:
+                print(progress.console_line(), flush=True)
+                last_print = now
+            if args.checkpoint_interval and now - last_checkpoint >= args.checkpoint_interval:
+                checkpoints.write(progress.global_step)
+                last_checkpoint = now
+    except WriteError as e:
+        return f"{e}; stopping (the last good checkpoint is kept)"
+    except OSError as e:
+        return write_error(e, f"the TensorBoard events in {checkpoints.path.parent}")
+    return None
+
+
+def shut_down(
+    shared: Shared, processes: Processes, progress: Progress, checkpoints: Checkpoints, failure: str | None,
+    interrupted: bool,
+) -> str | None:  # fmt: skip
+    """Stop the workers, let the gradient server apply what is queued and write the final checkpoint, then end every
+    process (SIGKILL for one that does not stop in time); returns the run's error line, if any."""
+    shared.stop.set()
+    workers = [p for name, p in processes.procs.items() if name.startswith("worker")]
+    # after a death the wait is short: a process killed while writing to a queue leaves its lock held, and the others'
+    # exits would hang on it
+    progress.drain_while(shared.log_q, lambda: any(p.is_alive() for p in workers), 4.0 if failure is None else 1.0)
+    failure = failure or failure_line(processes, shared.error_q)
+    server = processes.procs.get("gradient server")
+    if server is not None and failure is None:
+        final = str(checkpoints.path) if checkpoints.final else None
+        shared.grad_q.put(Finish(final, checkpoints.extra))  # behind every gradient of the workers, which have stopped
+        wait = 5.0 if interrupted else 60.0  # the final checkpoint of a finished run may take a while to write
+        progress.drain_while(shared.log_q, lambda: not progress.server_done and server.is_alive(), wait)
+        if not progress.server_done:
+            failure = failure_line(processes, shared.error_q) or "error: the gradient server did not finish; stopping"
+    killed = processes.stop(grace=1.0)
+    with contextlib.suppress(OSError):  # the events file's error, if any, is reported by finish_run
+        progress.drain(shared.log_q, 0.0)
+    if interrupted and killed:  # e.g. Ctrl+C while a worker was still starting up: not a crash
+        print(f"{', '.join(killed)} did not stop in time after the interrupt: killed", file=sys.stderr)
+    return failure
 
 
 def finish_run(
-    args: Args, model: nn.Module, processes: Processes, progress: Progress, checkpoints: Checkpoints, run_dir: Path,
-    failure: str | None, interrupted: bool,
+    args: Args, model: nn.Module, shared: Shared, progress: Progress, checkpoints: Checkpoints, failure: str | None,
+    interrupted: bool,
 ) -> str | None:  # fmt: skip
-    """After the processes stopped: main's model becomes the final one, the final checkpoint (hogwild), model.pt, the
-    last TensorBoard point, the final console line, the evaluation. Returns the failure line, if any."""
-    shared = processes.shared
+    """After the processes stopped: main's model becomes the final one, then the final checkpoint (hogwild), model.pt,
+    the last TensorBoard point and console line, the evaluation. Returns the run's error line, if any."""
+    run_dir = checkpoints.path.parent
     if shared.grad_q is not None:  # main's view of the shared model: the latest published version
         with torch.no_grad():
             copy_flat_into(list(model.parameters()), shared.published)
     try:
-        if failure is None and args.checkpoint_interval and shared.grad_q is None:
+        if failure is None and checkpoints.final and shared.grad_q is None:
             checkpoints.write(progress.global_step)
         if failure is None and not interrupted and args.save_model:
             atomic_save(model.state_dict(), run_dir / "model.pt")
     except WriteError as e:
-        failure = f"error: {e}; stopping (the last good checkpoint is kept)"
+        failure = f"{e}; stopping (the last good checkpoint is kept)"
     try:
         progress.write()
     except OSError as e:
-        failure = failure or events_error(e, run_dir)
+        failure = failure or write_error(e, f"the TensorBoard events in {run_dir}")
     print(progress.console_line(), flush=True)
     if failure is None and not interrupted and args.eval_episodes:
-        for i, ret in enumerate(evaluate(model, args, run_dir / "videos")):
+        for i, ret in enumerate(evaluate(model, args, run_dir / "videos", torch.device("cpu"))):
             progress.writer.add_scalar("eval/episodic_return", ret, i)
             print(f"eval episode {i}: return {ret:.1f}")
     try:
         progress.writer.close()
     except OSError as e:
-        failure = failure or events_error(e, run_dir)
+        failure = failure or write_error(e, f"the TensorBoard events in {run_dir}")
     return failure
-
-
-# ---- Main ----
-
-
-def train(
-    args: Args, processes: Processes, progress: Progress, checkpoints: Checkpoints, signals: StopSignals
-) -> str | None:
-    """Log what the workers report, watch the processes and write checkpoints until every worker (and the server) is
-    done; returns the failure line of a process that died, or None. Raises KeyboardInterrupt on Ctrl+C / SIGTERM."""
-    last_print = last_checkpoint = last_check = time.time()
-    while len(progress.workers_done) < args.num_workers or not progress.server_done:
-        if signals.requested.is_set():
-            raise KeyboardInterrupt
-        if len(progress.workers_done) == args.num_workers and not processes.finish_sent:
-            processes.finish_server(checkpoints.finish_message())  # apply what is queued, final checkpoint, stop
-        progress.drain(processes.shared.log_q, 0.5)
-        now = time.time()
-        if now - last_check >= 0.5:
-            last_check = now
-            if failure := processes.failure():
-                return failure
-        if now - last_print >= args.log_interval:
-            print(progress.console_line(), flush=True)
-            last_print = now
-        if args.checkpoint_interval and now - last_checkpoint >= args.checkpoint_interval:
-            checkpoints.write(progress.global_step)
-            last_checkpoint = now
-    return None
 
 
 def main(args: Args) -> None:
@@ -1128,64 +742,51 @@ def main(args: Args) -> None:
     obs_space, act_space = env_spaces(args)
     meta = checkpoint_meta(args, obs_space, act_space)
     checkpoint = load_checkpoint(args.resume, meta) if args.resume else None
-    signals = StopSignals()
-
     device = "cuda" if args.cuda and torch.cuda.is_available() else "cpu"
+    ctx = mp.get_context("spawn" if device == "cuda" else "fork")  # CUDA cannot be used in forked children
+    signals = StopSignals(ctx.Event())
     torch.set_num_threads(threads(args.torch_threads, args.num_workers))
     torch.manual_seed(args.seed)
     torch.backends.cudnn.deterministic = args.torch_deterministic
     torch.use_deterministic_algorithms(args.torch_deterministic, warn_only=True)
-    if checkpoint:
-        run_dir = Path(args.resume).parent
-        if not os.access(run_dir, os.W_OK):
-            fail(f"cannot write to the run directory {run_dir} of --resume {args.resume}")
-    else:
-        run_dir = new_run_dir(args)
+    run_dir = Path(args.resume).parent if checkpoint else new_run_dir(args)
 
     model = make_model(obs_space, act_space, args.network)  # hogwild: the shared model; server: main's view of it
-    global_step, version = 0, 0
     if checkpoint:
         model.load_state_dict(checkpoint["model"])
-        global_step, version = checkpoint["global_step"], checkpoint["version"]
-    processes = make_processes(args, model, checkpoint, version, global_step, device)
-    checkpoints = Checkpoints(args, meta, run_dir / "checkpoint.pt", model, processes.shared)
-
-    print(
-        f"run directory: {run_dir}  ({args.num_workers} workers x {args.num_envs_per_worker} envs, {args.update} "
-        f"updates, {args.num_steps}-step rollouts of {args.num_envs_per_worker * args.num_steps} agent steps, "
-        f"{device})",
-        flush=True,
-    )
-    if signals.requested.is_set():  # Ctrl+C while setting up: stop before any process starts, leave nothing behind
+    shared = make_shared(args, ctx, signals.stop, model, checkpoint)
+    extra = dict(update=args.update, args=asdict(args), torch_rng=torch.get_rng_state(), meta=meta)
+    checkpoints = Checkpoints(run_dir / "checkpoint.pt", model, shared, extra, final=args.checkpoint_interval > 0)
+    rollout = f"{args.num_steps}-step rollouts of {args.num_envs_per_worker * args.num_steps} agent steps"
+    print(f"run directory: {run_dir}  ({args.num_workers} workers x {args.num_envs_per_worker} envs, {args.update} "
+          f"updates, {rollout}, {device})", flush=True)  # fmt: skip
+    if signals.stop.is_set():  # Ctrl+C while setting up: stop before any process starts, leave nothing behind
         if not checkpoint:
             run_dir.rmdir()
         print("interrupted during start-up", file=sys.stderr)
         raise SystemExit(128 + signals.signum)
     write_run_args(run_dir, args, meta)
-    processes.start()
+    processes = start_processes(args, ctx, shared, model, checkpoint, device)
     try:
         tracker = start_tracking(args, run_dir)  # after the forks: no worker inherits wandb's threads and pipes
     except SystemExit:  # wandb.init failed (its error line is printed)
-        processes.kill()
+        signals.stop.set()
+        processes.stop(grace=0.0)
         raise
-    progress = Progress(open_writer(run_dir, args), args.log_frequency, global_step, args.learning_rate,
+    global_step = checkpoint["global_step"] if checkpoint else 0
+    progress = Progress(make_writer(run_dir, args), args.log_frequency, global_step, args.learning_rate,
                         server_done=args.update == "hogwild")  # fmt: skip
 
-    failure, interrupted = None, False
+    failure = None
     try:
-        failure = train(args, processes, progress, checkpoints, signals)
-    except KeyboardInterrupt:
-        interrupted = True
-        print("interrupted: shutting down", file=sys.stderr, flush=True)
-    except WriteError as e:
-        failure = f"error: {e}; stopping (the last good checkpoint is kept)"
-    except OSError as e:  # the TensorBoard events file
-        failure = events_error(e, run_dir)
-    finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl+C must not cut the shutdown short
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        failure = processes.shut_down(progress, checkpoints, failure, interrupted)
-    failure = finish_run(args, model, processes, progress, checkpoints, run_dir, failure, interrupted)
+        failure = train(args, shared, processes, progress, checkpoints)
+    finally:  # whatever ended the loop, no process outlives it
+        interrupted = bool(signals.signum)
+        if interrupted:
+            print("interrupted: shutting down", file=sys.stderr, flush=True)
+        failure = shut_down(shared, processes, progress, checkpoints, failure, interrupted)
+    failure = finish_run(args, model, shared, progress, checkpoints, failure, interrupted)
+    signals.restore()
     if failure:
         print(failure, file=sys.stderr)
     code = 1 if failure else 128 + signals.signum if interrupted else 0
@@ -1194,16 +795,240 @@ def main(args: Args) -> None:
         raise SystemExit(code)
 
 
+# ---- run plumbing ------------------------------------------------------------------------------------------------
+# Validation, the run directory, tracking, checkpoints, evaluation of a saved agent, signals, supervision and error
+# lines: nothing here is needed to read or change the algorithm above. A function here that several scripts have is
+# the same text in all of them (tests/test_plumbing.py names the script and function that drift): change it in every
+# script. What differs between scripts lives in the few script-specific functions at the end of this section.
+
+
+class Stop(Exception):
+    """The run is stopping (a signal, a dead worker, the budget spent): raised to leave a wait or a loop early."""
+
+
+class NonFiniteLoss(Exception):
+    """A loss or gradient norm that is NaN or infinite: the run stops and the last good checkpoint is kept."""
+
+
+class WriteError(Exception):
+    """A checkpoint, model or TensorBoard write that failed (a full disk): the message is the run's error line."""
+
+
+class StopSignals:
+    """Ctrl+C, SIGTERM and SIGHUP (a closed terminal or ssh session) record the first signal's number, for the exit
+    status 128 + signum, and set `stop`, the event the run's waits and loops check; the run then stops at its own pace
+    and writes its final checkpoint. A second signal changes nothing, so a second Ctrl+C cannot cut the shutdown."""
+
+    def __init__(self, stop):
+        self.stop, self.signum = stop, 0
+        self.previous = {s: signal.signal(s, self.handler) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+
+    def handler(self, signum: int, frame) -> None:
+        self.signum = self.signum or signum
+        # set from another thread: the handler runs in the main thread between two bytecodes, possibly while that
+        # thread holds the event's own lock (inside wait or is_set), and a set() here would wait for it forever
+        threading.Thread(target=self.stop.set, daemon=True).start()
+
+    def restore(self) -> None:
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
+
+
+def fail(message: str) -> NoReturn:
+    """Bad input: one error line, exit status 2, before anything is started or written."""
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def flag(name: str) -> str:
+    return f"--{name.replace('_', '-')}"
+
+
+def rule_holds(rule: str, value) -> bool:
+    return {
+        ">= 1": value >= 1, ">= 0": value >= 0, "> 0": value > 0,
+        "in (0, 1]": 0 < value <= 1, "in [0, 1]": 0 <= value <= 1, "in [0, 1)": 0 <= value < 1,
+    }[rule]  # fmt: skip
+
+
+def check_flags(args: Args) -> str | None:
+    """The error line of the first float flag that is not a finite number or the first flag that breaks its rule in
+    FLAG_RULES (flags left at None are filled in later and skipped); None if all hold."""
+    for f in fields(args):
+        value = getattr(args, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            return f"{flag(f.name)} must be a finite number, got {value}"
+    for rule, names in FLAG_RULES:
+        for name in names:
+            value = getattr(args, name)
+            if value is not None and not rule_holds(rule, value):
+                return f"{flag(name)} must be {rule}, got {value}"
+    return None
+
+
+def new_run_dir(args: Args) -> Path:
+    """Create this run's directory, never one that exists: a run started in the same second with the same name gets
+    the suffix -2, -3, ... (mkdir is atomic, so two runs cannot both take one name). Exit 2 if it cannot be made."""
+    base = Path(args.log_dir) / f"{args.env_id.replace('/', '_')}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    for n in itertools.count(1):
+        run_dir = base if n == 1 else base.with_name(f"{base.name}-{n}")
+        try:
+            base.parent.mkdir(parents=True, exist_ok=True)
+            run_dir.mkdir()
+            return run_dir
+        except FileExistsError:
+            if not base.parent.is_dir():
+                fail(f"cannot create the run directory {base}: {base.parent} is not a directory")
+        except OSError as e:
+            fail(f"cannot create the run directory {run_dir}: {e.strerror or e}")
+
+
+def write_run_args(run_dir: Path, args: Args, meta: dict) -> None:
+    """{run_dir}/args.json: the script, Args and checkpoint meta, so that --eval-only can rebuild the env and the model
+    of a model.pt lying beside it. Exit 2 if it cannot be written."""
+    try:
+        (run_dir / "args.json").write_text(json.dumps(dict(script=meta["script"], args=asdict(args), meta=meta)))
+    except OSError as e:
+        fail(f"cannot write {run_dir / 'args.json'}: {e.strerror or e}")
+
+
+def start_tracking(args: Args, run_dir: Path):
+    """--track: a Weights & Biases run named like the run directory, with the Args as config and the TensorBoard
+    scalars synced; returns the wandb module (None without --track). Call it before the SummaryWriter is made: wandb
+    patches TensorBoard at init. The id is derived from the run directory's name, so that a --resume run continues
+    the same W&B run."""
+    if not args.track:
+        return None
+    import wandb  # optional: pip install -e ".[track]"
+
+    try:
+        wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=run_dir.name, config=vars(args),
+                   id=hashlib.sha1(run_dir.name.encode()).hexdigest(), resume="allow" if args.resume else None,
+                   sync_tensorboard=True, save_code=True)  # fmt: skip
+    except Exception as e:  # not logged in, no network, an unknown entity or project
+        fail(f"--track: wandb.init failed: {(str(e).strip().splitlines() or [type(e).__name__])[0][:200]}")
+    return wandb
+
+
+def finish_tracking(tracker, run_dir: Path, exit_code: int) -> None:
+    """--track (`tracker` from start_tracking): upload the final evaluation's videos, then end the W&B run with the
+    run's exit status. Call it after the SummaryWriter is closed: wandb has synced the events written up to then."""
+    if tracker is None:
+        return
+    for video in sorted((run_dir / "videos").glob("*.mp4")):
+        tracker.log({"videos": tracker.Video(str(video))})
+    tracker.finish(exit_code=exit_code)
+
+
+def make_writer(run_dir: Path, args: Args):
+    """The run's TensorBoard writer with the hyperparameter table. Its writer thread dies of a write error (a full
+    disk) that the next write or close raises again in the main thread, which reports it in one line: the thread's own
+    traceback is kept quiet."""
+    from torch.utils.tensorboard import SummaryWriter  # here, not at import: the writer starts a thread
+
+    default = threading.excepthook
+    threading.excepthook = lambda hook: None if issubclass(hook.exc_type, OSError) else default(hook)
+    writer = SummaryWriter(str(run_dir))
+    table = "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items())
+    writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
+    return writer
+
+
+def write_error(e: OSError, what) -> str:
+    """The error line of a write that failed: a full disk said plainly, anything else with the system's reason."""
+    if e.errno == errno.ENOSPC:
+        return f"error: no space left on device while writing {what}"
+    return f"error: cannot write {what}: {e.strerror or e}"
+
+
+def atomic_save(obj, path: Path) -> None:
+    """torch.save to a temporary file beside `path`, then a rename over `path`, so a crash or a full disk leaves the
+    previous file intact. Raises WriteError with the error line."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)  # serialised in memory first: a full disk then shows as ENOSPC, not a zip-writer error
+    tmp = path.with_suffix(".tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(buffer.getbuffer())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
+        raise WriteError(write_error(e, path)) from None
+
+
+def load_checkpoint(path: str, meta: dict) -> dict:
+    """The checkpoint at `path` if this run can continue it (its meta, from checkpoint_meta, equals this run's);
+    otherwise one error line and exit 2, with nothing started."""
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:  # garbage, truncated, or pickled objects this interpreter cannot rebuild
+        reason = (str(e).strip().splitlines() or [""])[0][:120]
+        fail(f"cannot resume from {path}: not a checkpoint this script can read ({type(e).__name__}: {reason})")
+    theirs = checkpoint.get("meta") if isinstance(checkpoint, dict) else None
+    if not isinstance(theirs, dict):
+        fail(f'cannot resume from {path}: not a checkpoint this script can read (it has no "meta" entry)')
+    if differ := [k for k in meta if theirs.get(k) != meta[k]]:
+        fail(
+            f"cannot resume from {path}: it is a {theirs.get('script')} checkpoint "
+            f"({', '.join(f'{k} {theirs.get(k)}' for k in differ)}), this run is "
+            f"{', '.join(f'{k} {meta[k]}' for k in differ)}"
+        )
+    if not os.access(Path(path).parent, os.W_OK):
+        fail(f"cannot write to the run directory {Path(path).parent} of --resume {path}")
+    return checkpoint
+
+
+def load_for_eval(args: Args) -> tuple[Args, nn.Module, dict]:
+    """--eval-only: the saved agent (a model.pt with its run's args.json beside it, or a checkpoint.pt), the Args to
+    evaluate it with (the RUN_SETTINGS flags from the saved run; seed, evaluation flags and the rest from this command
+    line) and the settings taken from the run. Anything this script cannot evaluate is one error line and exit 2."""
+    path, this = Path(args.eval_only), Path(__file__).name
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:  # garbage, truncated, or pickled objects this interpreter cannot rebuild
+        reason = (str(e).strip().splitlines() or [""])[0][:100]
+        fail(f"--eval-only {path}: not a model.pt or checkpoint.pt ({type(e).__name__}: {reason})")
+    is_checkpoint = isinstance(saved, dict) and isinstance(saved.get("meta"), dict)
+    if is_checkpoint:  # it carries its own args and meta
+        run = dict(saved, script=saved["meta"].get("script"))
+    else:
+        try:
+            run = json.loads((path.parent / "args.json").read_text())
+        except (OSError, ValueError) as e:
+            fail(f"--eval-only {path}: cannot read its run's args.json beside it (it names the env and network): {e}")
+    if run.get("script") != this:
+        fail(f"{path} was saved by {run.get('script')}, not {this}")
+    settings = {k: run["meta"].get(k, run["args"][k]) for k in RUN_SETTINGS}  # meta: what `auto` resolved to
+    for name, value in settings.items():  # a flag given on the command line must be the saved run's
+        given = getattr(args, name)
+        if given != getattr(Args, name) and given not in (value, run["args"][name]):
+            fail(f"{flag(name)} {given} contradicts {path}, saved by a run with {value}")
+    eval_args = replace(args, **{k: run["args"][k] for k in RUN_SETTINGS}, eval_episodes=args.eval_episodes or 10)
+    try:
+        model = saved_model(eval_args, settings, saved["model"] if is_checkpoint else saved)
+    except EnvError as e:  # the run's env is not installed here
+        fail(f"--eval-only {path}: {e}")
+    except Exception as e:  # not a state_dict, or one of another network
+        fail(f"--eval-only {path}: not parameters of its run's network ({type(e).__name__})")
+    return eval_args, model, settings
+
+
 def main_eval_only(args: Args) -> None:
     """--eval-only: play the saved agent with the end-of-training evaluation, print the true game returns and write
     them to {model dir}/eval-{unix time}.json. Nothing trains, no run directory is made."""
     eval_args, model, settings = load_for_eval(args)
+    device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
     path, stamp = Path(args.eval_only), int(time.time())
     taken = " ".join(f"{k}={v}" for k, v in settings.items())
     how = "greedy" if eval_args.eval_greedy else "sampled"
     print(f"evaluating {path} ({eval_args.eval_episodes} episodes, {how} actions); from its run: {taken}", flush=True)
     try:
-        returns = evaluate(model, eval_args, path.parent / f"videos-eval-{stamp}")
+        returns = evaluate(model.to(device), eval_args, path.parent / f"videos-eval-{stamp}", device)
     except (EnvError, gym.error.DependencyNotInstalled) as e:  # --capture-video without moviepy or a renderer
         fail(str(e))
     for i, ret in enumerate(returns):
@@ -1216,6 +1041,177 @@ def main_eval_only(args: Args) -> None:
     except OSError as e:
         fail(f"cannot write {out}: {e.strerror or e}")
     print(f"mean return over {len(returns)} episodes: {report['mean']:.2f} (written to {out})")
+
+
+# -- supervision of local child processes (the scripts that start them) --
+
+
+def child_main(parent_pid: int, target, args: tuple) -> None:
+    """A child process's first call: Linux's kernel kills it when the main process dies, even by kill -9, so nothing
+    outlives the run (a main process already gone before prctl ran: exit at once). Signals are the main process's to
+    handle: it stops the children through the run's stop event."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # no prctl (not Linux)
+        pass
+    if os.getppid() != parent_pid:
+        os._exit(1)
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_IGN)
+    target(*args)
+
+
+class Processes:
+    """The run's child processes by name: started through child_main, watched through their sentinels (a blocking wait,
+    no polling), and stopped with a grace period before SIGKILL."""
+
+    def __init__(self, ctx):
+        self.ctx, self.procs = ctx, {}
+
+    def start(self, name: str, target, *args) -> None:
+        process = self.ctx.Process(target=child_main, name=name, args=(os.getpid(), target, args), daemon=True)
+        process.start()
+        self.procs[name] = process
+
+    def wait(self, timeout: float) -> str | None:
+        """Block until a child ends or `timeout` seconds pass; the description of a child that ended with a non-zero
+        status (an exception, a kill), or None."""
+        running = [p.sentinel for p in self.procs.values() if p.exitcode is None]
+        if running:
+            multiprocessing.connection.wait(running, timeout)
+        return self.failed()
+
+    def failed(self) -> str | None:
+        for name, p in self.procs.items():
+            if p.exitcode is not None and p.exitcode != 0:
+                how = f"killed by signal {-p.exitcode}" if p.exitcode < 0 else f"exit status {p.exitcode}"
+                return f"{name} died ({how})"
+        return None
+
+    def stop(self, grace: float) -> list[str]:
+        """Join every child within `grace` seconds in all (the caller has set the stop event), then SIGKILL the ones
+        left; returns their names."""
+        deadline = time.monotonic() + grace
+        for p in self.procs.values():
+            p.join(max(0.0, deadline - time.monotonic()))
+        stuck = [name for name, p in self.procs.items() if p.is_alive()]
+        for name in stuck:
+            self.procs[name].kill()
+            self.procs[name].join()
+        return stuck
+
+
+# -- script-specific: FLAG_RULES, RUN_SETTINGS, validate, env_spaces, checkpoint_meta, saved_model, evaluate, ... --
+
+
+FLAG_RULES = (
+    (">= 1", ("num_workers", "num_envs_per_worker", "num_steps", "log_frequency")),
+    ("> 0", ("learning_rate", "max_grad_norm", "rmsprop_eps")),
+    ("in [0, 1)", ("rmsprop_alpha",)),
+    ("in (0, 1]", ("gamma",)),
+    (">= 0", ("env_threads", "torch_threads", "ent_coef", "vf_coef", "checkpoint_interval", "eval_episodes")),
+    (">= 0", ("log_interval",)),
+)
+RUN_SETTINGS = ("env_id", "atari_protocol", "network")
+
+
+def validate(args: Args) -> str | None:
+    """Every flag checked before anything is spawned; returns the error line or None (tyro checks the choices)."""
+    if error := check_flags(args):
+        return error
+    if args.track and importlib.util.find_spec("wandb") is None:
+        return '--track needs wandb: pip install -e ".[track]"'
+    if args.resume is not None and not Path(args.resume).is_file():
+        return f"--resume {args.resume}: no such checkpoint file"
+    if args.eval_only is not None and not Path(args.eval_only).is_file():
+        return f"--eval-only {args.eval_only}: no such file"
+    if args.total_timesteps < args.num_envs_per_worker * args.num_steps:
+        return (
+            f"--total-timesteps ({args.total_timesteps}) is less than one rollout "
+            f"({args.num_envs_per_worker} envs x {args.num_steps} steps)"
+        )
+    try:
+        check_env_args(args.env_id, args.num_envs_per_worker, args.atari_protocol)
+        if args.capture_video and args.eval_only is None:  # fail now, not at the final evaluation
+            check_video(args.env_id, args.atari_protocol)
+    except EnvError as e:
+        return str(e)
+    if not isinstance(act_space := env_spaces(args)[1], gym.spaces.Discrete):
+        return (
+            f"{args.env_id} has a continuous action space ({act_space}); a3c_large_batch.py handles Discrete "
+            f"action spaces only (for continuous actions: apex_ddpg.py)"
+        )
+    return None
+
+
+def env_spaces(args: Args) -> tuple[gym.Space, gym.Space]:
+    """(observation space, action space) of one env of the training vector env."""
+    probe = make_vector_env(args.env_id, 1, args.seed, protocol=args.atari_protocol, num_threads=1)
+    spaces = probe.single_observation_space, probe.single_action_space
+    probe.close()
+    return spaces
+
+
+def checkpoint_meta(args: Args, obs_space: gym.Space, act_space: gym.spaces.Discrete) -> dict:
+    """What a checkpoint must match to be resumed by this run: script, update mode, env, network and shapes."""
+    network = args.network if args.network != "auto" else ("nature" if len(obs_space.shape) == 3 else "mlp")
+    return dict(script=Path(__file__).name, algo=args.update, env_id=args.env_id, network=network,
+                obs_shape=list(obs_space.shape), action_shape_or_n=int(act_space.n))  # fmt: skip
+
+
+def saved_model(eval_args: Args, settings: dict, state_dict: dict) -> nn.Module:
+    model = make_model(*env_spaces(eval_args), settings["network"])
+    model.load_state_dict(state_dict)
+    return model
+
+
+def evaluate(model: nn.Module, args: Args, video_dir: Path, device: torch.device) -> list[float]:
+    """Play `eval_episodes` full games with the final (or --eval-only's saved) policy, true returns; argmax actions
+    with `--eval-greedy` (GALA Table 1), sampled ones otherwise; videos to `video_dir` with --capture-video."""
+    seed = args.seed + 1_000_003
+    env = make_env(
+        args.env_id, seed, protocol=args.atari_protocol, capture_video=args.capture_video, video_dir=str(video_dir)
+    )
+    generator = torch.Generator(device=device).manual_seed(seed)
+    returns = []
+    obs, _ = env.reset()
+    while len(returns) < args.eval_episodes:
+        with torch.inference_mode():
+            logits, _ = model(torch.as_tensor(obs[None], device=device))
+        action = logits.argmax(dim=1) if args.eval_greedy else sample_actions(logits, generator)
+        obs, _, terminated, truncated, info = env.step(int(action[0]))
+        if terminated or truncated:
+            returns.append(float(info["episode"]["r"]))
+            if len(returns) < args.eval_episodes:  # no reset after the last game: it would record an empty video
+                obs, _ = env.reset()
+    env.close()
+    return returns
+
+
+def run_child(who: str, error_q: Queue, body, *body_args) -> None:
+    """A worker's or the gradient server's process (through child_main): `body`, its failure sent to main as the
+    run's error line, one line for a non-finite loss or a failed write, with the traceback for anything else."""
+    try:
+        body(*body_args)
+    except Stop:
+        pass
+    except (NonFiniteLoss, WriteError) as e:
+        line = str(e) if isinstance(e, WriteError) else f"error: {e}"
+        error_q.put(f"{line} ({who}); stopping (the last good checkpoint, if any, is kept)")
+        raise SystemExit(1) from None
+    except BaseException:
+        error_q.put(f"error: {who} died:\n{traceback.format_exc()}")
+        raise SystemExit(1) from None
+
+
+def failure_line(processes: Processes, error_q: Queue) -> str | None:
+    """The error line of the first child that failed: the one it sent (run_child), else how it died (a kill)."""
+    if (died := processes.failed()) is None:
+        return None
+    sent = any(p.exitcode is not None and p.exitcode > 0 for p in processes.procs.values())
+    with contextlib.suppress(queue.Empty):  # run_child's line reached the pipe before its process exited
+        return error_q.get(timeout=2.0 if sent else 0.0)
+    return f"error: {died}; stopping the run"
 
 
 if __name__ == "__main__":

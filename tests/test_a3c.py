@@ -158,7 +158,7 @@ def test_evaluation_takes_argmax_actions_by_default_and_samples_with_no_eval_gre
         env = RecordingEnv(length=25)
         monkeypatch.setattr(a3c, "make_env", lambda *a, env=env, **k: env)
         args = tyro.cli(Args, args=["--env-id", "CartPole-v1", "--eval-episodes", "4", *flags])
-        assert a3c.evaluate(FixedLogitsPolicy(logits), args, tmp_path) == [25.0] * 4
+        assert a3c.evaluate(FixedLogitsPolicy(logits), args, tmp_path, torch.device("cpu")) == [25.0] * 4
         assert len(env.actions) == 100
         if greedy:
             assert set(env.actions) == {2}
@@ -172,8 +172,7 @@ def test_evaluation_takes_argmax_actions_by_default_and_samples_with_no_eval_gre
 
 def shared_for_test(**kw) -> Shared:
     return Shared(
-        stop=CTX.Event(), log_q=CTX.Queue(), error_q=CTX.Queue(), steps_claimed=CTX.Value("q", 0),
-        parent_pid=os.getpid(), **kw,
+        stop=CTX.Event(), log_q=CTX.Queue(), error_q=CTX.Queue(), steps_claimed=CTX.Value("q", 0), **kw
     )  # fmt: skip
 
 
@@ -270,7 +269,8 @@ def run_main(capsys):
     def run(**kw):
         saved = (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM), torch.get_num_threads(),
                  torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
-                 torch.backends.cudnn.deterministic, torch.get_rng_state(), threading.excepthook)  # fmt: skip
+                 torch.backends.cudnn.deterministic, torch.get_rng_state(), threading.excepthook,
+                 signal.getsignal(signal.SIGHUP))  # fmt: skip
         try:
             main(Args(cuda=False, **kw))
             code = 0
@@ -284,6 +284,7 @@ def run_main(capsys):
             torch.backends.cudnn.deterministic = saved[5]
             torch.set_rng_state(saved[6])
             threading.excepthook = saved[7]
+            signal.signal(signal.SIGHUP, saved[8])
         out = capsys.readouterr()
         return code, out.out, out.err
 
