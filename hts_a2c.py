@@ -317,11 +317,10 @@ def run_worker(results: Queue, body: Callable, *body_args) -> None:
         body(*body_args)
     except BaseException:
         results.put(WorkerFailed(mp.current_process().name, traceback.format_exc()))
+        raise SystemExit(1) from None
+    finally:
         results.close()
-        results.join_thread()
-        os._exit(1)
-    results.close()
-    results.join_thread()
+        results.join_thread()  # what this worker put is in the pipe before it exits
 
 
 def executor(eid: int, args: Args, shared: Shared, commands: SimpleQueue, requests: SimpleQueue,
@@ -466,7 +465,7 @@ class Workers:
         self.processes.stop(3.0 if graceful else 0.0)
 
 
-# ---- Learner -------------------------------------------------------------------------------------------------------
+# ---- Learner ---------------------------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -540,6 +539,33 @@ class Record:
             print(f"global_step={learner.global_step} SPS={sps:.0f} mean_return={mean_return:.2f}", flush=True)
             self.last_console = time.time()
 
+    def evaluation(self, returns: list[float], global_step: int) -> None:
+        for i, r in enumerate(returns):
+            self.writer.add_scalar("eval/episodic_return", r, global_step + i)
+            print(f"eval episode {i}: return {r:.2f}", flush=True)
+
+
+def evaluate(model: nn.Module, args: Args, video_dir: Path, device: torch.device) -> list[float]:
+    """Play `eval_episodes` full games with the final (or --eval-only's saved) policy, unclipped returns; sampled
+    actions (seeded), argmax ones with --eval-greedy; videos to `video_dir` with --capture-video."""
+    env = make_env(args.env_id, args.seed + 10_000, protocol=args.atari_protocol, capture_video=args.capture_video,
+                   video_dir=str(video_dir))  # fmt: skip
+    generator = torch.Generator().manual_seed(args.seed)
+    returns = []
+    obs, _ = env.reset()
+    while len(returns) < args.eval_episodes:
+        with torch.no_grad():
+            logits, _ = model(torch.as_tensor(np.asarray(obs)).unsqueeze(0).to(device))
+        uniforms = torch.rand(1, generator=generator)
+        action = logits.argmax(dim=1) if args.eval_greedy else sample_actions(logits.cpu(), uniforms)
+        obs, _, terminated, truncated, info = env.step(int(action.item()))
+        if terminated or truncated:
+            returns.append(float(info["episode"]["r"]))
+            if len(returns) < args.eval_episodes:  # no reset after the last game: it would record an empty video
+                obs, _ = env.reset()
+    env.close()
+    return returns
+
 
 def fixed_mmap_threshold(nbytes: int = 4 << 20) -> None:
     """Serve allocations >= nbytes with mmap, returned to the OS when freed. glibc's default threshold grows up to 32
@@ -611,14 +637,14 @@ def main(args: Args) -> None:
             if args.checkpoint_interval > 0 and time.time() - last_checkpoint >= args.checkpoint_interval:
                 learner.save(checkpoint_path, args, meta)
                 last_checkpoint = time.time()
-        if args.checkpoint_interval > 0:
-            learner.save(checkpoint_path, args, meta)
     except (Stop, NonFiniteLoss, WriteError, OSError) as e:  # OSError: the TensorBoard events file
-        exit_code, message = stopped(e, args, learner, signals.signum, checkpoint_path, meta)
+        exit_code, message = stopped(e, learner, signals.signum, run_dir)
     finally:
         workers.stop(graceful=exit_code == 0)
         signals.restore()
-    close_run(args, learner, writer, run_dir, device, exit_code, message, tracker)
+    if exit_code == 0 and args.eval_episodes > 0:  # the final policy
+        record.evaluation(evaluate(learner.target, args, run_dir / "videos", device), learner.global_step)
+    close_run(args, learner, writer, tracker, run_dir, meta, exit_code, message)
 
 
 # ---- run plumbing ------------------------------------------------------------------------------------------------
@@ -934,12 +960,21 @@ FLAG_RULES = (
     (">= 1", ("num_envs", "num_executors", "num_actors", "sync_interval", "total_timesteps", "log_frequency")),
     (">= 0", ("torch_threads", "checkpoint_interval", "eval_episodes", "vf_coef", "ent_coef")),
     ("> 0", ("learning_rate", "rmsprop_eps", "max_grad_norm", "log_interval")),
-    ("in [0, 1]", ("gamma",)),
-    ("in [0, 1)", ("rmsprop_alpha",)),
-)
+    ("in [0, 1]", ("gamma",)), ("in [0, 1)", ("rmsprop_alpha",)),
+)  # fmt: skip
 RUN_SETTINGS = ("env_id", "atari_protocol", "network")
-# flags renamed for one vocabulary across the scripts: the old name fails with one line naming the new one
-RENAMED_FLAGS = {"--rms-alpha": "--rmsprop-alpha", "--rms-eps": "--rmsprop-eps", "--console-interval": "--log-interval"}
+RENAMED_FLAGS = {
+    "--rms-alpha": "is now --rmsprop-alpha (see --help)",
+    "--rms-eps": "is now --rmsprop-eps (see --help)",
+    "--console-interval": "is now --log-interval (see --help)",
+}
+
+
+def parse_args(argv: list[str]) -> Args:
+    for arg in argv:
+        if (name := arg.split("=")[0]) in RENAMED_FLAGS:
+            fail(f"{name} {RENAMED_FLAGS[name]}")
+    return tyro.cli(Args, args=argv)
 
 
 def validate(args: Args) -> str | None:
@@ -947,23 +982,17 @@ def validate(args: Args) -> str | None:
     if error := check_flags(args):
         return error
     rollout = args.num_envs * args.sync_interval
-    checks = [
-        (args.num_envs % args.num_executors == 0,
-         f"--num-executors must divide --num-envs {args.num_envs}, got {args.num_executors}"),
-        (args.total_timesteps >= rollout, f"--total-timesteps must be >= num_envs * sync_interval = {rollout} (one "
-         f"rollout), got {args.total_timesteps}"),
-        (not args.capture_video or args.eval_episodes > 0 or args.eval_only is not None,
-         "--capture-video records the evaluation episodes; add --eval-episodes N (N >= 1)"),
-        (bool(args.exp_name) and "/" not in args.exp_name,
-         f"--exp-name must be a non-empty name without '/', got {args.exp_name!r}"),
-        (args.resume is None or Path(args.resume).is_file(),
-         f"--resume {args.resume!r}: no such file; pass the checkpoint.pt of an earlier run"),
-        (args.eval_only is None or Path(args.eval_only).is_file(), f"--eval-only {args.eval_only}: no such file"),
-        (not args.track or importlib.util.find_spec("wandb") is not None,
-         '--track needs wandb: pip install -e ".[track]"'),
-    ]  # fmt: skip
-    if error := next((message for ok, message in checks if not ok), None):
-        return error
+    if args.num_envs % args.num_executors:
+        return f"--num-executors must divide --num-envs {args.num_envs}, got {args.num_executors}"
+    if args.total_timesteps < rollout:
+        return f"--total-timesteps must be >= {rollout} (num_envs * sync_interval), got {args.total_timesteps}"
+    if args.capture_video and args.eval_episodes == 0 and args.eval_only is None:
+        return "--capture-video records the evaluation episodes; add --eval-episodes N (N >= 1)"
+    for name in ("resume", "eval_only"):
+        if (path := getattr(args, name)) is not None and not Path(path).is_file():
+            return f"{flag(name)} {path}: no such file"
+    if args.track and importlib.util.find_spec("wandb") is None:
+        return '--track needs wandb: pip install -e ".[track]"'
     if args.eval_only is not None:  # env, network and model are the saved run's: load_for_eval checks them
         return None
     try:
@@ -988,11 +1017,11 @@ def env_spaces(args: Args) -> tuple[gym.Space, gym.Space]:
     return spaces
 
 
-def checkpoint_meta(args: Args, observation_space: gym.Space, action_space: gym.Space) -> dict:
+def checkpoint_meta(args: Args, obs_space: gym.Space, action_space: gym.Space) -> dict:
     """What a checkpoint must match to be resumed by this run: script, env, network and shapes."""
-    network = args.network if args.network != "auto" else ("nature" if len(observation_space.shape) == 3 else "mlp")
+    network = args.network if args.network != "auto" else ("nature" if len(obs_space.shape) == 3 else "mlp")
     return dict(script=Path(__file__).name, algo=None, env_id=args.env_id, atari_protocol=args.atari_protocol,
-                network=network, obs_shape=list(observation_space.shape), action_shape_or_n=int(action_space.n))  # fmt: skip
+                network=network, obs_shape=list(obs_space.shape), action_shape_or_n=int(action_space.n))  # fmt: skip
 
 
 def saved_model(eval_args: Args, settings: dict, state_dict: dict) -> nn.Module:
@@ -1002,63 +1031,29 @@ def saved_model(eval_args: Args, settings: dict, state_dict: dict) -> nn.Module:
     return model
 
 
-def evaluate(model: nn.Module, args: Args, video_dir: Path, device: torch.device) -> list[float]:
-    """Play `eval_episodes` full games with the final (or --eval-only's saved) policy, unclipped returns; sampled
-    actions (seeded), argmax ones with --eval-greedy; videos to `video_dir` with --capture-video."""
-    env = make_env(args.env_id, args.seed + 10_000, protocol=args.atari_protocol, capture_video=args.capture_video,
-                   video_dir=str(video_dir))  # fmt: skip
-    generator = torch.Generator().manual_seed(args.seed)
-    returns = []
-    obs, _ = env.reset()
-    while len(returns) < args.eval_episodes:
-        with torch.no_grad():
-            logits, _ = model(torch.as_tensor(np.asarray(obs)).unsqueeze(0).to(device))
-        uniforms = torch.rand(1, generator=generator)
-        action = logits.argmax(dim=1) if args.eval_greedy else sample_actions(logits.cpu(), uniforms)
-        obs, _, terminated, truncated, info = env.step(int(action.item()))
-        if terminated or truncated:
-            returns.append(float(info["episode"]["r"]))
-            if len(returns) < args.eval_episodes:  # no reset after the last game: it would record an empty video
-                obs, _ = env.reset()
-    env.close()
-    return returns
-
-
-def stopped(e: Exception, args: Args, learner: Learner, signum: int, path: Path, meta: dict) -> tuple[int, str]:
-    """The exit status and error line of a run that the training loop left by `e`; a signal's stop (a Stop without a
-    message, `signum` from StopSignals) writes the final checkpoint first."""
+def stopped(e: Exception, learner: Learner, signum: int, run_dir: Path) -> tuple[int, str]:
+    """The exit status and error line of a training loop that `e` ended: a Stop without a message is a signal's."""
     if isinstance(e, Stop) and not e.args:
-        message = f"stopped by {signal.Signals(signum).name} at global step {learner.global_step}"
-        try:
-            if args.checkpoint_interval > 0:
-                learner.save(path, args, meta)
-                message += f"; checkpoint written to {path}"
-        except WriteError as error:
-            return 1, f"{error}; stopping (the last good checkpoint is kept)"
-        return 128 + signum, message
+        return 128 + signum, f"stopped by {signal.Signals(signum).name} at global step {learner.global_step}"
+    if isinstance(e, OSError):
+        return 1, f"{write_error(e, f'the TensorBoard events in {run_dir}')}; stopping"
     if isinstance(e, NonFiniteLoss):
         return 1, f"error: {e} at update {learner.update}; stopping (the last good checkpoint, if any, is kept)"
-    if isinstance(e, WriteError):
-        return 1, f"{e}; stopping (the last good checkpoint is kept)"
-    if isinstance(e, OSError):
-        return 1, f"{write_error(e, f'the TensorBoard events in {path.parent}')}; stopping"
-    return 1, f"error: {e}"  # a worker failed or died
+    return 1, f"{e}; stopping (the last good checkpoint is kept)" if isinstance(e, WriteError) else f"error: {e}"
 
 
-def close_run(args: Args, learner: Learner, writer, run_dir: Path, device: torch.device, exit_code: int,
-              message: str | None, tracker=None) -> None:  # fmt: skip
-    """After the workers stopped: save the model and evaluate it (after a clean finish), close TensorBoard, finish the
-    W&B run (`tracker`, from start_tracking) with the exit status, print the error line if any and exit with
-    `exit_code`."""
-    if exit_code == 0 and args.save_model:
-        try:
+def close_run(args: Args, learner: Learner, writer, tracker, run_dir: Path, meta: dict, exit_code: int,
+              message: str | None) -> None:  # fmt: skip
+    """After the workers stopped: the final checkpoint (after the last update or a signal) and model (after the last
+    update), TensorBoard closed, the W&B run (from start_tracking) ended; the error line, exit with the status."""
+    try:
+        if args.checkpoint_interval > 0 and (exit_code == 0 or exit_code > 128):
+            learner.save(run_dir / "checkpoint.pt", args, meta)
+            message = message and f"{message}; checkpoint written to {run_dir / 'checkpoint.pt'}"
+        if exit_code == 0 and args.save_model:
             atomic_save(learner.target.state_dict(), run_dir / "model.pt")
-        except WriteError as e:
-            exit_code, message = 1, str(e)
-    if exit_code == 0 and args.eval_episodes > 0:
-        for i, r in enumerate(evaluate(learner.target, args, run_dir / "videos", device)):
-            writer.add_scalar("eval/episodic_return", r, learner.global_step + i)
-            print(f"eval episode {i}: return {r:.2f}", flush=True)
+    except WriteError as e:
+        exit_code, message = 1, f"{e}; stopping (the last good checkpoint is kept)"
     try:
         if writer is not None:  # None: it could not be made (the error line says why)
             writer.close()
@@ -1071,12 +1066,5 @@ def close_run(args: Args, learner: Learner, writer, run_dir: Path, device: torch
         raise SystemExit(exit_code)
 
 
-def refuse_renamed_flags(argv: list[str]) -> None:
-    for old, new in RENAMED_FLAGS.items():
-        if any(arg.split("=", 1)[0] == old for arg in argv):
-            fail(f"{old} is now {new} (see --help)")
-
-
 if __name__ == "__main__":
-    refuse_renamed_flags(sys.argv[1:])
-    main(tyro.cli(Args))
+    main(parse_args(sys.argv[1:]))

@@ -570,7 +570,7 @@ def test_tracking_names_the_run_after_its_directory_resumes_it_and_ends_with_the
     assert first["sync_tensorboard"] and first["config"]["env_id"] == "CartPole-v1" and first["config"]["track"]
     for code, message in [(0, None), (1, "error: executor 0 failed"), (143, "stopped by SIGTERM at global step 96")]:
         with pytest.raises(SystemExit) if code else contextlib.nullcontext():
-            module.close_run(resumed, None, None, run_dir, torch.device("cpu"), code, message, wandb)
+            module.close_run(resumed, None, None, wandb, run_dir, {}, code, message)
         assert wandb.finished[-1] == code
     assert wandb.logged == [{"videos": ("video", str(run_dir / "videos" / "rl-video-episode-0.mp4"))}] * 3
     assert capsys.readouterr().err.splitlines() == ["error: executor 0 failed", "stopped by SIGTERM at global step 96"]
