@@ -39,6 +39,7 @@ import io
 import itertools
 import json
 import math
+import multiprocessing.connection
 import os
 import queue
 import random
@@ -49,7 +50,7 @@ import time
 import traceback
 from collections import deque
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from multiprocessing.connection import Connection
 from multiprocessing.queues import Queue, SimpleQueue
 from multiprocessing.synchronize import Barrier
@@ -62,7 +63,6 @@ import torch
 import torch.multiprocessing as mp
 import tyro
 from torch import nn
-from torch.utils.tensorboard import SummaryWriter
 
 from common.atari import EnvError, check_env_args, check_video, finished_episodes, make_env, make_vector_env
 from common.models import make_model
@@ -163,9 +163,6 @@ class Args:
     max_grad_norm: float = 0.5
     """gradient norm clip (CleanRL ppo_atari, from baselines' ppo2)"""
 
-
-# flags renamed for one vocabulary across the scripts: the old name fails with one line naming the new one
-RENAMED_FLAGS = {"--console-interval": "--log-interval"}
 
 # ---- Algorithm -------------------------------------------------------------------------------------------------------
 
@@ -372,26 +369,18 @@ class Shared:
 # ---- Workers ---------------------------------------------------------------------------------------------------------
 
 
-def run_worker(name: str, results: Queue, parent_pid: int, body: Callable, *body_args) -> None:
-    """Run a worker body: let the main process decide about Ctrl+C, die with it (no orphans; it may have died before
-    prctl ran: then exit at once), one intra-op thread; on an exception, report name and traceback to the main
-    process and exit non-zero."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    if os.getppid() != parent_pid:
-        os._exit(0)
+def run_worker(results: Queue, body: Callable, *body_args) -> None:
+    """A worker process's body (started by Processes through child_main), on one intra-op thread; an exception goes to
+    the learner with the worker's name and traceback, and the process exits non-zero."""
     torch.set_num_threads(1)
     try:
         body(*body_args)
     except BaseException:
-        results.put(WorkerFailed(name, traceback.format_exc()))
+        results.put(WorkerFailed(mp.current_process().name, traceback.format_exc()))
+        raise SystemExit(1) from None
+    finally:
         results.close()
-        results.join_thread()
-        os._exit(1)
-    results.close()
-    results.join_thread()
+        results.join_thread()  # what this worker put is in the pipe before it exits
 
 
 def executor(eid: int, args: Args, shared: Shared, commands: SimpleQueue, requests: SimpleQueue,
@@ -466,252 +455,77 @@ def actor(aid: int, args: Args, shared: Shared, requests: SimpleQueue, action_co
         action_conns[eid].send_bytes(b"")
 
 
-# ---- Lifecycle -------------------------------------------------------------------------------------------------------
+class Workers:
+    """The executor and actor processes, the queues between them and the learner, and how they stop."""
+
+    def __init__(self, args: Args, shared: Shared, start_method: str, num_collections: int) -> None:
+        ctx = mp.get_context(start_method)
+        E, self.num_actors, self.num_collections = args.num_executors, args.num_actors, num_collections
+        self.results: Queue = ctx.Queue()  # CollectionDone and WorkerFailed messages
+        self.requests: SimpleQueue = ctx.SimpleQueue()  # ids of executors waiting for actions; None stops an actor
+        self.commands: list[SimpleQueue] = [ctx.SimpleQueue() for _ in range(E)]  # Commands; None stops an executor
+        # kept for the run, not only passed on: a spawned child rebuilds the barrier's semaphore from its name, which
+        # is gone once the parent drops it
+        self.pipes = [ctx.Pipe(duplex=False) for _ in range(E)]  # (executor end, actor end): "your actions are ready"
+        self.lockstep: Barrier | None = ctx.Barrier(E) if args.sync else None  # --sync: every env step waits for all
+        self.processes = Processes(ctx)
+        for e in range(E):
+            self.processes.start(f"executor {e}", run_worker, self.results, executor, e, args, shared, self.commands[e],
+                                 self.requests, self.pipes[e][0], self.lockstep, self.results)  # fmt: skip
+        action_conns = [p[1] for p in self.pipes]
+        for a in range(args.num_actors):
+            self.processes.start(f"actor {a}", run_worker, self.results, actor, a, args, shared, self.requests,
+                                 action_conns)  # fmt: skip
+
+    def start_collection(self, j: int, base_step: int) -> None:
+        """Start collection j into storage j % 2, if the run has one."""
+        if j < self.num_collections:
+            for q in self.commands:
+                q.put(Command(j, j % 2, base_step))
+
+    def wait_collection(self, j: int, stop: threading.Event) -> tuple[list[Episode], dict[str, float]]:
+        """Block until every executor finished collection j (the batch synchronization); its episodes in step order
+        (not the executors' timing-dependent one) and timing/ scalars. Raises Stop when `stop` is set (a signal) and
+        Stop(what happened) when a worker failed or died."""
+        E, start = len(self.commands), time.perf_counter()
+        pending, episodes = set(range(E)), []
+        timings = dict.fromkeys(("executor_wait_actors", "executor_wait_learner", "executor_wait_lockstep"), 0.0)
+        while pending:
+            if stop.is_set():
+                raise Stop
+            try:
+                message = self.results.get(timeout=0.5)
+            except queue.Empty:
+                message = None
+            if isinstance(message, WorkerFailed):
+                raise Stop(f"{message.worker} failed:\n{message.traceback}")
+            if died := self.processes.failed():  # a killed actor leaves the others running: check every time
+                raise Stop(died)
+            if message is None:
+                continue
+            if message.collection != j:
+                raise RuntimeError(f"executor {message.executor} finished collection {message.collection} while "
+                                   f"collection {j} was expected")  # fmt: skip
+            pending.discard(message.executor)
+            episodes += message.episodes
+            for key in timings:  # the executors' mean
+                timings[key] += getattr(message, key.removeprefix("executor_")) / E
+        timings["learner_wait_executors"] = time.perf_counter() - start
+        return sorted(episodes), timings
+
+    def stop(self, graceful: bool) -> None:
+        """After a clean finish the workers are idle: the sentinels they wait for end them (SIGKILL after 3 s). After a
+        signal or a failure they are killed at once: the learner holds all of the run's state, and a sentinel could
+        wait forever on a queue's lock that a killed worker held."""
+        if graceful:
+            for q in self.commands:
+                q.put(None)
+            for _ in range(self.num_actors):
+                self.requests.put(None)
+        self.processes.stop(3.0 if graceful else 0.0)
 
 
-class Stop(Exception):
-    """SIGINT or SIGTERM arrived (StopSignals.signum says which)."""
-
-
-class NonFiniteLoss(FloatingPointError):
-    """The loss is NaN or infinite; raised before any parameter changes."""
-
-
-class WorkerError(RuntimeError):
-    """A worker process raised or died; the message names it and carries its traceback."""
-
-
-class WriteError(RuntimeError):
-    """A checkpoint or model file could not be written; the message is the error line."""
-
-
-class StopSignals:
-    """Records the first SIGINT or SIGTERM of the main process; the learner stops at its next wait (`check`)."""
-
-    def __init__(self) -> None:
-        self.signum: int | None = None
-        self.previous = {s: signal.signal(s, self.handle) for s in (signal.SIGINT, signal.SIGTERM)}
-
-    def handle(self, signum: int, _frame) -> None:
-        self.signum = self.signum or signum
-
-    def check(self) -> None:
-        if self.signum is not None:
-            raise Stop
-
-    def restore(self) -> None:
-        for signum, handler in self.previous.items():
-            signal.signal(signum, handler)
-
-
-def fail(message: str) -> NoReturn:
-    print(f"error: {message}", file=sys.stderr)
-    raise SystemExit(2)
-
-
-def validate(args: Args) -> str | None:
-    """The one-line message of the first bad flag (env, network and --resume checkpoint included), or None."""
-    for key, value in asdict(args).items():
-        if isinstance(value, float) and not math.isfinite(value):
-            return f"--{key.replace('_', '-')} must be a finite number, got {value}"
-    rollout = args.num_envs * args.sync_interval
-    checks = [
-        (args.num_envs >= 1, f"--num-envs must be >= 1, got {args.num_envs}"),
-        (1 <= args.num_executors <= args.num_envs and args.num_envs % args.num_executors == 0,
-         f"--num-executors must divide --num-envs {args.num_envs}, got {args.num_executors}"),
-        (args.num_actors >= 1, f"--num-actors must be >= 1, got {args.num_actors}"),
-        (args.torch_threads >= 0, f"--torch-threads must be >= 0 (0 = auto), got {args.torch_threads}"),
-        (args.sync_interval >= 1, f"--sync-interval must be >= 1, got {args.sync_interval}"),
-        (args.total_timesteps >= rollout, f"--total-timesteps must be >= num_envs * sync_interval = {rollout} (one "
-         f"rollout), got {args.total_timesteps}"),
-        (0.0 <= args.gamma <= 1.0, f"--gamma must be in [0, 1], got {args.gamma}"),
-        (0.0 <= args.gae_lambda <= 1.0, f"--gae-lambda must be in [0, 1], got {args.gae_lambda}"),
-        (args.clip_coef > 0, f"--clip-coef must be > 0, got {args.clip_coef}"),
-        (args.update_epochs >= 1, f"--update-epochs must be >= 1, got {args.update_epochs}"),
-        (1 <= args.num_minibatches <= rollout and rollout % args.num_minibatches == 0,
-         f"--num-minibatches must divide num_envs * sync_interval = {rollout}, got {args.num_minibatches}"),
-        (args.learning_rate > 0, f"--learning-rate must be > 0, got {args.learning_rate}"),
-        (args.adam_eps > 0, f"--adam-eps must be > 0, got {args.adam_eps}"),
-        (args.vf_coef >= 0, f"--vf-coef must be >= 0, got {args.vf_coef}"),
-        (args.ent_coef >= 0, f"--ent-coef must be >= 0, got {args.ent_coef}"),
-        (args.max_grad_norm > 0, f"--max-grad-norm must be > 0, got {args.max_grad_norm}"),
-        (args.log_frequency >= 1, f"--log-frequency must be >= 1 update, got {args.log_frequency}"),
-        (args.log_interval > 0, f"--log-interval must be > 0 seconds, got {args.log_interval}"),
-        (args.checkpoint_interval >= 0,
-         f"--checkpoint-interval must be >= 0 seconds (0 = off), got {args.checkpoint_interval}"),
-        (args.eval_episodes >= 0, f"--eval-episodes must be >= 0, got {args.eval_episodes}"),
-        (not args.capture_video or args.eval_episodes > 0 or args.eval_only is not None,
-         "--capture-video records the evaluation episodes; add --eval-episodes N (N >= 1)"),
-        (bool(args.exp_name) and "/" not in args.exp_name,
-         f"--exp-name must be a non-empty name without '/', got {args.exp_name!r}"),
-        (args.resume is None or Path(args.resume).is_file(),
-         f"--resume {args.resume!r}: no such file; pass the checkpoint.pt of an earlier run"),
-        (args.eval_only is None or Path(args.eval_only).is_file(), f"--eval-only {args.eval_only}: no such file"),
-        (not args.track or importlib.util.find_spec("wandb") is not None,
-         '--track needs wandb: pip install -e ".[track]"'),
-    ]  # fmt: skip
-    for ok, message in checks:
-        if not ok:
-            return message
-    if args.eval_only is not None:  # env, network and model are the saved run's: load_for_eval checks them
-        return None
-    try:
-        observation_space, action_space = env_spaces(args)
-        if args.capture_video:  # fail now, not at the final evaluation
-            check_video(args.env_id, args.atari_protocol)
-        if not isinstance(action_space, gym.spaces.Discrete):
-            return (f"{args.env_id} has a continuous action space ({action_space}); {Path(__file__).name} handles "
-                    "Discrete action spaces only (for continuous actions: apex_ddpg.py)")  # fmt: skip
-        make_model(observation_space, action_space, args.network)
-        if args.resume is not None:
-            load_checkpoint(args.resume, checkpoint_meta(args, observation_space, action_space))
-    except (EnvError, ValueError) as e:
-        return str(e).splitlines()[0] if str(e) else type(e).__name__
-    return None
-
-
-def env_spaces(args: Args) -> tuple[gym.Space, gym.Space]:
-    """The observation and action space of one env of the run."""
-    check_env_args(args.env_id, args.num_envs, args.atari_protocol)
-    envs = make_vector_env(args.env_id, 1, args.seed, protocol=args.atari_protocol, num_threads=1)
-    spaces = envs.single_observation_space, envs.single_action_space
-    envs.close()
-    return spaces
-
-
-def new_run_dir(args: Args) -> Path:
-    """Create this run's directory, never one that exists: a run started in the same second with the same name gets
-    the suffix -2, -3, ... (mkdir is atomic, so two runs cannot both take one name). Exit 2 if it cannot be made."""
-    base = Path(args.log_dir) / f"{args.env_id.replace('/', '_')}__{args.exp_name}__{args.seed}__{int(time.time())}"
-    try:
-        base.parent.mkdir(parents=True, exist_ok=True)
-    except FileExistsError:
-        fail(f"cannot create the run directory {base}: {base.parent} is not a directory")
-    except OSError as e:
-        fail(f"cannot create the run directory {base}: {e.strerror or e}")
-    for n in itertools.count(1):
-        run_dir = base if n == 1 else base.with_name(f"{base.name}-{n}")
-        try:
-            run_dir.mkdir()
-            return run_dir
-        except FileExistsError:
-            continue
-        except OSError as e:
-            fail(f"cannot create the run directory {run_dir}: {e.strerror or e}")
-
-
-def write_run_args(run_dir: Path, args: Args, meta: dict) -> None:
-    """{run_dir}/args.json: the script, Args and checkpoint meta, so that --eval-only can rebuild the env and the model
-    of a model.pt lying beside it. Exit 2 if it cannot be written."""
-    try:
-        (run_dir / "args.json").write_text(json.dumps(dict(script=meta["script"], args=asdict(args), meta=meta)))
-    except OSError as e:
-        fail(f"cannot write {run_dir / 'args.json'}: {e.strerror or e}")
-
-
-def start_tracking(args: Args, run_dir: Path):
-    """--track: a Weights & Biases run named like the run directory, with the Args as config and the TensorBoard
-    scalars synced; returns the wandb module (None without --track). Call it before the SummaryWriter is made: wandb
-    patches TensorBoard at init. The id is derived from the run directory's name, so that a --resume run continues
-    the same W&B run."""
-    if not args.track:
-        return None
-    import wandb  # optional: pip install -e ".[track]"
-
-    try:
-        wandb.init(
-            project=args.wandb_project_name,
-            entity=args.wandb_entity,
-            name=run_dir.name,
-            id=hashlib.sha1(run_dir.name.encode()).hexdigest(),
-            resume="allow" if args.resume else None,
-            config=vars(args),
-            sync_tensorboard=True,
-            save_code=True,
-        )
-    except Exception as e:  # not logged in, no network, an unknown entity or project
-        fail(f"--track: wandb.init failed: {(str(e).strip().splitlines() or [type(e).__name__])[0][:200]}")
-    return wandb
-
-
-def checkpoint_meta(args: Args, observation_space: gym.Space, action_space: gym.Space) -> dict:
-    """What a checkpoint must match to be resumed by this run: script, env, network and shapes."""
-    network = args.network if args.network != "auto" else ("nature" if len(observation_space.shape) == 3 else "mlp")
-    return {
-        "script": Path(__file__).name,
-        "algo": None,
-        "env_id": args.env_id,
-        "atari_protocol": args.atari_protocol,
-        "network": network,
-        "obs_shape": list(observation_space.shape),
-        "action_shape_or_n": int(action_space.n),
-    }
-
-
-def load_checkpoint(path: str, meta: dict) -> dict:
-    """The checkpoint at `path` if this run can continue it; otherwise ValueError with the one-line reason."""
-    try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as e:
-        reason = (str(e).strip().splitlines() or [""])[0][:120]
-        raise ValueError(f"cannot resume from {path}: not a checkpoint this script can read ({type(e).__name__}: "
-                         f"{reason})") from None  # fmt: skip
-    theirs = checkpoint.get("meta") if isinstance(checkpoint, dict) else None
-    if not isinstance(theirs, dict):
-        raise ValueError(f'cannot resume from {path}: not a checkpoint this script can read (it has no "meta" entry)')
-    differ = [k for k in meta if theirs.get(k) != meta[k]]
-    if differ:
-        raise ValueError(
-            f"cannot resume from {path}: it is a {theirs.get('script')} checkpoint "
-            f"({', '.join(f'{k} {theirs.get(k)}' for k in differ)}), this run is "
-            f"{', '.join(f'{k} {meta[k]}' for k in differ)}"
-        )
-    return checkpoint
-
-
-def atomic_save(obj, path: Path) -> None:
-    """torch.save, atomic: a temporary file, then a rename over the old file, so a full disk leaves the last good one.
-    Serialised in memory first: torch.save to a full disk raises a cryptic "unexpected pos" instead of ENOSPC."""
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    tmp = path.with_suffix(".pt.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(buffer.getbuffer())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        reason = "no space left on device" if e.errno == errno.ENOSPC else (e.strerror or str(e))
-        raise WriteError(f"error: {reason} while writing {path}") from None
-
-
-def quiet_writer_thread() -> None:
-    """TensorBoard's writer thread dies of a full disk (OSError) and prints its traceback; the main thread gets the same
-    error at its next write and reports it in one line, so the thread stays quiet about OSErrors."""
-    default = threading.excepthook
-    threading.excepthook = lambda hook_args: None if issubclass(hook_args.exc_type, OSError) else default(hook_args)
-
-
-def make_writer(run_dir: Path, args: Args) -> SummaryWriter:
-    quiet_writer_thread()
-    writer = SummaryWriter(str(run_dir))
-    writer.add_text(
-        "hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in vars(args).items())
-    )
-    return writer
-
-
-def fixed_mmap_threshold(nbytes: int = 4 << 20) -> None:
-    """Serve allocations >= nbytes with mmap, returned to the OS when freed. glibc's default threshold grows up to 32
-    MiB after such frees, and the learner's float frames and activations would then pile up in the heap: its RSS
-    would creep up over a long run."""
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL("libc.so.6").mallopt(-3, nbytes)  # M_MMAP_THRESHOLD; also turns off the dynamic threshold
-        except (OSError, AttributeError):  # not glibc
-            pass
+# ---- Learner ---------------------------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -758,86 +572,37 @@ class Learner:
                      "meta": meta}, path)  # fmt: skip
 
 
-class Workers:
-    """The executor and actor processes, the queues between them and the learner, and how they stop."""
+class Record:
+    """The learner's record: episodes as they end; losses, charts and timings every `log_frequency` updates and after
+    the last (that update's values); a console line every `log_interval` seconds and after the last update."""
 
-    def __init__(self, args: Args, shared: Shared, start_method: str, num_collections: int) -> None:
-        ctx = mp.get_context(start_method)
-        E, self.num_actors, self.num_collections = args.num_executors, args.num_actors, num_collections
-        self.results: Queue = ctx.Queue()  # CollectionDone and WorkerFailed messages
-        self.requests: SimpleQueue = ctx.SimpleQueue()  # ids of executors waiting for actions; None stops an actor
-        self.commands: list[SimpleQueue] = [ctx.SimpleQueue() for _ in range(E)]  # Commands; None stops an executor
-        # kept for the run, not only passed on: a spawned child rebuilds the barrier's semaphore from its name, which
-        # is gone once the parent drops it
-        self.pipes = [ctx.Pipe(duplex=False) for _ in range(E)]  # (executor end, actor end): "your actions are ready"
-        self.lockstep: Barrier | None = ctx.Barrier(E) if args.sync else None  # --sync: every env step waits for all
-        bodies = {f"executor {e}": (executor, e, args, shared, self.commands[e], self.requests, self.pipes[e][0],
-                                    self.lockstep, self.results) for e in range(E)}  # fmt: skip
-        action_conns = [p[1] for p in self.pipes]
-        bodies |= {f"actor {a}": (actor, a, args, shared, self.requests, action_conns) for a in range(args.num_actors)}
-        self.procs = {
-            name: ctx.Process(target=run_worker, args=(name, self.results, os.getpid(), *body), daemon=True)
-            for name, body in bodies.items()
-        }
-        for p in self.procs.values():
-            p.start()
+    def __init__(self, writer, args: Args, global_step: int, num_collections: int) -> None:
+        self.writer, self.args, self.num_collections = writer, args, num_collections
+        self.start_step, self.start_time, self.last_console = global_step, time.time(), time.time()
+        self.returns: deque[float] = deque(maxlen=100)
 
-    def start_collection(self, j: int, base_step: int) -> None:
-        """Start collection j into storage j % 2, if the run has one."""
-        if j < self.num_collections:
-            for q in self.commands:
-                q.put(Command(j, j % 2, base_step))
+    def episodes(self, episodes: list[Episode]) -> None:
+        for e in episodes:
+            self.writer.add_scalar("charts/episodic_return", e.episodic_return, e.step)
+            self.writer.add_scalar("charts/episodic_length", e.length, e.step)
+            self.returns.append(e.episodic_return)
 
-    def wait_collection(self, j: int, stop: StopSignals) -> tuple[list[Episode], dict[str, float]]:
-        """Block until every executor finished collection j (the batch synchronization); its episodes in step order
-        (not the executors' timing-dependent one) and timing/ scalars. Raises Stop on a signal and WorkerError when a
-        worker failed or died."""
-        E, start = len(self.commands), time.perf_counter()
-        pending, episodes = set(range(E)), []
-        timings = dict.fromkeys(("executor_wait_actors", "executor_wait_learner", "executor_wait_lockstep"), 0.0)
-        while pending:
-            stop.check()
-            try:
-                message = self.results.get(timeout=0.5)
-            except queue.Empty:
-                message = None
-            if isinstance(message, WorkerFailed):
-                raise WorkerError(f"{message.worker} failed:\n{message.traceback}")
-            for name, p in self.procs.items():  # a killed actor leaves the others running: check every time
-                if p.exitcode is not None:
-                    raise WorkerError(f"{name} died (exit code {p.exitcode}) without a traceback")
-            if message is None:
-                continue
-            if message.collection != j:
-                raise RuntimeError(f"executor {message.executor} finished collection {message.collection} while "
-                                   f"collection {j} was expected")  # fmt: skip
-            pending.discard(message.executor)
-            episodes += message.episodes
-            for key in timings:  # the executors' mean
-                timings[key] += getattr(message, key.removeprefix("executor_")) / E
-        timings["learner_wait_executors"] = time.perf_counter() - start
-        return sorted(episodes), timings
+    def update(self, learner: Learner, losses: dict, charts: dict, timing: dict) -> None:
+        last = learner.update == self.num_collections
+        sps = (learner.global_step - self.start_step) / max(time.time() - self.start_time, 1e-9)
+        if learner.update % self.args.log_frequency == 0 or last:
+            for group, scalars in (("losses", losses), ("charts", charts | {"SPS": sps}), ("timing", timing)):
+                for name, value in scalars.items():
+                    self.writer.add_scalar(f"{group}/{name}", value, learner.global_step)
+        if last or time.time() - self.last_console >= self.args.log_interval:
+            mean_return = np.mean(self.returns) if self.returns else float("nan")
+            print(f"global_step={learner.global_step} SPS={sps:.0f} mean_return={mean_return:.2f}", flush=True)
+            self.last_console = time.time()
 
-    def shutdown(self, graceful: bool) -> None:
-        """Stop every worker within a few seconds: after a normal finish ask them (sentinels), otherwise (signal, dead
-        worker: a killed process may hold a queue's lock) terminate; kill what is left."""
-        if graceful:
-            for q in self.commands:
-                q.put(None)
-            for _ in range(self.num_actors):
-                self.requests.put(None)
-            deadline = time.time() + 3.0
-            for p in self.procs.values():
-                p.join(timeout=max(0.0, deadline - time.time()))
-        for p in self.procs.values():
-            if p.is_alive():
-                p.terminate()
-        for p in self.procs.values():
-            p.join(timeout=2.0)
-            if p.is_alive():
-                p.kill()
-                p.join()
-        self.results.cancel_join_thread()
+    def evaluation(self, returns: list[float], global_step: int) -> None:
+        for i, r in enumerate(returns):
+            self.writer.add_scalar("eval/episodic_return", r, global_step + i)
+            print(f"eval episode {i}: return {r:.2f}", flush=True)
 
 
 def evaluate(model: nn.Module, args: Args, video_dir: Path, device: torch.device) -> list[float]:
@@ -862,10 +627,278 @@ def evaluate(model: nn.Module, args: Args, video_dir: Path, device: torch.device
     return returns
 
 
+def fixed_mmap_threshold(nbytes: int = 4 << 20) -> None:
+    """Serve allocations >= nbytes with mmap, returned to the OS when freed. glibc's default threshold grows up to 32
+    MiB after such frees, and the learner's float frames and activations would then pile up in the heap: its RSS
+    would creep up over a long run."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6").mallopt(-3, nbytes)  # M_MMAP_THRESHOLD; also turns off the dynamic threshold
+        except (OSError, AttributeError):  # not glibc
+            pass
+
+
+# ---- Main ------------------------------------------------------------------------------------------------------------
+
+
+def main(args: Args) -> None:
+    if error := validate(args):
+        fail(error)
+    if args.eval_only:
+        return main_eval_only(args)
+    spaces = env_spaces(args)
+    meta = checkpoint_meta(args, *spaces)
+    checkpoint = load_checkpoint(args.resume, meta) if args.resume else None
+    run_dir = Path(args.resume).resolve().parent if args.resume else new_run_dir(args)
+    write_run_args(run_dir, args, meta)
+    random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    torch.backends.cudnn.deterministic = args.torch_deterministic
+    device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
+    # the learner gets the cores the workers leave: intra-op threads beyond the free cores spin and slow its update
+    torch.set_num_threads(args.torch_threads or max(1, (os.cpu_count() or 1) - args.num_executors - args.num_actors))
+    fixed_mmap_threshold()  # inherited by the workers
+
+    learner = Learner.create(args, spaces, device, checkpoint)
+    shared = Shared(args, spaces[0], learner.target, learner.update)
+    steps_per_collection = args.num_envs * args.sync_interval
+    num_collections = args.total_timesteps // steps_per_collection
+    signals = StopSignals(threading.Event())
+    workers = Workers(args, shared, "spawn" if device.type == "cuda" else "fork", num_collections)  # CUDA: no fork
+    checkpoint_path, exit_code, message = run_dir / "checkpoint.pt", 0, None
+    writer = tracker = None  # made in the try: whatever fails from there on stops the workers
+    try:
+        tracker = start_tracking(args, run_dir)  # after the forks: no worker inherits wandb's threads and pipes
+        writer = make_writer(run_dir, args)
+        record, last_checkpoint = Record(writer, args, learner.global_step, num_collections), time.time()
+        workers.start_collection(learner.update, learner.global_step)
+        while learner.update < num_collections:
+            j = learner.update
+            episodes, timing = workers.wait_collection(j, signals.stop)
+            record.episodes(episodes)
+            # Storage j % 2 holds D_j, collected by the published parameters: they become the behavior copy.
+            batch, behavior_version = shared.rollout(j, device)
+            learner.behavior.load_state_dict(shared.policy.state_dict())
+            if not args.sync:  # HTS-RL: publish theta_j, executors fill the other storage while we learn from this one
+                shared.publish(learner.target, learner.update)
+                workers.start_collection(j + 1, learner.global_step + steps_per_collection)
+            lr = args.learning_rate * (1.0 - j / num_collections if args.anneal_lr else 1.0)
+            learn_start = time.perf_counter()
+            losses = learner.step(batch, lr, args)
+            timing["learner_update"] = time.perf_counter() - learn_start
+            # policy lag: updates between the policy that acted and the one updated
+            charts = {"policy_lag": learner.update - behavior_version, "learning_rate": lr}
+            learner.update += 1
+            learner.global_step += steps_per_collection
+            if args.sync:  # the executors waited for the new parameters
+                shared.publish(learner.target, learner.update)
+                workers.start_collection(j + 1, learner.global_step)
+            record.update(learner, losses, charts, timing | {"actor_wait_requests": shared.actor_wait.mean().item()})
+            if args.checkpoint_interval > 0 and time.time() - last_checkpoint >= args.checkpoint_interval:
+                learner.save(checkpoint_path, args, meta)
+                last_checkpoint = time.time()
+    except (Stop, NonFiniteLoss, WriteError, OSError) as e:  # OSError: the TensorBoard events file
+        exit_code, message = stopped(e, learner, signals.signum, run_dir)
+    finally:
+        workers.stop(graceful=exit_code == 0)
+        signals.restore()
+    if exit_code == 0 and args.eval_episodes > 0:  # the final policy
+        record.evaluation(evaluate(learner.target, args, run_dir / "videos", device), learner.global_step)
+    close_run(args, learner, writer, tracker, run_dir, meta, exit_code, message)
+
+
+# ---- run plumbing ------------------------------------------------------------------------------------------------
+# Validation, the run directory, tracking, checkpoints, evaluation of a saved agent, signals, supervision and error
+# lines: nothing here is needed to read or change the algorithm above. A function here that several scripts have is
+# the same text in all of them (tests/test_plumbing.py names the script and function that drift): change it in every
+# script. What differs between scripts lives in the few script-specific functions at the end of this section.
+
+
+class Stop(Exception):
+    """The run is stopping (a signal, a dead worker, the budget spent): raised to leave a wait or a loop early."""
+
+
+class NonFiniteLoss(Exception):
+    """A loss or gradient norm that is NaN or infinite: the run stops and the last good checkpoint is kept."""
+
+
+class WriteError(Exception):
+    """A checkpoint, model or TensorBoard write that failed (a full disk): the message is the run's error line."""
+
+
+class StopSignals:
+    """Ctrl+C, SIGTERM and SIGHUP (a closed terminal or ssh session) record the first signal's number, for the exit
+    status 128 + signum, and set `stop`, the event the run's waits and loops check; the run then stops at its own pace
+    and writes its final checkpoint. A second signal changes nothing, so a second Ctrl+C cannot cut the shutdown."""
+
+    def __init__(self, stop):
+        self.stop, self.signum = stop, 0
+        self.previous = {s: signal.signal(s, self.handler) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+
+    def handler(self, signum: int, frame) -> None:
+        self.signum = self.signum or signum
+        # set from another thread: the handler runs in the main thread between two bytecodes, possibly while that
+        # thread holds the event's own lock (inside wait or is_set), and a set() here would wait for it forever
+        threading.Thread(target=self.stop.set, daemon=True).start()
+
+    def restore(self) -> None:
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
+
+
+def fail(message: str) -> NoReturn:
+    """Bad input: one error line, exit status 2, before anything is started or written."""
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def flag(name: str) -> str:
+    return f"--{name.replace('_', '-')}"
+
+
+def rule_holds(rule: str, value) -> bool:
+    return {
+        ">= 1": value >= 1, ">= 0": value >= 0, "> 0": value > 0,
+        "in (0, 1]": 0 < value <= 1, "in [0, 1]": 0 <= value <= 1, "in [0, 1)": 0 <= value < 1,
+    }[rule]  # fmt: skip
+
+
+def check_flags(args: Args) -> str | None:
+    """The error line of the first float flag that is not a finite number or the first flag that breaks its rule in
+    FLAG_RULES (flags left at None are filled in later and skipped); None if all hold."""
+    for f in fields(args):
+        value = getattr(args, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            return f"{flag(f.name)} must be a finite number, got {value}"
+    for rule, names in FLAG_RULES:
+        for name in names:
+            value = getattr(args, name)
+            if value is not None and not rule_holds(rule, value):
+                return f"{flag(name)} must be {rule}, got {value}"
+    return None
+
+
+def new_run_dir(args: Args) -> Path:
+    """Create this run's directory, never one that exists: a run started in the same second with the same name gets
+    the suffix -2, -3, ... (mkdir is atomic, so two runs cannot both take one name). Exit 2 if it cannot be made."""
+    base = Path(args.log_dir) / f"{args.env_id.replace('/', '_')}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    for n in itertools.count(1):
+        run_dir = base if n == 1 else base.with_name(f"{base.name}-{n}")
+        try:
+            base.parent.mkdir(parents=True, exist_ok=True)
+            run_dir.mkdir()
+            return run_dir
+        except FileExistsError:
+            if not base.parent.is_dir():
+                fail(f"cannot create the run directory {base}: {base.parent} is not a directory")
+        except OSError as e:
+            fail(f"cannot create the run directory {run_dir}: {e.strerror or e}")
+
+
+def write_run_args(run_dir: Path, args: Args, meta: dict) -> None:
+    """{run_dir}/args.json: the script, Args and checkpoint meta, so that --eval-only can rebuild the env and the model
+    of a model.pt lying beside it. Exit 2 if it cannot be written."""
+    try:
+        (run_dir / "args.json").write_text(json.dumps(dict(script=meta["script"], args=asdict(args), meta=meta)))
+    except OSError as e:
+        fail(f"cannot write {run_dir / 'args.json'}: {e.strerror or e}")
+
+
+def start_tracking(args: Args, run_dir: Path):
+    """--track: a Weights & Biases run named like the run directory, with the Args as config and the TensorBoard
+    scalars synced; returns the wandb module (None without --track). Call it before the SummaryWriter is made: wandb
+    patches TensorBoard at init. The id is derived from the run directory's name, so that a --resume run continues
+    the same W&B run."""
+    if not args.track:
+        return None
+    import wandb  # optional: pip install -e ".[track]"
+
+    try:
+        wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=run_dir.name, config=vars(args),
+                   id=hashlib.sha1(run_dir.name.encode()).hexdigest(), resume="allow" if args.resume else None,
+                   sync_tensorboard=True, save_code=True)  # fmt: skip
+    except Exception as e:  # not logged in, no network, an unknown entity or project
+        fail(f"--track: wandb.init failed: {(str(e).strip().splitlines() or [type(e).__name__])[0][:200]}")
+    return wandb
+
+
+def finish_tracking(tracker, run_dir: Path, exit_code: int) -> None:
+    """--track (`tracker` from start_tracking): upload the final evaluation's videos, then end the W&B run with the
+    run's exit status. Call it after the SummaryWriter is closed: wandb has synced the events written up to then."""
+    if tracker is None:
+        return
+    for video in sorted((run_dir / "videos").glob("*.mp4")):
+        tracker.log({"videos": tracker.Video(str(video))})
+    tracker.finish(exit_code=exit_code)
+
+
+def make_writer(run_dir: Path, args: Args):
+    """The run's TensorBoard writer with the hyperparameter table. Its writer thread dies of a write error (a full
+    disk) that the next write or close raises again in the main thread, which reports it in one line: the thread's own
+    traceback is kept quiet."""
+    from torch.utils.tensorboard import SummaryWriter  # here, not at import: the writer starts a thread
+
+    default = threading.excepthook
+    threading.excepthook = lambda hook: None if issubclass(hook.exc_type, OSError) else default(hook)
+    writer = SummaryWriter(str(run_dir))
+    table = "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items())
+    writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
+    return writer
+
+
+def write_error(e: OSError, what) -> str:
+    """The error line of a write that failed: a full disk said plainly, anything else with the system's reason."""
+    if e.errno == errno.ENOSPC:
+        return f"error: no space left on device while writing {what}"
+    return f"error: cannot write {what}: {e.strerror or e}"
+
+
+def atomic_save(obj, path: Path) -> None:
+    """torch.save to a temporary file beside `path`, then a rename over `path`, so a crash or a full disk leaves the
+    previous file intact. Raises WriteError with the error line."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)  # serialised in memory first: a full disk then shows as ENOSPC, not a zip-writer error
+    tmp = path.with_suffix(".tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(buffer.getbuffer())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
+        raise WriteError(write_error(e, path)) from None
+
+
+def load_checkpoint(path: str, meta: dict) -> dict:
+    """The checkpoint at `path` if this run can continue it (its meta, from checkpoint_meta, equals this run's);
+    otherwise one error line and exit 2, with nothing started."""
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:  # garbage, truncated, or pickled objects this interpreter cannot rebuild
+        reason = (str(e).strip().splitlines() or [""])[0][:120]
+        fail(f"cannot resume from {path}: not a checkpoint this script can read ({type(e).__name__}: {reason})")
+    theirs = checkpoint.get("meta") if isinstance(checkpoint, dict) else None
+    if not isinstance(theirs, dict):
+        fail(f'cannot resume from {path}: not a checkpoint this script can read (it has no "meta" entry)')
+    if differ := [k for k in meta if theirs.get(k) != meta[k]]:
+        fail(
+            f"cannot resume from {path}: it is a {theirs.get('script')} checkpoint "
+            f"({', '.join(f'{k} {theirs.get(k)}' for k in differ)}), this run is "
+            f"{', '.join(f'{k} {meta[k]}' for k in differ)}"
+        )
+    if not os.access(Path(path).parent, os.W_OK):
+        fail(f"cannot write to the run directory {Path(path).parent} of --resume {path}")
+    return checkpoint
+
+
 def load_for_eval(args: Args) -> tuple[Args, nn.Module, dict]:
     """--eval-only: the saved agent (a model.pt with its run's args.json beside it, or a checkpoint.pt), the Args to
-    evaluate it with (env, protocol and network from the saved run; seed and evaluation flags from this command line)
-    and the settings taken from the run. Anything this script cannot evaluate is one error line and exit 2."""
+    evaluate it with (the RUN_SETTINGS flags from the saved run; seed, evaluation flags and the rest from this command
+    line) and the settings taken from the run. Anything this script cannot evaluate is one error line and exit 2."""
     path, this = Path(args.eval_only), Path(__file__).name
     try:
         saved = torch.load(path, map_location="cpu", weights_only=False)
@@ -882,158 +915,19 @@ def load_for_eval(args: Args) -> tuple[Args, nn.Module, dict]:
             fail(f"--eval-only {path}: cannot read its run's args.json beside it (it names the env and network): {e}")
     if run.get("script") != this:
         fail(f"{path} was saved by {run.get('script')}, not {this}")
-    for name in ("env_id", "network"):  # a value given on the command line must be the saved run's
-        given, theirs = getattr(args, name), (run["meta"][name], run["args"][name])
-        if given != getattr(Args, name) and given not in theirs:
-            fail(f"--{name.replace('_', '-')} {given} contradicts {path}, saved by a run with {theirs[0]}")
-    own = dict(eval_only=args.eval_only, eval_episodes=args.eval_episodes or 10, eval_greedy=args.eval_greedy,
-               capture_video=args.capture_video, seed=args.seed, cuda=args.cuda, track=False)  # fmt: skip
-    known = {f.name for f in fields(Args)}
-    eval_args = Args(**{k: v for k, v in run["args"].items() if k in known} | own)
-    network = run["meta"]["network"]  # `auto` as the run resolved it
-    model = make_model(*env_spaces(eval_args), network)
+    settings = {k: run["meta"].get(k, run["args"][k]) for k in RUN_SETTINGS}  # meta: what `auto` resolved to
+    for name, value in settings.items():  # a flag given on the command line must be the saved run's
+        given = getattr(args, name)
+        if given != getattr(Args, name) and given not in (value, run["args"][name]):
+            fail(f"{flag(name)} {given} contradicts {path}, saved by a run with {value}")
+    eval_args = replace(args, **{k: run["args"][k] for k in RUN_SETTINGS}, eval_episodes=args.eval_episodes or 10)
     try:
-        model.load_state_dict(saved["model"] if is_checkpoint else saved)
+        model = saved_model(eval_args, settings, saved["model"] if is_checkpoint else saved)
+    except EnvError as e:  # the run's env is not installed here
+        fail(f"--eval-only {path}: {e}")
     except Exception as e:  # not a state_dict, or one of another network
-        fail(f"--eval-only {path}: not parameters of its run's {network} network ({type(e).__name__})")
-    settings = dict(env_id=eval_args.env_id, atari_protocol=eval_args.atari_protocol, network=network)
+        fail(f"--eval-only {path}: not parameters of its run's network ({type(e).__name__})")
     return eval_args, model, settings
-
-
-def finish(args: Args, learner: Learner, writer: SummaryWriter | None, run_dir: Path, device: torch.device,
-           exit_code: int, message: str | None, tracker=None) -> None:  # fmt: skip
-    """After the workers stopped: save the model and evaluate it (after a clean finish), close TensorBoard, finish the
-    W&B run (`tracker`, from start_tracking) with the exit status, print the error line if any and exit with
-    `exit_code`."""
-    if exit_code == 0 and args.save_model:
-        try:
-            atomic_save(learner.target.state_dict(), run_dir / "model.pt")
-        except WriteError as e:
-            exit_code, message = 1, str(e)
-    if exit_code == 0 and args.eval_episodes > 0:
-        for i, r in enumerate(evaluate(learner.target, args, run_dir / "videos", device)):
-            writer.add_scalar("eval/episodic_return", r, learner.global_step + i)
-            print(f"eval episode {i}: return {r:.2f}", flush=True)
-    try:
-        if writer is not None:  # None: it could not be made (the error line says why)
-            writer.close()
-    except OSError as e:  # the events file could not be flushed: the error above, or this one
-        message = message or f"error: {e.strerror or e} while writing the TensorBoard events in {run_dir}"
-        exit_code = exit_code or 1
-    if tracker is not None:  # after the writer is closed: wandb syncs the events files up to then
-        for video in sorted((run_dir / "videos").glob("*.mp4")):
-            tracker.log({"videos": tracker.Video(str(video))})
-        tracker.finish(exit_code=exit_code)
-    if message:
-        print(message, file=sys.stderr, flush=True)
-    if exit_code:
-        raise SystemExit(exit_code)
-
-
-# ---- Main ------------------------------------------------------------------------------------------------------------
-
-
-def main(args: Args) -> None:
-    error = validate(args)
-    if error is not None:
-        fail(error)
-    if args.eval_only:
-        main_eval_only(args)
-        return
-    spaces = env_spaces(args)
-    meta = checkpoint_meta(args, *spaces)
-    checkpoint = load_checkpoint(args.resume, meta) if args.resume else None
-    run_dir = Path(args.resume).resolve().parent if args.resume else new_run_dir(args)
-    if not os.access(run_dir, os.W_OK):
-        fail(f"cannot write to the run directory {run_dir}")
-    write_run_args(run_dir, args, meta)
-    random.seed(args.seed)
-    torch.manual_seed(args.seed)
-    torch.backends.cudnn.deterministic = args.torch_deterministic
-    use_cuda = args.cuda and torch.cuda.is_available()
-    device = torch.device("cuda" if use_cuda else "cpu")
-    # the learner gets the cores the workers leave: intra-op threads beyond the free cores spin and slow its update
-    torch.set_num_threads(args.torch_threads or max(1, (os.cpu_count() or 1) - args.num_executors - args.num_actors))
-    fixed_mmap_threshold()  # inherited by the workers
-
-    learner = Learner.create(args, spaces, device, checkpoint)
-    shared = Shared(args, spaces[0], learner.target, learner.update)
-    steps_per_collection = args.num_envs * args.sync_interval
-    num_collections = args.total_timesteps // steps_per_collection
-    workers = Workers(args, shared, "spawn" if use_cuda else "fork", num_collections)  # CUDA cannot be forked
-    stop = StopSignals()
-    checkpoint_path, exit_code, message = run_dir / "checkpoint.pt", 0, None
-    writer = tracker = None  # made in the try: whatever fails from there on stops the workers
-    recent_returns: deque[float] = deque(maxlen=100)
-    try:
-        tracker = start_tracking(args, run_dir)  # after the forks: no worker inherits wandb's threads and pipes
-        writer = make_writer(run_dir, args)
-        start_step, start_time = learner.global_step, time.time()
-        last_console = last_checkpoint = time.time()
-        workers.start_collection(learner.update, learner.global_step)
-        while learner.update < num_collections:
-            j = learner.update
-            episodes, timing = workers.wait_collection(j, stop)
-            for e in episodes:
-                writer.add_scalar("charts/episodic_return", e.episodic_return, e.step)
-                writer.add_scalar("charts/episodic_length", e.length, e.step)
-                recent_returns.append(e.episodic_return)
-            # Storage j % 2 holds D_j, collected by the published parameters: they become the behavior copy.
-            batch, behavior_version = shared.rollout(j, device)
-            learner.behavior.load_state_dict(shared.policy.state_dict())
-            if not args.sync:  # HTS-RL: publish theta_j, executors fill the other storage while we learn from this one
-                shared.publish(learner.target, learner.update)
-                workers.start_collection(j + 1, learner.global_step + steps_per_collection)
-            lr = args.learning_rate * (1.0 - j / num_collections if args.anneal_lr else 1.0)
-            learn_start = time.perf_counter()
-            stats = learner.step(batch, lr, args)
-            learn_time = time.perf_counter() - learn_start
-            policy_lag = learner.update - behavior_version  # updates between the acting policy and the updated one
-            learner.update += 1
-            learner.global_step += steps_per_collection
-            if args.sync:  # the executors waited for the new parameters
-                shared.publish(learner.target, learner.update)
-                workers.start_collection(j + 1, learner.global_step)
-            last = learner.update == num_collections
-            sps = (learner.global_step - start_step) / max(time.time() - start_time, 1e-9)
-            if learner.update % args.log_frequency == 0 or last:
-                charts = {"policy_lag": policy_lag, "learning_rate": lr, "SPS": sps}
-                timing |= {"actor_wait_requests": shared.actor_wait.mean().item(), "learner_update": learn_time}
-                for group, scalars in (("losses", stats), ("charts", charts), ("timing", timing)):
-                    for name, value in scalars.items():
-                        writer.add_scalar(f"{group}/{name}", value, learner.global_step)
-            if last or time.time() - last_console >= args.log_interval:
-                mean_return = np.mean(recent_returns) if recent_returns else float("nan")
-                print(f"global_step={learner.global_step} SPS={sps:.0f} mean_return={mean_return:.2f}", flush=True)
-                last_console = time.time()
-            if args.checkpoint_interval > 0 and time.time() - last_checkpoint >= args.checkpoint_interval:
-                learner.save(checkpoint_path, args, meta)
-                last_checkpoint = time.time()
-        if args.checkpoint_interval > 0:
-            learner.save(checkpoint_path, args, meta)
-    except Stop:
-        exit_code = 128 + stop.signum
-        message = f"stopped by {signal.Signals(stop.signum).name} at global step {learner.global_step}"
-        if args.checkpoint_interval > 0:
-            try:
-                learner.save(checkpoint_path, args, meta)
-                message += f"; checkpoint written to {checkpoint_path}"
-            except WriteError as write_error:
-                exit_code, message = 1, f"{write_error}; stopping (the last good checkpoint is kept)"
-    except WriteError as e:
-        exit_code, message = 1, f"{e}; stopping (the last good checkpoint is kept)"
-    except OSError as e:  # from the TensorBoard writer: the events file
-        reason = "no space left on device" if e.errno == errno.ENOSPC else (e.strerror or str(e))
-        exit_code, message = 1, f"error: {reason} while writing the TensorBoard events in {run_dir}; stopping"
-    except WorkerError as e:
-        exit_code, message = 1, f"error: {e}"
-    except NonFiniteLoss as e:
-        exit_code = 1
-        message = f"error: {e} at update {learner.update}; stopping (the last good checkpoint, if any, is kept)"
-    finally:
-        workers.shutdown(graceful=exit_code == 0 and message is None)
-        stop.restore()
-    finish(args, learner, writer, run_dir, device, exit_code, message, tracker)
 
 
 def main_eval_only(args: Args) -> None:
@@ -1061,8 +955,174 @@ def main_eval_only(args: Args) -> None:
     print(f"mean return over {len(returns)} episodes: {report['mean']:.2f} (written to {out})")
 
 
+# -- supervision of local child processes (the scripts that start them) --
+
+
+def child_main(parent_pid: int, target, args: tuple) -> None:
+    """A child process's first call: Linux's kernel kills it when the main process dies, even by kill -9, so nothing
+    outlives the run (a main process already gone before prctl ran: exit at once). Signals are the main process's to
+    handle: it stops the children through the run's stop event."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # no prctl (not Linux)
+        pass
+    if os.getppid() != parent_pid:
+        os._exit(1)
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_IGN)
+    target(*args)
+
+
+class Processes:
+    """The run's child processes by name: started through child_main, watched through their sentinels (a blocking wait,
+    no polling), and stopped with a grace period before SIGKILL."""
+
+    def __init__(self, ctx):
+        self.ctx, self.procs = ctx, {}
+
+    def start(self, name: str, target, *args) -> None:
+        process = self.ctx.Process(target=child_main, name=name, args=(os.getpid(), target, args), daemon=True)
+        process.start()
+        self.procs[name] = process
+
+    def wait(self, timeout: float) -> str | None:
+        """Block until a child ends or `timeout` seconds pass; the description of a child that ended with a non-zero
+        status (an exception, a kill), or None."""
+        running = [p.sentinel for p in self.procs.values() if p.exitcode is None]
+        if running:
+            multiprocessing.connection.wait(running, timeout)
+        return self.failed()
+
+    def failed(self) -> str | None:
+        for name, p in self.procs.items():
+            if p.exitcode is not None and p.exitcode != 0:
+                how = f"killed by signal {-p.exitcode}" if p.exitcode < 0 else f"exit status {p.exitcode}"
+                return f"{name} died ({how})"
+        return None
+
+    def stop(self, grace: float) -> list[str]:
+        """Join every child within `grace` seconds in all (the caller has set the stop event), then SIGKILL the ones
+        left; returns their names."""
+        deadline = time.monotonic() + grace
+        for p in self.procs.values():
+            p.join(max(0.0, deadline - time.monotonic()))
+        stuck = [name for name, p in self.procs.items() if p.is_alive()]
+        for name in stuck:
+            self.procs[name].kill()
+            self.procs[name].join()
+        return stuck
+
+
+# -- script-specific: FLAG_RULES, RUN_SETTINGS, validate, env_spaces, checkpoint_meta, saved_model, evaluate, ... --
+
+
+FLAG_RULES = (
+    (">= 1", ("num_envs", "num_executors", "num_actors", "sync_interval", "total_timesteps", "log_frequency")),
+    (">= 0", ("torch_threads", "checkpoint_interval", "eval_episodes", "vf_coef", "ent_coef")),
+    ("> 0", ("learning_rate", "adam_eps", "max_grad_norm", "log_interval", "clip_coef")),
+    ("in [0, 1]", ("gamma", "gae_lambda")), (">= 1", ("update_epochs", "num_minibatches")),
+)  # fmt: skip
+RUN_SETTINGS = ("env_id", "atari_protocol", "network")
+RENAMED_FLAGS = {"--console-interval": "is now --log-interval (see --help)"}
+
+
+def parse_args(argv: list[str]) -> Args:
+    for arg in argv:
+        if (name := arg.split("=")[0]) in RENAMED_FLAGS:
+            fail(f"{name} {RENAMED_FLAGS[name]}")
+    return tyro.cli(Args, args=argv)
+
+
+def validate(args: Args) -> str | None:
+    """The one-line message of the first bad flag (env and network included), or None."""
+    if error := check_flags(args):
+        return error
+    rollout = args.num_envs * args.sync_interval
+    if args.num_envs % args.num_executors:
+        return f"--num-executors must divide --num-envs {args.num_envs}, got {args.num_executors}"
+    if args.total_timesteps < rollout:
+        return f"--total-timesteps must be >= {rollout} (num_envs * sync_interval), got {args.total_timesteps}"
+    if rollout % args.num_minibatches:
+        return f"--num-minibatches must divide num_envs * sync_interval = {rollout}, got {args.num_minibatches}"
+    if args.capture_video and args.eval_episodes == 0 and args.eval_only is None:
+        return "--capture-video records the evaluation episodes; add --eval-episodes N (N >= 1)"
+    for name in ("resume", "eval_only"):
+        if (path := getattr(args, name)) is not None and not Path(path).is_file():
+            return f"{flag(name)} {path}: no such file"
+    if args.track and importlib.util.find_spec("wandb") is None:
+        return '--track needs wandb: pip install -e ".[track]"'
+    if args.eval_only is not None:  # env, network and model are the saved run's: load_for_eval checks them
+        return None
+    try:
+        observation_space, action_space = env_spaces(args)
+        if args.capture_video:  # fail now, not at the final evaluation
+            check_video(args.env_id, args.atari_protocol)
+        if not isinstance(action_space, gym.spaces.Discrete):
+            return (f"{args.env_id} has a continuous action space ({action_space}); {Path(__file__).name} handles "
+                    "Discrete action spaces only (for continuous actions: apex_ddpg.py)")  # fmt: skip
+        make_model(observation_space, action_space, args.network)
+    except (EnvError, ValueError) as e:
+        return str(e).splitlines()[0] if str(e) else type(e).__name__
+    return None
+
+
+def env_spaces(args: Args) -> tuple[gym.Space, gym.Space]:
+    """The observation and action space of one env of the run."""
+    check_env_args(args.env_id, args.num_envs, args.atari_protocol)
+    envs = make_vector_env(args.env_id, 1, args.seed, protocol=args.atari_protocol, num_threads=1)
+    spaces = envs.single_observation_space, envs.single_action_space
+    envs.close()
+    return spaces
+
+
+def checkpoint_meta(args: Args, obs_space: gym.Space, action_space: gym.Space) -> dict:
+    """What a checkpoint must match to be resumed by this run: script, env, network and shapes."""
+    network = args.network if args.network != "auto" else ("nature" if len(obs_space.shape) == 3 else "mlp")
+    return dict(script=Path(__file__).name, algo=None, env_id=args.env_id, atari_protocol=args.atari_protocol,
+                network=network, obs_shape=list(obs_space.shape), action_shape_or_n=int(action_space.n))  # fmt: skip
+
+
+def saved_model(eval_args: Args, settings: dict, state_dict: dict) -> nn.Module:
+    """The saved run's network (`auto` as the run resolved it) with the saved parameters."""
+    model = make_model(*env_spaces(eval_args), settings["network"])
+    model.load_state_dict(state_dict)
+    return model
+
+
+def stopped(e: Exception, learner: Learner, signum: int, run_dir: Path) -> tuple[int, str]:
+    """The exit status and error line of a training loop that `e` ended: a Stop without a message is a signal's."""
+    if isinstance(e, Stop) and not e.args:
+        return 128 + signum, f"stopped by {signal.Signals(signum).name} at global step {learner.global_step}"
+    if isinstance(e, OSError):
+        return 1, f"{write_error(e, f'the TensorBoard events in {run_dir}')}; stopping"
+    if isinstance(e, NonFiniteLoss):
+        return 1, f"error: {e} at update {learner.update}; stopping (the last good checkpoint, if any, is kept)"
+    return 1, f"{e}; stopping (the last good checkpoint is kept)" if isinstance(e, WriteError) else f"error: {e}"
+
+
+def close_run(args: Args, learner: Learner, writer, tracker, run_dir: Path, meta: dict, exit_code: int,
+              message: str | None) -> None:  # fmt: skip
+    """After the workers stopped: the final checkpoint (after the last update or a signal) and model (after the last
+    update), TensorBoard closed, the W&B run (from start_tracking) ended; the error line, exit with the status."""
+    try:
+        if args.checkpoint_interval > 0 and (exit_code == 0 or exit_code > 128):
+            learner.save(run_dir / "checkpoint.pt", args, meta)
+            message = message and f"{message}; checkpoint written to {run_dir / 'checkpoint.pt'}"
+        if exit_code == 0 and args.save_model:
+            atomic_save(learner.target.state_dict(), run_dir / "model.pt")
+    except WriteError as e:
+        exit_code, message = 1, f"{e}; stopping (the last good checkpoint is kept)"
+    try:
+        if writer is not None:  # None: it could not be made (the error line says why)
+            writer.close()
+    except OSError as e:  # the events file could not be flushed: the error above, or this one
+        message, exit_code = message or write_error(e, f"the TensorBoard events in {run_dir}"), exit_code or 1
+    finish_tracking(tracker, run_dir, exit_code)
+    if message:
+        print(message, file=sys.stderr, flush=True)
+    if exit_code:
+        raise SystemExit(exit_code)
+
+
 if __name__ == "__main__":
-    for old, new in RENAMED_FLAGS.items():
-        if any(arg.split("=", 1)[0] == old for arg in sys.argv[1:]):
-            fail(f"{old} is now {new} (see --help)")
-    main(tyro.cli(Args))
+    main(parse_args(sys.argv[1:]))

@@ -496,8 +496,8 @@ def test_resume_continues_the_run_directory_and_step_count(script, tmp_path, in_
         ({"capture_video": True}, "--eval-episodes"),
         ({"gamma": 1.5}, "--gamma must be in [0, 1]"),
         ({"torch_threads": -1}, "--torch-threads must be >= 0"),
-        ({"log_frequency": 0}, "--log-frequency must be >= 1 update"),
-        ({"log_interval": 0.0}, "--log-interval must be > 0 seconds"),
+        ({"log_frequency": 0}, "--log-frequency must be >= 1, got 0"),
+        ({"log_interval": 0.0}, "--log-interval must be > 0, got 0.0"),
         ({"learning_rate": math.inf}, "--learning-rate must be a finite number, got inf"),
         ({"max_grad_norm": math.nan}, "--max-grad-norm must be a finite number, got nan"),
         ({"env_id": "Pendulum-v1"}, "continuous action space"),
@@ -570,7 +570,7 @@ def test_tracking_names_the_run_after_its_directory_resumes_it_and_ends_with_the
     assert first["sync_tensorboard"] and first["config"]["env_id"] == "CartPole-v1" and first["config"]["track"]
     for code, message in [(0, None), (1, "error: executor 0 failed"), (143, "stopped by SIGTERM at global step 96")]:
         with pytest.raises(SystemExit) if code else contextlib.nullcontext():
-            module.finish(resumed, None, None, run_dir, torch.device("cpu"), code, message, wandb)
+            module.close_run(resumed, None, None, wandb, run_dir, {}, code, message)
         assert wandb.finished[-1] == code
     assert wandb.logged == [{"videos": ("video", str(run_dir / "videos" / "rl-video-episode-0.mp4"))}] * 3
     assert capsys.readouterr().err.splitlines() == ["error: executor 0 failed", "stopped by SIGTERM at global step 96"]
@@ -668,12 +668,13 @@ def alive(pid):
 
 
 def at_collection(monkeypatch, module, j, action):
-    """Call `action(workers)` in the learner (the main thread) when it starts waiting for collection j."""
+    """Call `action(workers, stop)` in the learner (the main thread) when it starts waiting for collection j; `stop` is
+    the run's stop event."""
     wait = module.Workers.wait_collection
 
     def wait_collection(workers, k, stop):
         if k == j:
-            action(workers)
+            action(workers, stop)
         return wait(workers, k, stop)
 
     monkeypatch.setattr(module.Workers, "wait_collection", wait_collection)
@@ -702,9 +703,10 @@ def test_ctrl_c_stops_everything_and_writes_a_final_checkpoint(tmp_path):
 def test_sigterm_stops_everything_and_writes_a_final_checkpoint(tmp_path, monkeypatch, capsys, in_process):
     pids = []
 
-    def terminate(workers):
-        pids.extend(p.pid for p in workers.procs.values())
+    def terminate(workers, stop):
+        pids.extend(p.pid for p in workers.processes.procs.values())
         os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.wait(60)  # set from the signal handler's helper thread: stop at this collection, not a later one
 
     at_collection(monkeypatch, hts_a2c, 3, terminate)
     with pytest.raises(SystemExit) as exc:
@@ -722,16 +724,16 @@ def test_killed_worker_stops_the_run(tmp_path, monkeypatch, capsys, in_process):
     """A killed actor leaves the executors and other actors running: the learner still names it and stops."""
     pids = []
 
-    def kill_an_actor(workers):
-        pids.extend(p.pid for p in workers.procs.values())
-        os.kill(workers.procs["actor 3"].pid, signal.SIGKILL)
+    def kill_an_actor(workers, stop):
+        pids.extend(p.pid for p in workers.processes.procs.values())
+        os.kill(workers.processes.procs["actor 3"].pid, signal.SIGKILL)
 
     at_collection(monkeypatch, hts_a2c, 3, kill_an_actor)
     with pytest.raises(SystemExit) as exc:
         hts_a2c.main(long_run("hts_a2c.py", tmp_path))
     assert exc.value.code == 1
     err = capsys.readouterr().err
-    assert err == "error: actor 3 died (exit code -9) without a traceback\n", err
+    assert err == "error: actor 3 died (killed by signal 9)\n", err
     assert len(pids) == 8 and not [pid for pid in pids if alive(pid)]
 
 
@@ -763,7 +765,7 @@ def test_a_failing_worker_or_loss_stops_the_run_with_one_message(script, env_id,
 
 def test_full_disk_stops_cleanly_and_keeps_the_last_checkpoint(tmp_path, monkeypatch, capsys, in_process):
     with small_tmpfs(tmp_path / "disk", "4m") as disk:
-        at_collection(monkeypatch, hts_a2c, 5, lambda workers: fill_disk(disk))
+        at_collection(monkeypatch, hts_a2c, 5, lambda workers, stop: fill_disk(disk))
         with pytest.raises(SystemExit) as exc:
             hts_a2c.main(long_run("hts_a2c.py", disk, checkpoint_interval=1e-6))  # one checkpoint per update
         err = capsys.readouterr().err
