@@ -11,7 +11,7 @@ Data flow: `--num-learners` n learner processes (or one per torchrun rank); the 
          in-peers only after --max-staleness (tau) iterations without mixing
     one machine: learner i's send buffer B_i (Appendix B) is a preallocated row of shared (or CUDA) memory, overwritten
       under its lock with a version number; a newer message replaces an unread one, nothing queues; a blocked
-      receiver waits on a Condition. Learners -> main: Record / CheckpointState / FinalState on `log_q`.
+      receiver waits on a Condition. Learners -> main: Record and State messages on `log_q`.
     torchrun: a sender thread `dist.send`s the newest snapshot, one receiver thread per in-peer `dist.recv`s it; every
       --sync-interval iterations the ranks meet in one all-reduce (global step, stop and checkpoint flags, consensus),
       so stops and checkpoints happen there and collectives always match; rank 0 writes charts and checkpoints.
@@ -254,6 +254,13 @@ def consensus_distance(x: torch.Tensor, average: torch.Tensor) -> float:
     return torch.linalg.vector_norm(x.double() - average.double()).item()
 
 
+def average_model(states: list[dict]) -> dict:
+    """x_bar: the learners' average parameters, the model a run saves and evaluates (in allreduce mode identical to
+    each learner's)."""
+    return {k: sum(s["model"][k].double() for s in states).div(len(states)).to(v.dtype)
+            for k, v in states[0]["model"].items()}  # fmt: skip
+
+
 def epsilon_ball_radius(P: torch.Tensor, alpha: float, L: float, tau: int = 0, B: int = 0) -> float:
     """Proposition 2's radius alpha * beta~ * L / (1 - beta), beta~ = beta^(-(tau+B)/(tau+B+1)).
 
@@ -334,10 +341,6 @@ def state_to_bytes(state: dict) -> bytes:
     buffer = io.BytesIO()
     torch.save(state, buffer)
     return buffer.getvalue()
-
-
-def state_from_bytes(data: bytes) -> dict:
-    return torch.load(io.BytesIO(data), weights_only=False)
 
 
 class Mix(NamedTuple):
@@ -726,7 +729,7 @@ class Learner:
         while self.iteration < self.num_iterations:
             at_sync = (self.iteration + 1) % self.args.sync_interval == 0 or self.iteration + 1 == self.num_iterations
             mix = self.iterate(gossip, link.stop, at_sync and link.torchrun)
-            if gossip is not None and at_sync:
+            if gossip is not None and at_sync:  # how far the gossip keeps this learner from the average (Prop. 2)
                 x = self.flat_params()
                 self.stats.consensus = consensus_distance(x, gossip.average(x))
             turn = link.agree(at_sync, self.stats)
@@ -943,16 +946,17 @@ class Monitor:
         self.write_failure: str | None = None  # a checkpoint or TensorBoard write failed: the run stops
 
     def handle(self, message: Record | State) -> None:
-        i = message.learner
         try:
             if isinstance(message, Record):
                 if self.logger is not None and self.write_failure is None:
                     self.logger.handle(message)
-            elif message.request == 0:
-                self.finals[i] = self.latest[i] = state_from_bytes(message.data)
+                return
+            i, state = message.learner, torch.load(io.BytesIO(message.data), weights_only=False)
+            if message.request == 0:
+                self.finals[i] = self.latest[i] = state
             else:
                 got = self.pending.setdefault(message.request, {})
-                got[i] = state_from_bytes(message.data)
+                got[i] = state
                 if len(got) == self.run.n:
                     self.pending.clear()
                     self.latest[:] = [got[j] for j in range(self.run.n)]
@@ -1011,9 +1015,8 @@ def main_single_machine(run: Run) -> None:
     tracker, failure, last_checkpoint = None, None, time.time()
     try:  # whatever fails from here on stops the learners
         tracker = start_tracking(args, run.run_dir)  # after the forks: no learner inherits wandb's threads and pipes
-        monitor.logger = Logger(
-            make_writer(run.run_dir, args), n, args, run.checkpoint["global_step"] if run.checkpoint else 0
-        )
+        step = run.checkpoint["global_step"] if run.checkpoint else 0
+        monitor.logger = Logger(make_writer(run.run_dir, args), n, args, step)
         while len(monitor.finals) < n and not signals.signum and not failure:
             monitor.drain(0.25)
             monitor.logger.maybe_print()
@@ -1479,12 +1482,6 @@ def evaluate(model: nn.Module, args: Args, video_dir: Path, device: torch.device
     return returns
 
 
-def average_model(states: list[dict]) -> dict:
-    """The learners' average parameters (identical to each learner's in allreduce mode)."""
-    return {k: sum(s["model"][k].double() for s in states).div(len(states)).to(v.dtype)
-            for k, v in states[0]["model"].items()}  # fmt: skip
-
-
 def save_checkpoint(run: Run, states: list[dict]) -> None:
     """The learners' states, and their average as "model", to {run_dir}/checkpoint.pt atomically (WriteError)."""
     steps = sum(s["iteration"] for s in states) * run.args.num_envs * run.args.num_steps
@@ -1519,9 +1516,12 @@ def end_training(run: Run, logger: Logger | None, states: list, finished: bool, 
             for i, ret in enumerate(returns):
                 logger.writer.add_scalar("eval/episodic_return", ret, i)
                 print(f"eval episode {i}: return {ret:.1f}")
+    except (WriteError, OSError) as e:
+        failure = failure or failed_write(e, run.run_dir)
+    try:
         if logger is not None:
             logger.writer.close()
-    except (WriteError, OSError) as e:
+    except OSError as e:
         failure = failure or failed_write(e, run.run_dir)
     finish_tracking(tracker, run.run_dir, 1 if failure else 128 + signum if signum else 0)
     if failure:
