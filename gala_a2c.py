@@ -11,7 +11,7 @@ Data flow: `--num-learners` n learner processes (or one per torchrun rank); the 
          in-peers only after --max-staleness (tau) iterations without mixing
     one machine: learner i's send buffer B_i (Appendix B) is a preallocated row of shared (or CUDA) memory, overwritten
       under its lock with a version number; a newer message replaces an unread one, nothing queues; a blocked
-      receiver waits on a Condition. Learners -> main: Record / CheckpointState / FinalState on `log_q`.
+      receiver waits on a Condition. Learners -> main: Record and State messages on `log_q`.
     torchrun: a sender thread `dist.send`s the newest snapshot, one receiver thread per in-peer `dist.recv`s it; every
       --sync-interval iterations the ranks meet in one all-reduce (global step, stop and checkpoint flags, consensus),
       so stops and checkpoints happen there and collectives always match; rank 0 writes charts and checkpoints.
@@ -41,6 +41,7 @@ import io
 import itertools
 import json
 import math
+import multiprocessing.connection
 import os
 import queue
 import signal
@@ -50,14 +51,12 @@ import threading
 import time
 import traceback
 from collections import deque
-from dataclasses import asdict, dataclass, field, fields
-from multiprocessing.connection import wait as wait_sentinels
-from multiprocessing.context import BaseContext
+from dataclasses import asdict, dataclass, field, fields, replace
 from multiprocessing.queues import Queue
 from multiprocessing.sharedctypes import Synchronized, SynchronizedArray
 from multiprocessing.synchronize import Condition, Event, Lock
 from pathlib import Path
-from typing import Literal, NamedTuple
+from typing import Literal, NamedTuple, NoReturn
 
 import gymnasium as gym
 import numpy as np
@@ -187,7 +186,18 @@ def sample_actions(logits: torch.Tensor, generator: torch.Generator) -> torch.Te
     return torch.argmax(logits - torch.log(-torch.log(u)), dim=1)
 
 
-def a2c_loss(logits, values, actions, returns, ent_coef: float, vf_coef: float) -> dict[str, torch.Tensor]:
+class Losses(NamedTuple):
+    """What an A2C update minimises, and its gradient norm (the losses/ tags): tensors in the update, floats (means
+    over iterations) in a Record."""
+
+    total_loss: torch.Tensor | float
+    policy_loss: torch.Tensor | float
+    value_loss: torch.Tensor | float
+    entropy: torch.Tensor | float
+    grad_norm: torch.Tensor | float | None = None  # known after the backward pass
+
+
+def a2c_loss(logits, values, actions, returns, ent_coef: float, vf_coef: float) -> Losses:
     """A2C on an [M] batch: the batched policy gradient (Eq. 4) and TD value loss (Eq. 1) minus the entropy bonus."""
     logp_all = torch.log_softmax(logits, dim=-1)  # [M, A]
     logp = logp_all.gather(-1, actions[:, None]).squeeze(-1)  # [M]
@@ -196,7 +206,7 @@ def a2c_loss(logits, values, actions, returns, ent_coef: float, vf_coef: float) 
     policy_loss = -(logp * advantages).mean()
     value_loss = ((returns - values) ** 2).mean()
     total = policy_loss - ent_coef * entropy + vf_coef * value_loss
-    return dict(total_loss=total, policy_loss=policy_loss, value_loss=value_loss, entropy=entropy)
+    return Losses(total_loss=total, policy_loss=policy_loss, value_loss=value_loss, entropy=entropy)
 
 
 def make_optimizer(params: list[torch.Tensor], lr: float, args: Args) -> torch.optim.Optimizer:
@@ -244,6 +254,13 @@ def consensus_distance(x: torch.Tensor, average: torch.Tensor) -> float:
     return torch.linalg.vector_norm(x.double() - average.double()).item()
 
 
+def average_model(states: list[dict]) -> dict:
+    """x_bar: the learners' average parameters, the model a run saves and evaluates (in allreduce mode identical to
+    each learner's)."""
+    return {k: sum(s["model"][k].double() for s in states).div(len(states)).to(v.dtype)
+            for k, v in states[0]["model"].items()}  # fmt: skip
+
+
 def epsilon_ball_radius(P: torch.Tensor, alpha: float, L: float, tau: int = 0, B: int = 0) -> float:
     """Proposition 2's radius alpha * beta~ * L / (1 - beta), beta~ = beta^(-(tau+B)/(tau+B+1)).
 
@@ -281,20 +298,15 @@ def unflatten_into(tensors: list[torch.Tensor], flat: torch.Tensor) -> None:
 # ---- Storage and messages ------------------------------------------------------------------------------------------
 
 
-class Stop(Exception):
-    """Raised inside a learner when the run is shutting down."""
+class Timing(NamedTuple):
+    """Seconds one iteration spent in each of its parts (the timing/ tags)."""
 
-
-class NonFiniteLoss(RuntimeError):
-    pass
-
-
-class WriteError(RuntimeError):
-    """A checkpoint or model file could not be written; the message is the error line."""
-
-
-LOSS_NAMES = ("policy_loss", "value_loss", "entropy", "total_loss", "grad_norm")
-TIMING_NAMES = ("rollout", "train", "gossip", "gossip_wait", "allreduce", "iteration")
+    rollout: float  # the simulators and the actions (Algorithm 1, line 2)
+    train: float  # the forward and backward passes and the optimizer step
+    gossip: float  # publishing and mixing, without the wait
+    gossip_wait: float  # blocked for in-peers
+    allreduce: float  # averaging the gradients (--mode allreduce)
+    iteration: float  # the whole iteration
 
 
 class Record(NamedTuple):
@@ -306,37 +318,29 @@ class Record(NamedTuple):
     iteration: int
     lr: float
     episodes: list[tuple[float, int]]  # (true return, length) of each episode finished
-    means: dict[str, float]  # LOSS_NAMES, TIMING_NAMES, "staleness", "mixed": means over the iterations
+    losses: Losses  # means over the iterations, as are timing, staleness and mix_rate
+    timing: Timing
+    staleness: float  # iterations since the last mix
+    mix_rate: float  # share of the iterations that mixed
     policy_lag: float | None  # mean age of the messages mixed in (iterations); None: none mixed
     consensus: float | None  # ||x_i - x_bar|| measured at a sync point, if one was among these iterations
     sps: float  # this learner's agent steps per second since it started
 
 
-class CheckpointState(NamedTuple):
-    """A learner's state for checkpoint request `request` (learner -> main process)."""
+class State(NamedTuple):
+    """A learner's state for checkpoint request `request`, or (request 0) its final one (learner -> main process). It
+    crosses the queue as bytes: a queued tensor would be shared through a file descriptor that dies with the learner
+    process, which may exit before the main process reads it."""
 
     learner: int
     request: int
-    state: bytes
-
-
-class FinalState(NamedTuple):
-    """A learner's state when it stopped: its share done, or the run stopping (learner -> main process)."""
-
-    learner: int
-    state: bytes
+    data: bytes  # Learner.state(), torch.save'd
 
 
 def state_to_bytes(state: dict) -> bytes:
-    """Learner states cross the queue as bytes: a queued tensor would be shared through a file descriptor that dies
-    with the learner process, which may exit before the main process reads it."""
     buffer = io.BytesIO()
     torch.save(state, buffer)
     return buffer.getvalue()
-
-
-def state_from_bytes(data: bytes) -> dict:
-    return torch.load(io.BytesIO(data), weights_only=False)
 
 
 class Mix(NamedTuple):
@@ -346,6 +350,7 @@ class Mix(NamedTuple):
     mixed: bool
     waited: float
     lags: tuple[int, ...] = ()
+    stopped: bool = False  # the run stopped while this learner waited for its in-peers
 
 
 class GossipEndpoint:
@@ -385,7 +390,7 @@ class SharedMemoryGossip:
     """Preallocated broadcast buffers, one per learner, in shared memory (or CUDA memory); made by the main process
     before the learners start. Learner i's view of them is a SharedMemoryEndpoint."""
 
-    def __init__(self, ctx: BaseContext, n: int, numel: int, device: torch.device):
+    def __init__(self, ctx, n: int, numel: int, device: torch.device):
         self.n, self.numel, self.device = n, numel, device
         self.buffers = torch.zeros(n, numel, device=device)  # [n, P] the newest message of each learner
         if device.type == "cpu":
@@ -555,6 +560,12 @@ class DistributedEndpoint(GossipEndpoint):
             self.fresh = [False] * self.num_peers
             return [m.clone() for m in self.latest], list(self.stamps)
 
+    def average(self, x: torch.Tensor) -> torch.Tensor:
+        """The learners' average (a collective: every rank calls it at the same sync point)."""
+        total = x.clone()
+        dist.all_reduce(total)
+        return total.div_(self.n)
+
     def finish(self, x: torch.Tensor, iteration: int) -> None:
         """Send the last message and wait until every in-peer's last one arrived (no send or recv left pending)."""
         self.publish(x, iteration, last=True)
@@ -568,30 +579,32 @@ class DistributedEndpoint(GossipEndpoint):
 class Shared:
     """What the main process shares with its learner processes (single-machine launch)."""
 
-    log_q: Queue  # Record, CheckpointState, FinalState: learners -> main process
+    log_q: Queue  # Record and State: learners -> main process
     error_q: Queue  # the error line of a learner that fails
     stop: Event  # set by the main process: the run is stopping
     checkpoint_requests: Synchronized  # incremented by the main process every --checkpoint-interval seconds
     gossip: SharedMemoryGossip | None  # gossip mode: the send buffers
     port: int  # allreduce mode: the gloo rendezvous port on localhost
-    parent_pid: int
 
 
 @dataclass
 class Stats:
-    """One learner's sums since its previous record."""
+    """One learner's iterations since its previous Record."""
 
-    sums: dict[str, float] = field(default_factory=lambda: dict.fromkeys((*LOSS_NAMES, *TIMING_NAMES), 0.0))
-    episodes: list[tuple[float, int]] = field(default_factory=list)
-    count: int = 0  # iterations
+    losses: list[Losses] = field(default_factory=list)
+    timing: list[Timing] = field(default_factory=list)
+    staleness: list[int] = field(default_factory=list)
+    mixed: list[bool] = field(default_factory=list)
     lags: list[int] = field(default_factory=list)  # ages of the messages mixed in
+    episodes: list[tuple[float, int]] = field(default_factory=list)
     consensus: float | None = None
 
-    def add(self, values: dict[str, float], mix: Mix) -> None:
-        for k, v in values.items():
-            self.sums[k] = self.sums.get(k, 0.0) + v
+    def add(self, losses: Losses, timing: Timing, staleness: int, mix: Mix) -> None:
+        self.losses.append(losses)
+        self.timing.append(timing)
+        self.staleness.append(staleness)
+        self.mixed.append(mix.mixed)
         self.lags += mix.lags
-        self.count += 1
 
 
 # ---- Workers -------------------------------------------------------------------------------------------------------
@@ -601,23 +614,21 @@ class Learner:
     """Algorithm 1 for agent v_i: its simulators, model, optimizer and rollout storage, and its loop (`train`)."""
 
     def __init__(self, index: int, n: int, args: Args, device: torch.device, state: dict | None):
-        torch.set_num_threads(args.torch_threads or max(1, (os.cpu_count() or 1) // n))
+        cores = max(1, (os.cpu_count() or 1) // n)  # the machine's share of this learner
+        torch.set_num_threads(args.torch_threads or cores)
         torch.use_deterministic_algorithms(args.torch_deterministic, warn_only=True)
         self.index, self.n, self.args, self.device = index, n, args, device
         E, T = args.num_envs, args.num_steps
         self.num_iterations = args.total_timesteps // (n * E * T)
         self.iteration = self.start_iteration = state["iteration"] if state else 0
+        seed = args.seed + 10_000 * index + self.start_iteration  # distinct per learner; fresh episodes after --resume
         self.envs = make_vector_env(
-            args.env_id,
-            E,
-            args.seed + 10_000 * index + self.start_iteration,  # distinct per learner; fresh episodes after --resume
-            protocol=args.atari_protocol,
-            num_threads=args.env_threads or max(1, (os.cpu_count() or 1) // n),
+            args.env_id, E, seed, protocol=args.atari_protocol, num_threads=args.env_threads or cores
         )
-        self.obs_shape = self.envs.single_observation_space.shape
+        obs_space = self.envs.single_observation_space
+        self.obs_shape = obs_space.shape
         torch.manual_seed(args.seed)  # identical initial parameters on every learner
-        self.model = make_model(self.envs.single_observation_space, self.envs.single_action_space, args.network)
-        self.model.to(device)
+        self.model = make_model(obs_space, self.envs.single_action_space, args.network).to(device)
         self.params = list(self.model.parameters())
         self.lr0 = self.lr = args.learning_rate * (math.sqrt(n) if args.scale_lr else 1.0)
         self.optimizer = make_optimizer(self.params, self.lr0, args)
@@ -629,7 +640,7 @@ class Learner:
         numel = sum(p.numel() for p in self.params)
         self.x = torch.zeros(numel, device=device)  # flat parameters, mixed in place
         self.flat_grad = torch.zeros(numel, device=device)  # allreduce: the gradients, averaged in one call
-        obs_dtype = torch.uint8 if self.envs.single_observation_space.dtype == np.uint8 else torch.float32
+        obs_dtype = torch.uint8 if obs_space.dtype == np.uint8 else torch.float32
         self.obs = torch.zeros((T + 1, E, *self.obs_shape), dtype=obs_dtype, device=device)  # [T+1, E, ...]
         self.actions = torch.zeros((T, E), dtype=torch.long, device=device)
         self.rewards, self.dones = torch.zeros((T, E), device=device), torch.zeros((T, E), device=device)
@@ -648,22 +659,22 @@ class Learner:
             self.dones[t].copy_(torch.from_numpy(terminated | truncated))
             self.stats.episodes += finished_episodes(info)
 
-    def backward(self) -> dict[str, torch.Tensor]:
+    def backward(self) -> Losses:
         """Lines 3-4 up to the gradient: n-step returns and the A2C loss from one batched forward pass over the T x E
         observations and the E bootstrap ones."""
         E, T = self.args.num_envs, self.args.num_steps
         logits, values = self.model(self.obs.reshape(-1, *self.obs_shape))
         values = values.reshape(T + 1, E)
         returns = n_step_returns(self.rewards, self.dones, values[T].detach(), self.args.gamma)
-        losses = a2c_loss(
+        loss = a2c_loss(
             logits[: T * E], values[:T].reshape(-1), self.actions.reshape(-1), returns.reshape(-1), self.args.ent_coef,
             self.args.vf_coef,
         )  # fmt: skip
-        if not torch.isfinite(losses["total_loss"]):
-            raise NonFiniteLoss(f"non-finite loss {losses['total_loss'].item()} at iteration {self.iteration + 1}")
+        if not torch.isfinite(loss.total_loss):
+            raise NonFiniteLoss(f"non-finite loss {loss.total_loss.item()} at iteration {self.iteration + 1}")
         self.optimizer.zero_grad(set_to_none=False)
-        losses["total_loss"].backward()
-        return losses
+        loss.total_loss.backward()
+        return loss
 
     def average_gradients(self) -> None:
         """The A2C baseline: every learner steps with the mean of all learners' gradients."""
@@ -685,59 +696,65 @@ class Learner:
     def flat_params(self) -> torch.Tensor:
         return flatten_into(self.x, self.params)
 
-    def train(self, gossip: GossipEndpoint | None, control: LocalControl | RankControl) -> dict:
+    def iterate(self, gossip: GossipEndpoint | None, stop: Event | threading.Event, at_sync: bool) -> Mix:
+        """Algorithm 1, one iteration: a rollout, an update, and (gossip) lines 5-8; its numbers go to `stats`."""
+        t0 = time.perf_counter()
+        self.rollout()
+        t1 = time.perf_counter()
+        loss = self.backward()
+        t2 = time.perf_counter()
+        if self.args.mode == "allreduce":
+            self.average_gradients()
+        t3 = time.perf_counter()
+        loss = loss._replace(grad_norm=self.optimizer_step())
+        t4 = time.perf_counter()
+        mix = Mix(False, 0.0, lags=(0,))  # allreduce: every update is of the policy that acted
+        if gossip is not None:
+            try:
+                mix = gossip.step(self.flat_params(), self.iteration, stop, at_sync)
+            except Stop:  # stopped while blocked for in-peers: this iteration's update stands
+                mix = Mix(False, 0.0, stopped=True)
+            if mix.mixed:
+                unflatten_into(self.params, self.x)
+        t5 = time.perf_counter()
+        self.iteration += 1
+        timing = Timing(rollout=t1 - t0, train=(t2 - t1) + (t4 - t3), gossip=t5 - t4 - mix.waited,
+                        gossip_wait=mix.waited, allreduce=t3 - t2, iteration=t5 - t0)  # fmt: skip
+        losses = Losses(*torch.stack([v.detach() for v in loss]).tolist())  # as floats, with one device sync
+        self.stats.add(losses, timing, gossip.staleness if gossip is not None else 0, mix)
+        return mix
+
+    def train(self, gossip: GossipEndpoint | None, link: LocalLink | RankLink) -> dict:
         """Run to this learner's share of --total-timesteps (or until the run stops); returns its final state."""
-        args = self.args
-        while self.iteration < self.num_iterations and not control.stopping():
-            t0 = time.perf_counter()
-            self.rollout()
-            t1 = time.perf_counter()
-            losses = self.backward()
-            t2 = time.perf_counter()
-            if args.mode == "allreduce":
-                self.average_gradients()
-            t3 = time.perf_counter()
-            grad_norm = self.optimizer_step()
-            t4 = time.perf_counter()
-            at_sync = (self.iteration + 1) % args.sync_interval == 0 or self.iteration + 1 == self.num_iterations
-            mix, stop = Mix(False, 0.0, lags=(0,)), False  # allreduce: every update is of the policy that acted
-            if gossip is not None:  # lines 5-8
-                try:
-                    mix = gossip.step(self.flat_params(), self.iteration, control.stop, at_sync and control.torchrun)
-                except Stop:  # stopped while blocked for in-peers: this iteration's update stands
-                    mix, stop = Mix(False, 0.0), True
-                if mix.mixed:
-                    unflatten_into(self.params, self.x)
-            t5 = time.perf_counter()
-            self.iteration += 1
-            stats = torch.stack([*(losses[k].detach() for k in LOSS_NAMES[:4]), grad_norm]).tolist()
-            timing = (t1 - t0, (t2 - t1) + (t4 - t3), t5 - t4 - mix.waited, mix.waited, t3 - t2, t5 - t0)
-            values = dict(zip(LOSS_NAMES, stats, strict=True)) | dict(zip(TIMING_NAMES, timing, strict=True))
-            values.update(staleness=gossip.staleness if gossip is not None else 0, mixed=float(mix.mixed))
-            self.stats.add(values, mix)
-            if control.end_iteration(self, gossip, at_sync) or stop:
+        while self.iteration < self.num_iterations:
+            at_sync = (self.iteration + 1) % self.args.sync_interval == 0 or self.iteration + 1 == self.num_iterations
+            mix = self.iterate(gossip, link.stop, at_sync and link.torchrun)
+            if gossip is not None and at_sync:  # how far the gossip keeps this learner from the average (Prop. 2)
+                x = self.flat_params()
+                self.stats.consensus = consensus_distance(x, gossip.average(x))
+            turn = link.agree(at_sync, self.stats)
+            if turn.report:
+                link.report(self.record(), self.state() if turn.checkpoint else None)
+            if turn.stop or mix.stopped:
                 break
-        if self.stats.count:  # under torchrun the loop ends at a sync point, which reported every iteration
-            control.report(self.record())
+        if self.stats.losses:  # iterations not reported yet (under torchrun the loop ends at a sync point: none)
+            link.report(self.record(), None)
         if gossip is not None:
             gossip.finish(self.flat_params(), self.iteration - 1)
         return self.state()
 
     def record(self) -> Record:
-        """The Record of the iterations since the previous one; the sums start over."""
+        """The Record of the iterations since the previous one; the stats start over."""
         s, self.stats = self.stats, Stats()
         E, T = self.args.num_envs, self.args.num_steps
         return Record(
-            learner=self.index,
-            steps=s.count * E * T,
-            iteration=self.iteration,
-            lr=self.lr,
-            episodes=s.episodes,
-            means={k: v / max(1, s.count) for k, v in s.sums.items()},
-            policy_lag=float(np.mean(s.lags)) if s.lags else None,
+            learner=self.index, steps=len(s.losses) * E * T, iteration=self.iteration, lr=self.lr,
+            episodes=s.episodes, losses=Losses(*np.mean(s.losses, axis=0).tolist()),
+            timing=Timing(*np.mean(s.timing, axis=0).tolist()), staleness=float(np.mean(s.staleness)),
+            mix_rate=float(np.mean(s.mixed)), policy_lag=float(np.mean(s.lags)) if s.lags else None,
             consensus=s.consensus,
             sps=(self.iteration - self.start_iteration) * E * T / max(1e-9, time.time() - self.start_time),
-        )
+        )  # fmt: skip
 
     def state(self) -> dict:
         return dict(
@@ -748,7 +765,15 @@ class Learner:
         )
 
 
-class LocalControl:
+class Turn(NamedTuple):
+    """What a learner does after an iteration, agreed with the other learners where they must act together."""
+
+    report: bool  # send a Record of the iterations since the last one
+    checkpoint: bool  # and, with it, this learner's state for a checkpoint
+    stop: bool  # leave the loop: the run is stopping
+
+
+class LocalLink:
     """A learner's link to the main process of the single-machine launch: records and states go on `log_q`; stop and
     checkpoint requests come from it. Allreduce learners agree on both with an all-reduce every iteration, so all of
     them stop, and save, at the same iteration; gossip learners act on them on their own."""
@@ -759,47 +784,65 @@ class LocalControl:
         self.args, self.shared, self.stop = args, shared, shared.stop
         self.last_request = 0
 
-    def stopping(self) -> bool:
-        return self.args.mode == "gossip" and self.stop.is_set()
-
-    def report(self, record: Record) -> None:
-        self.shared.log_q.put(record)
-
-    def end_iteration(self, learner: Learner, gossip: SharedMemoryEndpoint | None, at_sync: bool) -> bool:
-        """Record, checkpoint and stop decisions after one iteration; returns True when the learner must stop."""
-        stop, request = False, self.shared.checkpoint_requests.value
+    def agree(self, at_sync: bool, stats: Stats) -> Turn:
+        stop, request = self.stop.is_set(), self.shared.checkpoint_requests.value
         if self.args.mode == "allreduce":
-            agree = torch.tensor([float(self.stop.is_set()), float(request)])
-            dist.all_reduce(agree, op=dist.ReduceOp.MAX)
-            stop, request = agree[0].item() > 0, int(agree[1].item())
-        if gossip is not None and at_sync:
-            x = learner.flat_params()
-            learner.stats.consensus = consensus_distance(x, gossip.average(x))
-        if learner.stats.count >= self.args.log_frequency or learner.stats.consensus is not None:
-            self.report(learner.record())
-        if request > self.last_request:
-            self.last_request = request
-            self.shared.log_q.put(CheckpointState(learner.index, request, state_to_bytes(learner.state())))
-        return stop
+            agreed = torch.tensor([float(stop), float(request)])
+            dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+            stop, request = agreed[0].item() > 0, int(agreed[1].item())
+        checkpoint, self.last_request = request > self.last_request, request
+        report = checkpoint or len(stats.losses) >= self.args.log_frequency or stats.consensus is not None
+        return Turn(report=report, checkpoint=checkpoint, stop=stop)
+
+    def report(self, record: Record, state: dict | None) -> None:
+        self.shared.log_q.put(record)
+        if state is not None:
+            self.shared.log_q.put(State(record.learner, self.last_request, state_to_bytes(state)))
 
 
-def die_with_parent(parent_pid: int) -> None:
-    """Linux: the kernel kills this process when the main process dies, even by kill -9, so no learner outlives the
-    run; the parent may have died before prctl ran, hence the pid check."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):  # not Linux: no prctl
-        return
-    if os.getppid() != parent_pid:
-        os._exit(1)
+class RankLink:
+    """One torchrun rank's side of the run: every --sync-interval iterations (and at its last) all ranks meet in the
+    same collectives: the stop and checkpoint flags (rank 0's clock decides when a checkpoint is due), the exact global
+    step, and rank 0 gathers the states to save."""
+
+    torchrun = True
+
+    def __init__(self, run: Run, rank: int, device: torch.device, stop: threading.Event, logger: Logger):
+        self.run, self.rank, self.device, self.stop, self.logger = run, rank, device, stop, logger
+        self.last_checkpoint = time.time()
+        self.write_failure: str | None = None
+
+    def agree(self, at_sync: bool, stats: Stats) -> Turn:
+        if not at_sync:
+            return Turn(report=False, checkpoint=False, stop=False)  # ranks stop together, at a sync point
+        interval = self.run.args.checkpoint_interval
+        due = self.rank == 0 and interval > 0 and time.time() - self.last_checkpoint >= interval
+        flags = torch.tensor([float(self.stop.is_set()), float(due)], device=self.device)
+        dist.all_reduce(flags)
+        return Turn(report=True, checkpoint=flags[1].item() > 0, stop=flags[0].item() > 0)
+
+    def report(self, record: Record, state: dict | None) -> None:
+        """Every rank calls this at the same sync points (collectives)."""
+        states = [None] * self.run.n if self.rank == 0 else None
+        dist.gather_object(state, states, dst=0)
+        total = torch.tensor([float(record.steps)], device=self.device)
+        dist.all_reduce(total)  # exact global step: all ranks' agent steps
+        try:
+            self.logger.handle(record._replace(steps=int(total.item())))
+            if self.rank == 0 and states[0] is not None:
+                self.last_checkpoint = time.time()
+                save_checkpoint(self.run, states)
+            if self.rank == 0:
+                self.logger.maybe_print()
+        except (WriteError, OSError) as e:
+            self.write_failure = self.write_failure or failed_write(e, self.run.run_dir)
+        if self.write_failure:
+            self.stop.set()  # all ranks stop together at the next sync point
 
 
 def learner_process(index: int, n: int, args: Args, device_name: str, shared: Shared) -> None:
-    """A learner of the single-machine launch: report everything to the main process, never raise past here."""
-    die_with_parent(shared.parent_pid)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the main process coordinates Ctrl+C / SIGTERM
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})  # blocked by main around start()
+    """A learner of the single-machine launch (started through child_main): its records, states and error line go to
+    the main process; nothing raises past here."""
     learner = None
     try:
         state = None
@@ -811,22 +854,19 @@ def learner_process(index: int, n: int, args: Args, device_name: str, shared: Sh
         else:
             gossip = SharedMemoryEndpoint(shared.gossip, index, args.num_peers, args.time_varying, args.max_staleness)
         learner = Learner(index, n, args, torch.device(device_name), state)
-        final = learner.train(gossip, LocalControl(args, shared))
-        shared.log_q.put(FinalState(index, state_to_bytes(final)))
+        final = learner.train(gossip, LocalLink(args, shared))
+        shared.log_q.put(State(index, 0, state_to_bytes(final)))
         if args.mode == "allreduce":
             dist.destroy_process_group()
-    except NonFiniteLoss as e:
-        shared.error_q.put(f"error: learner {index}: {e}; stopping (the last checkpoint, if any, is kept)")
-        raise SystemExit(1) from None
-    except BaseException:
-        shared.error_q.put(f"error: learner {index} died:\n{traceback.format_exc()}")
+    except BaseException as e:
+        shared.error_q.put(learner_error(index, e))
         raise SystemExit(1) from None
     finally:
         if learner is not None:
             learner.envs.close()
 
 
-# ---- Lifecycle -----------------------------------------------------------------------------------------------------
+# ---- Main ----------------------------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -861,28 +901,26 @@ class Logger:
         return (self.global_step - self.start_step) / max(1e-9, time.time() - self.start_time)
 
     def handle(self, r: Record) -> None:
-        i, m = r.learner, r.means
+        i = r.learner
         self.global_step += r.steps
         for ret, length in r.episodes:
             self.recent.append(ret)
             for tag, value in (("charts/episodic_return", ret), ("charts/episodic_length", length),
                                (f"per_learner/episodic_return_{i}", ret)):  # fmt: skip
                 self.writer.add_scalar(tag, value, self.global_step)
-        scalars = {f"losses/{k}": m[k] for k in LOSS_NAMES} | {f"timing/{k}": m[k] for k in TIMING_NAMES}
+        scalars = {f"losses/{k}": v for k, v in r.losses._asdict().items()}
+        scalars |= {f"timing/{k}": v for k, v in r.timing._asdict().items()}
         scalars |= {"charts/learning_rate": r.lr, "charts/SPS": self.sps(), f"per_learner/SPS_{i}": r.sps}
         if r.policy_lag is not None:
             scalars["charts/policy_lag"] = self.policy_lag = r.policy_lag
         if self.args.mode == "gossip":
-            scalars |= {"gossip/staleness": m["staleness"], "gossip/mix_rate": m["mixed"],
-                        "gossip/share_of_iteration": m["gossip"] / max(1e-12, m["iteration"])}  # fmt: skip
-            if r.consensus is not None:
-                scalars |= {
-                    "gossip/consensus_distance": r.consensus,
-                    f"per_learner/consensus_distance_{i}": r.consensus,
-                }
+            scalars |= {"gossip/staleness": r.staleness, "gossip/mix_rate": r.mix_rate,
+                        "gossip/share_of_iteration": r.timing.gossip / max(1e-12, r.timing.iteration)}  # fmt: skip
+        if r.consensus is not None:
+            scalars |= {"gossip/consensus_distance": r.consensus, f"per_learner/consensus_distance_{i}": r.consensus}
         for tag, value in scalars.items():
             self.writer.add_scalar(tag, value, self.global_step)
-        self.learner_sps[i], self.staleness = r.sps, m["staleness"]
+        self.learner_sps[i], self.staleness = r.sps, r.staleness
 
     def maybe_print(self, force: bool = False) -> None:
         if force or time.time() - self.last_print >= self.args.log_interval:
@@ -896,111 +934,244 @@ class Logger:
             self.last_print = time.time()
 
 
-class StopSignals:
-    """Ctrl+C and SIGTERM set `stop` (the flag the learners read) and remember the first signal, for the exit status
-    128 + signum; the run then winds down at its own pace instead of unwinding from inside a handler."""
+class Monitor:
+    """The main process's side of the single-machine launch's `log_q`: records to TensorBoard, checkpoint states
+    assembled into checkpoints (one per request, once every learner answered it), final states kept."""
 
-    def __init__(self, stop: Event | threading.Event):
-        self.stop, self.signum = stop, 0
-        signal.signal(signal.SIGINT, self.handler)
-        signal.signal(signal.SIGTERM, self.handler)
+    def __init__(self, run: Run, log_q: Queue):
+        self.run, self.log_q, self.logger = run, log_q, None
+        self.finals: dict[int, dict] = {}
+        self.latest: list[dict | None] = list(run.checkpoint["learners"]) if run.checkpoint else [None] * run.n
+        self.pending: dict[int, dict[int, dict]] = {}  # checkpoint request -> {learner: state}
+        self.write_failure: str | None = None  # a checkpoint or TensorBoard write failed: the run stops
 
-    def handler(self, signum, frame) -> None:
-        self.signum = self.signum or signum
-        self.stop.set()
+    def handle(self, message: Record | State) -> None:
+        try:
+            if isinstance(message, Record):
+                if self.logger is not None and self.write_failure is None:
+                    self.logger.handle(message)
+                return
+            i, state = message.learner, torch.load(io.BytesIO(message.data), weights_only=False)
+            if message.request == 0:
+                self.finals[i] = self.latest[i] = state
+            else:
+                got = self.pending.setdefault(message.request, {})
+                got[i] = state
+                if len(got) == self.run.n:
+                    self.pending.clear()
+                    self.latest[:] = [got[j] for j in range(self.run.n)]
+                    save_checkpoint(self.run, self.latest)
+        except (WriteError, OSError) as e:
+            self.write_failure = self.write_failure or failed_write(e, self.run.run_dir)
 
-    @staticmethod
-    def ignore() -> None:
-        """During shutdown: a second Ctrl+C must not cut it short."""
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    def drain(self, timeout: float) -> None:
+        """Handle every message on `log_q`, waiting up to `timeout` seconds for the first."""
+        try:
+            self.handle(self.log_q.get(timeout=timeout) if timeout else self.log_q.get_nowait())
+            while True:
+                self.handle(self.log_q.get_nowait())
+        except queue.Empty:
+            pass
 
 
-def validate(args: Args, n: int, torchrun: bool = False) -> str | None:
-    """Every flag checked before anything is spawned; returns the error line or None. n: learners (torchrun: ranks)."""
-    for name, value in asdict(args).items():
-        if isinstance(value, float) and not math.isfinite(value):
-            return f"--{name.replace('_', '-')} must be a finite number, got {value}"
-    for name in ("num_learners", "num_envs", "num_steps", "num_peers", "sync_interval", "log_frequency"):
-        if getattr(args, name) < 1:
-            return f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}"
-    if args.mode == "gossip" and n < 2:
-        return f"gossip needs at least 2 learners, got {n} (use --num-learners 2 or more)"
-    if args.mode == "gossip" and args.num_peers > n - 1:
-        return f"--num-peers ({args.num_peers}) must be at most --num-learners - 1 ({n - 1})"
-    if torchrun and args.time_varying:
-        return "--time-varying needs the single-machine launch (torchrun ranks use a static ring)"
-    if torchrun and args.eval_only:
-        return "--eval-only runs in one process: python gala_a2c.py --eval-only PATH, without torchrun"
-    if args.track and importlib.util.find_spec("wandb") is None:
-        return '--track needs wandb: pip install -e ".[track]"'
-    for name in ("learning_rate", "max_grad_norm", "rmsprop_eps"):
-        if not getattr(args, name) > 0:
-            return f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}"
-    if not 0 <= args.rmsprop_alpha < 1:
-        return f"--rmsprop-alpha must be in [0, 1), got {args.rmsprop_alpha}"
-    if not 0 < args.gamma <= 1:
-        return f"--gamma must be in (0, 1], got {args.gamma}"
-    for name in ("max_staleness", "ent_coef", "vf_coef", "checkpoint_interval", "eval_episodes", "log_interval",
-                 "env_threads", "torch_threads"):  # fmt: skip
-        if getattr(args, name) < 0:
-            return f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}"
-    if args.resume is not None and not Path(args.resume).is_file():
-        return f"--resume {args.resume}: no such checkpoint file"
-    if args.eval_only is not None and not Path(args.eval_only).is_file():
-        return f"--eval-only {args.eval_only}: no such file"
-    if args.total_timesteps < n * args.num_envs * args.num_steps:
-        return (
-            f"--total-timesteps ({args.total_timesteps}) is less than one iteration of all learners "
-            f"({n} learners x {args.num_envs} envs x {args.num_steps} steps)"
-        )
+def main(args: Args) -> None:
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    n = world_size if world_size > 1 else args.num_learners
+    if error := validate(args, n, torchrun=world_size > 1):
+        fail(error)
+    # one thread here: an OpenMP pool started in this process would deadlock the forked learners' first torch op
+    torch.set_num_threads(1)
+    if args.eval_only:
+        main_eval_only(args)
+        return
+    obs_space, act_space = env_spaces(args)
+    meta = checkpoint_meta(args, obs_space, act_space, n)
+    checkpoint = load_checkpoint(args.resume, meta) if args.resume else None  # a refused resume leaves no trace
+    if world_size > 1:
+        main_distributed(args, n, checkpoint, obs_space, act_space, meta)
+    else:
+        run_dir = Path(args.resume).parent if args.resume else new_run_dir(args)  # --resume: the same run directory
+        main_single_machine(Run(args, n, run_dir, obs_space, act_space, meta, checkpoint))
+
+
+def main_single_machine(run: Run) -> None:
+    """Learner processes plus this main process: it logs, asks for checkpoints, and stops the run on a signal, a dead
+    learner or a failed write."""
+    args, n = run.args, run.n
+    write_run_args(run.run_dir, args, run.meta)
+    device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
+    ctx = mp.get_context("spawn" if device.type == "cuda" else "fork")  # CUDA cannot be used in forked children
+    gossip = SharedMemoryGossip(ctx, n, run.num_params(), device) if args.mode == "gossip" else None
+    port = free_port() if args.mode == "allreduce" else 0
+    shared = Shared(log_q=ctx.Queue(), error_q=ctx.Queue(), stop=ctx.Event(), checkpoint_requests=ctx.Value("q", 0),
+                    gossip=gossip, port=port)  # fmt: skip
+    ring = f", {args.num_peers}-peer ring, tau {args.max_staleness}" if gossip else ""
+    print(
+        f"run directory: {run.run_dir}  ({n} learners x {args.num_envs} envs, {args.mode}{ring}, {device})", flush=True
+    )
+    signals, learners, monitor = StopSignals(shared.stop), Processes(ctx), Monitor(run, shared.log_q)
+    for i in range(n):
+        learners.start(f"learner {i}", learner_process, i, n, args, str(device), shared)
+    tracker, failure, last_checkpoint = None, None, time.time()
+    try:  # whatever fails from here on stops the learners
+        tracker = start_tracking(args, run.run_dir)  # after the forks: no learner inherits wandb's threads and pipes
+        step = run.checkpoint["global_step"] if run.checkpoint else 0
+        monitor.logger = Logger(make_writer(run.run_dir, args), n, args, step)
+        while len(monitor.finals) < n and not signals.signum and not failure:
+            monitor.drain(0.25)
+            monitor.logger.maybe_print()
+            failure = monitor.write_failure or learner_failure(learners.failed(), shared.error_q)
+            if args.checkpoint_interval and time.time() - last_checkpoint >= args.checkpoint_interval:
+                with shared.checkpoint_requests.get_lock():
+                    shared.checkpoint_requests.value += 1
+                last_checkpoint = time.time()
+    except OSError as e:  # the writer could not start (full disk, directory removed)
+        failure = failed_write(e, run.run_dir)
+    finally:
+        failure = stop_learners(monitor, learners, shared, failure)
+    finished = failure is None and not signals.signum and len(monitor.finals) == n
+    end_training(run, monitor.logger, monitor.latest, finished, failure, signals.signum, tracker)
+
+
+def free_port() -> int:
+    """A free TCP port on localhost for the allreduce learners' gloo rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main_distributed(args: Args, n: int, checkpoint: dict | None, obs_space, act_space, meta: dict) -> None:
+    """One torchrun rank = one learner; rank 0 also writes the run's charts and checkpoints."""
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    use_cuda = args.cuda and torch.cuda.is_available()
+    device = torch.device(f"cuda:{local_rank % torch.cuda.device_count()}" if use_cuda else "cpu")
+    # rank 0 makes the run directory and W&B run before the rendezvous: torchrun stops the other ranks if it exits 2
+    names, tracker = [""], None
+    if rank == 0:
+        run_dir = Path(args.resume).parent if args.resume else new_run_dir(args)
+        write_run_args(run_dir, args, meta)
+        names, tracker = [str(run_dir)], start_tracking(args, run_dir)
+    dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=n)
+    dist.broadcast_object_list(names, src=0)  # one run directory, named by rank 0
+    run = Run(args, n, Path(names[0]), obs_space, act_space, meta, checkpoint)
+    signals = StopSignals(threading.Event())
+    writer = make_writer(run.run_dir if rank == 0 else run.run_dir / f"learner{rank}", args)
+    logger = Logger(writer, n, args, checkpoint["global_step"] if checkpoint else 0)
+    link, gossip, failure, states = RankLink(run, rank, device, signals.stop, logger), None, None, None
+    if args.mode == "gossip":
+        group = dist.new_group(backend="nccl" if use_cuda else "gloo")  # every rank makes it, in the same order
+        gossip = DistributedEndpoint(rank, n, args.num_peers, args.max_staleness, run.num_params(), device, group)
     try:
-        check_env_args(args.env_id, args.num_envs, args.atari_protocol)
-        if args.capture_video and args.eval_only is None:  # fail now, not at the final evaluation
-            check_video(args.env_id, args.atari_protocol)
-    except EnvError as e:
-        return str(e)
-    if ale_game(args.env_id) is None:  # ALE ids are Discrete; the policy is categorical
-        space = env_spaces(args)[1]
-        if not isinstance(space, gym.spaces.Discrete):
-            return (
-                f"{args.env_id} has a {type(space).__name__} action space {space}; gala_a2c.py needs a Discrete one "
-                f"(continuous actions: apex_ddpg.py)"
-            )
-    return None
+        learner = Learner(rank, n, args, device, checkpoint["learners"][rank] if checkpoint else None)
+        final = learner.train(gossip, link)
+        learner.envs.close()
+        states = [None] * n if rank == 0 else None
+        dist.gather_object(final, states, dst=0)
+        if args.mode == "allreduce":  # every learner must hold the same parameters (identical averaged gradients)
+            flat = torch.cat([p.reshape(-1) for p in final["model"].values()]).to(device)
+            reference = flat.clone()
+            dist.broadcast(reference, src=0)
+            divergence = (flat - reference).abs().max()
+            dist.all_reduce(divergence, op=dist.ReduceOp.MAX)
+            if rank == 0:
+                print(f"max |parameter difference| across {n} learners: {divergence.item():.3g}")
+        dist.barrier()  # no rank leaves the group while a peer may still be sending to it
+        dist.destroy_process_group()
+    except Exception as e:  # the other ranks would wait for this one forever: torchrun stops them when it exits 1
+        failure = lost_contact(rank, n, e) or learner_error(rank, e)
+    try:  # rank 0: the final checkpoint, --save-model, --eval-episodes; every rank: its writer, its exit status
+        finished = rank == 0 and not signals.signum and failure is None
+        end_training(run, logger, states or [], finished, failure or link.write_failure, signals.signum, tracker)
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    exit_without_teardown(code)
 
 
-def env_spaces(args: Args) -> tuple[gym.Space, gym.Space]:
-    """(observation space, action space) of one env of the training vector env."""
-    probe = make_vector_env(args.env_id, 1, args.seed, protocol=args.atari_protocol, num_threads=1)
-    spaces = probe.single_observation_space, probe.single_action_space
-    probe.close()
-    return spaces
+# ---- run plumbing ------------------------------------------------------------------------------------------------
+# Validation, the run directory, tracking, checkpoints, evaluation of a saved agent, signals, supervision and error
+# lines: nothing here is needed to read or change the algorithm above. A function here that several scripts have is
+# the same text in all of them (tests/test_plumbing.py names the script and function that drift): change it in every
+# script. What differs between scripts lives in the few script-specific functions at the end of this section.
 
 
-def fail(message: str) -> None:
+class Stop(Exception):
+    """The run is stopping (a signal, a dead worker, the budget spent): raised to leave a wait or a loop early."""
+
+
+class NonFiniteLoss(Exception):
+    """A loss or gradient norm that is NaN or infinite: the run stops and the last good checkpoint is kept."""
+
+
+class WriteError(Exception):
+    """A checkpoint, model or TensorBoard write that failed (a full disk): the message is the run's error line."""
+
+
+class StopSignals:
+    """Ctrl+C, SIGTERM and SIGHUP (a closed terminal or ssh session) record the first signal's number, for the exit
+    status 128 + signum, and set `stop`, the event the run's waits and loops check; the run then stops at its own pace
+    and writes its final checkpoint. A second signal changes nothing, so a second Ctrl+C cannot cut the shutdown."""
+
+    def __init__(self, stop):
+        self.stop, self.signum = stop, 0
+        self.previous = {s: signal.signal(s, self.handler) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+
+    def handler(self, signum: int, frame) -> None:
+        self.signum = self.signum or signum
+        # set from another thread: the handler runs in the main thread between two bytecodes, possibly while that
+        # thread holds the event's own lock (inside wait or is_set), and a set() here would wait for it forever
+        threading.Thread(target=self.stop.set, daemon=True).start()
+
+    def restore(self) -> None:
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
+
+
+def fail(message: str) -> NoReturn:
+    """Bad input: one error line, exit status 2, before anything is started or written."""
     print(f"error: {message}", file=sys.stderr)
     raise SystemExit(2)
 
 
+def flag(name: str) -> str:
+    return f"--{name.replace('_', '-')}"
+
+
+def rule_holds(rule: str, value) -> bool:
+    return {
+        ">= 1": value >= 1, ">= 0": value >= 0, "> 0": value > 0,
+        "in (0, 1]": 0 < value <= 1, "in [0, 1]": 0 <= value <= 1, "in [0, 1)": 0 <= value < 1,
+    }[rule]  # fmt: skip
+
+
+def check_flags(args: Args) -> str | None:
+    """The error line of the first float flag that is not a finite number or the first flag that breaks its rule in
+    FLAG_RULES (flags left at None are filled in later and skipped); None if all hold."""
+    for f in fields(args):
+        value = getattr(args, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            return f"{flag(f.name)} must be a finite number, got {value}"
+    for rule, names in FLAG_RULES:
+        for name in names:
+            value = getattr(args, name)
+            if value is not None and not rule_holds(rule, value):
+                return f"{flag(name)} must be {rule}, got {value}"
+    return None
+
+
 def new_run_dir(args: Args) -> Path:
     """Create this run's directory, never one that exists: a run started in the same second with the same name gets
-    the suffix -2, -3, ... (mkdir is atomic, so two runs cannot both take one name). --resume keeps the checkpoint's
-    own directory. Exit 2 if it cannot be made or written."""
-    if args.resume:
-        run_dir = Path(args.resume).parent
-        if not os.access(run_dir, os.W_OK):
-            fail(f"cannot write to the run directory {run_dir}: {os.strerror(errno.EACCES)}")
-        return run_dir
+    the suffix -2, -3, ... (mkdir is atomic, so two runs cannot both take one name). Exit 2 if it cannot be made."""
     base = Path(args.log_dir) / f"{args.env_id.replace('/', '_')}__{args.exp_name}__{args.seed}__{int(time.time())}"
-    for k in itertools.count(1):
-        run_dir = base if k == 1 else base.with_name(f"{base.name}-{k}")
+    for n in itertools.count(1):
+        run_dir = base if n == 1 else base.with_name(f"{base.name}-{n}")
         try:
-            run_dir.mkdir(parents=True)
+            base.parent.mkdir(parents=True, exist_ok=True)
+            run_dir.mkdir()
             return run_dir
         except FileExistsError:
             if not base.parent.is_dir():
-                fail(f"cannot create the run directory {run_dir}: {base.parent} is not a directory")
+                fail(f"cannot create the run directory {base}: {base.parent} is not a directory")
         except OSError as e:
             fail(f"cannot create the run directory {run_dir}: {e.strerror or e}")
 
@@ -1024,84 +1195,50 @@ def start_tracking(args: Args, run_dir: Path):
     import wandb  # optional: pip install -e ".[track]"
 
     try:
-        wandb.init(
-            project=args.wandb_project_name,
-            entity=args.wandb_entity,
-            name=run_dir.name,
-            id=hashlib.sha1(run_dir.name.encode()).hexdigest(),
-            resume="allow" if args.resume else None,
-            config=vars(args),
-            sync_tensorboard=True,
-            save_code=True,
-        )
+        wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=run_dir.name, config=vars(args),
+                   id=hashlib.sha1(run_dir.name.encode()).hexdigest(), resume="allow" if args.resume else None,
+                   sync_tensorboard=True, save_code=True)  # fmt: skip
     except Exception as e:  # not logged in, no network, an unknown entity or project
         fail(f"--track: wandb.init failed: {(str(e).strip().splitlines() or [type(e).__name__])[0][:200]}")
     return wandb
 
 
-def checkpoint_meta(args: Args, obs_space: gym.Space, act_space: gym.spaces.Discrete) -> dict:
-    """What a checkpoint must match to be resumed by this run: script, mode, env, network and shapes."""
-    return dict(
-        script=Path(__file__).name,
-        algo=args.mode,
-        env_id=args.env_id,
-        network=args.network if args.network != "auto" else ("nature" if len(obs_space.shape) == 3 else "mlp"),
-        obs_shape=list(obs_space.shape),
-        action_shape_or_n=int(act_space.n),
-    )
+def finish_tracking(tracker, run_dir: Path, exit_code: int) -> None:
+    """--track (`tracker` from start_tracking): upload the final evaluation's videos, then end the W&B run with the
+    run's exit status. Call it after the SummaryWriter is closed: wandb has synced the events written up to then."""
+    if tracker is None:
+        return
+    for video in sorted((run_dir / "videos").glob("*.mp4")):
+        tracker.log({"videos": tracker.Video(str(video))})
+    tracker.finish(exit_code=exit_code)
 
 
-def load_checkpoint(path: str, meta: dict, n: int) -> dict:
-    """The checkpoint at `path` if this run can continue it; otherwise one error line and exit 2 (nothing started)."""
-    try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as e:  # garbage, truncated, or pickled objects this interpreter cannot rebuild
-        reason = (str(e).strip().splitlines() or [""])[0][:120]
-        fail(f"cannot resume from {path}: not a checkpoint this script can read ({type(e).__name__}: {reason})")
-    theirs = checkpoint.get("meta") if isinstance(checkpoint, dict) else None
-    if not isinstance(theirs, dict):
-        fail(f'cannot resume from {path}: not a checkpoint this script can read (it has no "meta" entry)')
-    differ = [k for k in meta if theirs.get(k) != meta[k]]
-    if differ:
-        fail(
-            f"cannot resume from {path}: it is a {theirs.get('script')} checkpoint "
-            f"({', '.join(f'{k} {theirs.get(k)}' for k in differ)}), this run is "
-            f"{', '.join(f'{k} {meta[k]}' for k in differ)}"
-        )
-    if len(checkpoint["learners"]) != n:
-        fail(f"--resume {path} has {len(checkpoint['learners'])} learners, not {n}")
-    return checkpoint
+def make_writer(run_dir: Path, args: Args):
+    """The run's TensorBoard writer with the hyperparameter table. Its writer thread dies of a write error (a full
+    disk) that the next write or close raises again in the main thread, which reports it in one line: the thread's own
+    traceback is kept quiet."""
+    from torch.utils.tensorboard import SummaryWriter  # here, not at import: the writer starts a thread
 
-
-def events_error(e: OSError, run_dir: Path) -> str:
-    """The error line for a TensorBoard events file that cannot be written (a full disk, most often)."""
-    reason = "no space left on device" if e.errno == errno.ENOSPC else (e.strerror or str(e))
-    return f"error: {reason} while writing the TensorBoard events in {run_dir}; stopping"
-
-
-def quiet_writer_thread() -> None:
-    """TensorBoard's writer thread dies on a write error (a full disk) and the next write or close raises it again in
-    the main thread, which reports it as the run's one error line; the thread's own traceback is noise."""
     default = threading.excepthook
-    threading.excepthook = lambda hook_args: None if issubclass(hook_args.exc_type, OSError) else default(hook_args)
-
-
-def make_writer(run_dir: Path, args: Args, n: int):
-    from torch.utils.tensorboard import SummaryWriter  # after the forks: the writer runs a thread
-
-    quiet_writer_thread()
-    run_dir.mkdir(parents=True, exist_ok=True)  # rank r > 0 writes to {run_dir}/learner{r}
+    threading.excepthook = lambda hook: None if issubclass(hook.exc_type, OSError) else default(hook)
     writer = SummaryWriter(str(run_dir))
-    table = "\n".join(f"|{k}|{v}|" for k, v in {**asdict(args), "learners": n}.items())
+    table = "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items())
     writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
     return writer
 
 
+def write_error(e: OSError, what) -> str:
+    """The error line of a write that failed: a full disk said plainly, anything else with the system's reason."""
+    if e.errno == errno.ENOSPC:
+        return f"error: no space left on device while writing {what}"
+    return f"error: cannot write {what}: {e.strerror or e}"
+
+
 def atomic_save(obj, path: Path) -> None:
-    """torch.save, atomic: a temporary file, then a rename over the old file, so a full disk leaves the last good one.
-    Serialised in memory first: torch.save to a full disk raises a cryptic "unexpected pos" instead of ENOSPC."""
+    """torch.save to a temporary file beside `path`, then a rename over `path`, so a crash or a full disk leaves the
+    previous file intact. Raises WriteError with the error line."""
     buffer = io.BytesIO()
-    torch.save(obj, buffer)
+    torch.save(obj, buffer)  # serialised in memory first: a full disk then shows as ENOSPC, not a zip-writer error
     tmp = path.with_suffix(".tmp")
     try:
         with open(tmp, "wb") as f:
@@ -1114,63 +1251,41 @@ def atomic_save(obj, path: Path) -> None:
             tmp.unlink(missing_ok=True)
         except OSError:
             pass
-        reason = "no space left on device" if e.errno == errno.ENOSPC else (e.strerror or str(e))
-        raise WriteError(f"error: {reason} while writing {path}") from None
+        raise WriteError(write_error(e, path)) from None
 
 
-def save_checkpoint(run: Run, states: list[dict]) -> None:
-    """The learners' states to {run_dir}/checkpoint.pt, atomically (WriteError if it cannot be written)."""
-    steps = sum(s["iteration"] for s in states) * run.args.num_envs * run.args.num_steps
-    checkpoint = dict(
-        learners=states, global_step=steps, args=asdict(run.args), torch_rng=torch.get_rng_state(), meta=run.meta
-    )
-    atomic_save(checkpoint, run.run_dir / "checkpoint.pt")
-
-
-def average_model(states: list[dict]) -> dict:
-    """The learners' average parameters (identical to each learner's in allreduce mode)."""
-    return {
-        k: sum(s["model"][k].double() for s in states).div(len(states)).to(v.dtype)
-        for k, v in states[0]["model"].items()
-    }
-
-
-def evaluate(model: nn.Module, args: Args, video_dir: Path) -> list[float]:
-    """Play `eval_episodes` full games with the final (or --eval-only's saved) policy, true returns; argmax actions
-    with `--eval-greedy` (GALA Table 1), sampled ones otherwise; videos to `video_dir` with --capture-video."""
-    env = make_env(
-        args.env_id,
-        args.seed + 1_000_003,
-        protocol=args.atari_protocol,
-        capture_video=args.capture_video,
-        video_dir=str(video_dir),
-    )
-    generator = torch.Generator().manual_seed(args.seed + 1_000_003)
-    returns = []
-    obs, _ = env.reset()
-    while len(returns) < args.eval_episodes:
-        with torch.inference_mode():
-            logits, _ = model(torch.as_tensor(obs[None]))
-        action = logits.argmax(dim=1) if args.eval_greedy else sample_actions(logits, generator)
-        obs, _, terminated, truncated, info = env.step(int(action[0]))
-        if terminated or truncated:
-            returns.append(float(info["episode"]["r"]))
-            if len(returns) < args.eval_episodes:  # no reset after the last game: it would record an empty video
-                obs, _ = env.reset()
-    env.close()
-    return returns
+def load_checkpoint(path: str, meta: dict) -> dict:
+    """The checkpoint at `path` if this run can continue it (its meta, from checkpoint_meta, equals this run's);
+    otherwise one error line and exit 2, with nothing started."""
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:  # garbage, truncated, or pickled objects this interpreter cannot rebuild
+        reason = (str(e).strip().splitlines() or [""])[0][:120]
+        fail(f"cannot resume from {path}: not a checkpoint this script can read ({type(e).__name__}: {reason})")
+    theirs = checkpoint.get("meta") if isinstance(checkpoint, dict) else None
+    if not isinstance(theirs, dict):
+        fail(f'cannot resume from {path}: not a checkpoint this script can read (it has no "meta" entry)')
+    if differ := [k for k in meta if theirs.get(k) != meta[k]]:
+        fail(
+            f"cannot resume from {path}: it is a {theirs.get('script')} checkpoint "
+            f"({', '.join(f'{k} {theirs.get(k)}' for k in differ)}), this run is "
+            f"{', '.join(f'{k} {meta[k]}' for k in differ)}"
+        )
+    if not os.access(Path(path).parent, os.W_OK):
+        fail(f"cannot write to the run directory {Path(path).parent} of --resume {path}")
+    return checkpoint
 
 
 def load_for_eval(args: Args) -> tuple[Args, nn.Module, dict]:
-    """--eval-only: the saved agent (a model.pt with its run's args.json beside it, or a checkpoint.pt, whose learners
-    are averaged as at the end of training), the Args to evaluate it with (env, protocol and network from the saved
-    run; seed and evaluation flags from this command line) and those taken from the run. Anything this script cannot
-    evaluate is one error line and exit 2."""
+    """--eval-only: the saved agent (a model.pt with its run's args.json beside it, or a checkpoint.pt), the Args to
+    evaluate it with (the RUN_SETTINGS flags from the saved run; seed, evaluation flags and the rest from this command
+    line) and the settings taken from the run. Anything this script cannot evaluate is one error line and exit 2."""
     path, this = Path(args.eval_only), Path(__file__).name
     try:
         saved = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as e:  # garbage, truncated, or pickled objects this interpreter cannot rebuild
-        fail(f"--eval-only {path}: not a model.pt or checkpoint.pt ({type(e).__name__}: {str(e).strip()[:100]})")
+        reason = (str(e).strip().splitlines() or [""])[0][:100]
+        fail(f"--eval-only {path}: not a model.pt or checkpoint.pt ({type(e).__name__}: {reason})")
     is_checkpoint = isinstance(saved, dict) and isinstance(saved.get("meta"), dict)
     if is_checkpoint:  # it carries its own args and meta
         run = dict(saved, script=saved["meta"].get("script"))
@@ -1181,29 +1296,211 @@ def load_for_eval(args: Args) -> tuple[Args, nn.Module, dict]:
             fail(f"--eval-only {path}: cannot read its run's args.json beside it (it names the env and network): {e}")
     if run.get("script") != this:
         fail(f"{path} was saved by {run.get('script')}, not {this}")
-    for name in ("env_id", "network"):  # a value given on the command line must be the saved run's
-        given, theirs = getattr(args, name), (run["meta"][name], run["args"][name])
-        if given != getattr(Args, name) and given not in theirs:
-            fail(f"--{name.replace('_', '-')} {given} contradicts {path}, saved by a run with {theirs[0]}")
-    own = dict(eval_only=args.eval_only, eval_episodes=args.eval_episodes or 10, eval_greedy=args.eval_greedy,
-               capture_video=args.capture_video, seed=args.seed, cuda=args.cuda)  # fmt: skip
-    known = {f.name for f in fields(Args)}
-    eval_args = Args(**{k: v for k, v in run["args"].items() if k in known} | own)
-    model = make_model(*env_spaces(eval_args), eval_args.network)
+    settings = {k: run["meta"].get(k, run["args"][k]) for k in RUN_SETTINGS}  # meta: what `auto` resolved to
+    for name, value in settings.items():  # a flag given on the command line must be the saved run's
+        given = getattr(args, name)
+        if given != getattr(Args, name) and given not in (value, run["args"][name]):
+            fail(f"{flag(name)} {given} contradicts {path}, saved by a run with {value}")
+    eval_args = replace(args, **{k: run["args"][k] for k in RUN_SETTINGS}, eval_episodes=args.eval_episodes or 10)
     try:
-        model.load_state_dict(average_model(saved["learners"]) if is_checkpoint else saved)
+        model = saved_model(eval_args, settings, saved["model"] if is_checkpoint else saved)
+    except EnvError as e:  # the run's env is not installed here
+        fail(f"--eval-only {path}: {e}")
     except Exception as e:  # not a state_dict, or one of another network
-        fail(f"--eval-only {path}: not parameters of its run's {run['meta']['network']} network ({type(e).__name__})")
-    settings = dict(env_id=eval_args.env_id, atari_protocol=eval_args.atari_protocol, network=run["meta"]["network"])
+        fail(f"--eval-only {path}: not parameters of its run's network ({type(e).__name__})")
     return eval_args, model, settings
 
 
-def end_run(
-    run: Run, logger: Logger | None, states: list, finished: bool, failure: str | None, signum: int, tracker=None
-) -> None:
+def main_eval_only(args: Args) -> None:
+    """--eval-only: play the saved agent with the end-of-training evaluation, print the true game returns and write
+    them to {model dir}/eval-{unix time}.json. Nothing trains, no run directory is made."""
+    eval_args, model, settings = load_for_eval(args)
+    device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
+    path, stamp = Path(args.eval_only), int(time.time())
+    taken = " ".join(f"{k}={v}" for k, v in settings.items())
+    how = "greedy" if eval_args.eval_greedy else "sampled"
+    print(f"evaluating {path} ({eval_args.eval_episodes} episodes, {how} actions); from its run: {taken}", flush=True)
+    try:
+        returns = evaluate(model.to(device), eval_args, path.parent / f"videos-eval-{stamp}", device)
+    except (EnvError, gym.error.DependencyNotInstalled) as e:  # --capture-video without moviepy or a renderer
+        fail(str(e))
+    for i, ret in enumerate(returns):
+        print(f"eval episode {i}: return {ret:.1f}")
+    report = dict(model=str(path), episodes=len(returns), greedy=eval_args.eval_greedy, returns=returns,
+                  mean=float(np.mean(returns)), settings=settings)  # fmt: skip
+    out = path.parent / f"eval-{stamp}.json"
+    try:
+        out.write_text(json.dumps(report, indent=1))
+    except OSError as e:
+        fail(f"cannot write {out}: {e.strerror or e}")
+    print(f"mean return over {len(returns)} episodes: {report['mean']:.2f} (written to {out})")
+
+
+# -- supervision of local child processes (the scripts that start them) --
+
+
+def child_main(parent_pid: int, target, args: tuple) -> None:
+    """A child process's first call: Linux's kernel kills it when the main process dies, even by kill -9, so nothing
+    outlives the run (a main process already gone before prctl ran: exit at once). Signals are the main process's to
+    handle: it stops the children through the run's stop event."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # no prctl (not Linux)
+        pass
+    if os.getppid() != parent_pid:
+        os._exit(1)
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_IGN)
+    target(*args)
+
+
+class Processes:
+    """The run's child processes by name: started through child_main, watched through their sentinels (a blocking wait,
+    no polling), and stopped with a grace period before SIGKILL."""
+
+    def __init__(self, ctx):
+        self.ctx, self.procs = ctx, {}
+
+    def start(self, name: str, target, *args) -> None:
+        process = self.ctx.Process(target=child_main, name=name, args=(os.getpid(), target, args), daemon=True)
+        process.start()
+        self.procs[name] = process
+
+    def wait(self, timeout: float) -> str | None:
+        """Block until a child ends or `timeout` seconds pass; the description of a child that ended with a non-zero
+        status (an exception, a kill), or None."""
+        running = [p.sentinel for p in self.procs.values() if p.exitcode is None]
+        if running:
+            multiprocessing.connection.wait(running, timeout)
+        return self.failed()
+
+    def failed(self) -> str | None:
+        for name, p in self.procs.items():
+            if p.exitcode is not None and p.exitcode != 0:
+                how = f"killed by signal {-p.exitcode}" if p.exitcode < 0 else f"exit status {p.exitcode}"
+                return f"{name} died ({how})"
+        return None
+
+    def stop(self, grace: float) -> list[str]:
+        """Join every child within `grace` seconds in all (the caller has set the stop event), then SIGKILL the ones
+        left; returns their names."""
+        deadline = time.monotonic() + grace
+        for p in self.procs.values():
+            p.join(max(0.0, deadline - time.monotonic()))
+        stuck = [name for name, p in self.procs.items() if p.is_alive()]
+        for name in stuck:
+            self.procs[name].kill()
+            self.procs[name].join()
+        return stuck
+
+
+# -- script-specific: FLAG_RULES, RUN_SETTINGS, validate, env_spaces, checkpoint_meta, saved_model, evaluate, ... --
+
+FLAG_RULES = (
+    (">= 1", ("num_learners", "num_envs", "num_steps", "num_peers", "sync_interval", "log_frequency")),
+    ("> 0", ("learning_rate", "max_grad_norm", "rmsprop_eps")),
+    ("in [0, 1)", ("rmsprop_alpha",)),
+    ("in (0, 1]", ("gamma",)),
+    (">= 0", ("max_staleness", "ent_coef", "vf_coef", "checkpoint_interval", "eval_episodes", "log_interval",
+              "env_threads", "torch_threads")),
+)  # fmt: skip
+RUN_SETTINGS = ("env_id", "atari_protocol", "network")
+
+
+def validate(args: Args, n: int, torchrun: bool = False) -> str | None:
+    """Every flag checked before anything is started; the error line or None. n: learners (torchrun: ranks)."""
+    if error := check_flags(args):
+        return error
+    if args.mode == "gossip" and n < 2:
+        return f"gossip needs at least 2 learners, got {n} (use --num-learners 2 or more)"
+    if args.mode == "gossip" and args.num_peers > n - 1:
+        return f"--num-peers ({args.num_peers}) must be at most --num-learners - 1 ({n - 1})"
+    if torchrun and args.time_varying:
+        return "--time-varying needs the single-machine launch (torchrun ranks use a static ring)"
+    if torchrun and args.eval_only:
+        return "--eval-only runs in one process: python gala_a2c.py --eval-only PATH, without torchrun"
+    if args.track and importlib.util.find_spec("wandb") is None:
+        return '--track needs wandb: pip install -e ".[track]"'
+    if args.resume is not None and not Path(args.resume).is_file():
+        return f"--resume {args.resume}: no such checkpoint file"
+    if args.eval_only is not None and not Path(args.eval_only).is_file():
+        return f"--eval-only {args.eval_only}: no such file"
+    if args.total_timesteps < n * args.num_envs * args.num_steps:
+        return (f"--total-timesteps ({args.total_timesteps}) is less than one iteration of all learners "
+                f"({n} learners x {args.num_envs} envs x {args.num_steps} steps)")  # fmt: skip
+    try:
+        check_env_args(args.env_id, args.num_envs, args.atari_protocol)
+        if args.capture_video and args.eval_only is None:  # fail now, not at the final evaluation
+            check_video(args.env_id, args.atari_protocol)
+    except EnvError as e:
+        return str(e)
+    if ale_game(args.env_id) is None and not isinstance(space := env_spaces(args)[1], gym.spaces.Discrete):
+        return (f"{args.env_id} has a {type(space).__name__} action space {space}; gala_a2c.py needs a Discrete one "
+                f"(continuous actions: apex_ddpg.py)")  # fmt: skip
+    return None
+
+
+def env_spaces(args: Args) -> tuple[gym.Space, gym.Space]:
+    """(observation space, action space) of one env of the training vector env."""
+    probe = make_vector_env(args.env_id, 1, args.seed, protocol=args.atari_protocol, num_threads=1)
+    spaces = probe.single_observation_space, probe.single_action_space
+    probe.close()
+    return spaces
+
+
+def checkpoint_meta(args: Args, obs_space: gym.Space, act_space: gym.spaces.Discrete, n: int) -> dict:
+    """What a checkpoint must match to be resumed by this run: script, mode, learners, env, network and shapes."""
+    network = args.network if args.network != "auto" else ("nature" if len(obs_space.shape) == 3 else "mlp")
+    return dict(script=Path(__file__).name, algo=args.mode, learners=n, env_id=args.env_id, network=network,
+                obs_shape=list(obs_space.shape), action_shape_or_n=int(act_space.n))  # fmt: skip
+
+
+def saved_model(args: Args, settings: dict, state_dict: dict) -> nn.Module:
+    model = make_model(*env_spaces(args), settings["network"])
+    model.load_state_dict(state_dict)
+    return model
+
+
+def evaluate(model: nn.Module, args: Args, video_dir: Path, device: torch.device) -> list[float]:
+    """Play `eval_episodes` full games with the final (or --eval-only's saved) policy, true returns; argmax actions
+    with `--eval-greedy` (GALA Table 1), sampled ones otherwise; videos to `video_dir` with --capture-video."""
+    env = make_env(args.env_id, args.seed + 1_000_003, protocol=args.atari_protocol, capture_video=args.capture_video,
+                   video_dir=str(video_dir))  # fmt: skip
+    generator = torch.Generator().manual_seed(args.seed + 1_000_003)
+    returns = []
+    obs, _ = env.reset()
+    while len(returns) < args.eval_episodes:
+        with torch.inference_mode():
+            logits, _ = model(torch.as_tensor(obs[None], device=device))
+        action = logits.argmax(dim=1) if args.eval_greedy else sample_actions(logits.cpu(), generator)
+        obs, _, terminated, truncated, info = env.step(int(action[0]))
+        if terminated or truncated:
+            returns.append(float(info["episode"]["r"]))
+            if len(returns) < args.eval_episodes:  # no reset after the last game: it would record an empty video
+                obs, _ = env.reset()
+    env.close()
+    return returns
+
+
+def save_checkpoint(run: Run, states: list[dict]) -> None:
+    """The learners' states, and their average as "model", to {run_dir}/checkpoint.pt atomically (WriteError)."""
+    steps = sum(s["iteration"] for s in states) * run.args.num_envs * run.args.num_steps
+    checkpoint = dict(model=average_model(states), learners=states, global_step=steps, args=asdict(run.args),
+                      torch_rng=torch.get_rng_state(), meta=run.meta)  # fmt: skip
+    atomic_save(checkpoint, run.run_dir / "checkpoint.pt")
+
+
+def failed_write(e: Exception, run_dir: Path) -> str:
+    """The error line of a checkpoint (WriteError) or TensorBoard write (OSError) that failed: the run stops."""
+    line = str(e) if isinstance(e, WriteError) else write_error(e, f"the TensorBoard events in {run_dir}")
+    return f"{line}; stopping (the last good checkpoint is kept)"
+
+
+def end_training(run: Run, logger: Logger | None, states: list, finished: bool, failure: str | None, signum: int,
+                 tracker=None) -> None:  # fmt: skip
     """After every learner stopped: the final checkpoint, then (run finished) --save-model and --eval-episodes on the
-    averaged parameters, the writer closed, the W&B run (`tracker`, from start_tracking) finished, the exit status (1
-    on a failure, 128 + signum when stopped by a signal). A write that fails becomes the run's error line."""
+    averaged parameters, the writer closed, the W&B run finished, the exit status (1 on a failure, 128 + signum when
+    stopped by a signal). A write that fails becomes the run's error line."""
     args = run.args
     try:
         if failure is None and args.checkpoint_interval and states and all(s is not None for s in states):
@@ -1215,161 +1512,61 @@ def end_run(
             model.load_state_dict(average_model(states))
             if args.save_model:
                 atomic_save(model.state_dict(), run.run_dir / "model.pt")
-            for i, ret in enumerate(evaluate(model, args, run.run_dir / "videos") if args.eval_episodes else []):
+            returns = evaluate(model, args, run.run_dir / "videos", torch.device("cpu")) if args.eval_episodes else []
+            for i, ret in enumerate(returns):
                 logger.writer.add_scalar("eval/episodic_return", ret, i)
                 print(f"eval episode {i}: return {ret:.1f}")
-    except WriteError as e:
-        failure = failure or str(e)
-    except OSError as e:
-        failure = failure or events_error(e, run.run_dir)
+    except (WriteError, OSError) as e:
+        failure = failure or failed_write(e, run.run_dir)
     try:
         if logger is not None:
             logger.writer.close()
     except OSError as e:
-        failure = failure or events_error(e, run.run_dir)
-    if tracker is not None:  # after the writer is closed: wandb syncs the events files up to then
-        for video in sorted((run.run_dir / "videos").glob("*.mp4")):
-            tracker.log({"videos": tracker.Video(str(video))})
-        tracker.finish(exit_code=1 if failure else 128 + signum if signum else 0)
+        failure = failure or failed_write(e, run.run_dir)
+    finish_tracking(tracker, run.run_dir, 1 if failure else 128 + signum if signum else 0)
     if failure:
         print(failure, file=sys.stderr)
         raise SystemExit(1)
     if signum:
-        step = logger.global_step if logger is not None else 0
-        print(f"interrupted at step {step}: shut down", file=sys.stderr)
+        print(f"interrupted at step {logger.global_step if logger else 0}: shut down", file=sys.stderr)
         raise SystemExit(128 + signum)
 
 
-STOP_GRACE = 5.0  # seconds a learner gets to stop after the stop request before it is killed
+STOP_GRACE = 5.0  # seconds the learners get to stop after the stop request before they are killed
 
 
-class Monitor:
-    """The main process of the single-machine launch: writes the learners' records to TensorBoard, assembles their
-    checkpoint states, and watches their processes."""
+def stop_learners(monitor: Monitor, learners: Processes, shared: Shared, failure: str | None) -> str | None:
+    """Set `stop` and read `log_q` while the learners finish (a learner exits only once its queued messages, its final
+    state among them, are in the pipe); kill those still running after STOP_GRACE (stuck, or blocked on a peer that
+    is), so the run always ends. Returns the run's error line: `failure`, a learner's or a failed write's."""
+    shared.stop.set()
+    deadline = time.monotonic() + STOP_GRACE
+    while any(p.exitcode is None for p in learners.procs.values()) and time.monotonic() < deadline:
+        monitor.drain(0.1)
+    failure = failure or learner_failure(learners.failed(), shared.error_q) or monitor.write_failure
+    if stuck := learners.stop(max(0.0, deadline - time.monotonic())):
+        print(f"warning: {', '.join(stuck)} did not stop within {STOP_GRACE:.0f} s; killed", file=sys.stderr)
+    monitor.drain(0.0)
+    return failure
 
-    def __init__(self, run: Run, procs: list[mp.Process], shared: Shared):
-        self.run, self.procs, self.shared = run, procs, shared
-        self.logger: Logger | None = None
-        self.finals: dict[int, dict] = {}
-        self.latest: list[dict | None] = list(run.checkpoint["learners"]) if run.checkpoint else [None] * run.n
-        self.pending: dict[int, dict[int, dict]] = {}  # checkpoint request -> {learner: state}
-        self.failure: str | None = None  # a learner died, or the writer could not start: stop at once
-        self.write_failure: str | None = None  # a checkpoint or TensorBoard write failed: the learners stop
-        self.killed: list[str] = []
 
-    def handle(self, message: Record | CheckpointState | FinalState) -> None:
-        i = message.learner
-        try:
-            if isinstance(message, FinalState):
-                self.finals[i] = self.latest[i] = state_from_bytes(message.state)
-            elif isinstance(message, CheckpointState):
-                got = self.pending.setdefault(message.request, {})
-                got[i] = state_from_bytes(message.state)
-                if len(got) == self.run.n:
-                    self.pending.clear()
-                    self.latest[:] = [got[j] for j in range(self.run.n)]
-                    save_checkpoint(self.run, self.latest)
-            elif self.logger is not None and self.write_failure is None:
-                self.logger.handle(message)
-        except WriteError as e:
-            self.write_failure = self.write_failure or f"{e}; stopping (the last good checkpoint is kept)"
-        except OSError as e:
-            self.write_failure = self.write_failure or events_error(e, self.run.run_dir)
+def learner_error(i: int, e: BaseException) -> str:
+    """The error line of learner i's exception (call it in the `except` block): a non-finite loss said plainly, any
+    other exception with its traceback."""
+    if isinstance(e, NonFiniteLoss):
+        return f"error: learner {i}: {e}; stopping (the last checkpoint, if any, is kept)"
+    return f"error: learner {i} died:\n{traceback.format_exc()}"
 
-    def drain(self, timeout: float) -> None:
-        try:
-            self.handle(self.shared.log_q.get(timeout=timeout) if timeout else self.shared.log_q.get_nowait())
-            while True:
-                self.handle(self.shared.log_q.get_nowait())
-        except queue.Empty:
-            pass
 
-    def dead_learner(self) -> str | None:
-        watched = [p for p in self.procs if p.name not in self.killed]  # killed here for not stopping: no failure
-        ready = wait_sentinels([p.sentinel for p in watched], timeout=0)
-        for p in (p for p in watched if p.sentinel in ready):
-            p.join(timeout=5.0)  # the sentinel can fire before the exit status is set
-            if p.exitcode != 0:
-                try:  # its traceback, if it lived to send one
-                    return self.shared.error_q.get(timeout=2.0)
-                except queue.Empty:
-                    how = f"killed by signal {-p.exitcode}" if p.exitcode < 0 else f"exit status {p.exitcode}"
-                    return f"error: {p.name} died ({how}); stopping the run"
+def learner_failure(died: str | None, error_q: Queue) -> str | None:
+    """The error line of a learner process that died (`died`: Processes.failed's description): its own, with its
+    traceback, if it lived to send one."""
+    if died is None:
         return None
-
-    def shutdown(self) -> None:
-        """Stop every learner: set `stop` and keep draining `log_q` while they finish (a process exits only once its
-        queued messages are in the pipe); kill those still alive after the grace (stuck, or blocked on a peer that
-        is), so the run always ends. After a death the grace is short."""
-        self.shared.stop.set()
-        deadline = time.time() + (STOP_GRACE if self.failure is None else 1.0)
-        while any(p.is_alive() for p in self.procs) and time.time() < deadline:
-            self.drain(0.1)
-            if self.failure is None and (failure := self.dead_learner()):
-                self.failure = failure
-                deadline = min(deadline, time.time() + 1.0)
-        for p in self.procs:
-            if p.is_alive():
-                self.killed.append(p.name)
-                p.kill()
-            p.join(timeout=2.0)
-        self.drain(0.0)
-        self.failure = self.failure or self.dead_learner() or self.write_failure
-        if self.killed:
-            print(f"warning: {', '.join(self.killed)} did not stop within {STOP_GRACE:.0f} s; killed", file=sys.stderr)
-
-
-class RankControl:
-    """One torchrun rank's side of the run: every --sync-interval iterations (and at its last) all ranks meet in the
-    same collectives: the consensus all-reduce (gossip), the stop and checkpoint flags (rank 0's clock decides when a
-    checkpoint is due), the exact global step, and rank 0 gathers the states to save."""
-
-    torchrun = True
-
-    def __init__(self, run: Run, rank: int, device: torch.device, stop: threading.Event, logger: Logger):
-        self.run, self.rank, self.device, self.stop, self.logger = run, rank, device, stop, logger
-        self.last_checkpoint = time.time()
-        self.write_failure: str | None = None
-
-    def stopping(self) -> bool:
-        return False  # ranks stop together, at a sync point
-
-    def checkpoint_due(self) -> bool:
-        interval = self.run.args.checkpoint_interval
-        return self.rank == 0 and interval > 0 and time.time() - self.last_checkpoint >= interval
-
-    def end_iteration(self, learner: Learner, gossip: DistributedEndpoint | None, at_sync: bool) -> bool:
-        if not at_sync:
-            return False
-        if gossip is not None:
-            x = learner.flat_params()
-            average = x.clone()
-            dist.all_reduce(average)
-            learner.stats.consensus = consensus_distance(x, average.div_(self.run.n))
-        flags = torch.tensor([float(self.stop.is_set()), float(self.checkpoint_due())], device=self.device)
-        dist.all_reduce(flags)
-        self.report(learner.record(), learner.state() if flags[1].item() > 0 else None)
-        return flags[0].item() > 0
-
-    def report(self, record: Record, state: dict | None = None) -> None:
-        """Every rank calls this at the same sync points (collectives)."""
-        states = [None] * self.run.n if self.rank == 0 else None
-        dist.gather_object(state, states, dst=0)
-        total = torch.tensor([float(record.steps)], device=self.device)
-        dist.all_reduce(total)  # exact global step: all ranks' agent steps
-        try:
-            self.logger.handle(record._replace(steps=int(total.item())))
-            if self.rank == 0 and states[0] is not None:
-                self.last_checkpoint = time.time()
-                save_checkpoint(self.run, states)
-            if self.rank == 0:
-                self.logger.maybe_print()
-        except WriteError as e:
-            self.write_failure = self.write_failure or f"{e}; stopping (the last good checkpoint is kept)"
-        except OSError as e:
-            self.write_failure = self.write_failure or events_error(e, self.run.run_dir)
-        if self.write_failure:
-            self.stop.set()  # all ranks stop together at the next sync point
+    try:
+        return error_q.get(timeout=2.0)
+    except queue.Empty:
+        return f"error: {died}; stopping the run"
 
 
 def lost_contact(rank: int, n: int, e: BaseException) -> str | None:
@@ -1392,179 +1589,6 @@ def exit_without_teardown(code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_processes(procs: list[mp.Process]) -> None:
-    """Children start with SIGINT/SIGTERM blocked, then ignore them: the main process stops them through `stop`."""
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
-    try:
-        for p in procs:
-            p.start()
-    finally:
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
-
-
-# ---- Main ----------------------------------------------------------------------------------------------------------
-
-
-def main(args: Args) -> None:
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    n = world_size if world_size > 1 else args.num_learners
-    if error := validate(args, n, torchrun=world_size > 1):
-        fail(error)
-    # one thread here: an OpenMP pool started in this process would deadlock the forked learners' first torch op
-    torch.set_num_threads(1)
-    if args.eval_only:
-        main_eval_only(args)
-        return
-    obs_space, act_space = env_spaces(args)
-    meta = checkpoint_meta(args, obs_space, act_space)
-    checkpoint = load_checkpoint(args.resume, meta, n) if args.resume else None  # a refused resume leaves no trace
-    if world_size > 1:
-        main_distributed(args, n, checkpoint, obs_space, act_space, meta)
-    else:
-        main_single_machine(Run(args, n, new_run_dir(args), obs_space, act_space, meta, checkpoint))
-
-
-def main_single_machine(run: Run) -> None:
-    """Learner processes plus this monitor: it logs, checkpoints, and stops the run on a signal or a dead learner."""
-    args, n = run.args, run.n
-    write_run_args(run.run_dir, args, run.meta)
-    use_cuda = args.cuda and torch.cuda.is_available()
-    device = torch.device("cuda" if use_cuda else "cpu")
-    torch.manual_seed(args.seed)
-    ctx = mp.get_context("spawn" if use_cuda else "fork")  # CUDA cannot be used in forked children
-    shared = Shared(
-        log_q=ctx.Queue(),
-        error_q=ctx.Queue(),
-        stop=ctx.Event(),
-        checkpoint_requests=ctx.Value("q", 0),
-        gossip=SharedMemoryGossip(ctx, n, run.num_params(), device) if args.mode == "gossip" else None,
-        port=free_port() if args.mode == "allreduce" else 0,
-        parent_pid=os.getpid(),
-    )
-    procs = [
-        ctx.Process(target=learner_process, args=(i, n, args, str(device), shared), name=f"learner {i}", daemon=True)
-        for i in range(n)
-    ]
-    ring = f", {args.num_peers}-peer ring, tau {args.max_staleness}" if args.mode == "gossip" else ""
-    print(
-        f"run directory: {run.run_dir}  ({n} learners x {args.num_envs} envs, {args.mode}{ring}, {device})", flush=True
-    )
-    signals = StopSignals(shared.stop)
-    start_processes(procs)
-    monitor, tracker = Monitor(run, procs, shared), None
-    try:  # whatever fails from here on stops the learners
-        tracker = start_tracking(args, run.run_dir)  # after the forks: no learner inherits wandb's threads and pipes
-        writer = make_writer(run.run_dir, args, n)
-        monitor.logger = Logger(writer, n, args, run.checkpoint["global_step"] if run.checkpoint else 0)
-        last_checkpoint = time.time()
-        while len(monitor.finals) < n and not signals.signum and not (monitor.failure or monitor.write_failure):
-            monitor.drain(0.25)
-            monitor.failure = monitor.dead_learner()
-            monitor.logger.maybe_print()
-            if args.checkpoint_interval and time.time() - last_checkpoint >= args.checkpoint_interval:
-                with shared.checkpoint_requests.get_lock():
-                    shared.checkpoint_requests.value += 1
-                last_checkpoint = time.time()
-    except OSError as e:  # the writer could not start (full disk, directory removed)
-        monitor.failure = events_error(e, run.run_dir)
-    finally:
-        StopSignals.ignore()
-        monitor.shutdown()
-    finished = monitor.failure is None and not signals.signum and len(monitor.finals) == n
-    end_run(run, monitor.logger, monitor.latest, finished, monitor.failure, signals.signum, tracker)
-
-
-def main_distributed(args: Args, n: int, checkpoint: dict | None, obs_space, act_space, meta: dict) -> None:
-    """One torchrun rank = one learner; rank 0 also writes the run's charts and checkpoints."""
-    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
-    use_cuda = args.cuda and torch.cuda.is_available()
-    device = torch.device(f"cuda:{local_rank % torch.cuda.device_count()}" if use_cuda else "cpu")
-    # rank 0 makes the run directory and W&B run before the rendezvous: torchrun stops the other ranks if it exits 2
-    names, tracker = [""], None
-    if rank == 0:
-        run_dir = new_run_dir(args)
-        write_run_args(run_dir, args, meta)
-        names, tracker = [str(run_dir)], start_tracking(args, run_dir)
-    dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=n)
-    dist.broadcast_object_list(names, src=0)  # one run directory, named by rank 0
-    run = Run(args, n, Path(names[0]), obs_space, act_space, meta, checkpoint)
-    signals = StopSignals(threading.Event())
-    writer = make_writer(run.run_dir if rank == 0 else run.run_dir / f"learner{rank}", args, n)
-    logger = Logger(writer, n, args, checkpoint["global_step"] if checkpoint else 0)
-    control = RankControl(run, rank, device, signals.stop, logger)
-    gossip, failure = None, None
-    if args.mode == "gossip":
-        group = dist.new_group(backend="nccl" if use_cuda else "gloo")  # every rank makes it, in the same order
-        gossip = DistributedEndpoint(rank, n, args.num_peers, args.max_staleness, run.num_params(), device, group)
-    try:
-        learner = Learner(rank, n, args, device, checkpoint["learners"][rank] if checkpoint else None)
-        final = learner.train(gossip, control)
-        learner.envs.close()
-    except NonFiniteLoss as e:
-        failure = f"error: learner {rank}: {e}; stopping (the last checkpoint, if any, is kept)"
-    except Exception as e:
-        failure = lost_contact(rank, n, e) or f"error: learner {rank} died:\n{traceback.format_exc()}"
-    if failure:  # the other ranks would wait forever on this one: torchrun stops them when this rank exits non-zero
-        print(failure, file=sys.stderr, flush=True)
-        try:
-            writer.close()
-        except OSError:
-            pass
-        if tracker is not None:
-            tracker.finish(exit_code=1)
-        exit_without_teardown(1)
-    states = [None] * n if rank == 0 else None
-    dist.gather_object(final, states, dst=0)
-    if args.mode == "allreduce":  # every learner must hold the same parameters (identical averaged gradients)
-        flat = torch.cat([p.reshape(-1) for p in final["model"].values()]).to(device)
-        reference = flat.clone()
-        dist.broadcast(reference, src=0)
-        divergence = (flat - reference).abs().max()
-        dist.all_reduce(divergence, op=dist.ReduceOp.MAX)
-        if rank == 0:
-            print(f"max |parameter difference| across {n} learners: {divergence.item():.3g}")
-    dist.barrier()  # no rank leaves the group while a peer may still be sending to it
-    dist.destroy_process_group()
-    StopSignals.ignore()
-    try:  # rank 0: the final checkpoint, --save-model, --eval-episodes; every rank: its writer, its exit status
-        finished = rank == 0 and not signals.signum
-        end_run(run, logger, states or [], finished, control.write_failure, signals.signum, tracker)
-        code = 0
-    except SystemExit as e:
-        code = e.code
-    exit_without_teardown(code)
-
-
-def main_eval_only(args: Args) -> None:
-    """--eval-only: play the saved agent with the end-of-training evaluation, print the true game returns and write
-    them to {model dir}/eval-{unix time}.json. Nothing trains, no run directory is made."""
-    eval_args, model, settings = load_for_eval(args)
-    path, stamp = Path(args.eval_only), int(time.time())
-    taken = " ".join(f"{k}={v}" for k, v in settings.items())
-    how = "greedy" if eval_args.eval_greedy else "sampled"
-    print(f"evaluating {path} ({eval_args.eval_episodes} episodes, {how} actions); from its run: {taken}", flush=True)
-    try:
-        returns = evaluate(model, eval_args, path.parent / f"videos-eval-{stamp}")
-    except (EnvError, gym.error.DependencyNotInstalled) as e:  # --capture-video without moviepy or a renderer
-        fail(str(e))
-    for i, ret in enumerate(returns):
-        print(f"eval episode {i}: return {ret:.1f}")
-    report = dict(model=str(path), episodes=len(returns), greedy=eval_args.eval_greedy, returns=returns,
-                  mean=float(np.mean(returns)), settings=settings)  # fmt: skip
-    out = path.parent / f"eval-{stamp}.json"
-    try:
-        out.write_text(json.dumps(report, indent=1))
-    except OSError as e:
-        fail(f"cannot write {out}: {e.strerror or e}")
-    print(f"mean return over {len(returns)} episodes: {report['mean']:.2f} (written to {out})")
 
 
 if __name__ == "__main__":

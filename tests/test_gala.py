@@ -54,7 +54,7 @@ from gala_a2c import (
     SharedMemoryGossip,
     Stop,
     checkpoint_meta,
-    end_run,
+    end_training,
     env_spaces,
     epsilon_ball_radius,
     load_checkpoint,
@@ -223,7 +223,7 @@ def test_evaluation_takes_argmax_actions_by_default_and_samples_with_no_eval_gre
         env = RecordingEnv(length=25)
         monkeypatch.setattr(gala_a2c, "make_env", lambda *a, env=env, **k: env)
         args = tyro.cli(gala_a2c.Args, args=["--env-id", "CartPole-v1", "--eval-episodes", "4", *flags])
-        assert gala_a2c.evaluate(FixedLogitsPolicy(logits), args, tmp_path) == [25.0] * 4
+        assert gala_a2c.evaluate(FixedLogitsPolicy(logits), args, tmp_path, torch.device("cpu")) == [25.0] * 4
         assert len(env.actions) == 100
         if greedy:
             assert set(env.actions) == {2}
@@ -434,7 +434,7 @@ def test_tracking_names_the_run_after_its_directory_resumes_it_and_ends_with_the
     run = Run(resumed, 2, run_dir, *env_spaces(resumed), {}, None)
     for failure, signum, code in [(None, 0, 0), ("error: a learner died", 0, 1), (None, signal.SIGTERM, 143)]:
         with pytest.raises(SystemExit) if code else contextlib.nullcontext():
-            end_run(run, None, [], False, failure, signum, wandb)
+            end_training(run, None, [], False, failure, signum, wandb)
         assert wandb.finished[-1] == code
     assert wandb.logged == [{"videos": ("video", str(run_dir / "videos" / "rl-video-episode-0.mp4"))}] * 3
 
@@ -539,16 +539,25 @@ def test_log_dir_that_cannot_be_created_is_one_error_line(tmp_path, capsys):
 
 
 def fake_checkpoint(path, **meta_changes):
-    meta = dict(script=SCRIPT, algo="gossip", env_id="CartPole-v1", network="mlp", obs_shape=[4], action_shape_or_n=2)
+    meta = dict(
+        script=SCRIPT,
+        algo="gossip",
+        learners=2,
+        env_id="CartPole-v1",
+        network="mlp",
+        obs_shape=[4],
+        action_shape_or_n=2,
+    )
     torch.save(dict(learners=[{}, {}], global_step=0, meta={**meta, **meta_changes}), path)
     return path
 
 
 def test_resume_refuses_what_it_cannot_use(tmp_path, capsys):
-    ours = checkpoint_meta(Args(env_id="CartPole-v1"), *env_spaces(Args(env_id="CartPole-v1")))
+    spaces = env_spaces(Args(env_id="CartPole-v1"))
+    ours, four = (checkpoint_meta(Args(env_id="CartPole-v1"), *spaces, n) for n in (2, 4))
     good = fake_checkpoint(tmp_path / "good.pt")
-    assert load_checkpoint(str(good), ours, 2)["learners"] == [{}, {}]
-    assert "has 2 learners, not 4" in refusal(capsys, load_checkpoint, str(good), ours, 4)
+    assert load_checkpoint(str(good), ours)["learners"] == [{}, {}]
+    assert "checkpoint (learners 2), this run is learners 4" in refusal(capsys, load_checkpoint, str(good), four)
     garbage = tmp_path / "garbage.pt"
     garbage.write_bytes(b"not a checkpoint at all")
     truncated = tmp_path / "truncated.pt"
@@ -556,16 +565,16 @@ def test_resume_refuses_what_it_cannot_use(tmp_path, capsys):
     old = tmp_path / "old.pt"
     torch.save(dict(learners=[{}, {}], global_step=0), old)
     for path in (garbage, truncated, old):
-        error = refusal(capsys, load_checkpoint, str(path), ours, 2)
+        error = refusal(capsys, load_checkpoint, str(path), ours)
         assert error.startswith(f"error: cannot resume from {path}: not a checkpoint"), error
-    assert '"meta"' in refusal(capsys, load_checkpoint, str(old), ours, 2)
+    assert '"meta"' in refusal(capsys, load_checkpoint, str(old), ours)
     other = fake_checkpoint(tmp_path / "other.pt", script="cleanba_ppo_impala.py", algo="ppo")
-    error = refusal(capsys, load_checkpoint, str(other), ours, 2)
+    error = refusal(capsys, load_checkpoint, str(other), ours)
     assert "it is a cleanba_ppo_impala.py checkpoint (script cleanba_ppo_impala.py, algo ppo)" in error, error
     assert error.endswith("this run is script gala_a2c.py, algo gossip"), error
     acrobot = fake_checkpoint(tmp_path / "acrobot.pt", env_id="Acrobot-v1", obs_shape=[6], action_shape_or_n=3)
     assert "(env_id Acrobot-v1, obs_shape [6], action_shape_or_n 3)" in refusal(
-        capsys, load_checkpoint, str(acrobot), ours, 2
+        capsys, load_checkpoint, str(acrobot), ours
     )
 
 
