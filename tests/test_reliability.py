@@ -1,0 +1,160 @@
+"""What every script does at the edges of a run, checked the same way for all eight (issue 35's probe): a closed
+terminal (SIGHUP), Ctrl+C during the end-of-run evaluation or while the imports load, a --track whose wandb cannot
+be imported, a resume with other flags, and an unknown flag. Each is triggered by what the run prints or by an import
+hook, never by a timer; a deadline only catches a hang."""
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+from helpers import ROOT, only_run_dir, start_run, wait_for
+
+CARTPOLE = ("--env-id", "CartPole-v1")
+APEX = ("--num-actors", "2", "--learning-starts", "200", "--batch-size", "32", "--actor-batch", "20",
+        "--actor-update-interval", "20", "--log-frequency", "5", "--log-interval", "0.5", "--hidden-sizes", "32", "32",
+        "--eval-interval", "500")  # fmt: skip
+# Each script on a tiny run: its flags, a budget of a few seconds, and a flag (with a new value) that changes the
+# run's shape, so that a checkpoint of the first run cannot continue under it.
+RUNS = dict(
+    a3c_large_batch=(("--num-workers", "2", "--num-envs-per-worker", "4", "--log-interval", "0.5",
+                      "--torch-threads", "1", *CARTPOLE), 4000, ("--num-envs-per-worker", "2")),
+    apex_ddpg=(("--env-id", "Pendulum-v1", *APEX, "--critic-learning-rate", "1e-3"), 1000, ("--num-actors", "3")),
+    apex_dqn=(("--target-network-frequency", "20", "--optimizer", "adam", "--learning-rate", "1e-3", *APEX,
+               *CARTPOLE), 1000, ("--num-actors", "3")),
+    cleanba_ppo_impala=(("--num-envs", "4", "--num-steps", "32", "--num-actor-threads", "2", "--log-interval", "0",
+                         "--torch-threads", "1", "--env-threads", "1", *CARTPOLE), 1024, ("--num-envs", "8")),
+    gala_a2c=(("--num-learners", "2", "--num-envs", "4", "--log-interval", "1", "--torch-threads", "1",
+               "--env-threads", "1", *CARTPOLE), 4000, ("--num-envs", "8")),
+    hts_a2c=(("--num-envs", "4", "--num-executors", "2", "--num-actors", "2", "--sync-interval", "8",
+              "--log-interval", "0.2", "--torch-threads", "1", *CARTPOLE), 2048, ("--num-envs", "8")),
+    hts_ppo=(("--num-envs", "4", "--num-executors", "2", "--num-actors", "2", "--sync-interval", "16",
+              "--num-minibatches", "2", "--log-interval", "0.2", "--torch-threads", "1", *CARTPOLE), 2048,
+             ("--num-envs", "8")),
+    impala_monobeast=(("--unroll-length", "16", "--batch-size", "2", "--num-actors", "2", "--log-interval", "0.1",
+                       "--torch-threads", "1", *CARTPOLE), 2048, ("--num-actors", "3")),
+)  # fmt: skip
+SCRIPTS = sorted(RUNS)
+
+
+def script_of(name):
+    return f"{name}.py"
+
+
+def flags(name, total, *extra):
+    return [*RUNS[name][0], "--total-timesteps", str(total), *extra]
+
+
+def finish(proc, timeout=60):
+    """The exit status and output of a stopped run; a hang fails the test (after killing what is left)."""
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        pytest.fail(f"still running {timeout} s after the signal: {err[-1500:]}")
+    return proc.returncode, out, err
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_sighup_stops_like_sigterm_with_a_final_checkpoint(name, tmp_path):
+    proc = start_run(script_of(name), flags(name, 100_000_000, "--checkpoint-interval", "3600"), tmp_path)
+    proc.send_signal(signal.SIGHUP)
+    code, _, err = finish(proc)
+    assert code == 128 + signal.SIGHUP, err[-1500:]
+    assert "Traceback" not in err, err[-1500:]
+    checkpoint = torch.load(only_run_dir(tmp_path) / "checkpoint.pt", map_location="cpu", weights_only=False)
+    assert checkpoint["global_step"] > 0
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_ctrl_c_during_the_final_evaluation_stops_the_run(name, tmp_path):
+    cmd = [sys.executable, script_of(name), "--log-dir", str(tmp_path), *flags(name, RUNS[name][1]),
+           "--eval-episodes", "1000000"]  # fmt: skip
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    for line in proc.stdout:
+        if line.startswith("evaluating the final policy"):
+            break
+    else:
+        pytest.fail(f"no evaluation started (exit {proc.wait()}): {proc.stderr.read()[-1500:]}")
+    proc.send_signal(signal.SIGINT)
+    code, _, err = finish(proc)
+    assert code == 128 + signal.SIGINT, err[-1500:]
+    assert "Traceback" not in err, err[-1500:]
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_track_with_a_wandb_that_cannot_be_imported_is_one_error_line(name, tmp_path):
+    fake = tmp_path / "fake"
+    (fake / "wandb").mkdir(parents=True)
+    (fake / "wandb" / "__init__.py").write_text('raise ImportError("this wandb is broken")\n')
+    env = {**os.environ, "PYTHONPATH": str(fake), "WANDB_MODE": "offline"}
+    logs = tmp_path / "runs"
+    cmd = [sys.executable, script_of(name), "--log-dir", str(logs), *flags(name, RUNS[name][1]), "--track"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-1500:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "wandb" in lines[0], proc.stderr[-1500:]
+    assert not logs.exists() or not any(logs.iterdir()), "a run directory was made for a run that never started"
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_a_resume_says_its_step_and_flags_and_refuses_a_new_shape(name, tmp_path):
+    total = RUNS[name][1]
+    first = subprocess.run([sys.executable, script_of(name), "--log-dir", str(tmp_path), *flags(name, total),
+                            "--checkpoint-interval", "3600"], cwd=ROOT, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert first.returncode == 0, first.stderr[-1500:]
+    checkpoint_path = only_run_dir(tmp_path) / "checkpoint.pt"
+    step = torch.load(checkpoint_path, map_location="cpu", weights_only=False)["global_step"]
+    shape_flag, value = RUNS[name][2]
+    refused = subprocess.run([sys.executable, script_of(name), "--log-dir", str(tmp_path), *flags(name, 2 * total),
+                              "--resume", str(checkpoint_path), shape_flag, value], cwd=ROOT, capture_output=True,
+                             text=True, timeout=120)  # fmt: skip
+    assert refused.returncode == 2, refused.stderr[-1500:]
+    lines = refused.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and shape_flag in lines[0], refused.stderr[-1500:]
+    resumed = subprocess.run([sys.executable, script_of(name), "--log-dir", str(tmp_path), *flags(name, 2 * total),
+                              "--resume", str(checkpoint_path), "--seed", "7"], cwd=ROOT, capture_output=True,
+                             text=True, timeout=300)  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-1500:]
+    said = [line for line in resumed.stdout.splitlines() if line.startswith("resuming")]
+    assert len(said) == 1 and f"step {step}" in said[0], resumed.stdout[-1500:]
+    assert "--seed 7 (was 1)" in said[0] and f"--total-timesteps {2 * total} (was {total})" in said[0], said
+
+
+IMPORT_HOOK = """
+import os, runpy, signal, sys
+
+class InterruptAtTorch:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch":
+            sys.meta_path.remove(self)
+            os.kill(os.getpid(), signal.SIGINT)  # Ctrl+C while the script's imports load
+        return None
+
+sys.meta_path.insert(0, InterruptAtTorch())
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_ctrl_c_while_importing_exits_quietly(name):
+    proc = subprocess.run([sys.executable, "-c", IMPORT_HOOK, script_of(name), "--help"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 128 + signal.SIGINT, proc.stderr[-1500:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-1500:]
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+@pytest.mark.parametrize("argv", [("--no-such-flag", "3"), ("--seed", "abc")], ids=["unknown", "not-an-int"])
+def test_a_flag_tyro_cannot_parse_is_one_error_line(name, argv):
+    proc = subprocess.run([sys.executable, script_of(name), *argv], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and argv[0] in lines[0], proc.stderr
+    assert "--help" in lines[0]
