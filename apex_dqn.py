@@ -409,6 +409,10 @@ class WorkerFailed(NamedTuple):
     error: str
 
 
+class LockTimeout(Exception):
+    """A shared lock held for LOCK_TIMEOUT seconds: most likely a process died holding it."""
+
+
 @contextlib.contextmanager
 def hold(lock, what: str):
     """`with lock`, given up after LOCK_TIMEOUT seconds: a process killed while holding a shared lock leaves it held,
@@ -985,6 +989,10 @@ class ActorHost(LocalReplay):
         stop_processes(self.procs, self.shared, lambda message: None, grace=4.0)
 
 
+class WorkerError(Exception):
+    """An actor host failed or stopped answering (torchrun); the message is the error line."""
+
+
 class RemoteReplay:
     """Rank 0's view of the buffers on the actor ranks (rank r holds buffers [(r-1) K, r K)), the same interface as
     LocalReplay."""
@@ -1154,8 +1162,13 @@ def main(args: Args) -> None:
         except Stop:
             interrupted = True
             print("interrupted: shutting down", file=sys.stderr, flush=True)
-        except (NonFiniteLoss, LockTimeout, WriteError, WorkerError, OSError) as e:
-            run.failure = failure_line(run, e)
+        except (NonFiniteLoss, LockTimeout) as e:
+            failure = worker_failure(run.procs, run.shared.error_q)  # the cause, if a process died
+            run.failure = failure or f"error: learner: {e}; stopping (the last checkpoint, if any, is kept)"
+        except (WriteError, WorkerError) as e:
+            run.failure = str(e)
+        except OSError as e:  # the TensorBoard events file
+            run.failure = write_error(e, f"the TensorBoard events in {run.run_dir}")
         finally:
             stop_workers(run)
         close_run(run, interrupted, signals.signum)
@@ -1472,14 +1485,6 @@ class Processes:
 # -- script-specific: FLAG_RULES, RUN_SETTINGS, validate, env_spaces, checkpoint_meta, saved_model, evaluate, ... --
 
 
-class LockTimeout(Exception):
-    """A shared lock held for LOCK_TIMEOUT seconds: most likely a process died holding it."""
-
-
-class WorkerError(Exception):
-    """An actor host failed or stopped answering (torchrun); the message is the error line."""
-
-
 FLAG_RULES = (
     (">= 1", ("num_actors", "num_envs_per_actor", "actor_torch_threads", "actor_batch", "actor_update_interval",
               "batch_size", "n_step", "target_network_frequency", "log_frequency", "eval_interval_episodes")),
@@ -1488,13 +1493,10 @@ FLAG_RULES = (
               "replay_ratio", "log_interval", "priority_alpha")),
     ("in [0, 1]", ("gamma", "epsilon", "eval_epsilon", "priority_beta", "rmsprop_alpha")),
 )  # fmt: skip
-# what --eval-only takes from the saved run (its args.json or checkpoint): the env and the network
 RUN_SETTINGS = ("env_id", "atari_protocol", "network", "hidden_sizes")
-# flags of the former apex.py that this script does not take: one error line instead of tyro's usage box
-RENAMED_FLAGS = {
-    "--learner-threads": "--torch-threads (the actors' threads are --actor-torch-threads)",
-    "--algo": "two scripts: apex_dqn.py (Ape-X DQN) and apex_ddpg.py (Ape-X DDPG)",
-}
+# flags of the former apex.py: one error line instead of tyro's usage box
+RENAMED_FLAGS = {"--learner-threads": "--torch-threads (the actors' threads are --actor-torch-threads)",
+                 "--algo": "two scripts: apex_dqn.py (Ape-X DQN) and apex_ddpg.py (Ape-X DDPG)"}  # fmt: skip
 
 
 def parse_args(argv: list[str]) -> Args:
@@ -1523,10 +1525,7 @@ def validate(args: Args, world_size: int = 1) -> str | None:
         return "--resume works with the single-machine launch only (the actor ranks' step counts are not saved)"
     actors = args.num_actors * max(1, world_size - 1)
     if args.buffer_size < actors * args.actor_batch:
-        return (
-            f"--buffer-size ({args.buffer_size}) must hold at least one --actor-batch ({args.actor_batch}) per "
-            f"actor ({actors} actors)"
-        )
+        return f"--buffer-size {args.buffer_size} must hold at least one --actor-batch ({args.actor_batch}) per actor"
     if args.learning_starts > args.buffer_size:
         return f"--learning-starts ({args.learning_starts}) must be <= --buffer-size ({args.buffer_size})"
     if args.total_timesteps < actors * args.num_envs_per_actor:
@@ -1537,10 +1536,7 @@ def validate(args: Args, world_size: int = 1) -> str | None:
             check_video(args.env_id, args.atari_protocol)
         obs_space, act_space = env_spaces(args)
         if not isinstance(act_space, gym.spaces.Discrete):
-            return (
-                f"{args.env_id} has a continuous action space ({act_space}); Ape-X DQN needs a Discrete action "
-                "space: use apex_ddpg.py"
-            )
+            return f"{args.env_id}'s actions are continuous: Ape-X DQN needs a Discrete action space: use apex_ddpg.py"
         build_model(args, obs_space, act_space)
     except EnvError as e:
         return str(e)
@@ -1559,14 +1555,9 @@ def env_spaces(args: Args):
 
 def checkpoint_meta(args: Args, obs_space, act_space) -> dict:
     """What a checkpoint must match to be resumed by this run: script, env, network and shapes."""
-    return dict(
-        script=Path(__file__).name,
-        env_id=args.env_id,
-        network=args.network if args.network != "auto" else "nature" if len(obs_space.shape) == 3 else "mlp",
-        hidden_sizes=list(args.hidden_sizes),
-        obs_shape=list(obs_space.shape),
-        action_shape_or_n=int(act_space.n),
-    )
+    network = args.network if args.network != "auto" else "nature" if len(obs_space.shape) == 3 else "mlp"
+    return dict(script=Path(__file__).name, env_id=args.env_id, network=network, hidden_sizes=list(args.hidden_sizes),
+                obs_shape=list(obs_space.shape), action_shape_or_n=int(act_space.n))  # fmt: skip
 
 
 def saved_model(eval_args: Args, settings: dict, state_dict: dict) -> nn.Module:
@@ -1577,8 +1568,7 @@ def saved_model(eval_args: Args, settings: dict, state_dict: dict) -> nn.Module:
 
 
 def evaluate(model: nn.Module, args: Args, video_dir: Path, device: torch.device) -> list[float]:
-    """--eval-episodes games of the final (or --eval-only's saved) model, videos to `video_dir` with --capture-video;
-    played on the CPU, as the actors and the evaluator play, whatever `device`."""
+    """--eval-episodes games of `model` on the CPU, as actors play, whatever `device`; videos with --capture-video."""
     env = make_env(args.env_id, args.seed + 2_000_003, protocol=args.atari_protocol, capture_video=args.capture_video,
                    video_dir=str(video_dir))  # fmt: skip
     try:
@@ -1588,46 +1578,40 @@ def evaluate(model: nn.Module, args: Args, video_dir: Path, device: torch.device
 
 
 def worker_body(loop, error_q, *loop_args) -> None:
-    """A child process's work (child_main's target): `loop(*loop_args)`, any exception but Stop sent to the main
-    process as the error line that names this process."""
+    """child_main's target: `loop(*loop_args)`; an exception but Stop goes to main as the error line naming us."""
     name = multiprocessing.current_process().name
     try:
-        loop(*loop_args)
-    except Stop:
-        pass
-    except NonFiniteLoss as e:
-        error_q.put(f"error: {name}: {e}; stopping (the last checkpoint, if any, is kept)")
-        raise SystemExit(1) from None
-    except BaseException:
-        error_q.put(f"error: {name} died:\n{traceback.format_exc()}")
+        with contextlib.suppress(Stop):
+            loop(*loop_args)
+    except BaseException as e:
+        if isinstance(e, NonFiniteLoss):
+            error_q.put(f"error: {name}: {e}; stopping (the last checkpoint, if any, is kept)")
+        else:
+            error_q.put(f"error: {name} died:\n{traceback.format_exc()}")
         raise SystemExit(1) from None
 
 
 def worker_failure(procs: Processes, error_q) -> str | None:
-    """The error line of a process that died, or None. One killed by a signal is named first: it is the cause (it
-    sends no traceback, and may have died holding a shared lock, so that the tracebacks already queued are other
-    processes' lock timeouts); otherwise the traceback the process sent."""
+    """The error line of a process that died, or None. One killed by a signal is named first: it is the cause (it may
+    have died holding a shared lock: the tracebacks queued are then others' lock timeouts); else the traceback sent."""
     for name, p in procs.procs.items():
         if p.exitcode is not None and p.exitcode < 0:
             return f"error: {name} died (killed by signal {-p.exitcode}); stopping the run"
     if failed := procs.failed():
-        try:
+        with contextlib.suppress(queue.Empty):
             return error_q.get(timeout=2.0)
-        except queue.Empty:
-            return f"error: {failed}; stopping the run"
+        return f"error: {failed}; stopping the run"
     return None
 
 
 def stop_processes(procs: Processes, shared: Shared, handle, grace: float) -> None:
-    """Set the stop flag and take the processes' last messages while they exit (a process waits for its queued
-    messages to reach the pipe before exiting), then Processes.stop: SIGKILL for the ones left after `grace`."""
+    """Set the stop flag that the processes poll and `handle` their messages while they exit (a process waits for its
+    queued messages to reach the pipe before exiting), then Processes.stop: SIGKILL for the ones left after `grace`."""
     shared.stop.value = 1
     deadline = time.monotonic() + grace
     while any(p.is_alive() for p in procs.procs.values()) and time.monotonic() < deadline:
-        try:
+        with contextlib.suppress(OSError):  # TensorBoard's events file cannot be written: the caller reports it
             drain_into(shared.log_q, handle, 0.2)
-        except OSError:  # TensorBoard's events file cannot be written (reported by the caller): keep stopping
-            time.sleep(0.2)
     procs.stop(max(0.0, deadline - time.monotonic()))
     with contextlib.suppress(OSError):
         drain_into(shared.log_q, handle, 0.0)
@@ -1643,8 +1627,7 @@ def stop_if_signalled(signals: StopSignals, run_dir: Path, resumed: bool) -> Non
 
 
 def start_tracking_or_stop(args: Args, run_dir: Path, procs: Processes, shared: Shared):
-    """start_tracking once the processes run; if wandb.init fails, stop them before the exit (they ignore the SIGTERM
-    that the interpreter's exit sends its daemon children)."""
+    """start_tracking; if wandb.init fails, stop the processes (they ignore the SIGTERM of the interpreter's exit)."""
     try:
         return start_tracking(args, run_dir)
     except SystemExit:
@@ -1659,20 +1642,8 @@ def write_checkpoint(run: LearnerRun) -> None:
     atomic_save(state, run.run_dir / "checkpoint.pt")
 
 
-def failure_line(run: LearnerRun, e: Exception) -> str:
-    """The error line of what stopped the learner's loop."""
-    if isinstance(e, NonFiniteLoss):
-        return f"error: learner: {e}; stopping (the last checkpoint, if any, is kept)"
-    if isinstance(e, LockTimeout):  # a process died holding the lock: name it, the cause
-        return worker_failure(run.procs, run.shared.error_q) or f"error: learner: {e}; stopping"
-    if isinstance(e, (WriteError, WorkerError)):
-        return str(e)
-    return write_error(e, f"the TensorBoard events in {run.run_dir}")
-
-
 def stop_workers(run: LearnerRun) -> None:
-    """Stop every process and the actor hosts, whatever ended the loop; an error a process sent before the stop is
-    the run's failure (the processes stop_processes kills are not failures)."""
+    """Stop the processes and actor hosts; an error a process sent before the stop is the run's failure, if none yet."""
     stop_processes(run.procs, run.shared, run.handle, grace=4.0 if run.failure is None else 1.0)
     run.replay.close()
     if run.failure is None:
@@ -1683,32 +1654,29 @@ def stop_workers(run: LearnerRun) -> None:
 def close_run(run: LearnerRun, interrupted: bool, signum: int) -> None:
     """With the workers stopped: the final checkpoint, model.pt, TensorBoard point, console line and evaluation (as
     far as the run got), W&B's end and the error line; exit 1 if the run failed, 128 + signum if interrupted."""
-    args, failure, record = run.args, run.failure, run.record
+    args, record = run.args, run.record
     try:
-        if failure is None and args.checkpoint_interval:
+        if run.failure is None and args.checkpoint_interval:
             write_checkpoint(run)
-        if failure is None and not interrupted and args.save_model:
+        if run.failure is None and not interrupted and args.save_model:
             atomic_save(run.learner.model.state_dict(), run.run_dir / "model.pt")
     except WriteError as e:
-        failure = str(e)
+        run.failure = str(e)
     try:
         record.write(run.learner, run.stats)  # the final step's point, whatever the update count
-    except OSError as e:
-        failure = failure or write_error(e, f"the TensorBoard events in {run.run_dir}")
-    print(record.console_line(run.learner, run.stats), flush=True)
-    if failure is None and not interrupted and args.eval_episodes:
-        model = saved_model(args, run.meta, run.learner.model.state_dict())
-        for i, ret in enumerate(evaluate(model, args, run.run_dir / "videos", torch.device("cpu"))):
-            record.writer.add_scalar("eval/episodic_return", ret, record.global_step)
-            print(f"eval episode {i}: return {ret:.1f}")
-    try:
+        print(record.console_line(run.learner, run.stats), flush=True)
+        if run.failure is None and not interrupted and args.eval_episodes:
+            model = saved_model(args, run.meta, run.learner.model.state_dict())
+            for i, ret in enumerate(evaluate(model, args, run.run_dir / "videos", torch.device("cpu"))):
+                record.writer.add_scalar("eval/episodic_return", ret, record.global_step)
+                print(f"eval episode {i}: return {ret:.1f}")
         record.writer.close()
-    except OSError as e:
-        failure = failure or write_error(e, f"the TensorBoard events in {run.run_dir}")
-    code = 1 if failure else 128 + signum if interrupted else 0
+    except OSError as e:  # the TensorBoard events file
+        run.failure = run.failure or write_error(e, f"the TensorBoard events in {run.run_dir}")
+    code = 1 if run.failure else 128 + signum if interrupted else 0
     finish_tracking(run.tracker, run.run_dir, code)
-    if failure:
-        print(failure, file=sys.stderr)
+    if run.failure:
+        print(run.failure, file=sys.stderr)
     if code:
         raise SystemExit(code)
 
