@@ -1494,7 +1494,6 @@ FLAG_RULES = (
     ("in [0, 1]", ("gamma", "epsilon", "eval_epsilon", "priority_beta", "rmsprop_alpha")),
 )  # fmt: skip
 RUN_SETTINGS = ("env_id", "atari_protocol", "network", "hidden_sizes")
-# flags of the former apex.py: one error line instead of tyro's usage box
 RENAMED_FLAGS = {"--learner-threads": "--torch-threads (the actors' threads are --actor-torch-threads)",
                  "--algo": "two scripts: apex_dqn.py (Ape-X DQN) and apex_ddpg.py (Ape-X DDPG)"}  # fmt: skip
 
@@ -1592,8 +1591,7 @@ def worker_body(loop, error_q, *loop_args) -> None:
 
 
 def worker_failure(procs: Processes, error_q) -> str | None:
-    """The error line of a process that died, or None. One killed by a signal is named first: it is the cause (it may
-    have died holding a shared lock: the tracebacks queued are then others' lock timeouts); else the traceback sent."""
+    """The error line of a dead process, or None; one killed by a signal first (others may be its lock's victims)."""
     for name, p in procs.procs.items():
         if p.exitcode is not None and p.exitcode < 0:
             return f"error: {name} died (killed by signal {-p.exitcode}); stopping the run"
@@ -1646,31 +1644,29 @@ def stop_workers(run: LearnerRun) -> None:
     """Stop the processes and actor hosts; an error a process sent before the stop is the run's failure, if none yet."""
     stop_processes(run.procs, run.shared, run.handle, grace=4.0 if run.failure is None else 1.0)
     run.replay.close()
-    if run.failure is None:
-        with contextlib.suppress(queue.Empty):
-            run.failure = run.shared.error_q.get_nowait()
+    with contextlib.suppress(queue.Empty):
+        run.failure = run.failure or run.shared.error_q.get_nowait()
 
 
 def close_run(run: LearnerRun, interrupted: bool, signum: int) -> None:
     """With the workers stopped: the final checkpoint, model.pt, TensorBoard point, console line and evaluation (as
     far as the run got), W&B's end and the error line; exit 1 if the run failed, 128 + signum if interrupted."""
-    args, record = run.args, run.record
     try:
-        if run.failure is None and args.checkpoint_interval:
+        if run.failure is None and run.args.checkpoint_interval:
             write_checkpoint(run)
-        if run.failure is None and not interrupted and args.save_model:
+        if run.failure is None and not interrupted and run.args.save_model:
             atomic_save(run.learner.model.state_dict(), run.run_dir / "model.pt")
     except WriteError as e:
         run.failure = str(e)
     try:
-        record.write(run.learner, run.stats)  # the final step's point, whatever the update count
-        print(record.console_line(run.learner, run.stats), flush=True)
-        if run.failure is None and not interrupted and args.eval_episodes:
-            model = saved_model(args, run.meta, run.learner.model.state_dict())
-            for i, ret in enumerate(evaluate(model, args, run.run_dir / "videos", torch.device("cpu"))):
-                record.writer.add_scalar("eval/episodic_return", ret, record.global_step)
+        run.record.write(run.learner, run.stats)  # the final step's point, whatever the update count
+        print(run.record.console_line(run.learner, run.stats), flush=True)
+        if run.failure is None and not interrupted and run.args.eval_episodes:
+            model = saved_model(run.args, run.meta, run.learner.model.state_dict())
+            for i, ret in enumerate(evaluate(model, run.args, run.run_dir / "videos", torch.device("cpu"))):
+                run.record.writer.add_scalar("eval/episodic_return", ret, run.record.global_step)
                 print(f"eval episode {i}: return {ret:.1f}")
-        record.writer.close()
+        run.record.writer.close()
     except OSError as e:  # the TensorBoard events file
         run.failure = run.failure or write_error(e, f"the TensorBoard events in {run.run_dir}")
     code = 1 if run.failure else 128 + signum if interrupted else 0

@@ -515,6 +515,15 @@ def test_eval_only_refuses_what_it_cannot_evaluate(dqn_torchrun_run, tmp_path, c
     assert "without torchrun" in apex_dqn.validate(apex_dqn.Args(eval_only=str(model)), world_size=3)
 
 
+def test_ddpg_eval_only_refuses_a_contradicting_env_id(ddpg_run, capsys, process_state):
+    """apex_ddpg.py's --eval-only, of a model.pt and of a checkpoint.pt, refuses an --env-id other than the saved
+    run's in one error line, as apex_dqn.py does."""
+    _, run_dir, _ = ddpg_run
+    for path in (run_dir / "model.pt", run_dir / "checkpoint.pt"):
+        error = refusal(capsys, apex_ddpg, ["--eval-only", str(path), "--env-id", "MountainCarContinuous-v0"])
+        assert error == f"error: --env-id MountainCarContinuous-v0 contradicts {path}, saved by a run with Pendulum-v1"
+
+
 def refusal(capsys, m, argv) -> str:
     """The one error line of `m.main(argv)`, which must exit 2."""
     with pytest.raises(SystemExit) as e:
