@@ -758,208 +758,7 @@ def evaluator_loop(args: Args, shared: Shared, obs_space, act_space) -> None:
         env.close()
 
 
-# ---- Learner ----
-
-
-class Learner:
-    """The dueling Q-network, its target network and optimizer; `update` is one Ape-X DQN learner step."""
-
-    def __init__(self, args: Args, obs_space, act_space, device: torch.device):
-        self.args, self.device = args, device
-        self.model = build_model(args, obs_space, act_space).to(device)
-        self.target = build_model(args, obs_space, act_space).to(device)
-        self.target.load_state_dict(self.model.state_dict())
-        self.target.requires_grad_(False)
-        self.version = 0  # learner updates so far
-        self.learning_rate = args.learning_rate  # charts/learning_rate
-        if args.optimizer == "rmsprop":  # Ape-X: centered RMSProp
-            self.optimizer = torch.optim.RMSprop(
-                self.model.parameters(), args.learning_rate, alpha=args.rmsprop_alpha, eps=args.rmsprop_eps,
-                centered=True,
-            )  # fmt: skip
-        else:
-            self.optimizer = torch.optim.Adam(self.model.parameters(), args.learning_rate, eps=args.adam_eps)
-
-    def flat_params(self) -> torch.Tensor:
-        return torch.cat([p.detach().reshape(-1) for p in self.model.parameters()])  # logical order, any layout
-
-    def update(self, data: Transitions, weights: torch.Tensor) -> tuple[np.ndarray, dict[str, float]]:
-        """One gradient step on an IS-weighted Huber loss; returns the new priorities [B] and scalar statistics."""
-        data = Transitions(*(t.to(self.device, non_blocking=True) for t in data))
-        td, q = td_errors(self.model, self.target, data)
-        loss = (weights.to(self.device) * huber(td)).mean()
-        if not torch.isfinite(loss):
-            raise NonFiniteLoss(f"non-finite loss {loss.item()} at learner update {self.version}")
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), self.args.max_grad_norm)
-        self.optimizer.step()
-        if (self.version + 1) % self.args.target_network_frequency == 0:
-            self.target.load_state_dict(self.model.state_dict())
-        lag = self.version - data.policy_version.double().mean()  # updates between the acting parameters and this
-        values = dict(value_loss=loss, total_loss=loss, grad_norm=grad_norm, q_values=q.mean(), policy_lag=lag)
-        stats = dict(zip(values, torch.stack([v.detach().double() for v in values.values()]).tolist(), strict=True))
-        self.version += 1
-        return priorities_of(td, self.args.priority_alpha, self.args.priority_eps), stats
-
-    def state_dict(self) -> dict:
-        return dict(model=self.model.state_dict(), target=self.target.state_dict(),
-                    optimizer=self.optimizer.state_dict(), version=self.version)  # fmt: skip
-
-    def load_state_dict(self, state: dict) -> None:
-        self.model.load_state_dict(state["model"])
-        self.target.load_state_dict(state["target"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.version = state["version"]
-
-
-class Record:
-    """The learner's record: the step count, the actors' games and the evaluator's rounds as TensorBoard points, the
-    means of the learner's statistics over the last --log-frequency updates, and the console line."""
-
-    def __init__(self, writer, global_step: int):
-        self.writer = writer
-        self.global_step = self.start_step = global_step
-        self.start_time = time.time()
-        self.returns: deque[float] = deque(maxlen=20)  # the console line's mean return
-        self.last_eval_step = -1  # the step of the newest evaluator round reported
-        self.sums: dict[str, float] = {}
-        self.count, self.stale_updates, self.replay_wait = 0, 0, 0.0
-
-    def games(self, report: ActorReport) -> None:
-        self.global_step += report.steps
-        for ret, length in report.episodes:
-            self.writer.add_scalar("charts/episodic_return", ret, self.global_step)
-            self.writer.add_scalar("charts/episodic_length", length, self.global_step)
-            self.returns.append(ret)
-
-    def evaluation(self, report: EvalReport) -> None:
-        for ret in report.returns:
-            self.writer.add_scalar("eval/episodic_return", ret, report.step)
-        self.last_eval_step = max(self.last_eval_step, report.step)
-
-    def add(self, values: dict[str, float]) -> None:
-        for k, v in values.items():
-            self.sums[k] = self.sums.get(k, 0.0) + v
-        self.count += 1
-
-    def sps(self) -> float:
-        return (self.global_step - self.start_step) / max(1e-9, time.time() - self.start_time)
-
-    def write(self, learner: Learner, stats: ReplayStats) -> None:
-        """A point of every learner scalar: the means since the last point, the speed and the replay's statistics."""
-        step, size = self.global_step, stats.sizes.sum()
-        for k, v in self.sums.items():
-            self.writer.add_scalar(f"charts/{k}" if k == "policy_lag" else f"losses/{k}", v / self.count, step)
-        self.sums, self.count = {}, 0
-        self.writer.add_scalar("charts/SPS", self.sps(), step)
-        self.writer.add_scalar("charts/learning_rate", learner.learning_rate, step)
-        self.writer.add_scalar("replay/size", size, step)
-        self.writer.add_scalar("replay/priority_mean", stats.priority_sums.sum() / max(1.0, size), step)
-        self.writer.add_scalar("replay/stale_updates", self.stale_updates, step)
-        self.writer.add_scalar("timing/replay_wait", self.replay_wait, step)
-
-    def console_line(self, learner: Learner, stats: ReplayStats) -> str:
-        mean_return = f"{np.mean(self.returns):.2f}" if self.returns else "nan"
-        return (f"global_step={self.global_step} SPS={self.sps():.0f} mean_return={mean_return} "
-                f"updates={learner.version} replay={int(stats.sizes.sum())}")  # fmt: skip
-
-
-class LearnerRun:
-    """The learner's loop state and what one iteration does: take the workers' messages, train when the replay and
-    the rate limiter allow, log, check on the workers, checkpoint."""
-
-    def __init__(self, args: Args, learner: Learner, replay, shared: Shared, procs: Processes, record: Record,
-                 run_dir: Path, meta: dict, num_actors: int):  # fmt: skip
-        self.args, self.learner, self.replay, self.shared, self.procs = args, learner, replay, shared, procs
-        self.record, self.run_dir, self.meta, self.num_actors = record, run_dir, meta, num_actors
-        self.last_print = self.last_checkpoint = self.last_check = time.time()
-        self.actors_done: set[int] = set()
-        self.failure: str | None = None
-        self.tracker = None  # the wandb module of --track
-        self.learn_start, self.start_version = -1, 0  # the rate limiter's origin: step and version at the 1st update
-        self.stats = ReplayStats(np.zeros(1), np.ones(1), np.zeros(1, dtype=np.int64))  # until the loop reads it
-        self.rng = np.random.default_rng([args.seed, 1])
-
-    def running(self) -> bool:
-        return len(self.actors_done) < self.num_actors and self.failure is None
-
-    def handle(self, message: ActorReport | EvalReport | WorkerFailed) -> None:
-        if isinstance(message, ActorReport):
-            self.record.games(message)
-            self.shared.global_step.value = self.record.global_step
-            if message.done:
-                self.actors_done.add(message.actor)
-        elif isinstance(message, EvalReport):
-            self.record.evaluation(message)
-        else:
-            self.failure = self.failure or message.error
-
-    def evaluation_due(self) -> bool:
-        """The budget is spent, but no evaluator round has yet reported from at or after the last --eval-interval
-        boundary the run crossed. The evaluator is triggered by the step count, so a slow machine delays a round (it
-        plays the newest parameters when it gets there) but the run waits for it rather than dropping it."""
-        interval, record = self.args.eval_interval, self.record
-        if not interval or self.failure is not None:
-            return False
-        boundary = (record.global_step - 1) // interval * interval  # the last boundary before the final step
-        return boundary > record.start_step and record.last_eval_step < boundary
-
-    def wait_for_evaluation(self, stop: threading.Event) -> None:
-        """The budget is spent: take messages and check on the processes until no evaluator round is due."""
-        while self.evaluation_due():
-            if stop.is_set():
-                raise Stop
-            drain_into(self.shared.log_q, self.handle, RPC_PERIOD)
-            self.housekeeping()
-
-    def can_learn(self) -> bool:
-        """Enough transitions in the replay, and with --replay-ratio the learner is not ahead of the actors."""
-        args = self.args
-        if self.stats.sizes.sum() < max(args.learning_starts, 1):
-            return False
-        sampled = (self.learner.version - self.start_version) * args.batch_size
-        steps = self.record.global_step - self.learn_start
-        return not args.replay_ratio or self.learn_start < 0 or sampled < args.replay_ratio * steps
-
-    def learn(self) -> None:
-        """One update: sample across the buffers, train, write the new priorities back, publish the parameters."""
-        args, learner, record = self.args, self.learner, self.record
-        if self.learn_start < 0:
-            self.learn_start, self.start_version = record.global_step, learner.version
-            if args.replay_ratio:  # steps_claimed read without its lock (actors hold it)
-                claimed = self.shared.steps_claimed.get_obj().value
-                self.shared.learn_start.value = claimed - self.start_version * args.batch_size / args.replay_ratio
-        drain_into(self.shared.log_q, self.handle, 0.0)
-        beta = importance_exponent(args.priority_beta, args.anneal_beta, record.global_step / args.total_timesteps)
-        batch = sample_batch(self.replay, args.batch_size, beta, self.rng, self.stats)
-        priorities, values = learner.update(batch.data, batch.weights)
-        record.stale_updates += self.replay.update(split_updates(batch, priorities, len(self.stats.sizes)))
-        self.shared.store.publish(learner.flat_params(), learner.version)
-        record.add(values)
-        if record.count >= args.log_frequency:
-            record.write(learner, self.stats)
-
-    def wait_for_data(self) -> None:
-        """Too little data (or the rate limiter): block on the actors' reports."""
-        t0 = time.perf_counter()
-        drain_into(self.shared.log_q, self.handle, RPC_PERIOD)
-        self.record.replay_wait += time.perf_counter() - t0
-
-    def housekeeping(self) -> None:
-        """Exchange with the actor hosts and check on the processes every RPC_PERIOD; console line; checkpoint."""
-        now = time.time()
-        if now - self.last_check >= RPC_PERIOD:
-            self.last_check = now
-            for message in self.replay.exchange(self.shared.store):
-                self.handle(message)
-            self.failure = self.failure or worker_failure(self.procs, self.shared.error_q)
-        if now - self.last_print >= self.args.log_interval:
-            print(self.record.console_line(self.learner, self.stats), flush=True)
-            self.last_print = now
-        if self.args.checkpoint_interval and now - self.last_checkpoint >= self.args.checkpoint_interval:
-            write_checkpoint(self)
-            self.last_checkpoint = now
+# ---- Actor ranks (torchrun) ----
 
 
 class ActorHost(LocalReplay):
@@ -1056,6 +855,223 @@ def serve_actor_host(rank: int, world_size: int) -> None:
         raise SystemExit(1) from None
 
 
+# ---- Learner ----
+
+
+class Learner:
+    """The dueling Q-network, its target network and optimizer; `update` is one Ape-X DQN learner step."""
+
+    def __init__(self, args: Args, obs_space, act_space, device: torch.device):
+        self.args, self.device = args, device
+        self.model = build_model(args, obs_space, act_space).to(device)
+        self.target = build_model(args, obs_space, act_space).to(device)
+        self.target.load_state_dict(self.model.state_dict())
+        self.target.requires_grad_(False)
+        self.version = 0  # learner updates so far
+        self.learning_rate = args.learning_rate  # charts/learning_rate
+        if args.optimizer == "rmsprop":  # Ape-X: centered RMSProp
+            self.optimizer = torch.optim.RMSprop(
+                self.model.parameters(), args.learning_rate, alpha=args.rmsprop_alpha, eps=args.rmsprop_eps,
+                centered=True,
+            )  # fmt: skip
+        else:
+            self.optimizer = torch.optim.Adam(self.model.parameters(), args.learning_rate, eps=args.adam_eps)
+
+    def flat_params(self) -> torch.Tensor:
+        return torch.cat([p.detach().reshape(-1) for p in self.model.parameters()])  # logical order, any layout
+
+    def update(self, data: Transitions, weights: torch.Tensor) -> tuple[np.ndarray, dict[str, float]]:
+        """One gradient step on an IS-weighted Huber loss; returns the new priorities [B] and scalar statistics."""
+        data = Transitions(*(t.to(self.device, non_blocking=True) for t in data))
+        td, q = td_errors(self.model, self.target, data)
+        loss = (weights.to(self.device) * huber(td)).mean()
+        if not torch.isfinite(loss):
+            raise NonFiniteLoss(f"non-finite loss {loss.item()} at learner update {self.version}")
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), self.args.max_grad_norm)
+        self.optimizer.step()
+        if (self.version + 1) % self.args.target_network_frequency == 0:
+            self.target.load_state_dict(self.model.state_dict())
+        lag = self.version - data.policy_version.double().mean()  # updates between the acting parameters and this
+        values = dict(value_loss=loss, total_loss=loss, grad_norm=grad_norm, q_values=q.mean(), policy_lag=lag)
+        stats = dict(zip(values, torch.stack([v.detach().double() for v in values.values()]).tolist(), strict=True))
+        self.version += 1
+        return priorities_of(td, self.args.priority_alpha, self.args.priority_eps), stats
+
+    def state_dict(self) -> dict:
+        return dict(model=self.model.state_dict(), target=self.target.state_dict(),
+                    optimizer=self.optimizer.state_dict(), version=self.version)  # fmt: skip
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.target.load_state_dict(state["target"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.version = state["version"]
+
+
+class Record:
+    """The learner's record: the step count, the actors' games and the evaluator's rounds as TensorBoard points, the
+    means of the learner's statistics over the last --log-frequency updates, and the console line."""
+
+    def __init__(self, writer, global_step: int):
+        self.writer = writer
+        self.global_step = self.start_step = global_step
+        self.start_time = time.time()
+        self.returns: deque[float] = deque(maxlen=20)  # the console line's mean return
+        self.last_eval_step = -1  # the step of the newest evaluator round reported
+        self.sums: dict[str, float] = {}
+        self.count, self.stale_updates, self.replay_wait = 0, 0, 0.0
+
+    def games(self, report: ActorReport) -> None:
+        self.global_step += report.steps
+        for ret, length in report.episodes:
+            self.writer.add_scalar("charts/episodic_return", ret, self.global_step)
+            self.writer.add_scalar("charts/episodic_length", length, self.global_step)
+            self.returns.append(ret)
+
+    def evaluation(self, report: EvalReport) -> None:
+        for ret in report.returns:
+            self.writer.add_scalar("eval/episodic_return", ret, report.step)
+        self.last_eval_step = max(self.last_eval_step, report.step)
+
+    def evaluation_due(self, interval: int) -> bool:
+        """The budget is spent, but no evaluator round has yet reported from at or after the last --eval-interval
+        boundary the run crossed. The evaluator is triggered by the step count, so a slow machine delays a round (it
+        plays the newest parameters when it gets there) but the run waits for it rather than dropping it."""
+        boundary = (self.global_step - 1) // interval * interval if interval else -1  # the last one before the end
+        return boundary > self.start_step and self.last_eval_step < boundary
+
+    def add(self, values: dict[str, float]) -> None:
+        for k, v in values.items():
+            self.sums[k] = self.sums.get(k, 0.0) + v
+        self.count += 1
+
+    def sps(self) -> float:
+        return (self.global_step - self.start_step) / max(1e-9, time.time() - self.start_time)
+
+    def write(self, learner: Learner, stats: ReplayStats) -> None:
+        """A point of every learner scalar: the means since the last point, the speed and the replay's statistics."""
+        step, size = self.global_step, stats.sizes.sum()
+        for k, v in self.sums.items():
+            self.writer.add_scalar(f"charts/{k}" if k == "policy_lag" else f"losses/{k}", v / self.count, step)
+        self.sums, self.count = {}, 0
+        self.writer.add_scalar("charts/SPS", self.sps(), step)
+        self.writer.add_scalar("charts/learning_rate", learner.learning_rate, step)
+        self.writer.add_scalar("replay/size", size, step)
+        self.writer.add_scalar("replay/priority_mean", stats.priority_sums.sum() / max(1.0, size), step)
+        self.writer.add_scalar("replay/stale_updates", self.stale_updates, step)
+        self.writer.add_scalar("timing/replay_wait", self.replay_wait, step)
+
+    def console_line(self, learner: Learner, stats: ReplayStats) -> str:
+        mean_return = f"{np.mean(self.returns):.2f}" if self.returns else "nan"
+        return (f"global_step={self.global_step} SPS={self.sps():.0f} mean_return={mean_return} "
+                f"updates={learner.version} replay={int(stats.sizes.sum())}")  # fmt: skip
+
+
+class RateLimiter:
+    """--replay-ratio, the learner's side (the actors' side is wait_for_learner), like Reverb's SampleToInsertRatio:
+    from the first update on, the learner samples at most --replay-ratio transitions per agent step."""
+
+    def __init__(self, args: Args):
+        self.args, self.start_step, self.start_version = args, -1, 0  # the origin: step and version at the 1st update
+
+    def allows(self, replay_size: int, global_step: int, version: int) -> bool:
+        """Enough transitions in the replay, and the learner is not ahead of the actors."""
+        args = self.args
+        if replay_size < max(args.learning_starts, 1):
+            return False
+        sampled = (version - self.start_version) * args.batch_size
+        steps = global_step - self.start_step
+        return not args.replay_ratio or self.start_step < 0 or sampled < args.replay_ratio * steps
+
+    def start(self, shared: Shared, global_step: int, version: int) -> None:
+        """At the first update: the origin of both sides (the actors' in shared memory)."""
+        if self.start_step >= 0:
+            return
+        self.start_step, self.start_version = global_step, version
+        if self.args.replay_ratio:  # steps_claimed read without its lock (actors hold it)
+            claimed = shared.steps_claimed.get_obj().value
+            shared.learn_start.value = claimed - version * self.args.batch_size / self.args.replay_ratio
+
+
+class LearnerRun:
+    """The learner's loop state and what one iteration does: take the workers' messages, train when the replay and
+    the rate limiter allow, log, check on the workers, checkpoint."""
+
+    def __init__(self, args: Args, learner: Learner, replay, shared: Shared, procs: Processes, record: Record,
+                 run_dir: Path, meta: dict, num_actors: int):  # fmt: skip
+        self.args, self.learner, self.replay, self.shared, self.procs = args, learner, replay, shared, procs
+        self.record, self.run_dir, self.meta, self.num_actors = record, run_dir, meta, num_actors
+        self.last_print = self.last_checkpoint = self.last_check = time.time()
+        self.actors_done: set[int] = set()
+        self.failure: str | None = None
+        self.tracker = None  # the wandb module of --track
+        self.limiter = RateLimiter(args)
+        self.stats = ReplayStats(np.zeros(1), np.ones(1), np.zeros(1, dtype=np.int64))  # until the loop reads it
+        self.rng = np.random.default_rng([args.seed, 1])
+
+    def running(self) -> bool:
+        return len(self.actors_done) < self.num_actors and self.failure is None
+
+    def handle(self, message: ActorReport | EvalReport | WorkerFailed) -> None:
+        if isinstance(message, ActorReport):
+            self.record.games(message)
+            self.shared.global_step.value = self.record.global_step
+            if message.done:
+                self.actors_done.add(message.actor)
+        elif isinstance(message, EvalReport):
+            self.record.evaluation(message)
+        else:
+            self.failure = self.failure or message.error
+
+    def wait_for_evaluation(self, stop: threading.Event) -> None:
+        """The budget is spent: take messages and check on the processes until no evaluator round is due."""
+        while self.failure is None and self.record.evaluation_due(self.args.eval_interval):
+            if stop.is_set():
+                raise Stop
+            drain_into(self.shared.log_q, self.handle, RPC_PERIOD)
+            self.housekeeping()
+
+    def can_learn(self) -> bool:
+        return self.limiter.allows(int(self.stats.sizes.sum()), self.record.global_step, self.learner.version)
+
+    def learn(self) -> None:
+        """One update: sample across the buffers, train, write the new priorities back, publish the parameters."""
+        args, learner, record = self.args, self.learner, self.record
+        self.limiter.start(self.shared, record.global_step, learner.version)
+        drain_into(self.shared.log_q, self.handle, 0.0)
+        beta = importance_exponent(args.priority_beta, args.anneal_beta, record.global_step / args.total_timesteps)
+        batch = sample_batch(self.replay, args.batch_size, beta, self.rng, self.stats)
+        priorities, values = learner.update(batch.data, batch.weights)
+        record.stale_updates += self.replay.update(split_updates(batch, priorities, len(self.stats.sizes)))
+        self.shared.store.publish(learner.flat_params(), learner.version)
+        record.add(values)
+        if record.count >= args.log_frequency:
+            record.write(learner, self.stats)
+
+    def wait_for_data(self) -> None:
+        """Too little data (or the rate limiter): block on the actors' reports."""
+        t0 = time.perf_counter()
+        drain_into(self.shared.log_q, self.handle, RPC_PERIOD)
+        self.record.replay_wait += time.perf_counter() - t0
+
+    def housekeeping(self) -> None:
+        """Exchange with the actor hosts and check on the processes every RPC_PERIOD; console line; checkpoint."""
+        now = time.time()
+        if now - self.last_check >= RPC_PERIOD:
+            self.last_check = now
+            for message in self.replay.exchange(self.shared.store):
+                self.handle(message)
+            self.failure = self.failure or worker_failure(self.procs, self.shared.error_q)
+        if now - self.last_print >= self.args.log_interval:
+            print(self.record.console_line(self.learner, self.stats), flush=True)
+            self.last_print = now
+        if self.args.checkpoint_interval and now - self.last_checkpoint >= self.args.checkpoint_interval:
+            write_checkpoint(self)
+            self.last_checkpoint = now
+
+
 # ---- Main ----
 
 
@@ -1118,11 +1134,8 @@ def start_learner(args: Args, world_size: int, signals: StopSignals) -> LearnerR
     # rank 0's writer (slow to start under --track's TensorBoard sync) before the actor ranks start acting, so that
     # they do not run ahead of a learner still starting up
     writer = make_writer(run_dir, args)
-    replay = (
-        RemoteReplay(args, world_size)
-        if distributed
-        else LocalReplay(shared.buffers, np.random.default_rng([args.seed, 0]))
-    )
+    rng = np.random.default_rng([args.seed, 0])
+    replay = RemoteReplay(args, world_size) if distributed else LocalReplay(shared.buffers, rng)
     run = LearnerRun(args, learner, replay, shared, procs, Record(writer, global_step), run_dir, meta, num_actors)
     run.tracker = tracker
     return run
