@@ -54,7 +54,7 @@ import threading
 import time
 import traceback
 from collections import deque
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from multiprocessing.queues import Queue
 from multiprocessing.synchronize import Event, Semaphore
 from pathlib import Path
@@ -177,18 +177,6 @@ class Args:
     """seconds between console lines"""
 
 
-# flags renamed for one vocabulary across the scripts: the old name fails with one line naming the new one
-RENAMED_FLAGS = {"--entropy-cost": "--ent-coef", "--baseline-cost": "--vf-coef"}
-
-
-def parse_args(argv: list[str]) -> Args:
-    """tyro's parse of the command line, after refusing a renamed flag with one line that names the new one."""
-    for arg in argv:
-        if (name := arg.split("=", 1)[0]) in RENAMED_FLAGS:
-            fail(f"{name} is now {RENAMED_FLAGS[name]} (see --help)")
-    return tyro.cli(Args, args=argv)
-
-
 # ---- Algorithm -------------------------------------------------------------------------------------------------------
 
 
@@ -254,6 +242,42 @@ def impala_loss(
 def linear_lr(base: float, steps_done: int, total_steps: int) -> float:
     """TorchBeast's schedule: linear decay to 0 over total_timesteps, evaluated before each update."""
     return base * (1.0 - min(steps_done, total_steps) / total_steps)
+
+
+def learner_outputs(model: nn.Module, b: Rollouts) -> tuple[torch.Tensor, torch.Tensor]:
+    """The learner's logits [T + 1, B, A] and values [T + 1, B] on a batch, from the same inputs the actors fed."""
+    T1, B = b.reward.shape
+    if model.core is None:
+        logits, values = model(b.obs.reshape(T1 * B, *b.obs.shape[2:]), b.last_action, b.reward)
+        return logits.reshape(T1, B, -1), values.reshape(T1, B)
+    logits, values, _ = model.recurrent(b.obs, b.done, (b.initial_h, b.initial_c), b.last_action, b.reward)
+    return logits, values
+
+
+def learn(
+    model: nn.Module, optimizer: torch.optim.Optimizer, batch: Rollouts, args: Args, device: torch.device
+) -> dict:
+    """One V-trace update on a [T + 1, B] batch; returns float metrics (losses, grad norm). A non-finite loss raises
+    NonFiniteLoss before the step, so the parameters (and the next checkpoint) stay finite."""
+    b = batch.to(device)
+    logits, values = learner_outputs(model, b)
+    rewards = b.reward[1:]  # raw from the env
+    if args.clip_rewards:
+        rewards = rewards.clamp(-1.0, 1.0)
+    actions = b.action[:-1]
+    target_logprob, entropy = logprob_entropy(logits[:-1], actions)
+    behaviour_logprob, _ = logprob_entropy(b.logits[:-1], actions)
+    vs, pg_adv = vtrace(behaviour_logprob, target_logprob.detach(), rewards, values[:-1].detach(), b.done[1:],
+                        values[-1].detach(), args.gamma, args.vtrace_rho_bar, args.vtrace_c_bar,
+                        args.vtrace_pg_rho_bar)  # fmt: skip
+    losses = impala_loss(target_logprob, entropy, values[:-1], vs, pg_adv, args.vf_coef, args.ent_coef)
+    if not torch.isfinite(losses["total_loss"]):
+        raise NonFiniteLoss(f"non-finite loss {losses['total_loss'].item()}")
+    optimizer.zero_grad(set_to_none=False)
+    losses["total_loss"].backward()
+    losses["grad_norm"] = nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+    optimizer.step()
+    return {k: v.item() for k, v in losses.items()}
 
 
 # ---- Storage and messages --------------------------------------------------------------------------------------------
@@ -448,8 +472,8 @@ class ActingModel:
 class Queues:
     """The main process's channels to the actors, besides the buffers and the inference slots."""
 
-    free: Queue  # buffer indices an actor may fill; None: stop
-    full: Queue  # indices of written rollouts, oldest first, for the learner threads; None: stop
+    free: Queue  # buffer indices an actor may fill
+    full: Queue  # indices of written rollouts, oldest first, for the learner threads
     errors: Queue  # ActorError of an actor that dies of an exception
     stop: Event  # set once: every worker returns
 
@@ -468,19 +492,11 @@ class Queues:
             q.close()
 
 
-# ---- Workers ---------------------------------------------------------------------------------------------------------
+# ---- Actors and the inference thread ---------------------------------------------------------------------------------
 
 
-class Stop(Exception):
-    """Raised inside a worker when the run is stopping."""
-
-
-class NonFiniteLoss(RuntimeError):
-    """The loss is NaN or infinite: the run stops, and the last checkpoint stays as it was."""
-
-
-def get_or_stop(q: Queue, stop: Event) -> int | None:
-    """`q.get()` that gives up when `stop` is set (wakes once a second to look; no busy wait)."""
+def get_or_stop(q: Queue, stop: Event) -> int:
+    """`q.get()` that raises Stop once `stop` is set (it looks once a second: no busy wait)."""
     while True:
         try:
             return q.get(timeout=1.0)
@@ -560,17 +576,6 @@ class BatchedPolicy:
         return AgentOutput(slots.action[i].clone(), slots.logits[i], slots.baseline[i], int(slots.version[i].item()))
 
 
-def die_with_parent(parent_pid: int) -> None:
-    """Linux: the kernel kills this process when the main process dies, even by kill -9, so no actor outlives the run.
-    The main process may have died before prctl ran: then exit at once."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):  # no prctl (not Linux)
-        pass
-    if os.getppid() != parent_pid:
-        os._exit(0)
-
-
 class Actor:
     """MonoBeast's `act()`: take a free index, write a rollout (row 0 = the previous rollout's row T), hand it to the
     learners."""
@@ -596,8 +601,6 @@ class Actor:
         for rollout in itertools.count(1):
             start = time.perf_counter()
             index = get_or_stop(self.queues.free, stop)
-            if index is None:
-                return
             free_wait = time.perf_counter() - start
             b.move(index, FREE_QUEUE, self.actor_id)
             self.policy.wait = 0.0
@@ -641,13 +644,9 @@ def actor_process(
     buffers: Buffers,
     queues: Queues,
     policy: CopyPolicy | BatchedPolicy,
-    parent_pid: int | None = None,
 ) -> None:
-    """An actor process: its envs (raw rewards: the loss clips them, or not) and its rollouts until stopped."""
-    if parent_pid is not None:
-        die_with_parent(parent_pid)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C reaches the whole process group: the main process decides
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    """An actor process: its envs (raw rewards: the loss clips them, or not) and its rollouts until stopped. An
+    exception's traceback goes to the main process, whose error line names the actor."""
     torch.set_num_threads(1)
     torch.manual_seed(env_seed)
     envs = None
@@ -655,7 +654,7 @@ def actor_process(
         envs = make_vector_env(args.env_id, args.num_envs_per_actor, env_seed, protocol=args.atari_protocol,
                                num_threads=1, clip_rewards=False)  # fmt: skip
         Actor(actor_id, args, buffers, queues, policy).run(envs)
-    except (Stop, KeyboardInterrupt):
+    except Stop:
         pass
     except BaseException:
         queues.errors.put(ActorError(actor_id, traceback.format_exc()))
@@ -663,6 +662,34 @@ def actor_process(
     finally:
         if envs is not None:
             envs.close()
+
+
+def evaluate(model: nn.Module, args: Args, video_dir: Path, device: torch.device) -> list[float]:
+    """Play `eval_episodes` full games with the final (or --eval-only's saved) policy, true returns; argmax actions
+    with `--eval-greedy` (TorchBeast's test mode), sampled ones otherwise; videos to `video_dir` (--capture-video)."""
+    env = make_env(args.env_id, args.seed + 1_000_003, protocol=args.atari_protocol, capture_video=args.capture_video,
+                   video_dir=str(video_dir))  # fmt: skip
+    torch.manual_seed(args.seed + 1_000_003)
+    returns = []
+    obs, _ = env.reset()
+    done = torch.ones(1, dtype=torch.bool, device=device)
+    last_action = torch.zeros(1, dtype=torch.int64, device=device)
+    reward = torch.zeros(1, device=device)
+    state = model.initial_state(1, device) if model.core is not None else None
+    while len(returns) < args.eval_episodes:
+        with torch.inference_mode():
+            obs_t = torch.as_tensor(obs[None], device=device)
+            action, _, _, state = policy_step(model, obs_t, done, last_action, reward, state, args.eval_greedy)
+        obs, r, terminated, truncated, info = env.step(int(action[0]))
+        done.fill_(bool(terminated or truncated))
+        last_action.copy_(action)  # carried into the next game, as in training
+        reward.fill_(r)
+        if terminated or truncated:
+            returns.append(float(info["episode"]["r"]))
+            if len(returns) < args.eval_episodes:  # no reset after the last game: it would record an empty video
+                obs, _ = env.reset()
+    env.close()
+    return returns
 
 
 @dataclass
@@ -690,6 +717,10 @@ class InferenceServer:
         except BaseException:
             self.failures.append(f"error: inference thread died:\n{traceback.format_exc()}")
             self.stop.set()
+
+    def policy(self, actor_id: int, use_lstm: bool) -> BatchedPolicy:
+        """Actor `actor_id`'s side of the batching: its slot, the request pipe and its semaphore."""
+        return BatchedPolicy(actor_id, self.slots, self.requests, self.sems[actor_id], use_lstm)
 
     def serve(self, ids: list[int]) -> None:
         slots, device, k = self.slots, self.device, len(ids)
@@ -726,8 +757,6 @@ def get_batch(
         indices = []
         for _ in range(batch_size):
             index = get_or_stop(queues.full, queues.stop)
-            if index is None:
-                raise Stop
             buffers.move(index, FULL_QUEUE, LEARNER)
             indices.append(index)
     batch = buffers.stack(indices)
@@ -737,39 +766,7 @@ def get_batch(
     return batch, indices
 
 
-def learner_outputs(model: nn.Module, b: Rollouts) -> tuple[torch.Tensor, torch.Tensor]:
-    """The learner's logits [T + 1, B, A] and values [T + 1, B] on a batch, from the same inputs the actors fed."""
-    T1, B = b.reward.shape
-    if model.core is None:
-        logits, values = model(b.obs.reshape(T1 * B, *b.obs.shape[2:]), b.last_action, b.reward)
-        return logits.reshape(T1, B, -1), values.reshape(T1, B)
-    logits, values, _ = model.recurrent(b.obs, b.done, (b.initial_h, b.initial_c), b.last_action, b.reward)
-    return logits, values
-
-
-def learn(
-    model: nn.Module, optimizer: torch.optim.Optimizer, batch: Rollouts, args: Args, device: torch.device
-) -> dict:
-    """One V-trace update on a [T + 1, B] batch; returns float metrics (losses, grad norm)."""
-    b = batch.to(device)
-    logits, values = learner_outputs(model, b)
-    rewards = b.reward[1:]  # raw from the env
-    if args.clip_rewards:
-        rewards = rewards.clamp(-1.0, 1.0)
-    actions = b.action[:-1]
-    target_logprob, entropy = logprob_entropy(logits[:-1], actions)
-    behaviour_logprob, _ = logprob_entropy(b.logits[:-1], actions)
-    vs, pg_adv = vtrace(behaviour_logprob, target_logprob.detach(), rewards, values[:-1].detach(), b.done[1:],
-                        values[-1].detach(), args.gamma, args.vtrace_rho_bar, args.vtrace_c_bar,
-                        args.vtrace_pg_rho_bar)  # fmt: skip
-    losses = impala_loss(target_logprob, entropy, values[:-1], vs, pg_adv, args.vf_coef, args.ent_coef)
-    if not torch.isfinite(losses["total_loss"]):
-        raise NonFiniteLoss(f"non-finite loss {losses['total_loss'].item()}")
-    optimizer.zero_grad(set_to_none=False)
-    losses["total_loss"].backward()
-    losses["grad_norm"] = nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-    optimizer.step()
-    return {k: v.item() for k, v in losses.items()}
+# ---- Learner ---------------------------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -816,7 +813,7 @@ class Learner:
         except WriteError as e:
             error = f"{e}; stopping (the last good checkpoint is kept)"
         except OSError as e:  # the TensorBoard events file
-            error = events_error(e, self.run_dir)
+            error = write_error(e, f"the TensorBoard events in {self.run_dir}")
         except BaseException:
             error = f"error: learner thread {thread_id} died:\n{traceback.format_exc()}"
         self.failures.append(error)
@@ -879,7 +876,27 @@ class Learner:
         atomic_save(state, self.run_dir / "checkpoint.pt")
 
 
-# ---- Lifecycle -------------------------------------------------------------------------------------------------------
+def log_update(
+    writer: SummaryWriter, step: int, batch: Rollouts, lr: float, lag: float, sps: float, metrics: dict[str, float],
+    timing: dict[str, float],
+) -> list[float]:  # fmt: skip
+    """One update's TensorBoard scalars, the games that ended in its batch included; returns their returns."""
+    ends = batch.episode_end[1:]  # row 0 repeats the previous rollout's last row
+    returns = batch.episode_return[1:][ends].tolist()
+    for ret, length in zip(returns, batch.episode_length[1:][ends].tolist(), strict=True):
+        writer.add_scalar("charts/episodic_return", ret, step)
+        writer.add_scalar("charts/episodic_length", length, step)
+    writer.add_scalar("charts/policy_lag", lag, step)
+    writer.add_scalar("charts/SPS", sps, step)
+    writer.add_scalar("charts/learning_rate", lr, step)
+    for name, value in metrics.items():
+        writer.add_scalar(f"losses/{name}", value, step)
+    for name, value in timing.items():
+        writer.add_scalar(f"timing/{name}", value, step)
+    return returns
+
+
+# ---- Main ------------------------------------------------------------------------------------------------------------
 
 
 def num_buffers_of(args: Args) -> int:
@@ -892,87 +909,186 @@ def model_options(args: Args) -> dict:
                 action_reward_inputs=args.action_reward_inputs)  # fmt: skip
 
 
-def validate(args: Args) -> str | None:
-    """Every flag checked before anything is made or spawned; returns the error line (without `error: `) or None."""
-    for name, value in asdict(args).items():
-        if isinstance(value, float) and not math.isfinite(value):
-            return f"--{name.replace('_', '-')} must be a finite number, got {value}"
-    rules = (
-        (">= 1", lambda v: v >= 1, ("num_actors", "num_envs_per_actor", "num_learner_threads", "unroll_length",
-                                    "batch_size", "total_timesteps", "lstm_layers")),
-        ("> 0", lambda v: v > 0, ("learning_rate", "max_grad_norm", "gamma", "vtrace_rho_bar", "vtrace_c_bar",
-                                  "vtrace_pg_rho_bar", "rmsprop_eps", "rmsprop_alpha")),
-        (">= 0", lambda v: v >= 0, ("checkpoint_interval", "eval_episodes", "torch_threads", "max_inference_batch",
-                                    "vf_coef", "ent_coef", "rmsprop_momentum", "lstm_size")),
-    )  # fmt: skip
-    for rule, holds, names in rules:
-        for name in names:
-            if not holds(getattr(args, name)):
-                return f"--{name.replace('_', '-')} must be {rule}, got {getattr(args, name)}"
-    K = num_buffers_of(args)
-    if K < max(args.num_actors, args.batch_size):
-        return (
-            f"--num-buffers ({K}) must be >= --num-actors ({args.num_actors}) and >= --batch-size ({args.batch_size})"
-        )
-    if args.gamma > 1:
-        return f"--gamma must be in (0, 1], got {args.gamma}"
-    if 0 < args.max_inference_batch < args.num_envs_per_actor:
-        return (f"--max-inference-batch ({args.max_inference_batch}) must hold at least one actor's "
-                f"--num-envs-per-actor ({args.num_envs_per_actor}) envs (or be 0 = all)")  # fmt: skip
-    if args.resume is not None and not Path(args.resume).is_file():
-        return f"--resume {args.resume}: no such checkpoint file"
-    if args.eval_only is not None and not Path(args.eval_only).is_file():
-        return f"--eval-only {args.eval_only}: no such file"
-    if args.track and importlib.util.find_spec("wandb") is None:
-        return '--track needs wandb: pip install -e ".[track]"'
-    if args.total_timesteps < args.unroll_length * args.batch_size * args.num_envs_per_actor:
-        return (
-            f"--total-timesteps ({args.total_timesteps}) is less than one learner batch "
-            f"({args.unroll_length} steps x {args.batch_size} rollouts x {args.num_envs_per_actor} envs)"
-        )
+def make_shared(
+    args: Args, obs_space: gym.Space, act_space: gym.spaces.Discrete, network: str, model: nn.Module, updates: int,
+    device: torch.device, ctx: mp.context.BaseContext, failures: list[str],
+) -> tuple[Buffers, Queues, ActingModel, InferenceServer | None]:  # fmt: skip
+    """What the actors share with the main process, made once before they fork (inherited, not pickled: MonoBeast's
+    choice): the rollout buffers, the queues, the acting copy of `model` and, with batched inference, the inference
+    server's slots, request pipe and semaphores (its thread starts later)."""
+    M, N, A = args.num_actors, args.num_envs_per_actor, int(act_space.n)
+    lstm = (model.core.num_layers, model.core.hidden_size) if model.core is not None else (1, 1)
+    obs_dtype = torch.uint8 if obs_space.dtype == np.uint8 else torch.float32
+    buffers = Buffers.allocate(num_buffers_of(args), args.unroll_length, N, obs_space.shape, obs_dtype, A, lstm)
+    queues = Queues.create(ctx, buffers)
+    # the actors' copy: the Nature network infers faster contiguous on CPU, trains faster channels_last (common.models)
+    copy = make_model(obs_space, act_space, network, **model_options(args), channels_last=network != "nature")
+    copy.to(device if args.inference == "batched" else torch.device("cpu"))
+    acting = ActingModel(copy, torch.zeros(1, dtype=torch.int64).share_memory_(), threading.Lock())
+    acting.refresh(model, updates)
+    if args.inference == "actor":
+        acting.model.share_memory()
+        return buffers, queues, acting, None
+    slots = InferenceSlots.allocate(M, N, obs_space.shape, obs_dtype, A, lstm)
+    sems = [ctx.Semaphore(0) for _ in range(M)]
+    max_actors = M if not args.max_inference_batch else max(1, args.max_inference_batch // N)
+    inference = InferenceServer(acting, slots, RequestPipe(), sems, max_actors, device, queues.stop, failures)
+    return buffers, queues, acting, inference
+
+
+def main(args: Args) -> None:
+    if error := validate(args):
+        fail(error)
+    if args.eval_only:
+        return main_eval_only(args)
     try:
-        check_env_args(args.env_id, args.num_envs_per_actor, args.atari_protocol)  # the id too, without making the env
-        if args.capture_video and args.eval_only is None:  # fail now, not at the final evaluation
-            check_video(args.env_id, args.atari_protocol)
+        obs_space, act_space = env_spaces(args)
     except EnvError as e:
-        return str(e)
-    return None
+        fail(str(e))
+    args = replace(args, num_buffers=num_buffers_of(args))
+    network = args.network if args.network != "auto" else ("nature" if len(obs_space.shape) == 3 else "mlp")
+    meta = checkpoint_meta(args, network, obs_space, act_space)
+    checkpoint = load_checkpoint(args.resume, meta) if args.resume else None  # before anything is started or written
+    run_dir = Path(args.resume).parent if checkpoint else new_run_dir(args)
+    write_run_args(run_dir, args, meta)
+    device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
+    torch.set_num_threads(args.torch_threads or max(1, (os.cpu_count() or 1) - args.num_actors))
+    sys.setswitchinterval(0.0005)  # the inference thread gets the GIL as a request arrives, not after a 5 ms slice
+    torch.manual_seed(args.seed)
+    torch.backends.cudnn.deterministic = args.torch_deterministic
+    torch.use_deterministic_algorithms(args.torch_deterministic, warn_only=True)
+
+    model = make_model(obs_space, act_space, network, **model_options(args)).to(device)
+    optimizer = torch.optim.RMSprop(model.parameters(), lr=args.learning_rate, alpha=args.rmsprop_alpha,
+                                    eps=args.rmsprop_eps, momentum=args.rmsprop_momentum)  # fmt: skip
+    updates, global_step = (checkpoint["update"], checkpoint["global_step"]) if checkpoint else (0, 0)
+    if checkpoint:
+        model.load_state_dict(checkpoint["model"])
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        torch.set_rng_state(checkpoint["torch_rng"])
+    ctx, failures = mp.get_context("fork"), []
+    buffers, queues, acting, inference = make_shared(args, obs_space, act_space, network, model, updates, device, ctx,
+                                                     failures)  # fmt: skip
+    signals, actors, N = StopSignals(queues.stop), Processes(ctx), args.num_envs_per_actor
+    env_seed = args.seed + (1_000_003 * updates if checkpoint else 0)  # shifted on resume so episodes are new
+    for i in range(args.num_actors):  # env e of actor i is seeded env_seed + N i + e
+        policy = inference.policy(i, args.use_lstm) if inference else CopyPolicy(acting, N)
+        actors.start(f"actor-{i}", actor_process, i, args, env_seed + N * i, buffers, queues, policy)
+    try:  # after the fork (no actor inherits wandb's threads and pipes), before the SummaryWriter (wandb patches it)
+        tracker = start_tracking(args, run_dir)
+    except SystemExit:  # wandb.init failed: its error line is printed, the actors stop before the exit
+        shutdown(actors, [], queues, inference)
+        raise
+    writer = make_writer(run_dir, args)
+    num_updates = args.total_timesteps // (args.unroll_length * args.batch_size * N)
+    print(
+        f"run directory: {run_dir}  ({num_updates} updates, {args.num_actors} actors x {N} envs, {args.inference} "
+        f"inference, {network} network{' + LSTM' if args.use_lstm else ''}, {args.num_buffers} buffers)",
+        flush=True,
+    )
+    learner = Learner(args, model, optimizer, device, acting, buffers, queues, num_updates, writer, run_dir, meta,
+                      failures, inference, updates, global_step)  # fmt: skip
+    threads = [threading.Thread(target=learner.run, args=(j,), name=f"learner-{j}", daemon=True)
+               for j in range(args.num_learner_threads)]  # fmt: skip
+    threads += [threading.Thread(target=inference.run, name="inference", daemon=True)] if inference else []
+    for t in threads:
+        t.start()
+
+    try:  # the learner threads train; the main thread watches them and the actors
+        while not queues.stop.is_set() and any(t.is_alive() for t in threads[: args.num_learner_threads]):
+            if died := actors.wait(timeout=1.0):
+                failures.insert(0, actor_error(died, queues.errors))
+                break
+    finally:
+        shutdown(actors, threads, queues, inference)
+        signals.restore()
+    finish(learner, failures[0] if failures else None, signals.signum, threads, tracker)
 
 
-def env_spaces(args: Args) -> tuple[gym.Space, gym.spaces.Discrete]:
-    """(observation space, action space) of one env of the training vector env; EnvError if this script cannot train
-    on it."""
-    probe = make_vector_env(args.env_id, 1, args.seed, protocol=args.atari_protocol, num_threads=1)
-    obs_space, act_space = probe.single_observation_space, probe.single_action_space
-    probe.close()
-    if not isinstance(act_space, gym.spaces.Discrete):
-        raise EnvError(f"{args.env_id} has a continuous action space ({act_space}); impala_monobeast.py handles "
-                       f"Discrete action spaces only (for continuous actions: apex_ddpg.py)")  # fmt: skip
-    return obs_space, act_space
+# ---- run plumbing ------------------------------------------------------------------------------------------------
+# Validation, the run directory, tracking, checkpoints, evaluation of a saved agent, signals, supervision and error
+# lines: nothing here is needed to read or change the algorithm above. A function here that several scripts have is
+# the same text in all of them (tests/test_plumbing.py names the script and function that drift): change it in every
+# script. What differs between scripts lives in the few script-specific functions at the end of this section.
+
+
+class Stop(Exception):
+    """The run is stopping (a signal, a dead worker, the budget spent): raised to leave a wait or a loop early."""
+
+
+class NonFiniteLoss(Exception):
+    """A loss or gradient norm that is NaN or infinite: the run stops and the last good checkpoint is kept."""
+
+
+class WriteError(Exception):
+    """A checkpoint, model or TensorBoard write that failed (a full disk): the message is the run's error line."""
+
+
+class StopSignals:
+    """Ctrl+C, SIGTERM and SIGHUP (a closed terminal or ssh session) record the first signal's number, for the exit
+    status 128 + signum, and set `stop`, the event the run's waits and loops check; the run then stops at its own pace
+    and writes its final checkpoint. A second signal changes nothing, so a second Ctrl+C cannot cut the shutdown."""
+
+    def __init__(self, stop):
+        self.stop, self.signum = stop, 0
+        self.previous = {s: signal.signal(s, self.handler) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+
+    def handler(self, signum: int, frame) -> None:
+        self.signum = self.signum or signum
+        # set from another thread: the handler runs in the main thread between two bytecodes, possibly while that
+        # thread holds the event's own lock (inside wait or is_set), and a set() here would wait for it forever
+        threading.Thread(target=self.stop.set, daemon=True).start()
+
+    def restore(self) -> None:
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
 
 
 def fail(message: str) -> NoReturn:
+    """Bad input: one error line, exit status 2, before anything is started or written."""
     print(f"error: {message}", file=sys.stderr)
     raise SystemExit(2)
+
+
+def flag(name: str) -> str:
+    return f"--{name.replace('_', '-')}"
+
+
+def rule_holds(rule: str, value) -> bool:
+    return {
+        ">= 1": value >= 1, ">= 0": value >= 0, "> 0": value > 0,
+        "in (0, 1]": 0 < value <= 1, "in [0, 1]": 0 <= value <= 1, "in [0, 1)": 0 <= value < 1,
+    }[rule]  # fmt: skip
+
+
+def check_flags(args: Args) -> str | None:
+    """The error line of the first float flag that is not a finite number or the first flag that breaks its rule in
+    FLAG_RULES (flags left at None are filled in later and skipped); None if all hold."""
+    for f in fields(args):
+        value = getattr(args, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            return f"{flag(f.name)} must be a finite number, got {value}"
+    for rule, names in FLAG_RULES:
+        for name in names:
+            value = getattr(args, name)
+            if value is not None and not rule_holds(rule, value):
+                return f"{flag(name)} must be {rule}, got {value}"
+    return None
 
 
 def new_run_dir(args: Args) -> Path:
     """Create this run's directory, never one that exists: a run started in the same second with the same name gets
     the suffix -2, -3, ... (mkdir is atomic, so two runs cannot both take one name). Exit 2 if it cannot be made."""
     base = Path(args.log_dir) / f"{args.env_id.replace('/', '_')}__{args.exp_name}__{args.seed}__{int(time.time())}"
-    try:
-        base.parent.mkdir(parents=True, exist_ok=True)
-    except FileExistsError:
-        fail(f"cannot create the run directory {base}: {base.parent} is not a directory")
-    except OSError as e:
-        fail(f"cannot create the run directory {base}: {e.strerror or e}")
     for n in itertools.count(1):
         run_dir = base if n == 1 else base.with_name(f"{base.name}-{n}")
         try:
+            base.parent.mkdir(parents=True, exist_ok=True)
             run_dir.mkdir()
             return run_dir
         except FileExistsError:
-            continue
+            if not base.parent.is_dir():
+                fail(f"cannot create the run directory {base}: {base.parent} is not a directory")
         except OSError as e:
             fail(f"cannot create the run directory {run_dir}: {e.strerror or e}")
 
@@ -996,52 +1112,91 @@ def start_tracking(args: Args, run_dir: Path):
     import wandb  # optional: pip install -e ".[track]"
 
     try:
-        wandb.init(
-            project=args.wandb_project_name,
-            entity=args.wandb_entity,
-            name=run_dir.name,
-            id=hashlib.sha1(run_dir.name.encode()).hexdigest(),
-            resume="allow" if args.resume else None,
-            config=vars(args),
-            sync_tensorboard=True,
-            save_code=True,
-        )
+        wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=run_dir.name, config=vars(args),
+                   id=hashlib.sha1(run_dir.name.encode()).hexdigest(), resume="allow" if args.resume else None,
+                   sync_tensorboard=True, save_code=True)  # fmt: skip
     except Exception as e:  # not logged in, no network, an unknown entity or project
         fail(f"--track: wandb.init failed: {(str(e).strip().splitlines() or [type(e).__name__])[0][:200]}")
     return wandb
 
 
-def checkpoint_meta(args: Args, network: str, obs_space: gym.Space, act_space: gym.spaces.Discrete) -> dict:
-    """What a checkpoint must match to be resumed by this run: script, env, network and shapes."""
-    return dict(script=Path(__file__).name, algo=None, env_id=args.env_id, network=network, **model_options(args),
-                obs_shape=list(obs_space.shape), action_shape_or_n=int(act_space.n))  # fmt: skip
+def finish_tracking(tracker, run_dir: Path, exit_code: int) -> None:
+    """--track (`tracker` from start_tracking): upload the final evaluation's videos, then end the W&B run with the
+    run's exit status. Call it after the SummaryWriter is closed: wandb has synced the events written up to then."""
+    if tracker is None:
+        return
+    for video in sorted((run_dir / "videos").glob("*.mp4")):
+        tracker.log({"videos": tracker.Video(str(video))})
+    tracker.finish(exit_code=exit_code)
+
+
+def make_writer(run_dir: Path, args: Args):
+    """The run's TensorBoard writer with the hyperparameter table. Its writer thread dies of a write error (a full
+    disk) that the next write or close raises again in the main thread, which reports it in one line: the thread's own
+    traceback is kept quiet."""
+    from torch.utils.tensorboard import SummaryWriter  # here, not at import: the writer starts a thread
+
+    default = threading.excepthook
+    threading.excepthook = lambda hook: None if issubclass(hook.exc_type, OSError) else default(hook)
+    writer = SummaryWriter(str(run_dir))
+    table = "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items())
+    writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
+    return writer
+
+
+def write_error(e: OSError, what) -> str:
+    """The error line of a write that failed: a full disk said plainly, anything else with the system's reason."""
+    if e.errno == errno.ENOSPC:
+        return f"error: no space left on device while writing {what}"
+    return f"error: cannot write {what}: {e.strerror or e}"
+
+
+def atomic_save(obj, path: Path) -> None:
+    """torch.save to a temporary file beside `path`, then a rename over `path`, so a crash or a full disk leaves the
+    previous file intact. Raises WriteError with the error line."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)  # serialised in memory first: a full disk then shows as ENOSPC, not a zip-writer error
+    tmp = path.with_suffix(".tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(buffer.getbuffer())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
+        raise WriteError(write_error(e, path)) from None
 
 
 def load_checkpoint(path: str, meta: dict) -> dict:
-    """The checkpoint at `path` if this run can continue it; otherwise one error line and exit 2 (nothing started)."""
+    """The checkpoint at `path` if this run can continue it (its meta, from checkpoint_meta, equals this run's);
+    otherwise one error line and exit 2, with nothing started."""
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as e:
+    except Exception as e:  # garbage, truncated, or pickled objects this interpreter cannot rebuild
         reason = (str(e).strip().splitlines() or [""])[0][:120]
         fail(f"cannot resume from {path}: not a checkpoint this script can read ({type(e).__name__}: {reason})")
     theirs = checkpoint.get("meta") if isinstance(checkpoint, dict) else None
     if not isinstance(theirs, dict):
         fail(f'cannot resume from {path}: not a checkpoint this script can read (it has no "meta" entry)')
-    differ = [k for k in meta if theirs.get(k) != meta[k]]
-    if differ:
+    if differ := [k for k in meta if theirs.get(k) != meta[k]]:
         fail(
             f"cannot resume from {path}: it is a {theirs.get('script')} checkpoint "
             f"({', '.join(f'{k} {theirs.get(k)}' for k in differ)}), this run is "
             f"{', '.join(f'{k} {meta[k]}' for k in differ)}"
         )
+    if not os.access(Path(path).parent, os.W_OK):
+        fail(f"cannot write to the run directory {Path(path).parent} of --resume {path}")
     return checkpoint
 
 
 def load_for_eval(args: Args) -> tuple[Args, nn.Module, dict]:
     """--eval-only: the saved agent (a model.pt with its run's args.json beside it, or a checkpoint.pt), the Args to
-    evaluate it with (env, protocol, network and model options from the saved run, so the agent gets the inputs and
-    the LSTM it was trained with; seed and evaluation flags from this command line) and the settings taken from the
-    run. Anything this script cannot evaluate is one error line and exit 2."""
+    evaluate it with (the RUN_SETTINGS flags from the saved run; seed, evaluation flags and the rest from this command
+    line) and the settings taken from the run. Anything this script cannot evaluate is one error line and exit 2."""
     path, this = Path(args.eval_only), Path(__file__).name
     try:
         saved = torch.load(path, map_location="cpu", weights_only=False)
@@ -1058,351 +1213,19 @@ def load_for_eval(args: Args) -> tuple[Args, nn.Module, dict]:
             fail(f"--eval-only {path}: cannot read its run's args.json beside it (it names the env and network): {e}")
     if run.get("script") != this:
         fail(f"{path} was saved by {run.get('script')}, not {this}")
-    for name in ("env_id", "network"):  # a value given on the command line must be the saved run's
-        given, theirs = getattr(args, name), (run["meta"][name], run["args"][name])
-        if given != getattr(Args, name) and given not in theirs:
-            fail(f"--{name.replace('_', '-')} {given} contradicts {path}, saved by a run with {theirs[0]}")
-    own = dict(eval_only=args.eval_only, eval_episodes=args.eval_episodes or 10, eval_greedy=args.eval_greedy,
-               capture_video=args.capture_video, seed=args.seed, cuda=args.cuda)  # fmt: skip
-    known = {f.name for f in fields(Args)}
-    eval_args = Args(**{k: v for k, v in run["args"].items() if k in known} | own)
-    network = run["meta"]["network"]  # `auto` resolved by the run
+    settings = {k: run["meta"].get(k, run["args"][k]) for k in RUN_SETTINGS}  # meta: what `auto` resolved to
+    for name, value in settings.items():  # a flag given on the command line must be the saved run's
+        given = getattr(args, name)
+        if given != getattr(Args, name) and given not in (value, run["args"][name]):
+            fail(f"{flag(name)} {given} contradicts {path}, saved by a run with {value}")
+    eval_args = replace(args, **{k: run["args"][k] for k in RUN_SETTINGS}, eval_episodes=args.eval_episodes or 10)
     try:
-        spaces = env_spaces(eval_args)
-    except EnvError as e:
-        fail(str(e))
-    model = make_model(*spaces, network, **model_options(eval_args))
-    try:
-        model.load_state_dict(saved["model"] if is_checkpoint else saved)
+        model = saved_model(eval_args, settings, saved["model"] if is_checkpoint else saved)
+    except EnvError as e:  # the run's env is not installed here
+        fail(f"--eval-only {path}: {e}")
     except Exception as e:  # not a state_dict, or one of another network
-        fail(f"--eval-only {path}: not parameters of its run's {network} network ({type(e).__name__})")
-    settings = dict(env_id=eval_args.env_id, atari_protocol=eval_args.atari_protocol, network=network,
-                    **model_options(eval_args))  # fmt: skip
+        fail(f"--eval-only {path}: not parameters of its run's network ({type(e).__name__})")
     return eval_args, model, settings
-
-
-def events_error(e: OSError, run_dir: Path) -> str:
-    """The error line for a TensorBoard events file that cannot be written (a full disk, most often). TensorBoard's
-    writer thread dies of it and the main thread gets it at its next write; the thread is kept from printing its own
-    traceback (`quiet_writer_thread`), so the run reports it in this one line."""
-    reason = "no space left on device" if e.errno == errno.ENOSPC else (e.strerror or str(e))
-    return f"error: {reason} while writing the TensorBoard events in {run_dir}; stopping"
-
-
-def quiet_writer_thread() -> None:
-    default = threading.excepthook
-    threading.excepthook = lambda hook_args: None if issubclass(hook_args.exc_type, OSError) else default(hook_args)
-
-
-class WriteError(RuntimeError):
-    """A checkpoint or model file could not be written; the message is the error line."""
-
-
-def atomic_save(obj: object, path: Path) -> None:
-    """torch.save, atomic: a temporary file, then a rename over the old file, so a full disk leaves the last good one.
-    Serialised in memory first: torch.save to a full disk raises a cryptic "unexpected pos" instead of ENOSPC."""
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    tmp = path.with_suffix(".tmp")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(buffer.getbuffer())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        reason = "no space left on device" if e.errno == errno.ENOSPC else (e.strerror or str(e))
-        raise WriteError(f"error: {reason} while writing {path}") from None
-
-
-def log_update(
-    writer: SummaryWriter, step: int, batch: Rollouts, lr: float, lag: float, sps: float, metrics: dict[str, float],
-    timing: dict[str, float],
-) -> list[float]:  # fmt: skip
-    """One update's TensorBoard scalars, the games that ended in its batch included; returns their returns."""
-    ends = batch.episode_end[1:]  # row 0 repeats the previous rollout's last row
-    returns = batch.episode_return[1:][ends].tolist()
-    for ret, length in zip(returns, batch.episode_length[1:][ends].tolist(), strict=True):
-        writer.add_scalar("charts/episodic_return", ret, step)
-        writer.add_scalar("charts/episodic_length", length, step)
-    writer.add_scalar("charts/policy_lag", lag, step)
-    writer.add_scalar("charts/SPS", sps, step)
-    writer.add_scalar("charts/learning_rate", lr, step)
-    for name, value in metrics.items():
-        writer.add_scalar(f"losses/{name}", value, step)
-    for name, value in timing.items():
-        writer.add_scalar(f"timing/{name}", value, step)
-    return returns
-
-
-def evaluate(model: nn.Module, args: Args, video_dir: Path, device: torch.device) -> list[float]:
-    """Play `eval_episodes` full games with the final (or --eval-only's saved) policy, true returns; argmax actions
-    with `--eval-greedy` (TorchBeast's test mode), sampled ones otherwise; videos to `video_dir` (--capture-video)."""
-    env = make_env(args.env_id, args.seed + 1_000_003, protocol=args.atari_protocol, capture_video=args.capture_video,
-                   video_dir=str(video_dir))  # fmt: skip
-    torch.manual_seed(args.seed + 1_000_003)
-    returns = []
-    obs, _ = env.reset()
-    done = torch.ones(1, dtype=torch.bool, device=device)
-    last_action = torch.zeros(1, dtype=torch.int64, device=device)
-    reward = torch.zeros(1, device=device)
-    state = model.initial_state(1, device) if model.core is not None else None
-    while len(returns) < args.eval_episodes:
-        with torch.inference_mode():
-            obs_t = torch.as_tensor(obs[None], device=device)
-            action, _, _, state = policy_step(model, obs_t, done, last_action, reward, state, args.eval_greedy)
-        obs, r, terminated, truncated, info = env.step(int(action[0]))
-        done.fill_(bool(terminated or truncated))
-        last_action.copy_(action)  # carried into the next game, as in training
-        reward.fill_(r)
-        if terminated or truncated:
-            returns.append(float(info["episode"]["r"]))
-            if len(returns) < args.eval_episodes:  # no reset after the last game: it would record an empty video
-                obs, _ = env.reset()
-    env.close()
-    return returns
-
-
-class StopSignals:
-    """Ctrl+C and SIGTERM record their number (the exit status is 128 + it); the main thread's watch loop sees it within
-    a second and sets `stop`. The handler must not touch `stop` itself: it runs in the main thread, which may be inside
-    `stop.is_set()` holding the event's lock, and would wait on that lock forever."""
-
-    def __init__(self):
-        self.signum: int | None = None
-
-    def handler(self, signum: int, frame: object) -> None:
-        self.signum = signum
-
-    def install(self) -> None:
-        signal.signal(signal.SIGINT, self.handler)
-        signal.signal(signal.SIGTERM, self.handler)
-
-    @staticmethod
-    def restore() -> None:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-
-
-def watch(
-    actors: list[mp.Process], learners: list[threading.Thread], queues: Queues, signals: StopSignals
-) -> str | None:
-    """The main thread until the learners finish, a signal arrives or a worker fails: a dead actor (exception or
-    kill -9) stops the run. Returns the error line naming a dead actor, or None."""
-    sentinels = {p.sentinel: i for i, p in enumerate(actors)}
-    while signals.signum is None and not queues.stop.is_set() and any(t.is_alive() for t in learners):
-        ready = multiprocessing.connection.wait(list(sentinels), timeout=1.0)
-        if not ready or signals.signum is not None or queues.stop.is_set():
-            continue
-        i = sentinels[ready[0]]
-        actors[i].join(timeout=1.0)
-        try:
-            error = queues.errors.get(timeout=2.0)
-            i, detail = error.actor_id, f":\n{error.traceback}"
-        except queue.Empty:
-            code = actors[i].exitcode
-            detail = f" (killed by signal {-code})" if code is not None and code < 0 else f" (exit code {code})"
-        return f"error: actor {i} (pid {actors[i].pid}) died{detail}"
-    return None
-
-
-def shutdown(
-    actors: list[mp.Process], threads: list[threading.Thread], num_learners: int, queues: Queues,
-    inference: InferenceServer | None,
-) -> None:  # fmt: skip
-    """Stop every worker: wake whoever blocks on a queue, pipe or semaphore, join the threads, then the actors
-    (terminated, then killed, if they do not return), and close the queues. No process is left behind."""
-    queues.stop.set()
-    if inference is not None:
-        inference.requests.put(RequestPipe.WAKE)
-    for _ in range(num_learners):
-        queues.full.put(None)
-    deadline = time.time() + 8.0  # queue waits wake within a second; an update ends within seconds
-    for t in threads:
-        t.join(timeout=max(0.0, deadline - time.time()))
-    for _ in actors:
-        queues.free.put(None)
-    for sem in inference.sems if inference is not None else []:
-        sem.release()
-    deadline = time.time() + 3.0
-    for p in actors:
-        p.join(timeout=max(0.0, deadline - time.time()))
-    for p in actors:
-        if p.is_alive():
-            p.terminate()
-            p.join(timeout=1.0)
-        if p.is_alive():
-            p.kill()
-            p.join()
-    queues.close()
-    if inference is not None:
-        inference.requests.close()
-
-
-def leave(code: int, threads: list[threading.Thread]) -> None:
-    """Exit with `code`. A thread still inside torch when the interpreter tears down makes C++ static destructors
-    abort the process ("terminate called without an active exception", SIGABRT), so if a worker thread outlived its
-    join, skip the teardown: TensorBoard is closed and checkpoints are written by now."""
-    alive = [t.name for t in threads if t.is_alive()]
-    if alive:
-        print(f"warning: {', '.join(alive)} still running at exit; leaving without interpreter teardown",
-              file=sys.stderr, flush=True)  # fmt: skip
-        sys.stdout.flush()
-        os._exit(code)
-    if code:
-        raise SystemExit(code)
-
-
-def start_actors(
-    args: Args, env_seed: int, buffers: Buffers, queues: Queues, acting: ActingModel, slots: InferenceSlots | None,
-    requests: RequestPipe | None, sems: list[Semaphore], ctx: mp.context.BaseContext,
-) -> list[mp.Process]:  # fmt: skip
-    """One process per actor (env e of actor i seeded env_seed + N i + e), forked: the buffers and the shared model
-    are inherited, not pickled (MonoBeast's choice)."""
-    actors = []
-    for i in range(args.num_actors):
-        if args.inference == "actor":
-            policy = CopyPolicy(acting, args.num_envs_per_actor)
-        else:
-            policy = BatchedPolicy(i, slots, requests, sems[i], args.use_lstm)
-        actors.append(ctx.Process(target=actor_process, name=f"actor-{i}", daemon=True,
-                                  args=(i, args, env_seed + args.num_envs_per_actor * i, buffers, queues, policy,
-                                        os.getpid())))  # fmt: skip
-        actors[-1].start()
-    return actors
-
-
-def finish(
-    learner: Learner, failure: str | None, signum: int | None, threads: list[threading.Thread], tracker=None
-) -> None:
-    """After the workers stopped: the final checkpoint and model, the evaluation, TensorBoard closed, the W&B run
-    (`tracker`, from start_tracking) finished, the exit status (1 on failure, 128 + the signal when interrupted)."""
-    args, run_dir = learner.args, learner.run_dir
-    if signum is not None:
-        print(f"interrupted at step {learner.global_step}: shutting down", file=sys.stderr)
-    try:
-        if failure is None and args.checkpoint_interval:
-            learner.save_checkpoint()
-        if failure is None and signum is None and args.save_model:
-            atomic_save(learner.model.state_dict(), run_dir / "model.pt")
-    except WriteError as e:
-        failure = f"{e}; stopping (the last good checkpoint is kept)"
-    if failure is None and signum is None and args.eval_episodes:
-        for i, ret in enumerate(evaluate(learner.model, args, run_dir / "videos", learner.device)):
-            learner.writer.add_scalar("eval/episodic_return", ret, i)
-            print(f"eval episode {i}: return {ret:.1f}")
-    try:
-        learner.writer.close()
-    except OSError as e:
-        failure = failure or events_error(e, run_dir)
-    code = 1 if failure else 128 + signum if signum is not None else 0
-    if tracker is not None:  # after the writer is closed: wandb syncs the events files up to then
-        for video in sorted((run_dir / "videos").glob("*.mp4")):
-            tracker.log({"videos": tracker.Video(str(video))})
-        tracker.finish(exit_code=code)
-    if failure:
-        print(failure, file=sys.stderr)
-    leave(code, threads)
-
-
-# ---- Main ------------------------------------------------------------------------------------------------------------
-
-
-def main(args: Args) -> None:
-    if error := validate(args):
-        fail(error)
-    if args.eval_only:
-        main_eval_only(args)
-        return
-    try:
-        obs_space, act_space = env_spaces(args)
-    except EnvError as e:
-        fail(str(e))
-    # checkpoint and run directory, before any process, thread, file or process-wide setting
-    network = args.network if args.network != "auto" else ("nature" if len(obs_space.shape) == 3 else "mlp")
-    meta = checkpoint_meta(args, network, obs_space, act_space)
-    checkpoint = load_checkpoint(args.resume, meta) if args.resume else None
-    if checkpoint and not os.access(Path(args.resume).parent, os.W_OK):
-        fail(f"cannot write to the run directory {Path(args.resume).parent} of --resume {args.resume}")
-    run_dir = Path(args.resume).parent if checkpoint else new_run_dir(args)
-    write_run_args(run_dir, args, meta)
-
-    device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
-    torch.set_num_threads(args.torch_threads or max(1, (os.cpu_count() or 1) - args.num_actors))
-    # the inference thread must get the GIL as soon as a request arrives, not after the learner's 5 ms time slice
-    sys.setswitchinterval(0.0005)
-    torch.manual_seed(args.seed)
-    torch.backends.cudnn.deterministic = args.torch_deterministic
-    torch.use_deterministic_algorithms(args.torch_deterministic, warn_only=True)
-
-    # model, optimizer, shared memory: all allocated once, before the actors fork
-    model = make_model(obs_space, act_space, network, **model_options(args)).to(device)
-    optimizer = torch.optim.RMSprop(model.parameters(), lr=args.learning_rate, alpha=args.rmsprop_alpha,
-                                    eps=args.rmsprop_eps, momentum=args.rmsprop_momentum)  # fmt: skip
-    updates, global_step = 0, 0
-    if checkpoint:
-        model.load_state_dict(checkpoint["model"])
-        optimizer.load_state_dict(checkpoint["optimizer"])
-        updates, global_step = checkpoint["update"], checkpoint["global_step"]
-        torch.set_rng_state(checkpoint["torch_rng"])
-    M, N, K = args.num_actors, args.num_envs_per_actor, num_buffers_of(args)
-    steps_per_update = args.unroll_length * args.batch_size * N
-    num_updates = args.total_timesteps // steps_per_update
-    lstm = (model.core.num_layers, model.core.hidden_size) if model.core is not None else (1, 1)
-    obs_dtype = torch.uint8 if obs_space.dtype == np.uint8 else torch.float32
-    buffers = Buffers.allocate(K, args.unroll_length, N, obs_space.shape, obs_dtype, int(act_space.n), lstm)
-    # the actors' copy: the Nature network infers faster contiguous on CPU, trains faster channels_last (common.models)
-    acting_device = device if args.inference == "batched" else torch.device("cpu")
-    acting_model = make_model(obs_space, act_space, network, **model_options(args), channels_last=network != "nature")
-    acting = ActingModel(acting_model.to(acting_device), torch.tensor([updates]).share_memory_(), threading.Lock())
-    acting.refresh(model, updates)
-    ctx = mp.get_context("fork")
-    queues = Queues.create(ctx, buffers)
-    slots, requests, sems = None, None, []
-    if args.inference == "batched":
-        slots = InferenceSlots.allocate(M, N, obs_space.shape, obs_dtype, int(act_space.n), lstm)
-        requests, sems = RequestPipe(), [ctx.Semaphore(0) for _ in range(M)]
-    else:
-        acting.model.share_memory()
-    env_seed = args.seed + (1_000_003 * updates if checkpoint else 0)  # shifted on resume so episodes are new
-    actors = start_actors(args, env_seed, buffers, queues, acting, slots, requests, sems, ctx)
-    try:  # after the fork (no actor inherits wandb's threads and pipes), before the SummaryWriter (wandb patches it)
-        tracker = start_tracking(args, run_dir)
-    except SystemExit:  # wandb.init failed: its error line is printed, the actors stop before the exit
-        shutdown(actors, [], 0, queues, None)
-        raise
-
-    # TensorBoard after the fork (the writer runs a background thread), then the learner and inference threads
-    quiet_writer_thread()
-    writer = SummaryWriter(str(run_dir))
-    table = "\n".join(f"|{k}|{v}|" for k, v in {**asdict(args), "num_buffers": K}.items())
-    writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
-    print(f"run directory: {run_dir}  ({num_updates} updates of {steps_per_update} agent steps, {M} actors x {N} envs, "
-          f"{args.inference} inference, {network} network{' + LSTM' if args.use_lstm else ''}, {K} buffers)",
-          flush=True)  # fmt: skip
-    failures: list[str] = []
-    inference = None
-    if args.inference == "batched":
-        max_actors = M if not args.max_inference_batch else max(1, args.max_inference_batch // N)
-        inference = InferenceServer(acting, slots, requests, sems, max_actors, device, queues.stop, failures)
-    learner = Learner(args, model, optimizer, device, acting, buffers, queues, num_updates, writer, run_dir, meta,
-                      failures, inference, updates, global_step)  # fmt: skip
-    threads = [threading.Thread(target=learner.run, args=(j,), name=f"learner-{j}", daemon=True)
-               for j in range(args.num_learner_threads)]  # fmt: skip
-    if inference is not None:
-        threads.append(threading.Thread(target=inference.run, name="inference", daemon=True))
-    signals = StopSignals()
-    signals.install()
-    for t in threads:
-        t.start()
-
-    try:
-        actor_failure = watch(actors, threads[: args.num_learner_threads], queues, signals)
-    finally:
-        shutdown(actors, threads, args.num_learner_threads, queues, inference)
-        signals.restore()
-    finish(learner, actor_failure or (failures[0] if failures else None), signals.signum, threads, tracker)
 
 
 def main_eval_only(args: Args) -> None:
@@ -1428,6 +1251,213 @@ def main_eval_only(args: Args) -> None:
     except OSError as e:
         fail(f"cannot write {out}: {e.strerror or e}")
     print(f"mean return over {len(returns)} episodes: {report['mean']:.2f} (written to {out})")
+
+
+# -- supervision of local child processes (the scripts that start them) --
+
+
+def child_main(parent_pid: int, target, args: tuple) -> None:
+    """A child process's first call: Linux's kernel kills it when the main process dies, even by kill -9, so nothing
+    outlives the run (a main process already gone before prctl ran: exit at once). Signals are the main process's to
+    handle: it stops the children through the run's stop event."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # no prctl (not Linux)
+        pass
+    if os.getppid() != parent_pid:
+        os._exit(1)
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_IGN)
+    target(*args)
+
+
+class Processes:
+    """The run's child processes by name: started through child_main, watched through their sentinels (a blocking wait,
+    no polling), and stopped with a grace period before SIGKILL."""
+
+    def __init__(self, ctx):
+        self.ctx, self.procs = ctx, {}
+
+    def start(self, name: str, target, *args) -> None:
+        process = self.ctx.Process(target=child_main, name=name, args=(os.getpid(), target, args), daemon=True)
+        process.start()
+        self.procs[name] = process
+
+    def wait(self, timeout: float) -> str | None:
+        """Block until a child ends or `timeout` seconds pass; the description of a child that ended with a non-zero
+        status (an exception, a kill), or None."""
+        running = [p.sentinel for p in self.procs.values() if p.exitcode is None]
+        if running:
+            multiprocessing.connection.wait(running, timeout)
+        return self.failed()
+
+    def failed(self) -> str | None:
+        for name, p in self.procs.items():
+            if p.exitcode is not None and p.exitcode != 0:
+                how = f"killed by signal {-p.exitcode}" if p.exitcode < 0 else f"exit status {p.exitcode}"
+                return f"{name} died ({how})"
+        return None
+
+    def stop(self, grace: float) -> list[str]:
+        """Join every child within `grace` seconds in all (the caller has set the stop event), then SIGKILL the ones
+        left; returns their names."""
+        deadline = time.monotonic() + grace
+        for p in self.procs.values():
+            p.join(max(0.0, deadline - time.monotonic()))
+        stuck = [name for name, p in self.procs.items() if p.is_alive()]
+        for name in stuck:
+            self.procs[name].kill()
+            self.procs[name].join()
+        return stuck
+
+
+# -- script-specific: FLAG_RULES, RUN_SETTINGS, validate, env_spaces, checkpoint_meta, saved_model, evaluate, ... --
+
+
+FLAG_RULES = (
+    (">= 1", ("num_actors", "num_envs_per_actor", "num_learner_threads", "unroll_length", "batch_size",
+              "total_timesteps", "lstm_layers")),
+    ("> 0", ("learning_rate", "max_grad_norm", "vtrace_rho_bar", "vtrace_c_bar", "vtrace_pg_rho_bar", "rmsprop_eps",
+             "rmsprop_alpha")),
+    ("in (0, 1]", ("gamma",)),
+    (">= 0", ("checkpoint_interval", "eval_episodes", "torch_threads", "max_inference_batch", "vf_coef", "ent_coef",
+              "rmsprop_momentum", "lstm_size")),
+)  # fmt: skip
+RUN_SETTINGS = ("env_id", "atari_protocol", "network", "use_lstm", "lstm_size", "lstm_layers", "action_reward_inputs")
+# flags renamed for one vocabulary across the scripts: one error line naming the new one instead of tyro's usage box
+RENAMED_FLAGS = {"--entropy-cost": "is now --ent-coef (see --help)", "--baseline-cost": "is now --vf-coef (see --help)"}
+
+
+def parse_args(argv: list[str]) -> Args:
+    for arg in argv:
+        if (name := arg.split("=")[0]) in RENAMED_FLAGS:
+            fail(f"{name} {RENAMED_FLAGS[name]}")
+    return tyro.cli(Args, args=argv)
+
+
+def validate(args: Args) -> str | None:
+    """Every flag checked before anything is made or started: the error line (without `error: `), or None."""
+    if error := check_flags(args):
+        return error
+    N, K = args.num_envs_per_actor, num_buffers_of(args)
+    if K < max(args.num_actors, args.batch_size):
+        return (
+            f"--num-buffers ({K}) must be >= --num-actors ({args.num_actors}) and >= --batch-size ({args.batch_size})"
+        )
+    if 0 < args.max_inference_batch < N:
+        return (f"--max-inference-batch ({args.max_inference_batch}) must hold at least one actor's "
+                f"--num-envs-per-actor ({N}) envs (or be 0 = all)")  # fmt: skip
+    if args.total_timesteps < args.unroll_length * args.batch_size * N:
+        return (f"--total-timesteps ({args.total_timesteps}) is less than one learner batch ({args.unroll_length} "
+                f"steps x {args.batch_size} rollouts x {N} envs)")  # fmt: skip
+    if args.resume is not None and not Path(args.resume).is_file():
+        return f"--resume {args.resume}: no such checkpoint file"
+    if args.eval_only is not None and not Path(args.eval_only).is_file():
+        return f"--eval-only {args.eval_only}: no such file"
+    if args.track and importlib.util.find_spec("wandb") is None:
+        return '--track needs wandb: pip install -e ".[track]"'
+    try:
+        check_env_args(args.env_id, N, args.atari_protocol)  # the id too, without making the env
+        if args.capture_video and args.eval_only is None:  # fail now, not at the final evaluation
+            check_video(args.env_id, args.atari_protocol)
+    except EnvError as e:
+        return str(e)
+    return None
+
+
+def env_spaces(args: Args) -> tuple[gym.Space, gym.spaces.Discrete]:
+    """(observation space, action space) of one env of the training vector env; EnvError if this script cannot train
+    on it."""
+    probe = make_vector_env(args.env_id, 1, args.seed, protocol=args.atari_protocol, num_threads=1)
+    obs_space, act_space = probe.single_observation_space, probe.single_action_space
+    probe.close()
+    if not isinstance(act_space, gym.spaces.Discrete):
+        raise EnvError(f"{args.env_id} has a continuous action space ({act_space}); impala_monobeast.py handles "
+                       f"Discrete action spaces only (for continuous actions: apex_ddpg.py)")  # fmt: skip
+    return obs_space, act_space
+
+
+def checkpoint_meta(args: Args, network: str, obs_space: gym.Space, act_space: gym.spaces.Discrete) -> dict:
+    """What a checkpoint must match to be resumed by this run: script, env, network and shapes."""
+    return dict(script=Path(__file__).name, algo=None, env_id=args.env_id, network=network, **model_options(args),
+                obs_shape=list(obs_space.shape), action_shape_or_n=int(act_space.n))  # fmt: skip
+
+
+def saved_model(args: Args, settings: dict, state_dict: dict) -> nn.Module:
+    """--eval-only: the saved run's network (its inputs and LSTM included) with its parameters."""
+    model = make_model(*env_spaces(args), settings["network"], **model_options(args))
+    model.load_state_dict(state_dict)
+    return model
+
+
+def actor_error(died: str, errors: Queue) -> str:
+    """The error line of a dead actor (`died`, from Processes): with its traceback if it died of an exception."""
+    try:
+        error = errors.get(timeout=2.0)
+        return f"error: {died}; actor {error.actor_id}'s traceback:\n{error.traceback}"
+    except queue.Empty:  # killed: no traceback
+        return f"error: {died}"
+
+
+def shutdown(actors: Processes, threads: list[threading.Thread], queues: Queues, inference: InferenceServer | None):
+    """Stop every worker (their waits look at the stop event once a second; the inference thread blocks in a read of
+    its pipe and is woken), join the threads, then the actors (killed if they do not return), close the queues."""
+    queues.stop.set()
+    if inference is not None:
+        inference.requests.put(RequestPipe.WAKE)
+    deadline = time.monotonic() + 8.0  # an update in progress ends within seconds
+    for t in threads:
+        t.join(timeout=max(0.0, deadline - time.monotonic()))
+    actors.stop(grace=3.0)
+    queues.close()
+    if inference is not None:
+        inference.requests.close()
+
+
+def finish(learner: Learner, failure: str | None, signum: int, threads: list[threading.Thread], tracker=None) -> None:
+    """After the workers stopped: the final checkpoint and model, the evaluation, TensorBoard closed, the W&B run
+    (`tracker`) finished, the exit status (1 on failure, 128 + the signal's number when interrupted, else 0)."""
+    args, run_dir = learner.args, learner.run_dir
+    if signum:
+        print(f"interrupted at step {learner.global_step}: shutting down", file=sys.stderr)
+    try:
+        if failure is None and args.checkpoint_interval:
+            learner.save_checkpoint()
+        if failure is None and not signum and args.save_model:
+            atomic_save(learner.model.state_dict(), run_dir / "model.pt")
+    except WriteError as e:
+        failure = f"{e}; stopping (the last good checkpoint is kept)"
+    if failure is None and not signum and args.eval_episodes:
+        for i, ret in enumerate(evaluate(learner.model, args, run_dir / "videos", learner.device)):
+            learner.writer.add_scalar("eval/episodic_return", ret, i)
+            print(f"eval episode {i}: return {ret:.1f}")
+    try:
+        learner.writer.close()
+    except OSError as e:
+        failure = failure or write_error(e, f"the TensorBoard events in {run_dir}")
+    code = 1 if failure else 128 + signum if signum else 0
+    finish_tracking(tracker, run_dir, code)
+    if failure:
+        print(failure, file=sys.stderr)
+    leave(code, threads)
+
+
+def leave(code: int, threads: list[threading.Thread], teardown: bool = True) -> None:
+    """Exit with `code`. A thread still inside torch when the interpreter tears down makes C++ static destructors
+    abort the process ("terminate called without an active exception", SIGABRT), so if a worker thread outlived its
+    join, skip the teardown: TensorBoard is closed and checkpoints are written by now. `teardown=False` skips it too,
+    for torchrun ranks: gloo's transport threads outlive destroy_process_group (or the group lost a rank and was never
+    destroyed), and the teardown can abort the same way."""
+    alive = [t.name for t in threads if t.is_alive()]
+    if alive:
+        print(f"warning: {', '.join(alive)} still running at exit; leaving without interpreter teardown",
+              file=sys.stderr, flush=True)  # fmt: skip
+    if alive or not teardown:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    if code:
+        raise SystemExit(code)
 
 
 if __name__ == "__main__":
