@@ -100,17 +100,15 @@ class Args:
     eval_episodes: int = 0
     """episodes to evaluate the final policy on (logged as eval/episodic_return; --eval-only: 0 plays 10)"""
     eval_greedy: bool = True
-    """evaluate with argmax actions (TorchBeast's test mode: AtariNet in eval mode takes the argmax);
-    `--no-eval-greedy` samples from the policy instead. An evaluation episode is a full game; TorchBeast's test() ends
-    one at each lost life"""
+    """evaluate with argmax actions (TorchBeast's test mode); `--no-eval-greedy` samples. An evaluation episode is a
+    full game; TorchBeast's test() ends one at each lost life"""
     eval_only: str | None = None
     """evaluate a saved agent instead of training: a model.pt or checkpoint.pt of a run of this script; env, protocol,
     network and model options (TorchBeast's inputs, the LSTM) come from the run's args.json / checkpoint"""
     capture_video: bool = False
     """record videos of the evaluation episodes to {run_dir}/videos (--eval-only: {model dir}/videos-eval-{time})"""
     track: bool = False
-    """log the run to Weights & Biases: TensorBoard synced, Args as config, videos uploaded; needs
-    `pip install -e ".[track]"`"""
+    """log to Weights & Biases (TensorBoard synced, Args as config, videos uploaded); `pip install -e ".[track]"`"""
     wandb_project_name: str = "actorlearners"
     """Weights & Biases project of --track"""
     wandb_entity: str | None = None
@@ -130,8 +128,7 @@ class Args:
     max_inference_batch: int = 0
     """batched inference: most envs per forward pass (0 = all actors' envs)"""
     torch_threads: int = 0
-    """torch intra-op threads of the main process, which learns and runs batched inference (0 = the cores the actors
-    leave free, at least 1)"""
+    """torch threads of the main process, which learns and runs batched inference (0 = the cores the actors leave)"""
     network: Literal["auto", "nature", "impala", "mlp"] = "auto"
     """`nature` (TorchBeast's shallow net), `impala` (deep ResNet), `mlp`, or `auto` (nature for frames, else mlp)"""
     use_lstm: bool = False
@@ -143,8 +140,7 @@ class Args:
     action_reward_inputs: bool = True
     """feed the clipped reward and a one-hot of the last action beside the torso features (TorchBeast's AtariNet)"""
 
-    # loss and optimiser (TorchBeast monobeast.py defaults; IMPALA paper Table G.1 for Atari: unroll 20, batch 32,
-    # learning rate 6e-4, entropy cost 0.01)
+    # loss and optimiser (TorchBeast monobeast.py defaults; IMPALA's Atari setting, Table G.1: module docstring)
     unroll_length: int = 80
     """steps per rollout (T)"""
     batch_size: int = 8
@@ -181,17 +177,9 @@ class Args:
 
 
 def vtrace(
-    behaviour_logprob: torch.Tensor,
-    target_logprob: torch.Tensor,
-    rewards: torch.Tensor,
-    values: torch.Tensor,
-    dones: torch.Tensor,
-    next_value: torch.Tensor,
-    gamma: float,
-    rho_bar: float,
-    c_bar: float,
-    pg_rho_bar: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    behaviour_logprob: torch.Tensor, target_logprob: torch.Tensor, rewards: torch.Tensor, values: torch.Tensor,
+    dones: torch.Tensor, next_value: torch.Tensor, gamma: float, rho_bar: float, c_bar: float, pg_rho_bar: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """V-trace targets v_s and policy-gradient advantages (Espeholt et al. 2018, Eq. 1 and Section 4.2).
 
     Time-major inputs [T, B, ...] except next_value [B, ...] (any trailing dimensions); the discount is
@@ -223,14 +211,9 @@ def logprob_entropy(logits: torch.Tensor, actions: torch.Tensor) -> tuple[torch.
 
 
 def impala_loss(
-    target_logprob: torch.Tensor,
-    entropy: torch.Tensor,
-    values: torch.Tensor,
-    vs: torch.Tensor,
-    pg_advantages: torch.Tensor,
-    vf_coef: float,
-    ent_coef: float,
-) -> dict[str, torch.Tensor]:
+    target_logprob: torch.Tensor, entropy: torch.Tensor, values: torch.Tensor, vs: torch.Tensor,
+    pg_advantages: torch.Tensor, vf_coef: float, ent_coef: float,
+) -> dict[str, torch.Tensor]:  # fmt: skip
     """IMPALA's loss (Section 4.2) summed over the [T, B] batch, as TorchBeast sums it (its lr assumes sums)."""
     policy_loss = -(target_logprob * pg_advantages).sum()
     value_loss = 0.5 * ((vs - values) ** 2).sum()
@@ -396,19 +379,10 @@ class InferenceSlots:
     def allocate(
         M: int, N: int, obs_shape: tuple[int, ...], obs_dtype: torch.dtype, num_actions: int, lstm: tuple[int, int]
     ) -> InferenceSlots:
-        L, H = lstm
-        return InferenceSlots(
-            obs=torch.zeros((M, N, *obs_shape), dtype=obs_dtype).share_memory_(),
-            done=torch.zeros((M, N), dtype=torch.bool).share_memory_(),
-            last_action=torch.zeros((M, N), dtype=torch.int64).share_memory_(),
-            reward=torch.zeros((M, N)).share_memory_(),
-            action=torch.zeros((M, N), dtype=torch.int64).share_memory_(),
-            logits=torch.zeros((M, N, num_actions)).share_memory_(),
-            baseline=torch.zeros((M, N)).share_memory_(),
-            version=torch.zeros(M, dtype=torch.int64).share_memory_(),
-            h=torch.zeros((M, L, N, H)).share_memory_(),
-            c=torch.zeros((M, L, N, H)).share_memory_(),
-        )
+        shapes = dict(obs=(M, N, *obs_shape), logits=(M, N, num_actions), version=(M,), h=(M, lstm[0], N, lstm[1]))
+        shapes |= {k: (M, N) for k in ("done", "last_action", "reward", "action", "baseline")} | {"c": shapes["h"]}
+        dtypes = dict(obs=obs_dtype, done=torch.bool, last_action=torch.int64, action=torch.int64, version=torch.int64)
+        return InferenceSlots(**{k: torch.zeros(s, dtype=dtypes.get(k)).share_memory_() for k, s in shapes.items()})
 
 
 class RequestPipe:
@@ -443,13 +417,6 @@ class AgentOutput(NamedTuple):
     version: int  # learner updates behind the parameters that produced it
 
 
-class ActorError(NamedTuple):
-    """An actor -> the main process, as it dies of an exception."""
-
-    actor_id: int
-    traceback: str
-
-
 @dataclass
 class ActingModel:
     """The parameters the actors act with, a copy of the learner's model refreshed after every update, and the number
@@ -474,20 +441,19 @@ class Queues:
 
     free: Queue  # buffer indices an actor may fill
     full: Queue  # indices of written rollouts, oldest first, for the learner threads
-    errors: Queue  # ActorError of an actor that dies of an exception
     stop: Event  # set once: every worker returns
 
     @staticmethod
     def create(ctx: mp.context.BaseContext, buffers: Buffers) -> Queues:
         """The queues, with every buffer index on the free queue."""
-        queues = Queues(free=ctx.Queue(), full=ctx.Queue(), errors=ctx.Queue(), stop=ctx.Event())
+        queues = Queues(free=ctx.Queue(), full=ctx.Queue(), stop=ctx.Event())
         buffers.ledger.fill_(FREE_QUEUE)
         for index in range(len(buffers.ledger)):
             queues.free.put(index)
         return queues
 
     def close(self) -> None:
-        for q in (self.free, self.full, self.errors):
+        for q in (self.free, self.full):
             q.cancel_join_thread()  # never block at exit on data no one will read
             q.close()
 
@@ -506,14 +472,9 @@ def get_or_stop(q: Queue, stop: Event) -> int:
 
 
 def policy_step(
-    model: nn.Module,
-    obs: torch.Tensor,
-    done: torch.Tensor,
-    last_action: torch.Tensor,
-    reward: torch.Tensor,
-    state: LSTMState | None,
-    greedy: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, LSTMState | None]:
+    model: nn.Module, obs: torch.Tensor, done: torch.Tensor, last_action: torch.Tensor, reward: torch.Tensor,
+    state: LSTMState | None, greedy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, LSTMState | None]:  # fmt: skip
     """The agent's forward pass at one step: [B, ...] obs (and the [B] done, last action, raw reward that came with
     it) -> sampled (`greedy`: argmax) action, logits, baseline, next LSTM state."""
     if state is None:
@@ -638,30 +599,20 @@ class Actor:
 
 
 def actor_process(
-    actor_id: int,
-    args: Args,
-    env_seed: int,
-    buffers: Buffers,
-    queues: Queues,
-    policy: CopyPolicy | BatchedPolicy,
+    actor_id: int, args: Args, env_seed: int, buffers: Buffers, queues: Queues, policy: CopyPolicy | BatchedPolicy
 ) -> None:
     """An actor process: its envs (raw rewards: the loss clips them, or not) and its rollouts until stopped. An
-    exception's traceback goes to the main process, whose error line names the actor."""
+    exception ends it with its traceback on stderr (MonoBeast's `act`); the main process then names it and stops."""
     torch.set_num_threads(1)
     torch.manual_seed(env_seed)
-    envs = None
+    envs = make_vector_env(args.env_id, args.num_envs_per_actor, env_seed, protocol=args.atari_protocol,
+                           num_threads=1, clip_rewards=False)  # fmt: skip
     try:
-        envs = make_vector_env(args.env_id, args.num_envs_per_actor, env_seed, protocol=args.atari_protocol,
-                               num_threads=1, clip_rewards=False)  # fmt: skip
         Actor(actor_id, args, buffers, queues, policy).run(envs)
     except Stop:
         pass
-    except BaseException:
-        queues.errors.put(ActorError(actor_id, traceback.format_exc()))
-        raise SystemExit(1) from None
     finally:
-        if envs is not None:
-            envs.close()
+        envs.close()
 
 
 def evaluate(model: nn.Module, args: Args, video_dir: Path, device: torch.device) -> list[float]:
@@ -748,12 +699,10 @@ class InferenceServer:
             self.sems[i].release()
 
 
-def get_batch(
-    buffers: Buffers, queues: Queues, batch_size: int, batch_lock: threading.Lock
-) -> tuple[Rollouts, list[int]]:
+def get_batch(buffers: Buffers, queues: Queues, batch_size: int, lock: threading.Lock) -> tuple[Rollouts, list[int]]:
     """Dequeue `batch_size` indices (under a lock, so two learners never deadlock on half batches), stack the
     rollouts, and put the indices back on the free queue. Returns (batch, indices)."""
-    with batch_lock:
+    with lock:
         indices = []
         for _ in range(batch_size):
             index = get_or_stop(queues.full, queues.stop)
@@ -781,14 +730,14 @@ class Learner:
     acting: ActingModel
     buffers: Buffers
     queues: Queues
+    inference: InferenceServer | None
     num_updates: int
-    writer: SummaryWriter
     run_dir: Path
     meta: dict
-    failures: list[str]  # error lines of the threads; the first one is the run's
-    inference: InferenceServer | None
+    failures: list[str]  # error lines of the threads and of dead actors; the first one is the run's
     updates: int  # updates done (read and written under the learn lock, as are the counters below)
     global_step: int
+    writer: SummaryWriter | None = None  # made once the actors run (its thread is not forked)
     claimed: int = field(init=False)  # updates a learner thread has started on (each claims one before it batches)
     last_print: float = field(default_factory=time.time)
     last_checkpoint: float = field(default_factory=time.time)
@@ -848,10 +797,20 @@ class Learner:
         return True
 
     def log(self, batch: Rollouts, lr: float, lag: float, metrics: dict[str, float], timing: dict[str, float]) -> None:
-        """TensorBoard for this update; the console line and a checkpoint when they are due."""
-        step, now = self.global_step, time.time()
+        """TensorBoard for this update, the games that ended in its batch included; the console line and a checkpoint
+        when they are due."""
+        step, now, writer = self.global_step, time.time(), self.writer
         sps = (step - self.start[1]) / (now - self.start[0])
-        self.recent_returns.extend(log_update(self.writer, step, batch, lr, lag, sps, metrics, timing))
+        ends = batch.episode_end[1:]  # row 0 repeats the previous rollout's last row
+        returns = batch.episode_return[1:][ends].tolist()
+        for ret, length in zip(returns, batch.episode_length[1:][ends].tolist(), strict=True):
+            writer.add_scalar("charts/episodic_return", ret, step)
+            writer.add_scalar("charts/episodic_length", length, step)
+        scalars = {"charts/policy_lag": lag, "charts/SPS": sps, "charts/learning_rate": lr}
+        scalars |= {f"losses/{k}": v for k, v in metrics.items()} | {f"timing/{k}": v for k, v in timing.items()}
+        for tag, value in scalars.items():
+            writer.add_scalar(tag, value, step)
+        self.recent_returns.extend(returns)
         if now - self.last_print >= self.args.log_interval or self.updates == self.num_updates:
             mean_return = np.mean(self.recent_returns) if self.recent_returns else math.nan
             print(f"global_step={step} SPS={sps:.0f} mean_return={mean_return:.2f} "
@@ -862,38 +821,18 @@ class Learner:
             self.save_checkpoint()
             self.last_checkpoint = now
 
+    def evaluate(self) -> None:
+        """The final policy's evaluation games, logged as eval/episodic_return (videos: {run_dir}/videos)."""
+        for i, ret in enumerate(evaluate(self.model, self.args, self.run_dir / "videos", self.device)):
+            self.writer.add_scalar("eval/episodic_return", ret, i)
+            print(f"eval episode {i}: return {ret:.1f}")
+
     def save_checkpoint(self) -> None:
         """Model, optimizer, counters, RNG state, args and meta, written atomically to {run_dir}/checkpoint.pt."""
-        state = dict(
-            model=self.model.state_dict(),
-            optimizer=self.optimizer.state_dict(),
-            update=self.updates,
-            global_step=self.global_step,
-            torch_rng=torch.get_rng_state(),
-            args=asdict(self.args),
-            meta=self.meta,
-        )
+        state = dict(model=self.model.state_dict(), optimizer=self.optimizer.state_dict(), update=self.updates,
+                     global_step=self.global_step, torch_rng=torch.get_rng_state(), args=asdict(self.args),
+                     meta=self.meta)  # fmt: skip
         atomic_save(state, self.run_dir / "checkpoint.pt")
-
-
-def log_update(
-    writer: SummaryWriter, step: int, batch: Rollouts, lr: float, lag: float, sps: float, metrics: dict[str, float],
-    timing: dict[str, float],
-) -> list[float]:  # fmt: skip
-    """One update's TensorBoard scalars, the games that ended in its batch included; returns their returns."""
-    ends = batch.episode_end[1:]  # row 0 repeats the previous rollout's last row
-    returns = batch.episode_return[1:][ends].tolist()
-    for ret, length in zip(returns, batch.episode_length[1:][ends].tolist(), strict=True):
-        writer.add_scalar("charts/episodic_return", ret, step)
-        writer.add_scalar("charts/episodic_length", length, step)
-    writer.add_scalar("charts/policy_lag", lag, step)
-    writer.add_scalar("charts/SPS", sps, step)
-    writer.add_scalar("charts/learning_rate", lr, step)
-    for name, value in metrics.items():
-        writer.add_scalar(f"losses/{name}", value, step)
-    for name, value in timing.items():
-        writer.add_scalar(f"timing/{name}", value, step)
-    return returns
 
 
 # ---- Main ------------------------------------------------------------------------------------------------------------
@@ -909,18 +848,26 @@ def model_options(args: Args) -> dict:
                 action_reward_inputs=args.action_reward_inputs)  # fmt: skip
 
 
-def make_shared(
-    args: Args, obs_space: gym.Space, act_space: gym.spaces.Discrete, network: str, model: nn.Module, updates: int,
-    device: torch.device, ctx: mp.context.BaseContext, failures: list[str],
-) -> tuple[Buffers, Queues, ActingModel, InferenceServer | None]:  # fmt: skip
-    """What the actors share with the main process, made once before they fork (inherited, not pickled: MonoBeast's
-    choice): the rollout buffers, the queues, the acting copy of `model` and, with batched inference, the inference
-    server's slots, request pipe and semaphores (its thread starts later)."""
+def make_learner(
+    args: Args, obs_space: gym.Space, act_space: gym.spaces.Discrete, network: str, checkpoint: dict | None,
+    device: torch.device, ctx: mp.context.BaseContext, run_dir: Path, meta: dict,
+) -> Learner:  # fmt: skip
+    """The model and optimizer (restored from `checkpoint`), and what the actors share with the main process, made
+    once before they fork (inherited, not pickled: MonoBeast's choice): the rollout buffers, the queues, the acting
+    copy of the model and, with batched inference, the inference server's slots, pipe and semaphores."""
+    model = make_model(obs_space, act_space, network, **model_options(args)).to(device)
+    optimizer = torch.optim.RMSprop(model.parameters(), lr=args.learning_rate, alpha=args.rmsprop_alpha,
+                                    eps=args.rmsprop_eps, momentum=args.rmsprop_momentum)  # fmt: skip
+    updates, global_step = (checkpoint["update"], checkpoint["global_step"]) if checkpoint else (0, 0)
+    if checkpoint:
+        model.load_state_dict(checkpoint["model"])
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        torch.set_rng_state(checkpoint["torch_rng"])
     M, N, A = args.num_actors, args.num_envs_per_actor, int(act_space.n)
     lstm = (model.core.num_layers, model.core.hidden_size) if model.core is not None else (1, 1)
     obs_dtype = torch.uint8 if obs_space.dtype == np.uint8 else torch.float32
-    buffers = Buffers.allocate(num_buffers_of(args), args.unroll_length, N, obs_space.shape, obs_dtype, A, lstm)
-    queues = Queues.create(ctx, buffers)
+    buffers = Buffers.allocate(args.num_buffers, args.unroll_length, N, obs_space.shape, obs_dtype, A, lstm)
+    queues, failures, inference = Queues.create(ctx, buffers), [], None
     # the actors' copy: the Nature network infers faster contiguous on CPU, trains faster channels_last (common.models)
     copy = make_model(obs_space, act_space, network, **model_options(args), channels_last=network != "nature")
     copy.to(device if args.inference == "batched" else torch.device("cpu"))
@@ -928,12 +875,31 @@ def make_shared(
     acting.refresh(model, updates)
     if args.inference == "actor":
         acting.model.share_memory()
-        return buffers, queues, acting, None
-    slots = InferenceSlots.allocate(M, N, obs_space.shape, obs_dtype, A, lstm)
-    sems = [ctx.Semaphore(0) for _ in range(M)]
-    max_actors = M if not args.max_inference_batch else max(1, args.max_inference_batch // N)
-    inference = InferenceServer(acting, slots, RequestPipe(), sems, max_actors, device, queues.stop, failures)
-    return buffers, queues, acting, inference
+    else:
+        slots, sems = (
+            InferenceSlots.allocate(M, N, obs_space.shape, obs_dtype, A, lstm),
+            [ctx.Semaphore(0) for _ in range(M)],
+        )
+        max_actors = M if not args.max_inference_batch else max(1, args.max_inference_batch // N)
+        inference = InferenceServer(acting, slots, RequestPipe(), sems, max_actors, device, queues.stop, failures)
+    num_updates = args.total_timesteps // (args.unroll_length * args.batch_size * N)
+    return Learner(args, model, optimizer, device, acting, buffers, queues, inference, num_updates, run_dir, meta,
+                   failures, updates, global_step)  # fmt: skip
+
+
+def shutdown(actors: Processes, threads: list[threading.Thread], queues: Queues, inference: InferenceServer | None):
+    """Stop every worker (their waits look at the stop event once a second; the inference thread, blocked in a read
+    of its pipe, is woken), join the threads, then the actors (killed if they do not return), close the queues."""
+    queues.stop.set()
+    if inference is not None:
+        inference.requests.put(RequestPipe.WAKE)
+    deadline = time.monotonic() + 8.0  # an update in progress ends within seconds
+    for t in threads:
+        t.join(timeout=max(0.0, deadline - time.monotonic()))
+    actors.stop(grace=3.0)
+    queues.close()
+    if inference is not None:
+        inference.requests.close()
 
 
 def main(args: Args) -> None:
@@ -958,51 +924,34 @@ def main(args: Args) -> None:
     torch.backends.cudnn.deterministic = args.torch_deterministic
     torch.use_deterministic_algorithms(args.torch_deterministic, warn_only=True)
 
-    model = make_model(obs_space, act_space, network, **model_options(args)).to(device)
-    optimizer = torch.optim.RMSprop(model.parameters(), lr=args.learning_rate, alpha=args.rmsprop_alpha,
-                                    eps=args.rmsprop_eps, momentum=args.rmsprop_momentum)  # fmt: skip
-    updates, global_step = (checkpoint["update"], checkpoint["global_step"]) if checkpoint else (0, 0)
-    if checkpoint:
-        model.load_state_dict(checkpoint["model"])
-        optimizer.load_state_dict(checkpoint["optimizer"])
-        torch.set_rng_state(checkpoint["torch_rng"])
-    ctx, failures = mp.get_context("fork"), []
-    buffers, queues, acting, inference = make_shared(args, obs_space, act_space, network, model, updates, device, ctx,
-                                                     failures)  # fmt: skip
-    signals, actors, N = StopSignals(queues.stop), Processes(ctx), args.num_envs_per_actor
-    env_seed = args.seed + (1_000_003 * updates if checkpoint else 0)  # shifted on resume so episodes are new
+    ctx = mp.get_context("fork")
+    learner = make_learner(args, obs_space, act_space, network, checkpoint, device, ctx, run_dir, meta)
+    queues, inference, N = learner.queues, learner.inference, args.num_envs_per_actor
+    signals, actors, threads = StopSignals(queues.stop), Processes(ctx), []
+    env_seed = args.seed + (1_000_003 * learner.updates if checkpoint else 0)  # shifted on resume: new episodes
     for i in range(args.num_actors):  # env e of actor i is seeded env_seed + N i + e
-        policy = inference.policy(i, args.use_lstm) if inference else CopyPolicy(acting, N)
-        actors.start(f"actor-{i}", actor_process, i, args, env_seed + N * i, buffers, queues, policy)
-    try:  # after the fork (no actor inherits wandb's threads and pipes), before the SummaryWriter (wandb patches it)
-        tracker = start_tracking(args, run_dir)
-    except SystemExit:  # wandb.init failed: its error line is printed, the actors stop before the exit
-        shutdown(actors, [], queues, inference)
-        raise
-    writer = make_writer(run_dir, args)
-    num_updates = args.total_timesteps // (args.unroll_length * args.batch_size * N)
-    print(
-        f"run directory: {run_dir}  ({num_updates} updates, {args.num_actors} actors x {N} envs, {args.inference} "
-        f"inference, {network} network{' + LSTM' if args.use_lstm else ''}, {args.num_buffers} buffers)",
-        flush=True,
-    )
-    learner = Learner(args, model, optimizer, device, acting, buffers, queues, num_updates, writer, run_dir, meta,
-                      failures, inference, updates, global_step)  # fmt: skip
-    threads = [threading.Thread(target=learner.run, args=(j,), name=f"learner-{j}", daemon=True)
-               for j in range(args.num_learner_threads)]  # fmt: skip
-    threads += [threading.Thread(target=inference.run, name="inference", daemon=True)] if inference else []
-    for t in threads:
-        t.start()
-
-    try:  # the learner threads train; the main thread watches them and the actors
+        policy = inference.policy(i, args.use_lstm) if inference else CopyPolicy(learner.acting, N)
+        actors.start(f"actor-{i}", actor_process, i, args, env_seed + N * i, learner.buffers, queues, policy)
+    try:
+        tracker = start_tracking(args, run_dir)  # after the fork: no actor inherits wandb's threads and pipes
+        learner.writer = make_writer(run_dir, args)  # after wandb.init, which patches TensorBoard
+        print(f"run directory: {run_dir}  ({learner.num_updates} updates, {args.num_actors} actors x {N} envs, "
+              f"{args.inference} inference, {network} network{' + LSTM' if args.use_lstm else ''}, "
+              f"{args.num_buffers} buffers)", flush=True)  # fmt: skip
+        threads += [threading.Thread(target=learner.run, args=(j,), name=f"learner-{j}", daemon=True)
+                    for j in range(args.num_learner_threads)]  # fmt: skip
+        threads += [threading.Thread(target=inference.run, name="inference", daemon=True)] if inference else []
+        for t in threads:
+            t.start()
+        # the learner threads train; the main thread watches them and the actors
         while not queues.stop.is_set() and any(t.is_alive() for t in threads[: args.num_learner_threads]):
             if died := actors.wait(timeout=1.0):
-                failures.insert(0, actor_error(died, queues.errors))
+                learner.failures.insert(0, f"error: {died} (a traceback it raised is printed above)")
                 break
     finally:
         shutdown(actors, threads, queues, inference)
         signals.restore()
-    finish(learner, failures[0] if failures else None, signals.signum, threads, tracker)
+    finish(learner, learner.failures[0] if learner.failures else None, signals.signum, threads, tracker)
 
 
 # ---- run plumbing ------------------------------------------------------------------------------------------------
@@ -1315,16 +1264,13 @@ class Processes:
 
 
 FLAG_RULES = (
-    (">= 1", ("num_actors", "num_envs_per_actor", "num_learner_threads", "unroll_length", "batch_size",
-              "total_timesteps", "lstm_layers")),
-    ("> 0", ("learning_rate", "max_grad_norm", "vtrace_rho_bar", "vtrace_c_bar", "vtrace_pg_rho_bar", "rmsprop_eps",
-             "rmsprop_alpha")),
-    ("in (0, 1]", ("gamma",)),
-    (">= 0", ("checkpoint_interval", "eval_episodes", "torch_threads", "max_inference_batch", "vf_coef", "ent_coef",
-              "rmsprop_momentum", "lstm_size")),
+    (">= 1", ("num_actors", "num_envs_per_actor", "num_learner_threads", "unroll_length", "batch_size")),
+    (">= 1", ("total_timesteps", "lstm_layers")), ("in (0, 1]", ("gamma", "rmsprop_alpha")),
+    ("> 0", ("learning_rate", "max_grad_norm", "vtrace_rho_bar", "vtrace_c_bar", "vtrace_pg_rho_bar", "rmsprop_eps")),
+    (">= 0", ("checkpoint_interval", "eval_episodes", "torch_threads", "max_inference_batch", "lstm_size")),
+    (">= 0", ("vf_coef", "ent_coef", "rmsprop_momentum")),
 )  # fmt: skip
 RUN_SETTINGS = ("env_id", "atari_protocol", "network", "use_lstm", "lstm_size", "lstm_layers", "action_reward_inputs")
-# flags renamed for one vocabulary across the scripts: one error line naming the new one instead of tyro's usage box
 RENAMED_FLAGS = {"--entropy-cost": "is now --ent-coef (see --help)", "--baseline-cost": "is now --vf-coef (see --help)"}
 
 
@@ -1339,17 +1285,14 @@ def validate(args: Args) -> str | None:
     """Every flag checked before anything is made or started: the error line (without `error: `), or None."""
     if error := check_flags(args):
         return error
-    N, K = args.num_envs_per_actor, num_buffers_of(args)
-    if K < max(args.num_actors, args.batch_size):
-        return (
-            f"--num-buffers ({K}) must be >= --num-actors ({args.num_actors}) and >= --batch-size ({args.batch_size})"
-        )
+    M, N, B, K = args.num_actors, args.num_envs_per_actor, args.batch_size, num_buffers_of(args)
+    if K < max(M, B):
+        return f"--num-buffers ({K}) must be >= --num-actors ({M}) and >= --batch-size ({B})"
     if 0 < args.max_inference_batch < N:
-        return (f"--max-inference-batch ({args.max_inference_batch}) must hold at least one actor's "
-                f"--num-envs-per-actor ({N}) envs (or be 0 = all)")  # fmt: skip
-    if args.total_timesteps < args.unroll_length * args.batch_size * N:
+        return f"--max-inference-batch ({args.max_inference_batch}) must be 0 (all) or >= --num-envs-per-actor ({N})"
+    if args.total_timesteps < args.unroll_length * B * N:
         return (f"--total-timesteps ({args.total_timesteps}) is less than one learner batch ({args.unroll_length} "
-                f"steps x {args.batch_size} rollouts x {N} envs)")  # fmt: skip
+                f"steps x {B} rollouts x {N} envs)")  # fmt: skip
     if args.resume is not None and not Path(args.resume).is_file():
         return f"--resume {args.resume}: no such checkpoint file"
     if args.eval_only is not None and not Path(args.eval_only).is_file():
@@ -1366,8 +1309,7 @@ def validate(args: Args) -> str | None:
 
 
 def env_spaces(args: Args) -> tuple[gym.Space, gym.spaces.Discrete]:
-    """(observation space, action space) of one env of the training vector env; EnvError if this script cannot train
-    on it."""
+    """(observation space, action space) of one training env; EnvError if this script cannot train on it."""
     probe = make_vector_env(args.env_id, 1, args.seed, protocol=args.atari_protocol, num_threads=1)
     obs_space, act_space = probe.single_observation_space, probe.single_action_space
     probe.close()
@@ -1390,53 +1332,26 @@ def saved_model(args: Args, settings: dict, state_dict: dict) -> nn.Module:
     return model
 
 
-def actor_error(died: str, errors: Queue) -> str:
-    """The error line of a dead actor (`died`, from Processes): with its traceback if it died of an exception."""
-    try:
-        error = errors.get(timeout=2.0)
-        return f"error: {died}; actor {error.actor_id}'s traceback:\n{error.traceback}"
-    except queue.Empty:  # killed: no traceback
-        return f"error: {died}"
-
-
-def shutdown(actors: Processes, threads: list[threading.Thread], queues: Queues, inference: InferenceServer | None):
-    """Stop every worker (their waits look at the stop event once a second; the inference thread blocks in a read of
-    its pipe and is woken), join the threads, then the actors (killed if they do not return), close the queues."""
-    queues.stop.set()
-    if inference is not None:
-        inference.requests.put(RequestPipe.WAKE)
-    deadline = time.monotonic() + 8.0  # an update in progress ends within seconds
-    for t in threads:
-        t.join(timeout=max(0.0, deadline - time.monotonic()))
-    actors.stop(grace=3.0)
-    queues.close()
-    if inference is not None:
-        inference.requests.close()
-
-
 def finish(learner: Learner, failure: str | None, signum: int, threads: list[threading.Thread], tracker=None) -> None:
     """After the workers stopped: the final checkpoint and model, the evaluation, TensorBoard closed, the W&B run
-    (`tracker`) finished, the exit status (1 on failure, 128 + the signal's number when interrupted, else 0)."""
-    args, run_dir = learner.args, learner.run_dir
+    finished, the exit status (1 on failure, 128 + the signal's number when interrupted, else 0)."""
     if signum:
         print(f"interrupted at step {learner.global_step}: shutting down", file=sys.stderr)
     try:
-        if failure is None and args.checkpoint_interval:
+        if failure is None and learner.args.checkpoint_interval:
             learner.save_checkpoint()
-        if failure is None and not signum and args.save_model:
-            atomic_save(learner.model.state_dict(), run_dir / "model.pt")
+        if failure is None and not signum and learner.args.save_model:
+            atomic_save(learner.model.state_dict(), learner.run_dir / "model.pt")
     except WriteError as e:
         failure = f"{e}; stopping (the last good checkpoint is kept)"
-    if failure is None and not signum and args.eval_episodes:
-        for i, ret in enumerate(evaluate(learner.model, args, run_dir / "videos", learner.device)):
-            learner.writer.add_scalar("eval/episodic_return", ret, i)
-            print(f"eval episode {i}: return {ret:.1f}")
+    if failure is None and not signum and learner.args.eval_episodes:
+        learner.evaluate()
     try:
         learner.writer.close()
     except OSError as e:
-        failure = failure or write_error(e, f"the TensorBoard events in {run_dir}")
+        failure = failure or write_error(e, f"the TensorBoard events in {learner.run_dir}")
     code = 1 if failure else 128 + signum if signum else 0
-    finish_tracking(tracker, run_dir, code)
+    finish_tracking(tracker, learner.run_dir, code)
     if failure:
         print(failure, file=sys.stderr)
     leave(code, threads)
