@@ -8,29 +8,22 @@ Who runs where: actors are processes; learner threads and the inference thread r
       asking the policy at every row; index -> full.
   the policy: `--inference actor` (MonoBeast): the actor's CPU copy of the model in shared memory, refreshed in place
       after every update. `--inference batched` (PolyBeast's dynamic batching without gRPC): the actor writes its
-      inputs to its slot, its id to `requests` and waits on its semaphore; the inference thread takes every id
-      waiting (up to `--max-inference-batch` envs), runs one forward pass (GPU when present), writes the outputs
-      (action, logits, baseline, policy version) to the slots and releases the actors.
+      inputs to its slot and its id to a pipe; the inference thread takes every id waiting (up to
+      `--max-inference-batch` envs), runs one forward pass (GPU when present), writes the outputs to the slots.
   learner thread j (`--num-learner-threads`): B indices <- full (under a lock), stacked to [T + 1, B * N], indices
       -> free; then, one thread at a time: V-trace loss, RMSprop step, refresh of the acting parameters, logging.
-Policy lag (`charts/policy_lag`, updates between the acting and the learning parameters, averaged over the batch):
-  with one actor and one learner thread a row is at most ceil(K / B) updates old, ceil((K + 1) / B) for row 0 (acted
-  before the actor took the buffer): every buffer but the one being written may wait full. With more actors or
-  learner threads nothing bounds it (a slow actor keeps one buffer while the others cycle through the learner), and
-  the lag grows with the number of actors (IMPALA, Section 3).
-Determinism: none promised. Envs, initial parameters and sampling are seeded, but which policy version acts on which
-  step depends on process timing, as in MonoBeast.
+Policy lag (`charts/policy_lag`, updates between the acting and the learning parameters): with one actor and one
+  learner thread a row is at most ceil(K / B) updates old, ceil((K + 1) / B) for row 0, as every buffer but the one
+  being written may wait full. With more actors nothing bounds it, and it grows with their number (IMPALA, Sec. 3).
+Determinism: none promised: which policy version acts on which step depends on process timing, as in MonoBeast.
 Defaults are TorchBeast's (monobeast.py flags): 4 actors, unroll 80, batch 8, RMSprop lr 4.8e-4 decayed linearly to
-  0, shallow network and AtariNet's inputs (the clipped reward and a one-hot of the last action beside the torso
-  features, into a 2-layer LSTM as wide as them with `--use-lstm`), losses summed over the batch. Rewards reach the
-  buffers raw; the loss clips them (`--clip-rewards`). The IMPALA paper's Atari setting (Table G.1):
-  `--unroll-length 20 --batch-size 32 --learning-rate 6e-4 --ent-coef 0.01 --network impala`.
+  0, AtariNet's inputs (the clipped reward and a one-hot of the last action beside the torso features), losses summed
+  over the batch; rewards reach the buffers raw and the loss clips them. IMPALA's Atari setting is Table G.1's:
 
+    python impala_monobeast.py --env-id ALE/Pong-v5 --unroll-length 20 --batch-size 32 --learning-rate 6e-4 \\
+        --ent-coef 0.01 --network impala --use-lstm
     python impala_monobeast.py --env-id ALE/Breakout-v5                                # batched inference, 4 actors
     python impala_monobeast.py --env-id ALE/Pong-v5 --inference actor --num-actors 8    # MonoBeast exactly
-    python impala_monobeast.py --env-id ALE/Pong-v5 --unroll-length 20 --batch-size 32 --learning-rate 6e-4 \\
-        --ent-coef 0.01 --network impala --use-lstm                                     # Table G.1
-    python impala_monobeast.py --env-id ALE/Breakout-v5 --save-model --track         # logged to Weights & Biases
     python impala_monobeast.py --eval-only runs/<run>/model.pt --eval-episodes 10 --capture-video  # a saved agent
 """
 
@@ -69,8 +62,6 @@ from torch.utils.tensorboard import SummaryWriter
 
 from common.atari import EnvError, check_env_args, check_video, make_env, make_vector_env
 from common.models import LSTMState, make_model
-
-# ---- Args ------------------------------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -327,10 +318,11 @@ class Buffers(Rollouts):
         shapes = {k: rows for k in ROW_KEYS} | {k: (K,) for k in (*ROLLOUT_KEYS, "ledger")}
         shapes |= dict(obs=(*rows, *obs_shape), logits=(*rows, num_actions), initial_h=(K, lstm[0], N, lstm[1]),
                        initial_c=(K, lstm[0], N, lstm[1]))  # fmt: skip
-        dtypes = dict(obs=obs_dtype, done=torch.bool, episode_end=torch.bool, reward=torch.float32,
-                      episode_return=torch.float32, logits=torch.float32, baseline=torch.float32,
-                      initial_h=torch.float32, initial_c=torch.float32, free_wait=torch.float64,
-                      inference_wait=torch.float64)  # fmt: skip
+        floats = dict.fromkeys(
+            ("reward", "episode_return", "logits", "baseline", "initial_h", "initial_c"), torch.float32
+        )
+        dtypes = floats | dict(obs=obs_dtype, done=torch.bool, episode_end=torch.bool, free_wait=torch.float64,
+                               inference_wait=torch.float64)  # fmt: skip
         return Buffers(
             **{k: torch.zeros(s, dtype=dtypes.get(k, torch.int64)).share_memory_() for k, s in shapes.items()}
         )
@@ -503,10 +495,9 @@ class CopyPolicy:
     def __call__(self, obs, done, last_action, reward, stop: Event) -> AgentOutput:
         version = int(self.acting.version.item())  # read first: the parameters are at least this new
         with torch.inference_mode():
-            action, logits, baseline, self.state = policy_step(
-                self.acting.model, obs, done, last_action, reward, self.state
-            )
-        return AgentOutput(action, logits, baseline, version)
+            out = policy_step(self.acting.model, obs, done, last_action, reward, self.state)
+        self.state = out[3]
+        return AgentOutput(*out[:3], version)
 
 
 class BatchedPolicy:
@@ -537,40 +528,40 @@ class BatchedPolicy:
         return AgentOutput(slots.action[i].clone(), slots.logits[i], slots.baseline[i], int(slots.version[i].item()))
 
 
-class Actor:
-    """MonoBeast's `act()`: take a free index, write a rollout (row 0 = the previous rollout's row T), hand it to the
-    learners."""
+def act(b: Buffers, index: int, t: int, policy: CopyPolicy | BatchedPolicy, stop: Event) -> None:
+    """The agent's output at row t of buffer `index`, from the inputs stored there."""
+    out = policy(b.obs[index, t], b.done[index, t], b.last_action[index, t], b.reward[index, t], stop)
+    b.action[index, t].copy_(out.action)
+    b.logits[index, t].copy_(out.logits)
+    b.baseline[index, t].copy_(out.baseline)
+    b.version[index, t].fill_(out.version)
 
-    def __init__(self, actor_id: int, args: Args, buffers: Buffers, queues: Queues, policy: CopyPolicy | BatchedPolicy):
-        self.actor_id, self.T, self.buffers, self.queues = actor_id, args.unroll_length, buffers, queues
-        self.policy = policy
 
-    def act(self, index: int, t: int) -> None:
-        """The agent's output at row t of buffer `index`, from the inputs stored there."""
-        b = self.buffers
-        out = self.policy(b.obs[index, t], b.done[index, t], b.last_action[index, t], b.reward[index, t],
-                          self.queues.stop)  # fmt: skip
-        b.action[index, t].copy_(out.action)
-        b.logits[index, t].copy_(out.logits)
-        b.baseline[index, t].copy_(out.baseline)
-        b.version[index, t].fill_(out.version)
-
-    def run(self, envs: gym.vector.VectorEnv) -> None:
-        b, T, stop = self.buffers, self.T, self.queues.stop
-        obs, _ = envs.reset()
-        carried = None  # (row T of the previous rollout, the LSTM state before it): row 0 of the next
+def actor_process(
+    actor_id: int, args: Args, env_seed: int, b: Buffers, queues: Queues, policy: CopyPolicy | BatchedPolicy
+) -> None:
+    """An actor process, MonoBeast's `act()`: take a free index, write a rollout (row 0 = the previous rollout's row T)
+    and hand it to the learners, until stopped. Its envs hand over raw rewards (the loss clips them, or not). An
+    exception ends it with its traceback on stderr; the main process then names it and stops the run."""
+    torch.set_num_threads(1)
+    torch.manual_seed(env_seed)
+    envs = make_vector_env(args.env_id, args.num_envs_per_actor, env_seed, protocol=args.atari_protocol,
+                           num_threads=1, clip_rewards=False)  # fmt: skip
+    T, stop, (obs, _) = args.unroll_length, queues.stop, envs.reset()
+    carried = None  # (row T of the previous rollout, the LSTM state before it): row 0 of the next
+    try:
         for rollout in itertools.count(1):
             start = time.perf_counter()
-            index = get_or_stop(self.queues.free, stop)
+            index = get_or_stop(queues.free, stop)
             free_wait = time.perf_counter() - start
-            b.move(index, FREE_QUEUE, self.actor_id)
-            self.policy.wait = 0.0
+            b.move(index, FREE_QUEUE, actor_id)
+            policy.wait = 0.0
             if carried is None:  # x_0 starts an episode, reward and last action 0 (TorchBeast's `Environment.initial`)
                 b.set_row(index, 0, {k: torch.zeros_like(getattr(b, k)[index, 0]) for k in ROW_KEYS})
                 b.obs[index, 0].copy_(torch.from_numpy(obs))
                 b.done[index, 0] = True
-                state = self.policy.lstm_state()
-                self.act(index, 0)
+                state = policy.lstm_state()
+                act(b, index, 0, policy, stop)
             else:
                 row, state = carried
                 b.set_row(index, 0, row)
@@ -589,26 +580,13 @@ class Actor:
                 b.episode_return[index, t].copy_(torch.from_numpy(info["episode"]["r"]))
                 b.episode_length[index, t].copy_(torch.from_numpy(info["episode"]["l"]))
                 if t == T:  # the next rollout starts from this forward pass
-                    state = self.policy.lstm_state()
-                self.act(index, t)
+                    state = policy.lstm_state()
+                act(b, index, t, policy, stop)
             carried = (b.row(index, T), state)
-            b.actor_id[index], b.rollout[index] = self.actor_id, rollout
-            b.free_wait[index], b.inference_wait[index] = free_wait, self.policy.wait
-            b.move(index, self.actor_id, FULL_QUEUE)
-            self.queues.full.put(index)
-
-
-def actor_process(
-    actor_id: int, args: Args, env_seed: int, buffers: Buffers, queues: Queues, policy: CopyPolicy | BatchedPolicy
-) -> None:
-    """An actor process: its envs (raw rewards: the loss clips them, or not) and its rollouts until stopped. An
-    exception ends it with its traceback on stderr (MonoBeast's `act`); the main process then names it and stops."""
-    torch.set_num_threads(1)
-    torch.manual_seed(env_seed)
-    envs = make_vector_env(args.env_id, args.num_envs_per_actor, env_seed, protocol=args.atari_protocol,
-                           num_threads=1, clip_rewards=False)  # fmt: skip
-    try:
-        Actor(actor_id, args, buffers, queues, policy).run(envs)
+            b.actor_id[index], b.rollout[index] = actor_id, rollout
+            b.free_wait[index], b.inference_wait[index] = free_wait, policy.wait
+            b.move(index, actor_id, FULL_QUEUE)
+            queues.full.put(index)
     except Stop:
         pass
     finally:
@@ -876,10 +854,8 @@ def make_learner(
     if args.inference == "actor":
         acting.model.share_memory()
     else:
-        slots, sems = (
-            InferenceSlots.allocate(M, N, obs_space.shape, obs_dtype, A, lstm),
-            [ctx.Semaphore(0) for _ in range(M)],
-        )
+        slots = InferenceSlots.allocate(M, N, obs_space.shape, obs_dtype, A, lstm)
+        sems = [ctx.Semaphore(0) for _ in range(M)]
         max_actors = M if not args.max_inference_batch else max(1, args.max_inference_batch // N)
         inference = InferenceServer(acting, slots, RequestPipe(), sems, max_actors, device, queues.stop, failures)
     num_updates = args.total_timesteps // (args.unroll_length * args.batch_size * N)
