@@ -314,18 +314,14 @@ class Buffers(Rollouts):
         K: int, T: int, N: int, obs_shape: tuple[int, ...], obs_dtype: torch.dtype, num_actions: int,
         lstm: tuple[int, int],
     ) -> Buffers:  # fmt: skip
-        rows = (K, T + 1, N)
+        rows, lstm_shape = (K, T + 1, N), (K, lstm[0], N, lstm[1])
         shapes = {k: rows for k in ROW_KEYS} | {k: (K,) for k in (*ROLLOUT_KEYS, "ledger")}
-        shapes |= dict(obs=(*rows, *obs_shape), logits=(*rows, num_actions), initial_h=(K, lstm[0], N, lstm[1]),
-                       initial_c=(K, lstm[0], N, lstm[1]))  # fmt: skip
-        floats = dict.fromkeys(
-            ("reward", "episode_return", "logits", "baseline", "initial_h", "initial_c"), torch.float32
-        )
-        dtypes = floats | dict(obs=obs_dtype, done=torch.bool, episode_end=torch.bool, free_wait=torch.float64,
-                               inference_wait=torch.float64)  # fmt: skip
-        return Buffers(
-            **{k: torch.zeros(s, dtype=dtypes.get(k, torch.int64)).share_memory_() for k, s in shapes.items()}
-        )
+        shapes |= dict(obs=(*rows, *obs_shape), logits=(*rows, num_actions), initial_h=lstm_shape, initial_c=lstm_shape)
+        floats = ("reward", "episode_return", "logits", "baseline", "initial_h", "initial_c")
+        dtypes = dict(obs=obs_dtype, done=torch.bool, episode_end=torch.bool, free_wait=torch.float64,
+                      inference_wait=torch.float64) | dict.fromkeys(floats, torch.float32)  # fmt: skip
+        zeros = {k: torch.zeros(s, dtype=dtypes.get(k, torch.int64)).share_memory_() for k, s in shapes.items()}
+        return Buffers(**zeros)
 
     def move(self, index: int, owner: int, new_owner: int) -> None:
         """Hand `index` from `owner` to `new_owner`; the ledger must say `owner`, or the protocol is broken."""
@@ -495,9 +491,9 @@ class CopyPolicy:
     def __call__(self, obs, done, last_action, reward, stop: Event) -> AgentOutput:
         version = int(self.acting.version.item())  # read first: the parameters are at least this new
         with torch.inference_mode():
-            out = policy_step(self.acting.model, obs, done, last_action, reward, self.state)
-        self.state = out[3]
-        return AgentOutput(*out[:3], version)
+            action, logits, baseline, self.state = policy_step(self.acting.model, obs, done, last_action, reward,
+                                                               self.state)  # fmt: skip
+        return AgentOutput(action, logits, baseline, version)
 
 
 class BatchedPolicy:
@@ -547,7 +543,8 @@ def actor_process(
     torch.manual_seed(env_seed)
     envs = make_vector_env(args.env_id, args.num_envs_per_actor, env_seed, protocol=args.atari_protocol,
                            num_threads=1, clip_rewards=False)  # fmt: skip
-    T, stop, (obs, _) = args.unroll_length, queues.stop, envs.reset()
+    T, stop = args.unroll_length, queues.stop
+    obs, _ = envs.reset()
     carried = None  # (row T of the previous rollout, the LSTM state before it): row 0 of the next
     try:
         for rollout in itertools.count(1):
@@ -1247,13 +1244,14 @@ FLAG_RULES = (
     (">= 0", ("vf_coef", "ent_coef", "rmsprop_momentum")),
 )  # fmt: skip
 RUN_SETTINGS = ("env_id", "atari_protocol", "network", "use_lstm", "lstm_size", "lstm_layers", "action_reward_inputs")
-RENAMED_FLAGS = {"--entropy-cost": "is now --ent-coef (see --help)", "--baseline-cost": "is now --vf-coef (see --help)"}
+RENAMED_FLAGS = {"--entropy-cost": "--ent-coef", "--baseline-cost": "--vf-coef"}
 
 
 def parse_args(argv: list[str]) -> Args:
+    """tyro's parse of the command line, after refusing a renamed flag with one line that names the new one."""
     for arg in argv:
-        if (name := arg.split("=")[0]) in RENAMED_FLAGS:
-            fail(f"{name} {RENAMED_FLAGS[name]}")
+        if (name := arg.split("=", 1)[0]) in RENAMED_FLAGS:
+            fail(f"{name} is now {RENAMED_FLAGS[name]} (see --help)")
     return tyro.cli(Args, args=argv)
 
 
@@ -1309,8 +1307,7 @@ def saved_model(args: Args, settings: dict, state_dict: dict) -> nn.Module:
 
 
 def finish(learner: Learner, failure: str | None, signum: int, threads: list[threading.Thread], tracker=None) -> None:
-    """After the workers stopped: the final checkpoint and model, the evaluation, TensorBoard closed, the W&B run
-    finished, the exit status (1 on failure, 128 + the signal's number when interrupted, else 0)."""
+    """After the workers stopped: final checkpoint and model, evaluation, TensorBoard closed, W&B finished, exit."""
     if signum:
         print(f"interrupted at step {learner.global_step}: shutting down", file=sys.stderr)
     try:
