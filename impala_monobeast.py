@@ -919,7 +919,7 @@ def main(args: Args) -> None:
         # the learner threads train; the main thread watches them and the actors
         while not queues.stop.is_set() and any(t.is_alive() for t in threads[: args.num_learner_threads]):
             if died := actors.wait(timeout=1.0):
-                learner.failures.insert(0, f"error: {died} (a traceback it raised is printed above)")
+                learner.failures.insert(0, f"error: {died}")  # an exception's traceback: the actor printed it
                 break
     finally:
         shutdown(actors, threads, queues, inference)
