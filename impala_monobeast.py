@@ -29,6 +29,13 @@ Defaults are TorchBeast's (monobeast.py flags): 4 actors, unroll 80, batch 8, RM
 
 from __future__ import annotations
 
+import signal
+import sys
+
+if __name__ == "__main__":  # Ctrl+C while the imports below load: exit 130 without a traceback
+    signal.signal(signal.SIGINT, lambda signum, frame: sys.exit(128 + signum))
+
+import contextlib
 import ctypes
 import errno
 import hashlib
@@ -42,7 +49,6 @@ import multiprocessing.connection
 import os
 import queue
 import signal
-import sys
 import threading
 import time
 import traceback
@@ -887,7 +893,9 @@ def main(args: Args) -> None:
     args = replace(args, num_buffers=num_buffers_of(args))
     network = args.network if args.network != "auto" else ("nature" if len(obs_space.shape) == 3 else "mlp")
     meta = checkpoint_meta(args, network, obs_space, act_space)
-    checkpoint = load_checkpoint(args.resume, meta) if args.resume else None  # before anything is started or written
+    checkpoint = (
+        load_checkpoint(args.resume, meta, args) if args.resume else None
+    )  # before anything is started or written
     run_dir = Path(args.resume).parent if checkpoint else new_run_dir(args)
     write_run_args(run_dir, args, meta)
     device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
@@ -934,6 +942,9 @@ def main(args: Args) -> None:
 # script. What differs between scripts lives in the few script-specific functions at the end of this section.
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # Ctrl+C, kill, a closed terminal
+
+
 class Stop(Exception):
     """The run is stopping (a signal, a dead worker, the budget spent): raised to leave a wait or a loop early."""
 
@@ -949,17 +960,25 @@ class WriteError(Exception):
 class StopSignals:
     """Ctrl+C, SIGTERM and SIGHUP (a closed terminal or ssh session) record the first signal's number, for the exit
     status 128 + signum, and set `stop`, the event the run's waits and loops check; the run then stops at its own pace
-    and writes its final checkpoint. A second signal changes nothing, so a second Ctrl+C cannot cut the shutdown."""
+    and writes its final checkpoint. A second signal changes nothing, so a second Ctrl+C cannot cut the shutdown.
+    After `interruptible()` (the end-of-run evaluation: one thread, no queue or lock in use) a signal raises Stop."""
 
     def __init__(self, stop):
-        self.stop, self.signum = stop, 0
-        self.previous = {s: signal.signal(s, self.handler) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+        self.stop, self.signum, self.raise_stop = stop, 0, False
+        self.previous = {s: signal.signal(s, self.handler) for s in STOP_SIGNALS}
 
     def handler(self, signum: int, frame) -> None:
         self.signum = self.signum or signum
         # set from another thread: the handler runs in the main thread between two bytecodes, possibly while that
         # thread holds the event's own lock (inside wait or is_set), and a set() here would wait for it forever
         threading.Thread(target=self.stop.set, daemon=True).start()
+        if self.raise_stop:
+            raise Stop(f"signal {signum}")
+
+    def interruptible(self) -> None:
+        self.raise_stop = True
+        if self.signum:
+            raise Stop(f"signal {self.signum}")
 
     def restore(self) -> None:
         for signum, handler in self.previous.items():
@@ -976,26 +995,44 @@ def flag(name: str) -> str:
     return f"--{name.replace('_', '-')}"
 
 
-def rule_holds(rule: str, value) -> bool:
-    return {
-        ">= 1": value >= 1, ">= 0": value >= 0, "> 0": value > 0,
-        "in (0, 1]": 0 < value <= 1, "in [0, 1]": 0 <= value <= 1, "in [0, 1)": 0 <= value < 1,
-    }[rule]  # fmt: skip
-
-
 def check_flags(args: Args) -> str | None:
-    """The error line of the first float flag that is not a finite number or the first flag that breaks its rule in
-    FLAG_RULES (flags left at None are filled in later and skipped); None if all hold."""
+    """The error line of the first float flag that is not a finite number, of the first flag that breaks its rule in
+    FLAG_RULES (flags left at None are filled in later and skipped), or of a --track whose wandb does not import."""
     for f in fields(args):
         value = getattr(args, f.name)
         if isinstance(value, float) and not math.isfinite(value):
             return f"{flag(f.name)} must be a finite number, got {value}"
     for rule, names in FLAG_RULES:
-        for name in names:
-            value = getattr(args, name)
-            if value is not None and not rule_holds(rule, value):
+        for name, value in ((name, getattr(args, name)) for name in names):
+            holds = {">= 1": lambda v: v >= 1, ">= 0": lambda v: v >= 0, "> 0": lambda v: v > 0,
+                     "in (0, 1]": lambda v: 0 < v <= 1, "in [0, 1]": lambda v: 0 <= v <= 1,
+                     "in [0, 1)": lambda v: 0 <= v < 1}[rule]  # fmt: skip
+            if value is not None and not holds(value):
                 return f"{flag(name)} must be {rule}, got {value}"
+    if args.track:
+        try:
+            import wandb  # noqa: F401  optional: pip install -e ".[track]"
+        except Exception as e:  # not installed, or broken: refused before any directory is made
+            return f'--track needs wandb (pip install -e ".[track]"): {type(e).__name__}: {str(e)[:160]}'
     return None
+
+
+def parse_args(argv: list[str]) -> Args:
+    """tyro's parse of the command line, with a renamed flag (RENAMED_FLAGS) and tyro's own boxed message (an unknown
+    flag, a value of the wrong type) turned into the one error line and exit 2 of any other bad input."""
+    for arg in argv:
+        if (name := arg.split("=")[0]) in RENAMED_FLAGS:
+            fail(f"{name} {RENAMED_FLAGS[name]}")
+    box = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(box):
+            return tyro.cli(Args, args=argv)
+    except SystemExit as e:
+        if e.code in (0, None):
+            raise
+        lines = [line.strip("\u2502\u256d\u2570\u2500\u256e\u256f ") for line in box.getvalue().splitlines()]
+        fail(f"{next((x for x in lines[1:] if x), 'the command line cannot be parsed')} "
+             f"(see python {Path(__file__).name} --help)")  # fmt: skip
 
 
 def new_run_dir(args: Args) -> Path:
@@ -1053,17 +1090,22 @@ def finish_tracking(tracker, run_dir: Path, exit_code: int) -> None:
 
 
 def make_writer(run_dir: Path, args: Args):
-    """The run's TensorBoard writer with the hyperparameter table. Its writer thread dies of a write error (a full
-    disk) that the next write or close raises again in the main thread, which reports it in one line: the thread's own
-    traceback is kept quiet."""
+    """The run's TensorBoard writer, with the hyperparameter table and its writer thread's write errors kept quiet."""
     from torch.utils.tensorboard import SummaryWriter  # here, not at import: the writer starts a thread
 
-    default = threading.excepthook
-    threading.excepthook = lambda hook: None if issubclass(hook.exc_type, OSError) else default(hook)
+    threading.excepthook = quiet_writer_thread
     writer = SummaryWriter(str(run_dir))
     table = "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items())
     writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
     return writer
+
+
+def quiet_writer_thread(hook) -> None:
+    """threading.excepthook: TensorBoard's writer thread dies of a write error (a full disk) that the next write or
+    close raises again in the main thread, which reports it in one line; that thread's own traceback is noise."""
+    frames = traceback.extract_tb(hook.exc_traceback)
+    if not (issubclass(hook.exc_type, OSError) and any("tensorboard" in f.filename for f in frames)):
+        threading.__excepthook__(hook)
 
 
 def write_error(e: OSError, what) -> str:
@@ -1093,9 +1135,10 @@ def atomic_save(obj, path: Path) -> None:
         raise WriteError(write_error(e, path)) from None
 
 
-def load_checkpoint(path: str, meta: dict) -> dict:
-    """The checkpoint at `path` if this run can continue it (its meta, from checkpoint_meta, equals this run's);
-    otherwise one error line and exit 2, with nothing started."""
+def load_checkpoint(path: str, meta: dict, args: Args) -> dict:
+    """The checkpoint at `path` if this run can continue it: its meta (checkpoint_meta) is this run's and no flag in
+    RESUME_FIXED differs from its run's. Otherwise one error line and exit 2, with nothing started. Prints the step it
+    resumes from and every flag that differs from its run's."""
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as e:  # garbage, truncated, or pickled objects this interpreter cannot rebuild
@@ -1110,8 +1153,16 @@ def load_checkpoint(path: str, meta: dict) -> dict:
             f"({', '.join(f'{k} {theirs.get(k)}' for k in differ)}), this run is "
             f"{', '.join(f'{k} {meta[k]}' for k in differ)}"
         )
+    before, now = checkpoint.get("args", {}), asdict(args)
+    changed = [k for k in now if k in before and now[k] != before[k] and k not in ("resume", "eval_only")]
+    if fixed := [k for k in changed if k in RESUME_FIXED]:  # the run's shape: buffers, schedules, step arithmetic
+        k = fixed[0]
+        fail(f"cannot resume from {path} with {flag(k)} {now[k]}: its run has {before[k]} (these stay as they were "
+             f"in a resumed run: {', '.join(flag(name) for name in RESUME_FIXED)})")  # fmt: skip
     if not os.access(Path(path).parent, os.W_OK):
         fail(f"cannot write to the run directory {Path(path).parent} of --resume {path}")
+    said = ", ".join(f"{flag(k)} {now[k]} (was {before[k]})" for k in changed) or "none"
+    print(f"resuming {path} from step {checkpoint.get('global_step')}; flags that differ from its run: {said}")
     return checkpoint
 
 
@@ -1138,7 +1189,7 @@ def load_for_eval(args: Args) -> tuple[Args, nn.Module, dict]:
     settings = {k: run["meta"].get(k, run["args"][k]) for k in RUN_SETTINGS}  # meta: what `auto` resolved to
     for name, value in settings.items():  # a flag given on the command line must be the saved run's
         given = getattr(args, name)
-        if given != getattr(Args, name) and given not in (value, run["args"][name]):
+        if given != getattr(Args, name) and json.loads(json.dumps(given)) not in (value, run["args"][name]):
             fail(f"{flag(name)} {given} contradicts {path}, saved by a run with {value}")
     eval_args = replace(args, **{k: run["args"][k] for k in RUN_SETTINGS}, eval_episodes=args.eval_episodes or 10)
     try:
@@ -1181,15 +1232,16 @@ def main_eval_only(args: Args) -> None:
 def child_main(parent_pid: int, target, args: tuple) -> None:
     """A child process's first call: Linux's kernel kills it when the main process dies, even by kill -9, so nothing
     outlives the run (a main process already gone before prctl ran: exit at once). Signals are the main process's to
-    handle: it stops the children through the run's stop event."""
+    handle (it stops the children through the run's stop event): ignored here, then unblocked (Processes.start)."""
     try:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):  # no prctl (not Linux)
         pass
     if os.getppid() != parent_pid:
         os._exit(1)
-    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+    for signum in STOP_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
     target(*args)
 
 
@@ -1202,7 +1254,13 @@ class Processes:
 
     def start(self, name: str, target, *args) -> None:
         process = self.ctx.Process(target=child_main, name=name, args=(os.getpid(), target, args), daemon=True)
-        process.start()
+        # the child starts with the stop signals blocked (the mask survives fork and exec) until child_main ignores
+        # them: a Ctrl+C sent to the whole process group cannot interrupt a spawned child while it imports
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        try:
+            process.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         self.procs[name] = process
 
     def wait(self, timeout: float) -> str | None:
@@ -1243,16 +1301,9 @@ FLAG_RULES = (
     (">= 0", ("checkpoint_interval", "eval_episodes", "torch_threads", "max_inference_batch", "lstm_size")),
     (">= 0", ("vf_coef", "ent_coef", "rmsprop_momentum")),
 )  # fmt: skip
+RESUME_FIXED = ()  # TODO
 RUN_SETTINGS = ("env_id", "atari_protocol", "network", "use_lstm", "lstm_size", "lstm_layers", "action_reward_inputs")
-RENAMED_FLAGS = {"--entropy-cost": "--ent-coef", "--baseline-cost": "--vf-coef"}
-
-
-def parse_args(argv: list[str]) -> Args:
-    """tyro's parse of the command line, after refusing a renamed flag with one line that names the new one."""
-    for arg in argv:
-        if (name := arg.split("=", 1)[0]) in RENAMED_FLAGS:
-            fail(f"{name} is now {RENAMED_FLAGS[name]} (see --help)")
-    return tyro.cli(Args, args=argv)
+RENAMED_FLAGS = {"--entropy-cost": "is now --ent-coef (see --help)", "--baseline-cost": "is now --vf-coef (see --help)"}
 
 
 def validate(args: Args) -> str | None:
