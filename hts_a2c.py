@@ -40,7 +40,6 @@ import copy
 import ctypes
 import errno
 import hashlib
-import importlib.util
 import io
 import itertools
 import json
@@ -1046,8 +1045,6 @@ def validate(args: Args) -> str | None:
     for name in ("resume", "eval_only"):
         if (path := getattr(args, name)) is not None and not Path(path).is_file():
             return f"{flag(name)} {path}: no such file"
-    if args.track and importlib.util.find_spec("wandb") is None:
-        return '--track needs wandb: pip install -e ".[track]"'
     if args.eval_only is not None:  # env, network and model are the saved run's: load_for_eval checks them
         return None
     try:
