@@ -40,7 +40,6 @@ import copy
 import ctypes
 import errno
 import hashlib
-import importlib.util
 import io
 import itertools
 import json
@@ -710,7 +709,7 @@ def finish_run(
     interrupted: bool,
 ) -> str | None:  # fmt: skip
     """After the processes stopped: main's model becomes the final one, then the final checkpoint (hogwild), model.pt,
-    the last TensorBoard point and console line, the evaluation. Returns the run's error line, if any."""
+    the last TensorBoard point and console line. Returns the run's error line, if any."""
     run_dir = checkpoints.path.parent
     if shared.grad_q is not None:  # main's view of the shared model: the latest published version
         with torch.no_grad():
@@ -727,14 +726,6 @@ def finish_run(
     except OSError as e:
         failure = failure or write_error(e, f"the TensorBoard events in {run_dir}")
     print(progress.console_line(), flush=True)
-    if failure is None and not interrupted and args.eval_episodes:
-        for i, ret in enumerate(evaluate(model, args, run_dir / "videos", torch.device("cpu"))):
-            progress.writer.add_scalar("eval/episodic_return", ret, i)
-            print(f"eval episode {i}: return {ret:.1f}")
-    try:
-        progress.writer.close()
-    except OSError as e:
-        failure = failure or write_error(e, f"the TensorBoard events in {run_dir}")
     return failure
 
 
@@ -791,10 +782,23 @@ def main(args: Args) -> None:
             print("interrupted: shutting down", file=sys.stderr, flush=True)
         failure = shut_down(shared, processes, progress, checkpoints, failure, interrupted)
     failure = finish_run(args, model, shared, progress, checkpoints, failure, interrupted)
+    if failure is None and not signals.signum and args.eval_episodes:  # a signal ends the evaluation at once
+        print(f"evaluating the final policy: {args.eval_episodes} episodes", flush=True)
+        try:
+            signals.interruptible()
+            for i, ret in enumerate(evaluate(model, args, run_dir / "videos", torch.device("cpu"))):
+                progress.writer.add_scalar("eval/episodic_return", ret, i)
+                print(f"eval episode {i}: return {ret:.1f}")
+        except Stop:
+            print("interrupted: the final evaluation stopped", file=sys.stderr)
     signals.restore()
+    try:
+        progress.writer.close()
+    except OSError as e:
+        failure = failure or write_error(e, f"the TensorBoard events in {run_dir}")
     if failure:
         print(failure, file=sys.stderr)
-    code = 1 if failure else 128 + signals.signum if interrupted else 0
+    code = 1 if failure else 128 + signals.signum if signals.signum else 0
     finish_tracking(tracker, run_dir, code)
     if code:
         raise SystemExit(code)
@@ -1168,7 +1172,8 @@ FLAG_RULES = (
     (">= 0", ("log_interval",)),
 )
 RENAMED_FLAGS: dict[str, str] = {}  # old flag -> what to say instead
-RESUME_FIXED = ()  # TODO
+# a gradient's rollout (agent steps per version, the step arithmetic of a run) and --update server's per-worker slots
+RESUME_FIXED = ("num_workers", "num_envs_per_worker", "num_steps")
 RUN_SETTINGS = ("env_id", "atari_protocol", "network")
 
 
@@ -1176,8 +1181,6 @@ def validate(args: Args) -> str | None:
     """Every flag checked before anything is spawned; returns the error line or None (tyro checks the choices)."""
     if error := check_flags(args):
         return error
-    if args.track and importlib.util.find_spec("wandb") is None:
-        return '--track needs wandb: pip install -e ".[track]"'
     if args.resume is not None and not Path(args.resume).is_file():
         return f"--resume {args.resume}: no such checkpoint file"
     if args.eval_only is not None and not Path(args.eval_only).is_file():
@@ -1232,16 +1235,18 @@ def evaluate(model: nn.Module, args: Args, video_dir: Path, device: torch.device
     generator = torch.Generator(device=device).manual_seed(seed)
     returns = []
     obs, _ = env.reset()
-    while len(returns) < args.eval_episodes:
-        with torch.inference_mode():
-            logits, _ = model(torch.as_tensor(obs[None], device=device))
-        action = logits.argmax(dim=1) if args.eval_greedy else sample_actions(logits, generator)
-        obs, _, terminated, truncated, info = env.step(int(action[0]))
-        if terminated or truncated:
-            returns.append(float(info["episode"]["r"]))
-            if len(returns) < args.eval_episodes:  # no reset after the last game: it would record an empty video
-                obs, _ = env.reset()
-    env.close()
+    try:  # closed even when a signal ends the evaluation: a recorded video is finished
+        while len(returns) < args.eval_episodes:
+            with torch.inference_mode():
+                logits, _ = model(torch.as_tensor(obs[None], device=device))
+            action = logits.argmax(dim=1) if args.eval_greedy else sample_actions(logits, generator)
+            obs, _, terminated, truncated, info = env.step(int(action[0]))
+            if terminated or truncated:
+                returns.append(float(info["episode"]["r"]))
+                if len(returns) < args.eval_episodes:  # no reset after the last game: it would record an empty video
+                    obs, _ = env.reset()
+    finally:
+        env.close()
     return returns
 
 
