@@ -1039,7 +1039,7 @@ def load_for_eval(args: Args) -> tuple[Args, nn.Module, dict]:
     settings = {k: run["meta"].get(k, run["args"][k]) for k in RUN_SETTINGS}  # meta: what `auto` resolved to
     for name, value in settings.items():  # a flag given on the command line must be the saved run's
         given = getattr(args, name)
-        if given != getattr(Args, name) and given not in (value, run["args"][name]):
+        if given != getattr(Args, name) and json.loads(json.dumps(given)) not in (value, run["args"][name]):
             fail(f"{flag(name)} {given} contradicts {path}, saved by a run with {value}")
     eval_args = replace(args, **{k: run["args"][k] for k in RUN_SETTINGS}, eval_episodes=args.eval_episodes or 10)
     try:
