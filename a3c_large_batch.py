@@ -46,7 +46,6 @@ import math
 import multiprocessing.connection
 import os
 import queue
-import signal
 import threading
 import time
 import traceback
@@ -65,7 +64,7 @@ import torch.multiprocessing as mp
 import tyro
 from torch import nn
 
-from common.atari import EnvError, check_env_args, check_video, finished_episodes, make_env, make_vector_env
+from common.atari import EnvError, check_video, finished_episodes, make_env, make_vector_env
 from common.models import make_model
 
 # ---- Args ----
@@ -1188,13 +1187,15 @@ def validate(args: Args) -> str | None:
         return f"--eval-only {args.eval_only}: no such file"
     if args.total_timesteps < (n := args.num_envs_per_worker) * (T := args.num_steps):
         return f"--total-timesteps ({args.total_timesteps}) is less than one rollout ({n} envs x {T} steps)"
+    if args.eval_only is not None:  # env, network and model are the saved run's: load_for_eval checks them
+        return None
     try:
-        check_env_args(args.env_id, args.num_envs_per_worker, args.atari_protocol)
-        if args.capture_video and args.eval_only is None:  # fail now, not at the final evaluation
+        act_space = env_spaces(args)[1]  # an unknown env id: an EnvError that suggests close matches
+        if args.capture_video:  # fail now, not at the final evaluation
             check_video(args.env_id, args.atari_protocol)
     except EnvError as e:
         return str(e)
-    if not isinstance(act_space := env_spaces(args)[1], gym.spaces.Discrete):
+    if not isinstance(act_space, gym.spaces.Discrete):
         return f"{args.env_id} has a continuous action space ({act_space}); Discrete only (apex_ddpg.py: continuous)"
     return None
 
