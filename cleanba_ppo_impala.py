@@ -63,7 +63,7 @@ import tyro
 from torch import nn
 from tyro import conf
 
-from common.atari import EnvError, check_env_args, check_video, finished_episodes, make_env, make_vector_env
+from common.atari import EnvError, check_video, finished_episodes, make_env, make_vector_env
 from common.models import make_model
 
 # ---- Args ----
@@ -1066,10 +1066,9 @@ def validate(args: Args, world_size: int) -> str | None:
     if args.eval_only is not None:  # the env and the network are the saved run's: load_for_eval checks them
         return None if Path(args.eval_only).is_file() else f"--eval-only {args.eval_only}: no such file"
     try:
-        check_env_args(args.env_id, args.num_envs, args.atari_protocol)
+        space = env_spaces(args)[1]  # an unknown env id: make_vector_env's error line suggests close matches
         if args.capture_video:  # fail now, not at the final evaluation
             check_video(args.env_id, args.atari_protocol)
-        space = env_spaces(args)[1]
     except EnvError as e:
         return str(e)
     if not isinstance(space, gym.spaces.Discrete):  # the policy is categorical
