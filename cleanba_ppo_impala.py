@@ -9,23 +9,19 @@ One process per learner device (`torchrun` starts several, on one node or many);
       minibatches or V-trace minibatches -> gradients all-reduced over ranks (gloo on CPU, NCCL on GPU) -> every
       param_Q[i] <- Params(j, a flat copy of the parameters).
   param_Q[i], rollout_Q[i]: size 1, so an actor is at most one rollout ahead of the learner.
-Policy lag (Table 1): update 1 trains on data of the initial parameters; update k >= 2 trains on the rollout of the
-  parameters after update k - 2 (the second latest policy, pi_i --D(pi_{i-1})--> pi_{i+1}), so `charts/policy_lag`
-  = (k - 1) - version is 0, 1, 1, 1, ... (again from 0 after --resume). `--sync` is the paper's Synchronous
-  architecture: rollout, then learn, lag always 0.
-Determinism: the queue protocol fixes which parameters produced which data, whatever the hardware speed; actions
-  come from per-thread seeded generators and envs are seeded per rank and thread, so with `--torch-deterministic` on
-  CPU two runs with the same seed and flags end with bitwise equal parameters however slow either side is
-  (`--learner-delay`).
-Algorithms (`--algo`, all it switches is in `algorithm()`): PPO (clipped surrogate, GAE on the values the actor
-  stored, epochs x minibatches) or IMPALA (V-trace, one pass over minibatches of whole unrolls, the loss summed), with
-  Cleanba's defaults. Episodes reset in the step they end (common.atari), so the (1 - done) discount is the whole
-  mask. Step t pairs x_t and a_t with the reward and done of its own transition; Cleanba's cleanba_impala.py pairs x_t
-  with those that arrived with x_t, one step earlier, so its IMPALA curves are not expected to match step for step.
+Policy lag (Table 1): update 1 trains on data of the initial parameters, update k >= 2 on the rollout of those after
+  update k - 2 (pi_i --D(pi_{i-1})--> pi_{i+1}), so `charts/policy_lag` = (k - 1) - version is 0, 1, 1, 1, ... (from
+  0 again after --resume). `--sync`, the paper's Synchronous architecture (rollout, then learn): always 0.
+Determinism: the queue protocol fixes which parameters produced which data, whatever the hardware speed; actions come
+  from per-thread seeded generators, envs are seeded per rank and thread: with `--torch-deterministic` on CPU, two
+  runs with the same seed and flags end with bitwise equal parameters however slow either side is (`--learner-delay`).
+`--algo` switches ALGO_DEFAULTS, make_optimizer and the update: PPO (clipped surrogate, GAE on the values the actor
+  stored, epochs x minibatches) or IMPALA (V-trace, one pass over minibatches of whole unrolls, the loss summed).
+  Episodes reset in the step they end (common.atari), so the (1 - done) discount is the whole mask. Step t pairs x_t
+  and a_t with the reward and done of its own transition; Cleanba's cleanba_impala.py pairs x_t with those of the step
+  before, so its IMPALA curves are not expected to match step for step.
 
   python cleanba_ppo_impala.py --env-id ALE/Breakout-v5                     # Cleanba's settings: 128 envs, ResNet
-  python cleanba_ppo_impala.py --network nature --num-envs 8 --num-actor-threads 1 --total-timesteps 10000000 \\
-      --env-id ALE/Breakout-v5                                              # CleanRL ppo_atari's, CPU-sized
   python cleanba_ppo_impala.py --algo impala --env-id ALE/Pong-v5 --num-envs 32 --num-actor-threads 2 --track
   python cleanba_ppo_impala.py --eval-only runs/<run>/model.pt --eval-episodes 10 --capture-video  # a saved agent
   torchrun --nnodes 2 --node-rank $NODE_RANK --nproc-per-node 8 --rdzv-backend c10d \\
@@ -44,19 +40,17 @@ import contextlib
 import copy
 import errno
 import hashlib
-import importlib.util
 import io
 import itertools
 import json
 import math
 import os
 import queue
-import signal
 import threading
 import time
 import traceback
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Annotated, Literal, NamedTuple, NoReturn
@@ -67,17 +61,9 @@ import torch
 import torch.distributed as dist
 import tyro
 from torch import nn
+from tyro import conf
 
-from common.atari import (
-    EnvError,
-    EpisodeStatistics,
-    ale_game,
-    check_env_args,
-    check_video,
-    finished_episodes,
-    make_env,
-    make_vector_env,
-)
+from common.atari import EnvError, check_video, finished_episodes, make_env, make_vector_env
 from common.models import make_model
 
 # ---- Args ----
@@ -110,16 +96,13 @@ class Args:
     eval_episodes: int = 0
     """episodes to evaluate the final policy on (logged as eval/episodic_return; --eval-only: 0 plays 10)"""
     eval_greedy: bool = False
-    """evaluate with argmax actions; by default actions are sampled, the policy as it plays in training, whose
-    returns Cleanba reports"""
+    """evaluate with argmax actions; by default they are sampled, as in training (the returns Cleanba reports)"""
     eval_only: str | None = None
-    """evaluate a saved agent instead of training: a model.pt or checkpoint.pt of a run of this script; env, protocol,
-    algo and network come from the run's args.json / checkpoint"""
+    """evaluate a saved agent (model.pt or checkpoint.pt of this script) instead of training, on its run's settings"""
     capture_video: bool = False
     """record videos of the evaluation episodes to {run_dir}/videos (--eval-only: {model dir}/videos-eval-{time})"""
     track: bool = False
-    """log the run to Weights & Biases: TensorBoard synced, Args as config, videos uploaded; needs
-    `pip install -e ".[track]"`"""
+    """log to Weights & Biases (TensorBoard synced, Args as config, videos uploaded); `pip install -e ".[track]"`"""
     wandb_project_name: str = "actorlearners"
     """Weights & Biases project of --track"""
     wandb_entity: str | None = None
@@ -130,26 +113,19 @@ class Args:
     sync: bool = False
     """the paper's Synchronous architecture: rollout, then learn, no overlap (policy lag 0)"""
     network: Literal["auto", "nature", "impala", "mlp"] = "auto"
-    """`auto`: Cleanba's IMPALA ResNet (16/32/32, fc 256) on images for both algorithms, mlp on flat observations;
-    `nature` is CleanRL ppo_atari's network"""
+    """`auto`: Cleanba's IMPALA ResNet (16/32/32, fc 256) on images, mlp on flat observations; `nature`: CleanRL's"""
     num_envs: int = 128
-    """environments per rank, split evenly over the actor threads (Cleanba: 64 per thread x 2 threads; CleanRL
-    ppo_atari: 8 in one thread)"""
+    """environments per rank, split evenly over the actor threads (Cleanba: 2 x 64; CleanRL ppo_atari: 1 x 8)"""
     num_actor_threads: int = 2
     """actor threads per rank (Cleanba: 2; the data does not depend on it per env)"""
     env_threads: int = 0
     """ale-py stepping threads per actor thread (0 = the machine's cores / actor threads)"""
     torch_threads: int = 0
-    """torch intra-op threads of the learner (the main thread; each actor thread uses one); 0 = torch's default, one
-    per core"""
-    num_steps: Annotated[int | None, tyro.conf.arg(help_behavior_hint="(default: 128 ppo, 20 impala; Cleanba's)")] = (
-        None
-    )
+    """torch intra-op threads of the learner (each actor thread uses one); 0 = torch's default, one per core"""
+    num_steps: Annotated[int | None, conf.arg(help_behavior_hint="(default: 128 ppo, 20 impala; Cleanba's)")] = None
     """steps per env per rollout"""
-    learning_rate: Annotated[
-        float | None, tyro.conf.arg(help_behavior_hint="(default: 2.5e-4 ppo, 6e-4 impala; Cleanba's)")
-    ] = None
-    """learning rate (ppo: Adam, impala: RMSprop)"""
+    learning_rate: Annotated[float | None, conf.arg(help_behavior_hint="(default: 2.5e-4 ppo, 6e-4 impala)")] = None
+    """learning rate (ppo: Adam, impala: RMSprop; the defaults are Cleanba's)"""
     anneal_lr: bool = True
     """linearly anneal the learning rate to 0 over the run"""
     gamma: float = 0.99
@@ -168,17 +144,14 @@ class Args:
     """entropy bonus coefficient"""
     vf_coef: float = 0.5
     """value loss coefficient"""
-    max_grad_norm: Annotated[
-        float | None, tyro.conf.arg(help_behavior_hint="(default: 0.5 ppo, 40 impala; Cleanba's)")
-    ] = None
-    """global gradient-norm clip"""
+    max_grad_norm: Annotated[float | None, conf.arg(help_behavior_hint="(default: 0.5 ppo, 40 impala)")] = None
+    """global gradient-norm clip (the defaults are Cleanba's)"""
     adam_eps: float = 1e-5
     """PPO: Adam epsilon"""
     rmsprop_alpha: float = 0.99
     """IMPALA: RMSprop smoothing constant"""
     rmsprop_eps: float = 0.01
-    """IMPALA: RMSprop epsilon (PyTorch-style: added outside the square root), sized for the loss summed over a
-    minibatch"""
+    """IMPALA: RMSprop epsilon (added outside the square root), sized for the loss summed over a minibatch"""
     vtrace_rho_bar: float = 1.0
     """IMPALA: truncation of the importance weights in the V-trace value targets (rho-bar)"""
     vtrace_c_bar: float = 1.0
@@ -284,29 +257,31 @@ def logprob_entropy(logits: torch.Tensor, actions: torch.Tensor) -> tuple[torch.
     return logp.gather(-1, actions[..., None]).squeeze(-1), -(logp.exp() * logp).sum(-1)
 
 
-class Algorithm(NamedTuple):
-    """Everything `--algo` switches."""
+# the flags whose default depends on --algo (None until resolve_defaults): Cleanba's cleanba_ppo.py and
+# cleanba_impala.py Args
+ALGO_DEFAULTS = {
+    "ppo": {"num_steps": 128, "learning_rate": 2.5e-4, "max_grad_norm": 0.5},
+    "impala": {"num_steps": 20, "learning_rate": 6e-4, "max_grad_norm": 40.0},
+}
 
-    defaults: dict[str, float]  # of the flags left at None
-    optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
-    update: Callable[..., Iterator[dict[str, torch.Tensor]]]  # the losses of one update (ppo_update, impala_update)
+
+def resolve_defaults(args: Args) -> Args:
+    """Fill the flags left at None from ALGO_DEFAULTS[--algo]."""
+    return replace(args, **{k: v for k, v in ALGO_DEFAULTS[args.algo].items() if getattr(args, k) is None})
 
 
-def algorithm(args: Args) -> Algorithm:
-    """The one place `--algo` branches; the defaults are Cleanba's (cleanba_ppo.py and cleanba_impala.py Args)."""
+def pick_network(args: Args, obs_shape: tuple[int, ...]) -> str:
+    """`auto`: Cleanba's IMPALA ResNet for image observations, with either algorithm; an MLP for flat ones."""
+    if args.network != "auto":
+        return args.network
+    return "impala" if len(obs_shape) == 3 else "mlp"
+
+
+def make_optimizer(args: Args, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+    """Cleanba's: Adam for PPO, RMSprop for IMPALA."""
     if args.algo == "ppo":
-        return Algorithm(
-            defaults=dict(num_steps=128, learning_rate=2.5e-4, max_grad_norm=0.5),
-            optimizer=lambda params: torch.optim.Adam(params, lr=args.learning_rate, eps=args.adam_eps),
-            update=ppo_update,
-        )
-    return Algorithm(
-        defaults=dict(num_steps=20, learning_rate=6e-4, max_grad_norm=40.0),
-        optimizer=lambda params: torch.optim.RMSprop(
-            params, lr=args.learning_rate, alpha=args.rmsprop_alpha, eps=args.rmsprop_eps
-        ),
-        update=impala_update,
-    )
+        return torch.optim.Adam(params, lr=args.learning_rate, eps=args.adam_eps)
+    return torch.optim.RMSprop(params, lr=args.learning_rate, alpha=args.rmsprop_alpha, eps=args.rmsprop_eps)
 
 
 def ppo_update(model: nn.Module, data: Rollout, args: Args, generator) -> Iterator[dict[str, torch.Tensor]]:
@@ -356,9 +331,8 @@ ROLLOUT_TENSORS = ("obs", "actions", "logprobs", "values", "rewards", "dones", "
 
 @dataclass
 class Rollout:
-    """T steps of N envs. Each actor thread owns two, preallocated and reused, and puts the one it filled on its
-    rollout_Q (actor -> learner: the buffer itself, filled in place); the learner concatenates the threads' rollouts
-    into one on its device."""
+    """T steps of N envs. Each actor thread owns two, preallocated and reused, and puts the one it filled in place on
+    its rollout_Q (actor -> learner); the learner concatenates the threads' rollouts into one on its device."""
 
     obs: torch.Tensor  # [T, N, *obs_shape], the observation each action was taken in
     actions: torch.Tensor  # [T, N]
@@ -385,8 +359,8 @@ class Rollout:
 
 
 class Params(NamedTuple):
-    """learner -> actor on param_Q: the parameters after update `version`, as one flat copy (the learner trains on
-    while the actors load it)."""
+    """learner -> actor on param_Q: the parameters after update `version`, one flat copy (the learner trains on while
+    the actors load it)."""
 
     version: int
     flat: torch.Tensor
@@ -420,7 +394,7 @@ class Actor:
     """One actor thread's envs, policy copy, sampling generator, two rollout buffers and two size-1 queues."""
 
     index: int
-    envs: EpisodeStatistics
+    envs: gym.vector.VectorEnv
     model: nn.Module
     generator: torch.Generator
     buffers: tuple[Rollout, Rollout]
@@ -428,21 +402,12 @@ class Actor:
     rollout_q: queue.Queue[Rollout] = field(default_factory=lambda: queue.Queue(maxsize=1))
 
 
-def blocking_get(q: queue.Queue, stop: threading.Event):
-    """`q.get()` that gives up when `stop` is set (wakes once a second to look; no busy wait)."""
+def blocking(method, stop: threading.Event, *item):
+    """A queue's get or put(item) (`method`) that gives up when `stop` is set (it wakes once a second: no busy wait)."""
     while True:
         try:
-            return q.get(timeout=1.0)
-        except queue.Empty:
-            if stop.is_set():
-                raise Stop from None
-
-
-def blocking_put(q: queue.Queue, item, stop: threading.Event) -> None:
-    while True:
-        try:
-            return q.put(item, timeout=1.0)
-        except queue.Full:
+            return method(*item, timeout=1.0)
+        except (queue.Empty, queue.Full):
             if stop.is_set():
                 raise Stop from None
 
@@ -461,14 +426,11 @@ def copy_flat_into(tensors: Iterable[torch.Tensor], flat: torch.Tensor) -> None:
 
 
 def stack_rollouts(rollouts: list[Rollout], device: torch.device) -> Rollout:
-    """The actor threads' rollouts concatenated along the env axis, on the learner device."""
-    if len(rollouts) == 1:
-        tensors = {k: getattr(rollouts[0], k) for k in ROLLOUT_TENSORS}
-    else:
-        tensors = {
-            k: torch.cat([getattr(r, k) for r in rollouts], dim=0 if k == "next_obs" else 1) for k in ROLLOUT_TENSORS
-        }
-    return Rollout(**{k: v.to(device, non_blocking=True) for k, v in tensors.items()})
+    """The actor threads' rollouts concatenated along the env axis (no copy for one thread), on the learner device."""
+    tensors = {k: [getattr(r, k) for r in rollouts] for k in ROLLOUT_TENSORS}
+    if len(rollouts) > 1:
+        tensors = {k: [torch.cat(v, dim=0 if k == "next_obs" else 1)] for k, v in tensors.items()}
+    return Rollout(**{k: v[0].to(device, non_blocking=True) for k, v in tensors.items()})
 
 
 # ---- Actor threads ----
@@ -494,7 +456,7 @@ def actor_thread(actor: Actor, device: torch.device, iterations: int, sync: bool
         for iteration in range(1, iterations + 1):
             start = time.perf_counter()
             if sync or iteration != 2:  # skipping the 2nd get is what lets rollout and learning overlap
-                version, flat = blocking_get(actor.param_q, control.stop)
+                version, flat = blocking(actor.param_q.get, control.stop)
                 copy_flat_into(params, flat)
             buf = actor.buffers[iteration % 2]  # the learner finished the other buffer before publishing `version`
             buf.param_wait = time.perf_counter() - start
@@ -514,7 +476,7 @@ def actor_thread(actor: Actor, device: torch.device, iterations: int, sync: bool
                 buf.dones[t].copy_(torch.from_numpy(terminated | truncated))
                 buf.episodes += finished_episodes(info)
             buf.next_obs.copy_(torch.from_numpy(next_obs))
-            blocking_put(actor.rollout_q, buf, control.stop)
+            blocking(actor.rollout_q.put, control.stop, buf)
     except Stop:
         pass
     except BaseException:
@@ -547,10 +509,6 @@ def make_actors(args: Args, rank: int, device, network: str, obs_space, act_spac
 # ---- Learner ----
 
 
-def mean_metrics(metrics: list[dict[str, torch.Tensor]]) -> dict[str, float]:
-    return {k: torch.stack([m[k] for m in metrics]).mean().item() for k in metrics[0]}
-
-
 class Learner:
     """The learner's state between updates (what a checkpoint holds) and its loop: take one rollout from every actor
     thread, step on the update's minibatch losses with gradients averaged over ranks, publish the new parameters."""
@@ -558,8 +516,8 @@ class Learner:
     def __init__(self, args: Args, model: nn.Module, actors: list[Actor], device, rank, world_size, meta, checkpoint):
         self.args, self.model, self.actors, self.device = args, model, actors, device
         self.world_size, self.meta = world_size, meta
-        self.optimizer = algorithm(args).optimizer(model.parameters())
-        self.update_rule = algorithm(args).update
+        self.optimizer = make_optimizer(args, model.parameters())
+        self.update_rule = ppo_update if args.algo == "ppo" else impala_update
         self.generator = torch.Generator().manual_seed(args.seed * 7919 + rank)
         self.steps_per_update = args.num_envs * args.num_steps * world_size
         self.num_updates = args.total_timesteps // self.steps_per_update
@@ -576,13 +534,13 @@ class Learner:
     def publish(self, stop: threading.Event) -> None:
         params = Params(self.update, flatten(self.model.parameters()))
         for actor in self.actors:
-            blocking_put(actor.param_q, params, stop)
+            blocking(actor.param_q.put, stop, params)
 
     def train(self, stop: threading.Event) -> UpdateRecord:
         if self.args.learner_delay:
             time.sleep(self.args.learner_delay)
         start = time.perf_counter()
-        rollouts = [blocking_get(actor.rollout_q, stop) for actor in self.actors]
+        rollouts = [blocking(actor.rollout_q.get, stop) for actor in self.actors]
         rollout_wait = time.perf_counter() - start
         self.update += 1
         lr = self.args.learning_rate
@@ -595,11 +553,9 @@ class Learner:
         metrics = []
         for losses in self.update_rule(self.model, data, self.args, self.generator):
             metrics.append(self.step(losses))
-            # an actor died or Ctrl+C: the update ends at this minibatch (the checkpoint snapshot, taken between
-            # updates, stays consistent)
-            if stop.is_set():
+            if stop.is_set():  # an actor died or Ctrl+C: end here (the snapshot is of the last whole update)
                 raise Stop
-        losses = mean_metrics(metrics)
+        losses = {k: torch.stack([m[k] for m in metrics]).mean().item() for k in metrics[0]}
         train_time = time.perf_counter() - start
         self.global_step += self.steps_per_update
         lag = (self.update - 1) - rollouts[0].version
@@ -725,11 +681,10 @@ def main(args: Args) -> None:
         tracker = start_tracking(args, run_dir)  # before UpdateLog's SummaryWriter
 
     device = init_torch(args, rank, world_size)
-    network = pick_network(args, obs_space.shape)
-    model = make_model(obs_space, act_space, network).to(device)
-    actors = make_actors(args, rank, device, network, obs_space, act_space, checkpoint)
+    model = make_model(obs_space, act_space, meta["network"]).to(device)
+    actors = make_actors(args, rank, device, meta["network"], obs_space, act_space, checkpoint)
     learner = Learner(args, model, actors, device, rank, world_size, meta, checkpoint)
-    log = UpdateLog(args, run_dir, world_size, learner, network) if rank == 0 else None
+    log = UpdateLog(args, run_dir, world_size, learner, meta["network"]) if rank == 0 else None
     checkpoints = Checkpoints(args, run_dir, learner)
     control = Control()
     remaining = learner.num_updates - learner.update
@@ -767,7 +722,6 @@ def main(args: Args) -> None:
         deadline = time.time() + 8.0  # every wait wakes within a second; a rollout or minibatch ends within seconds
         for thread in threads:
             thread.join(timeout=max(0.0, deadline - time.time()))
-        signals.restore()
 
     failure = failure or (control.errors[0] if control.errors else None)
     if signals.signum:
@@ -775,9 +729,10 @@ def main(args: Args) -> None:
     finished = failure is None and not signals.signum
     if finished and world_size > 1:
         failure = ranks_agree(model, rank, world_size)
-    if log is not None:
+    if log is not None:  # a signal from here on still sets the exit status; one in the evaluation ends it
         final_state = checkpoints.last if failure is None else None
-        failure = failure or end_run(args, run_dir, log, model, final_state, finished, device)
+        failure = failure or end_run(args, run_dir, log, model, final_state, finished, signals, device)
+    signals.restore()
     if failure:
         print(failure, file=sys.stderr)
     code = 1 if failure else (128 + signals.signum if signals.signum else 0)
@@ -1082,23 +1037,10 @@ FLAG_RULES = (
     ("in [0, 1]", ("gae_lambda", "rmsprop_alpha")),
 )  # fmt: skip
 RENAMED_FLAGS: dict[str, str] = {}  # old flag -> what to say instead
-RESUME_FIXED = ()  # TODO
+# the run's shape: the envs and actor threads lay out the buffers, env seeds and saved generators, and an update's
+# agent steps (envs x steps) are the unit of the saved update count and of the learning-rate schedule
+RESUME_FIXED = ("num_envs", "num_actor_threads", "num_steps")
 RUN_SETTINGS = ("env_id", "atari_protocol", "algo", "network")
-
-
-def resolve_defaults(args: Args) -> Args:
-    """Fill the flags left at None from Cleanba's settings for `--algo`."""
-    for name, value in algorithm(args).defaults.items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
-    return args
-
-
-def pick_network(args: Args, obs_shape: tuple[int, ...]) -> str:
-    """`auto`: Cleanba's IMPALA ResNet for image observations, with either algorithm; an MLP for flat ones."""
-    if args.network != "auto":
-        return args.network
-    return "impala" if len(obs_shape) == 3 else "mlp"
 
 
 def validate(args: Args, world_size: int) -> str | None:
@@ -1121,32 +1063,20 @@ def validate(args: Args, world_size: int) -> str | None:
         return f"--resume {args.resume}: no such checkpoint file"
     if args.eval_only is not None and world_size > 1:
         return "--eval-only runs in one process: python cleanba_ppo_impala.py --eval-only PATH, without torchrun"
-    if args.eval_only is not None and not Path(args.eval_only).is_file():
-        return f"--eval-only {args.eval_only}: no such file"
-    if args.track and importlib.util.find_spec("wandb") is None:
-        return '--track needs wandb: pip install -e ".[track]"'
+    if args.eval_only is not None:  # the env and the network are the saved run's: load_for_eval checks them
+        return None if Path(args.eval_only).is_file() else f"--eval-only {args.eval_only}: no such file"
     try:
-        check_env_args(args.env_id, args.num_envs, args.atari_protocol)
-        if args.capture_video and args.eval_only is None:  # fail now, not at the final evaluation
+        space = env_spaces(args)[1]  # an unknown env id: make_vector_env's error line suggests close matches
+        if args.capture_video:  # fail now, not at the final evaluation
             check_video(args.env_id, args.atari_protocol)
     except EnvError as e:
         return str(e)
-    return action_space_error(args.env_id)
-
-
-def action_space_error(env_id: str) -> str | None:
-    """The policy is categorical: a continuous-action env is refused before anything starts (ALE ids are Discrete)."""
-    if ale_game(env_id) is not None:
-        return None
-    env = gym.make(env_id)
-    space = env.action_space
-    env.close()
-    if isinstance(space, gym.spaces.Discrete):
-        return None
-    return (
-        f"{env_id} has a {type(space).__name__} action space {space}; cleanba_ppo_impala.py needs a Discrete one "
-        f"(continuous actions: apex_ddpg.py)"
-    )
+    if not isinstance(space, gym.spaces.Discrete):  # the policy is categorical
+        return (
+            f"{args.env_id} has a {type(space).__name__} action space {space}; cleanba_ppo_impala.py needs a "
+            "Discrete one (continuous actions: apex_ddpg.py)"
+        )
+    return None
 
 
 def env_spaces(args: Args):
@@ -1213,9 +1143,10 @@ class Checkpoints:
             self.written_at = time.time()
 
 
-def end_run(args: Args, run_dir: Path, log: UpdateLog, model, final_state: dict | None, finished: bool, device):
-    """Rank 0 after training: the final checkpoint, --save-model, --eval-episodes, the writer closed. Returns the
-    error line of a write that failed (a full disk); never raises, so the shutdown always completes."""
+def end_run(args: Args, run_dir: Path, log: UpdateLog, model, final_state, finished: bool, signals, device):
+    """Rank 0 after training: the final checkpoint, --save-model, --eval-episodes (a signal ends the evaluation: the
+    run exits with its status), the writer closed. Returns the error line of a write that failed (a full disk); never
+    raises, so the shutdown always completes."""
     failure = None
     try:
         if final_state is not None:
@@ -1223,7 +1154,15 @@ def end_run(args: Args, run_dir: Path, log: UpdateLog, model, final_state: dict 
         if finished and args.save_model:
             atomic_save(model.state_dict(), run_dir / "model.pt")
         if finished and args.eval_episodes:
-            for i, ret in enumerate(evaluate(model, args, run_dir / "videos", device)):
+            print(f"evaluating the final policy: {args.eval_episodes} episodes", flush=True)
+            try:
+                signals.interruptible()
+                returns = evaluate(model, args, run_dir / "videos", device)
+            except Stop:
+                print("interrupted during the final evaluation", file=sys.stderr)
+                returns = []
+            signals.raise_stop = False
+            for i, ret in enumerate(returns):
                 log.writer.add_scalar("eval/episodic_return", ret, i)
                 print(f"eval episode {i}: return {ret:.1f}")
     except WriteError as e:
