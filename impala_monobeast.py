@@ -39,7 +39,6 @@ import contextlib
 import ctypes
 import errno
 import hashlib
-import importlib.util
 import io
 import itertools
 import json
@@ -48,7 +47,6 @@ import multiprocessing as mp
 import multiprocessing.connection
 import os
 import queue
-import signal
 import threading
 import time
 import traceback
@@ -931,8 +929,7 @@ def main(args: Args) -> None:
                 break
     finally:
         shutdown(actors, threads, queues, inference)
-        signals.restore()
-    finish(learner, learner.failures[0] if learner.failures else None, signals.signum, threads, tracker)
+    finish(learner, learner.failures[0] if learner.failures else None, signals, threads, tracker)
 
 
 # ---- run plumbing ------------------------------------------------------------------------------------------------
@@ -1301,7 +1298,8 @@ FLAG_RULES = (
     (">= 0", ("checkpoint_interval", "eval_episodes", "torch_threads", "max_inference_batch", "lstm_size")),
     (">= 0", ("vf_coef", "ent_coef", "rmsprop_momentum")),
 )  # fmt: skip
-RESUME_FIXED = ()  # TODO
+# the buffers' layout, the actors' env seeds and the steps per update (the update count and global step it restores)
+RESUME_FIXED = ("num_actors", "num_envs_per_actor", "num_buffers", "unroll_length", "batch_size")
 RUN_SETTINGS = ("env_id", "atari_protocol", "network", "use_lstm", "lstm_size", "lstm_layers", "action_reward_inputs")
 RENAMED_FLAGS = {"--entropy-cost": "is now --ent-coef (see --help)", "--baseline-cost": "is now --vf-coef (see --help)"}
 
@@ -1322,8 +1320,6 @@ def validate(args: Args) -> str | None:
         return f"--resume {args.resume}: no such checkpoint file"
     if args.eval_only is not None and not Path(args.eval_only).is_file():
         return f"--eval-only {args.eval_only}: no such file"
-    if args.track and importlib.util.find_spec("wandb") is None:
-        return '--track needs wandb: pip install -e ".[track]"'
     try:
         check_env_args(args.env_id, N, args.atari_protocol)  # the id too, without making the env
         if args.capture_video and args.eval_only is None:  # fail now, not at the final evaluation
@@ -1357,24 +1353,32 @@ def saved_model(args: Args, settings: dict, state_dict: dict) -> nn.Module:
     return model
 
 
-def finish(learner: Learner, failure: str | None, signum: int, threads: list[threading.Thread], tracker=None) -> None:
-    """After the workers stopped: final checkpoint and model, evaluation, TensorBoard closed, W&B finished, exit."""
+def finish(learner: Learner, failure: str | None, signals: StopSignals, threads: list[threading.Thread], tracker=None):
+    """After the workers stopped: final checkpoint and model, the evaluation (a signal ends it), TensorBoard closed,
+    W&B finished, exit with the run's status."""
+    args, signum = learner.args, signals.signum
     if signum:
         print(f"interrupted at step {learner.global_step}: shutting down", file=sys.stderr)
     try:
-        if failure is None and learner.args.checkpoint_interval:
+        if failure is None and args.checkpoint_interval:
             learner.save_checkpoint()
-        if failure is None and not signum and learner.args.save_model:
+        if failure is None and not signum and args.save_model:
             atomic_save(learner.model.state_dict(), learner.run_dir / "model.pt")
     except WriteError as e:
         failure = f"{e}; stopping (the last good checkpoint is kept)"
-    if failure is None and not signum and learner.args.eval_episodes:
-        learner.evaluate()
+    if failure is None and not signum and args.eval_episodes:
+        print(f"evaluating the final policy: {args.eval_episodes} episodes", flush=True)
+        try:
+            signals.interruptible()
+            learner.evaluate()
+        except Stop:
+            print("interrupted during the final evaluation: shutting down", file=sys.stderr)
+    signals.restore()
     try:
         learner.writer.close()
     except OSError as e:
         failure = failure or write_error(e, f"the TensorBoard events in {learner.run_dir}")
-    code = 1 if failure else 128 + signum if signum else 0
+    code = 1 if failure else 128 + signals.signum if signals.signum else 0
     finish_tracking(tracker, learner.run_dir, code)
     if failure:
         print(failure, file=sys.stderr)
