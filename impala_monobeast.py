@@ -16,9 +16,8 @@ Policy lag (`charts/policy_lag`, updates between the acting and the learning par
   learner thread a row is at most ceil(K / B) updates old, ceil((K + 1) / B) for row 0, as every buffer but the one
   being written may wait full. With more actors nothing bounds it, and it grows with their number (IMPALA, Sec. 3).
 Determinism: none promised: which policy version acts on which step depends on process timing, as in MonoBeast.
-Defaults are TorchBeast's (monobeast.py flags): 4 actors, unroll 80, batch 8, RMSprop lr 4.8e-4 decayed linearly to
-  0, AtariNet's inputs (the clipped reward and a one-hot of the last action beside the torso features), losses summed
-  over the batch; rewards reach the buffers raw and the loss clips them. IMPALA's Atari setting is Table G.1's:
+Defaults are TorchBeast's (monobeast.py flags: AtariNet's inputs, losses summed over the batch, rewards clipped in the
+  loss); IMPALA's Atari setting is Table G.1's:
 
     python impala_monobeast.py --env-id ALE/Pong-v5 --unroll-length 20 --batch-size 32 --learning-rate 6e-4 \\
         --ent-coef 0.01 --network impala --use-lstm
@@ -39,7 +38,6 @@ import contextlib
 import ctypes
 import errno
 import hashlib
-import importlib.util
 import io
 import itertools
 import json
@@ -48,16 +46,15 @@ import multiprocessing as mp
 import multiprocessing.connection
 import os
 import queue
-import signal
 import threading
 import time
 import traceback
 from collections import deque
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, fields, replace
 from multiprocessing.queues import Queue
 from multiprocessing.synchronize import Event, Semaphore
 from pathlib import Path
-from typing import Literal, NamedTuple, NoReturn
+from typing import Literal, NoReturn
 
 import gymnasium as gym
 import numpy as np
@@ -177,16 +174,12 @@ def vtrace(
     behaviour_logprob: torch.Tensor, target_logprob: torch.Tensor, rewards: torch.Tensor, values: torch.Tensor,
     dones: torch.Tensor, next_value: torch.Tensor, gamma: float, rho_bar: float, c_bar: float, pg_rho_bar: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """V-trace targets v_s and policy-gradient advantages (Espeholt et al. 2018, Eq. 1 and Section 4.2).
-
-    Time-major inputs [T, B, ...] except next_value [B, ...] (any trailing dimensions); the discount is
-    gamma * (1 - dones[t]), so no trace crosses an episode end. Returns (vs, pg_advantages), both [T, B, ...] and
-    without gradient.
-    """
+    """V-trace targets v_s and policy-gradient advantages (Espeholt et al. 2018, Eq. 1 and Section 4.2). Time-major
+    inputs [T, B, ...] except next_value [B, ...]; the discount gamma * (1 - dones[t]) cuts every trace at an episode
+    end. Returns (vs, pg_advantages), both [T, B, ...] and without gradient."""
     with torch.no_grad():
         ratio = torch.exp(target_logprob - behaviour_logprob)
-        rho = ratio.clamp(max=rho_bar)
-        c = ratio.clamp(max=c_bar)
+        rho, c = ratio.clamp(max=rho_bar), ratio.clamp(max=c_bar)
         discounts = gamma * (1.0 - dones.to(rewards.dtype))
         values_next = torch.cat([values[1:], next_value[None]], dim=0)  # V(x_{t+1})
         deltas = rho * (rewards + discounts * values_next - values)
@@ -214,8 +207,7 @@ def impala_loss(
     """IMPALA's loss (Section 4.2) summed over the [T, B] batch, as TorchBeast sums it (its lr assumes sums)."""
     policy_loss = -(target_logprob * pg_advantages).sum()
     value_loss = 0.5 * ((vs - values) ** 2).sum()
-    entropy_sum = entropy.sum()
-    total = policy_loss + vf_coef * value_loss - ent_coef * entropy_sum
+    total = policy_loss + vf_coef * value_loss - ent_coef * entropy.sum()
     return dict(total_loss=total, policy_loss=policy_loss, value_loss=value_loss, entropy=entropy.mean())
 
 
@@ -241,9 +233,7 @@ def learn(
     NonFiniteLoss before the step, so the parameters (and the next checkpoint) stay finite."""
     b = batch.to(device)
     logits, values = learner_outputs(model, b)
-    rewards = b.reward[1:]  # raw from the env
-    if args.clip_rewards:
-        rewards = rewards.clamp(-1.0, 1.0)
+    rewards = b.reward[1:].clamp(-1.0, 1.0) if args.clip_rewards else b.reward[1:]  # raw from the env
     actions = b.action[:-1]
     target_logprob, entropy = logprob_entropy(logits[:-1], actions)
     behaviour_logprob, _ = logprob_entropy(b.logits[:-1], actions)
@@ -266,37 +256,30 @@ def learn(
 FREE_QUEUE = -1
 FULL_QUEUE = -2
 LEARNER = -3
-
-# the fields of one row t of a rollout (see Buffers)
+# the fields of one row t of a rollout, and what an actor records about the whole rollout (see Rollouts)
 ROW_KEYS = ("obs", "reward", "done", "last_action", "episode_end", "episode_return", "episode_length", "logits",
             "baseline", "action", "version")  # fmt: skip
-# what an actor records about a whole rollout
 ROLLOUT_KEYS = ("actor_id", "rollout", "free_wait", "inference_wait")
 
 
 @dataclass
 class Rollouts:
     """Rollouts of T + 1 rows over one actor's N envs: [K, T + 1, N, ...] in the buffers, [T + 1, B * N, ...] in a
-    learner batch of B of them (per-rollout fields [K] and [B]; LSTM states [K, L, N, H] and [L, B * N, H]).
+    learner batch of B of them (per-rollout fields [K] and [B]; LSTM states [K, L, N, H] and [L, B * N, H]). Row 0 is
+    the previous rollout's row T, so transitions t = 0..T-1 are (x_t, a_t, reward[t + 1], done[t + 1], x_{t + 1}).
+    As in TorchBeast's `Environment`, reward and last action are 0 only at an actor's first observation; the first
+    row of any later episode carries the previous episode's last reward and action (only the LSTM state is zeroed)."""
 
-    Row t holds observation x_t, the raw reward and done flag that arrived with it (done[t]: x_t starts a new
-    episode), the action a_{t-1} that led to it (last_action), the game statistics if a game ended on arriving at
-    x_t, and the agent's output at x_t (action a_t, behaviour logits, baseline, policy version). Row 0 is the previous
-    rollout's row T, so transitions t = 0..T-1 are (x_t, a_t, reward[t + 1], done[t + 1], x_{t + 1}). As in
-    TorchBeast's `Environment`, reward and last action are 0 only at an actor's first observation; the first row of
-    any later episode carries the previous episode's last reward and action (only the LSTM state is zeroed).
-    """
-
-    obs: torch.Tensor  # [K, T + 1, N, *obs_shape]
-    reward: torch.Tensor  # [K, T + 1, N]
-    done: torch.Tensor  # [K, T + 1, N] bool
+    obs: torch.Tensor  # [K, T + 1, N, *obs_shape], x_t
+    reward: torch.Tensor  # [K, T + 1, N], raw, arrived with x_t
+    done: torch.Tensor  # [K, T + 1, N] bool, x_t starts a new episode
     last_action: torch.Tensor  # [K, T + 1, N] int64, a_{t-1}: the network's input beside x_t and reward[t]
     episode_end: torch.Tensor  # [K, T + 1, N] bool, a game (all lives) ended on arriving at this row
     episode_return: torch.Tensor  # [K, T + 1, N], its true return (valid where episode_end)
     episode_length: torch.Tensor  # [K, T + 1, N] int64
     logits: torch.Tensor  # [K, T + 1, N, A] behaviour policy logits
     baseline: torch.Tensor  # [K, T + 1, N]
-    action: torch.Tensor  # [K, T + 1, N] int64
+    action: torch.Tensor  # [K, T + 1, N] int64, a_t
     version: torch.Tensor  # [K, T + 1, N] int64, learner updates behind the parameters that acted
     initial_h: torch.Tensor  # [K, L, N, H] LSTM state before row 0 (L = H = 1 without LSTM)
     initial_c: torch.Tensor  # [K, L, N, H]
@@ -330,13 +313,11 @@ class Buffers(Rollouts):
         return Buffers(**zeros)
 
     def move(self, index: int, owner: int, new_owner: int) -> None:
-        """Hand `index` from `owner` to `new_owner`; the ledger must say `owner`, or the protocol is broken."""
         if (found := int(self.ledger[index])) != owner:
             raise RuntimeError(f"buffer {index} should be with owner {owner} but the ledger says owner {found}")
         self.ledger[index] = new_owner
 
     def row(self, index: int, t: int) -> dict[str, torch.Tensor]:
-        """A copy of row t of buffer `index`."""
         return {k: getattr(self, k)[index, t].clone() for k in ROW_KEYS}
 
     def set_row(self, index: int, t: int, row: dict[str, torch.Tensor]) -> None:
@@ -355,8 +336,8 @@ class Buffers(Rollouts):
 
 @dataclass
 class InferenceSlots:
-    """Per-actor shared-memory slots for batched inference: the actor writes obs/done/last_action/reward, the
-    inference thread writes the agent output (and the LSTM state it carries for that actor) back."""
+    """Per-actor shared-memory slots for batched inference: the actor writes the inputs, the inference thread the
+    outputs (and the LSTM state it carries for that actor's envs)."""
 
     obs: torch.Tensor  # [M, N, *obs_shape]
     done: torch.Tensor  # [M, N] bool
@@ -366,7 +347,7 @@ class InferenceSlots:
     logits: torch.Tensor  # [M, N, A]
     baseline: torch.Tensor  # [M, N]
     version: torch.Tensor  # [M]
-    h: torch.Tensor  # [M, L, N, H] LSTM state of each actor's envs
+    h: torch.Tensor  # [M, L, N, H]
     c: torch.Tensor  # [M, L, N, H]
 
     @staticmethod
@@ -394,21 +375,11 @@ class RequestPipe:
 
     def get_many(self, limit: int) -> list[int]:
         """Block until at least one request is waiting, return up to `limit` of them (oldest first)."""
-        data = os.read(self.read_fd, 2 * limit)  # the pipe only ever holds whole 2-byte records
-        return np.frombuffer(data, dtype="<u2").tolist()
+        return np.frombuffer(os.read(self.read_fd, 2 * limit), dtype="<u2").tolist()  # whole 2-byte records only
 
     def close(self) -> None:
         os.close(self.read_fd)
         os.close(self.write_fd)
-
-
-class AgentOutput(NamedTuple):
-    """The agent's output at one row of one actor's N envs."""
-
-    action: torch.Tensor  # [N] int64
-    logits: torch.Tensor  # [N, A]
-    baseline: torch.Tensor  # [N]
-    version: int  # learner updates behind the parameters that produced it
 
 
 @dataclass
@@ -439,7 +410,6 @@ class Queues:
 
     @staticmethod
     def create(ctx: mp.context.BaseContext, buffers: Buffers) -> Queues:
-        """The queues, with every buffer index on the free queue."""
         queues = Queues(free=ctx.Queue(), full=ctx.Queue(), stop=ctx.Event())
         buffers.ledger.fill_(FREE_QUEUE)
         for index in range(len(buffers.ledger)):
@@ -494,12 +464,13 @@ class CopyPolicy:
         """A copy of the LSTM state the next forward pass starts from (None without an LSTM)."""
         return None if self.state is None else (self.state[0].clone(), self.state[1].clone())
 
-    def __call__(self, obs, done, last_action, reward, stop: Event) -> AgentOutput:
-        version = int(self.acting.version.item())  # read first: the parameters are at least this new
+    def act(self, b: Buffers, index: int, t: int, stop: Event) -> None:
+        """The agent's output at row t of buffer `index` (action, logits, baseline, version), from its inputs there."""
+        b.version[index, t] = self.acting.version  # read first: the parameters are at least this new
+        inputs = b.obs[index, t], b.done[index, t], b.last_action[index, t], b.reward[index, t]
         with torch.inference_mode():
-            action, logits, baseline, self.state = policy_step(self.acting.model, obs, done, last_action, reward,
-                                                               self.state)  # fmt: skip
-        return AgentOutput(action, logits, baseline, version)
+            action, logits, baseline, self.state = policy_step(self.acting.model, *inputs, self.state)
+        b.action[index, t], b.logits[index, t], b.baseline[index, t] = action, logits, baseline
 
 
 class BatchedPolicy:
@@ -510,33 +481,21 @@ class BatchedPolicy:
         self.wait = 0.0  # seconds spent waiting on the inference thread
 
     def lstm_state(self) -> LSTMState | None:
-        """A copy of the LSTM state the next forward pass starts from (None without an LSTM)."""
         i = self.actor_id
         return (self.slots.h[i].clone(), self.slots.c[i].clone()) if self.use_lstm else None
 
-    def __call__(self, obs, done, last_action, reward, stop: Event) -> AgentOutput:
+    def act(self, b: Buffers, index: int, t: int, stop: Event) -> None:
         i, slots = self.actor_id, self.slots
-        slots.obs[i].copy_(obs)
-        slots.done[i].copy_(done)
-        slots.last_action[i].copy_(last_action)
-        slots.reward[i].copy_(reward)
+        for k in ("obs", "done", "last_action", "reward"):
+            getattr(slots, k)[i] = getattr(b, k)[index, t]
         start = time.perf_counter()
         self.requests.put(i)
         while not self.sem.acquire(timeout=1.0):
             if stop.is_set():
                 raise Stop
         self.wait += time.perf_counter() - start
-        # the caller copies logits and baseline before its next request overwrites the slot; the action it keeps
-        return AgentOutput(slots.action[i].clone(), slots.logits[i], slots.baseline[i], int(slots.version[i].item()))
-
-
-def act(b: Buffers, index: int, t: int, policy: CopyPolicy | BatchedPolicy, stop: Event) -> None:
-    """The agent's output at row t of buffer `index`, from the inputs stored there."""
-    out = policy(b.obs[index, t], b.done[index, t], b.last_action[index, t], b.reward[index, t], stop)
-    b.action[index, t].copy_(out.action)
-    b.logits[index, t].copy_(out.logits)
-    b.baseline[index, t].copy_(out.baseline)
-    b.version[index, t].fill_(out.version)
+        for k in ("action", "logits", "baseline", "version"):
+            getattr(b, k)[index, t] = getattr(slots, k)[i]
 
 
 def actor_process(
@@ -564,7 +523,7 @@ def actor_process(
                 b.obs[index, 0].copy_(torch.from_numpy(obs))
                 b.done[index, 0] = True
                 state = policy.lstm_state()
-                act(b, index, 0, policy, stop)
+                policy.act(b, index, 0, stop)
             else:
                 row, state = carried
                 b.set_row(index, 0, row)
@@ -584,7 +543,7 @@ def actor_process(
                 b.episode_length[index, t].copy_(torch.from_numpy(info["episode"]["l"]))
                 if t == T:  # the next rollout starts from this forward pass
                     state = policy.lstm_state()
-                act(b, index, t, policy, stop)
+                policy.act(b, index, t, stop)
             carried = (b.row(index, T), state)
             b.actor_id[index], b.rollout[index] = actor_id, rollout
             b.free_wait[index], b.inference_wait[index] = free_wait, policy.wait
@@ -655,9 +614,8 @@ class InferenceServer:
         return BatchedPolicy(actor_id, self.slots, self.requests, self.sems[actor_id], use_lstm)
 
     def serve(self, ids: list[int]) -> None:
-        slots, device, k = self.slots, self.device, len(ids)
+        slots, device, k, idx = self.slots, self.device, len(ids), torch.tensor(ids)
         N = slots.obs.shape[1]
-        idx = torch.tensor(ids)
         obs = slots.obs[idx].reshape(k * N, *slots.obs.shape[2:]).to(device, non_blocking=True)
         done, last_action, reward = (x[idx].flatten().to(device) for x in (slots.done, slots.last_action, slots.reward))
         state = None
@@ -699,36 +657,54 @@ def get_batch(buffers: Buffers, queues: Queues, batch_size: int, lock: threading
 # ---- Learner ---------------------------------------------------------------------------------------------------------
 
 
-@dataclass
 class Learner:
     """TorchBeast's `batch_and_learn`, run by `--num-learner-threads` threads: each batches outside the learn lock,
-    then learns, refreshes the acting parameters and logs under it, one update at a time."""
+    then learns, refreshes the acting parameters and logs under it, one update at a time. It is made before the actors
+    fork, with what they share (inherited, not pickled: MonoBeast's choice): the rollout buffers, the queues, the
+    acting copy of the model and, with batched inference, the inference server's slots, pipe and semaphores."""
 
-    args: Args
-    model: nn.Module
-    optimizer: torch.optim.Optimizer
-    device: torch.device
-    acting: ActingModel
-    buffers: Buffers
-    queues: Queues
-    inference: InferenceServer | None
-    num_updates: int
-    run_dir: Path
-    meta: dict
-    failures: list[str]  # error lines of the threads and of dead actors; the first one is the run's
-    updates: int  # updates done (read and written under the learn lock, as are the counters below)
-    global_step: int
-    writer: SummaryWriter | None = None  # made once the actors run (its thread is not forked)
-    claimed: int = field(init=False)  # updates a learner thread has started on (each claims one before it batches)
-    last_print: float = field(default_factory=time.time)
-    last_checkpoint: float = field(default_factory=time.time)
-    learn_lock: threading.Lock = field(default_factory=threading.Lock)
-    batch_lock: threading.Lock = field(default_factory=threading.Lock)
-    recent_returns: deque[float] = field(default_factory=lambda: deque(maxlen=50))
-    start: tuple[float, int] = field(init=False)  # (time, global step) where this process started counting SPS
-
-    def __post_init__(self):
-        self.claimed, self.start = self.updates, (time.time(), self.global_step)
+    def __init__(
+        self, args: Args, spaces: tuple, meta: dict, checkpoint: dict | None, device: torch.device, ctx, run_dir: Path
+    ):
+        (obs_space, act_space), network = spaces, meta["network"]
+        M, N, A = args.num_actors, args.num_envs_per_actor, int(act_space.n)
+        self.args, self.meta, self.device, self.run_dir = args, meta, device, run_dir
+        self.model = make_model(obs_space, act_space, network, **model_options(args)).to(device)
+        self.optimizer = torch.optim.RMSprop(self.model.parameters(), lr=args.learning_rate, alpha=args.rmsprop_alpha,
+                                             eps=args.rmsprop_eps, momentum=args.rmsprop_momentum)  # fmt: skip
+        self.num_updates = args.total_timesteps // (args.unroll_length * args.batch_size * N)
+        # updates done, and those a learner thread has claimed (each claims one before it batches): under the learn lock
+        self.updates, self.global_step = (checkpoint["update"], checkpoint["global_step"]) if checkpoint else (0, 0)
+        self.claimed = self.updates
+        if checkpoint:
+            self.model.load_state_dict(checkpoint["model"])
+            self.optimizer.load_state_dict(checkpoint["optimizer"])
+            torch.set_rng_state(checkpoint["torch_rng"])
+        lstm = (self.model.core.num_layers, self.model.core.hidden_size) if self.model.core is not None else (1, 1)
+        obs_dtype = torch.uint8 if obs_space.dtype == np.uint8 else torch.float32
+        self.buffers = Buffers.allocate(args.num_buffers, args.unroll_length, N, obs_space.shape, obs_dtype, A, lstm)
+        self.queues = Queues.create(ctx, self.buffers)
+        self.failures: list[str] = []  # error lines of the threads and of dead actors; the first one is the run's
+        # the actors' copy: the Nature net infers faster contiguous on CPU, trains faster channels_last (common.models)
+        copy = make_model(obs_space, act_space, network, **model_options(args), channels_last=network != "nature")
+        copy.to(device if args.inference == "batched" else torch.device("cpu"))
+        self.acting = ActingModel(copy, torch.zeros(1, dtype=torch.int64).share_memory_(), threading.Lock())
+        self.acting.refresh(self.model, self.updates)
+        self.inference = None
+        if args.inference == "actor":
+            copy.share_memory()
+        else:
+            slots = InferenceSlots.allocate(M, N, obs_space.shape, obs_dtype, A, lstm)
+            sems = [ctx.Semaphore(0) for _ in range(M)]
+            max_actors = M if not args.max_inference_batch else max(1, args.max_inference_batch // N)
+            self.inference = InferenceServer(
+                self.acting, slots, RequestPipe(), sems, max_actors, device, self.queues.stop, self.failures
+            )
+        self.writer: SummaryWriter | None = None  # made once the actors run (its thread is not forked)
+        self.learn_lock, self.batch_lock = threading.Lock(), threading.Lock()
+        self.recent_returns: deque[float] = deque(maxlen=50)
+        self.last_print = self.last_checkpoint = time.time()
+        self.start = (time.time(), self.global_step)  # where this process started counting SPS
 
     def run(self, thread_id: int) -> None:
         """One learner thread: updates until the budget is spent or the run stops."""
@@ -802,12 +778,6 @@ class Learner:
             self.save_checkpoint()
             self.last_checkpoint = now
 
-    def evaluate(self) -> None:
-        """The final policy's evaluation games, logged as eval/episodic_return (videos: {run_dir}/videos)."""
-        for i, ret in enumerate(evaluate(self.model, self.args, self.run_dir / "videos", self.device)):
-            self.writer.add_scalar("eval/episodic_return", ret, i)
-            print(f"eval episode {i}: return {ret:.1f}")
-
     def save_checkpoint(self) -> None:
         """Model, optimizer, counters, RNG state, args and meta, written atomically to {run_dir}/checkpoint.pt."""
         state = dict(model=self.model.state_dict(), optimizer=self.optimizer.state_dict(), update=self.updates,
@@ -824,61 +794,8 @@ def num_buffers_of(args: Args) -> int:
 
 
 def model_options(args: Args) -> dict:
-    """make_model's core options from the flags."""
     return dict(use_lstm=args.use_lstm, lstm_size=args.lstm_size, lstm_layers=args.lstm_layers,
                 action_reward_inputs=args.action_reward_inputs)  # fmt: skip
-
-
-def make_learner(
-    args: Args, obs_space: gym.Space, act_space: gym.spaces.Discrete, network: str, checkpoint: dict | None,
-    device: torch.device, ctx: mp.context.BaseContext, run_dir: Path, meta: dict,
-) -> Learner:  # fmt: skip
-    """The model and optimizer (restored from `checkpoint`), and what the actors share with the main process, made
-    once before they fork (inherited, not pickled: MonoBeast's choice): the rollout buffers, the queues, the acting
-    copy of the model and, with batched inference, the inference server's slots, pipe and semaphores."""
-    model = make_model(obs_space, act_space, network, **model_options(args)).to(device)
-    optimizer = torch.optim.RMSprop(model.parameters(), lr=args.learning_rate, alpha=args.rmsprop_alpha,
-                                    eps=args.rmsprop_eps, momentum=args.rmsprop_momentum)  # fmt: skip
-    updates, global_step = (checkpoint["update"], checkpoint["global_step"]) if checkpoint else (0, 0)
-    if checkpoint:
-        model.load_state_dict(checkpoint["model"])
-        optimizer.load_state_dict(checkpoint["optimizer"])
-        torch.set_rng_state(checkpoint["torch_rng"])
-    M, N, A = args.num_actors, args.num_envs_per_actor, int(act_space.n)
-    lstm = (model.core.num_layers, model.core.hidden_size) if model.core is not None else (1, 1)
-    obs_dtype = torch.uint8 if obs_space.dtype == np.uint8 else torch.float32
-    buffers = Buffers.allocate(args.num_buffers, args.unroll_length, N, obs_space.shape, obs_dtype, A, lstm)
-    queues, failures, inference = Queues.create(ctx, buffers), [], None
-    # the actors' copy: the Nature network infers faster contiguous on CPU, trains faster channels_last (common.models)
-    copy = make_model(obs_space, act_space, network, **model_options(args), channels_last=network != "nature")
-    copy.to(device if args.inference == "batched" else torch.device("cpu"))
-    acting = ActingModel(copy, torch.zeros(1, dtype=torch.int64).share_memory_(), threading.Lock())
-    acting.refresh(model, updates)
-    if args.inference == "actor":
-        acting.model.share_memory()
-    else:
-        slots = InferenceSlots.allocate(M, N, obs_space.shape, obs_dtype, A, lstm)
-        sems = [ctx.Semaphore(0) for _ in range(M)]
-        max_actors = M if not args.max_inference_batch else max(1, args.max_inference_batch // N)
-        inference = InferenceServer(acting, slots, RequestPipe(), sems, max_actors, device, queues.stop, failures)
-    num_updates = args.total_timesteps // (args.unroll_length * args.batch_size * N)
-    return Learner(args, model, optimizer, device, acting, buffers, queues, inference, num_updates, run_dir, meta,
-                   failures, updates, global_step)  # fmt: skip
-
-
-def shutdown(actors: Processes, threads: list[threading.Thread], queues: Queues, inference: InferenceServer | None):
-    """Stop every worker (their waits look at the stop event once a second; the inference thread, blocked in a read
-    of its pipe, is woken), join the threads, then the actors (killed if they do not return), close the queues."""
-    queues.stop.set()
-    if inference is not None:
-        inference.requests.put(RequestPipe.WAKE)
-    deadline = time.monotonic() + 8.0  # an update in progress ends within seconds
-    for t in threads:
-        t.join(timeout=max(0.0, deadline - time.monotonic()))
-    actors.stop(grace=3.0)
-    queues.close()
-    if inference is not None:
-        inference.requests.close()
 
 
 def main(args: Args) -> None:
@@ -891,11 +808,8 @@ def main(args: Args) -> None:
     except EnvError as e:
         fail(str(e))
     args = replace(args, num_buffers=num_buffers_of(args))
-    network = args.network if args.network != "auto" else ("nature" if len(obs_space.shape) == 3 else "mlp")
-    meta = checkpoint_meta(args, network, obs_space, act_space)
-    checkpoint = (
-        load_checkpoint(args.resume, meta, args) if args.resume else None
-    )  # before anything is started or written
+    meta = checkpoint_meta(args, obs_space, act_space)
+    checkpoint = load_checkpoint(args.resume, meta, args) if args.resume else None  # before anything is written
     run_dir = Path(args.resume).parent if checkpoint else new_run_dir(args)
     write_run_args(run_dir, args, meta)
     device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
@@ -906,7 +820,7 @@ def main(args: Args) -> None:
     torch.use_deterministic_algorithms(args.torch_deterministic, warn_only=True)
 
     ctx = mp.get_context("fork")
-    learner = make_learner(args, obs_space, act_space, network, checkpoint, device, ctx, run_dir, meta)
+    learner = Learner(args, (obs_space, act_space), meta, checkpoint, device, ctx, run_dir)
     queues, inference, N = learner.queues, learner.inference, args.num_envs_per_actor
     signals, actors, threads = StopSignals(queues.stop), Processes(ctx), []
     env_seed = args.seed + (1_000_003 * learner.updates if checkpoint else 0)  # shifted on resume: new episodes
@@ -917,7 +831,7 @@ def main(args: Args) -> None:
         tracker = start_tracking(args, run_dir)  # after the fork: no actor inherits wandb's threads and pipes
         learner.writer = make_writer(run_dir, args)  # after wandb.init, which patches TensorBoard
         print(f"run directory: {run_dir}  ({learner.num_updates} updates, {args.num_actors} actors x {N} envs, "
-              f"{args.inference} inference, {network} network{' + LSTM' if args.use_lstm else ''}, "
+              f"{args.inference} inference, {meta['network']} network{' + LSTM' if args.use_lstm else ''}, "
               f"{args.num_buffers} buffers)", flush=True)  # fmt: skip
         threads += [threading.Thread(target=learner.run, args=(j,), name=f"learner-{j}", daemon=True)
                     for j in range(args.num_learner_threads)]  # fmt: skip
@@ -929,10 +843,70 @@ def main(args: Args) -> None:
             if died := actors.wait(timeout=1.0):
                 learner.failures.insert(0, f"error: {died}")  # an exception's traceback: the actor printed it
                 break
-    finally:
-        shutdown(actors, threads, queues, inference)
-        signals.restore()
-    finish(learner, learner.failures[0] if learner.failures else None, signals.signum, threads, tracker)
+    finally:  # every wait looks at the stop event once a second; the inference thread, in a read of its pipe, is woken
+        queues.stop.set()
+        if inference is not None:
+            inference.requests.put(RequestPipe.WAKE)
+        deadline = time.monotonic() + 8.0  # an update in progress ends within seconds
+        for t in threads:
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
+        actors.stop(grace=3.0)
+        queues.close()
+        if inference is not None:
+            inference.requests.close()
+    finish(learner, learner.failures[0] if learner.failures else None, signals, threads, tracker)
+
+
+def finish(learner: Learner, failure: str | None, signals: StopSignals, threads: list[threading.Thread], tracker=None):
+    """After the workers stopped: final checkpoint and model, the evaluation (a signal ends it), TensorBoard closed,
+    W&B finished, exit with the run's status."""
+    args, signum = learner.args, signals.signum
+    if signum:
+        print(f"interrupted at step {learner.global_step}: shutting down", file=sys.stderr)
+    try:
+        if failure is None and args.checkpoint_interval:
+            learner.save_checkpoint()
+        if failure is None and not signum and args.save_model:
+            atomic_save(learner.model.state_dict(), learner.run_dir / "model.pt")
+    except WriteError as e:
+        failure = f"{e}; stopping (the last good checkpoint is kept)"
+    if failure is None and not signum and args.eval_episodes:
+        print(f"evaluating the final policy: {args.eval_episodes} episodes", flush=True)
+        try:
+            signals.interruptible()
+            for i, ret in enumerate(evaluate(learner.model, args, learner.run_dir / "videos", learner.device)):
+                learner.writer.add_scalar("eval/episodic_return", ret, i)
+                print(f"eval episode {i}: return {ret:.1f}")
+        except Stop:
+            print("interrupted during the final evaluation: shutting down", file=sys.stderr)
+    signals.restore()
+    try:
+        learner.writer.close()
+    except OSError as e:
+        failure = failure or write_error(e, f"the TensorBoard events in {learner.run_dir}")
+    code = 1 if failure else 128 + signals.signum if signals.signum else 0
+    finish_tracking(tracker, learner.run_dir, code)
+    if failure:
+        print(failure, file=sys.stderr)
+    leave(code, threads)
+
+
+def leave(code: int, threads: list[threading.Thread], teardown: bool = True) -> None:
+    """Exit with `code`. A thread still inside torch when the interpreter tears down makes C++ static destructors
+    abort the process ("terminate called without an active exception", SIGABRT), so if a worker thread outlived its
+    join, skip the teardown: TensorBoard is closed and checkpoints are written by now. `teardown=False` skips it too,
+    for torchrun ranks: gloo's transport threads outlive destroy_process_group (or the group lost a rank and was never
+    destroyed), and the teardown can abort the same way."""
+    alive = [t.name for t in threads if t.is_alive()]
+    if alive:
+        print(f"warning: {', '.join(alive)} still running at exit; leaving without interpreter teardown",
+              file=sys.stderr, flush=True)  # fmt: skip
+    if alive or not teardown:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    if code:
+        raise SystemExit(code)
 
 
 # ---- run plumbing ------------------------------------------------------------------------------------------------
@@ -1293,7 +1267,7 @@ FLAG_RULES = (
     (">= 0", ("checkpoint_interval", "eval_episodes", "torch_threads", "max_inference_batch", "lstm_size")),
     (">= 0", ("vf_coef", "ent_coef", "rmsprop_momentum")),
 )  # fmt: skip
-RESUME_FIXED = ()  # TODO
+RESUME_FIXED = ("num_actors", "num_envs_per_actor", "num_buffers", "unroll_length", "batch_size")  # the run's shape
 RUN_SETTINGS = ("env_id", "atari_protocol", "network", "use_lstm", "lstm_size", "lstm_layers", "action_reward_inputs")
 RENAMED_FLAGS = {"--entropy-cost": "is now --ent-coef (see --help)", "--baseline-cost": "is now --vf-coef (see --help)"}
 
@@ -1310,12 +1284,9 @@ def validate(args: Args) -> str | None:
     if args.total_timesteps < args.unroll_length * B * N:
         return (f"--total-timesteps ({args.total_timesteps}) is less than one learner batch ({args.unroll_length} "
                 f"steps x {B} rollouts x {N} envs)")  # fmt: skip
-    if args.resume is not None and not Path(args.resume).is_file():
-        return f"--resume {args.resume}: no such checkpoint file"
-    if args.eval_only is not None and not Path(args.eval_only).is_file():
-        return f"--eval-only {args.eval_only}: no such file"
-    if args.track and importlib.util.find_spec("wandb") is None:
-        return '--track needs wandb: pip install -e ".[track]"'
+    for name, what in (("resume", "checkpoint file"), ("eval_only", "file")):
+        if (path := getattr(args, name)) is not None and not Path(path).is_file():
+            return f"{flag(name)} {path}: no such {what}"
     try:
         check_env_args(args.env_id, N, args.atari_protocol)  # the id too, without making the env
         if args.capture_video and args.eval_only is None:  # fail now, not at the final evaluation
@@ -1336,8 +1307,9 @@ def env_spaces(args: Args) -> tuple[gym.Space, gym.spaces.Discrete]:
     return obs_space, act_space
 
 
-def checkpoint_meta(args: Args, network: str, obs_space: gym.Space, act_space: gym.spaces.Discrete) -> dict:
-    """What a checkpoint must match to be resumed by this run: script, env, network and shapes."""
+def checkpoint_meta(args: Args, obs_space: gym.Space, act_space: gym.spaces.Discrete) -> dict:
+    """What a checkpoint must match to be resumed by this run: script, env, network (`auto` resolved) and shapes."""
+    network = args.network if args.network != "auto" else ("nature" if len(obs_space.shape) == 3 else "mlp")
     return dict(script=Path(__file__).name, algo=None, env_id=args.env_id, network=network, **model_options(args),
                 obs_shape=list(obs_space.shape), action_shape_or_n=int(act_space.n))  # fmt: skip
 
@@ -1347,48 +1319,6 @@ def saved_model(args: Args, settings: dict, state_dict: dict) -> nn.Module:
     model = make_model(*env_spaces(args), settings["network"], **model_options(args))
     model.load_state_dict(state_dict)
     return model
-
-
-def finish(learner: Learner, failure: str | None, signum: int, threads: list[threading.Thread], tracker=None) -> None:
-    """After the workers stopped: final checkpoint and model, evaluation, TensorBoard closed, W&B finished, exit."""
-    if signum:
-        print(f"interrupted at step {learner.global_step}: shutting down", file=sys.stderr)
-    try:
-        if failure is None and learner.args.checkpoint_interval:
-            learner.save_checkpoint()
-        if failure is None and not signum and learner.args.save_model:
-            atomic_save(learner.model.state_dict(), learner.run_dir / "model.pt")
-    except WriteError as e:
-        failure = f"{e}; stopping (the last good checkpoint is kept)"
-    if failure is None and not signum and learner.args.eval_episodes:
-        learner.evaluate()
-    try:
-        learner.writer.close()
-    except OSError as e:
-        failure = failure or write_error(e, f"the TensorBoard events in {learner.run_dir}")
-    code = 1 if failure else 128 + signum if signum else 0
-    finish_tracking(tracker, learner.run_dir, code)
-    if failure:
-        print(failure, file=sys.stderr)
-    leave(code, threads)
-
-
-def leave(code: int, threads: list[threading.Thread], teardown: bool = True) -> None:
-    """Exit with `code`. A thread still inside torch when the interpreter tears down makes C++ static destructors
-    abort the process ("terminate called without an active exception", SIGABRT), so if a worker thread outlived its
-    join, skip the teardown: TensorBoard is closed and checkpoints are written by now. `teardown=False` skips it too,
-    for torchrun ranks: gloo's transport threads outlive destroy_process_group (or the group lost a rank and was never
-    destroyed), and the teardown can abort the same way."""
-    alive = [t.name for t in threads if t.is_alive()]
-    if alive:
-        print(f"warning: {', '.join(alive)} still running at exit; leaving without interpreter teardown",
-              file=sys.stderr, flush=True)  # fmt: skip
-    if alive or not teardown:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    if code:
-        raise SystemExit(code)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,6 @@ LSTM core, the policy lag the architecture allows, --track (one offline W&B run 
 clean shutdown. A run that needs no process of its own (nothing to signal or kill) calls main in the test's process."""
 
 import contextlib
-import importlib.util
 import json
 import math
 import multiprocessing as mp
@@ -431,9 +430,9 @@ def test_eval_only_refuses_what_it_cannot_evaluate(tracked_run, tmp_path, run_ma
 
 
 def test_track_without_wandb_is_refused_by_validate(monkeypatch):
-    find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else find_spec(name, *a))
-    assert im.validate(im.Args(env_id="CartPole-v1", track=True)) == '--track needs wandb: pip install -e ".[track]"'
+    monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` raises ModuleNotFoundError
+    error = im.validate(im.Args(env_id="CartPole-v1", track=True))
+    assert error.startswith('--track needs wandb (pip install -e ".[track]"): ModuleNotFoundError'), error
     assert im.validate(im.Args(env_id="CartPole-v1")) is None
 
 
@@ -474,9 +473,11 @@ def test_tracking_names_the_run_after_its_directory_resumes_it_and_ends_with_the
     assert first["sync_tensorboard"] and first["config"]["env_id"] == "CartPole-v1" and first["config"]["track"]
     writer = types.SimpleNamespace(close=lambda: None)
     learner = types.SimpleNamespace(args=resumed, run_dir=run_dir, global_step=0, writer=writer)
-    for failure, signum, code in [(None, None, 0), ("error: actor 0 died", None, 1), (None, signal.SIGTERM, 143)]:
+    for failure, signum, code in [(None, 0, 0), ("error: actor 0 died", 0, 1), (None, signal.SIGTERM, 143)]:
+        signals = im.StopSignals(threading.Event())
+        signals.signum = signum
         with pytest.raises(SystemExit) if code else contextlib.nullcontext():
-            im.finish(learner, failure, signum, [], wandb)
+            im.finish(learner, failure, signals, [], wandb)
         assert wandb.finished[-1] == code
     assert wandb.logged == [{"videos": ("video", str(run_dir / "videos" / "rl-video-episode-0.mp4"))}] * 3
 
