@@ -769,9 +769,12 @@ def parse_args(argv: list[str]) -> Args:
     except SystemExit as e:
         if e.code in (0, None):
             raise
-        lines = [line.strip("\u2502\u256d\u2570\u2500\u256e\u256f ") for line in box.getvalue().splitlines()]
-        fail(f"{next((x for x in lines[1:] if x), 'the command line cannot be parsed')} "
-             f"(see python {Path(__file__).name} --help)")  # fmt: skip
+        # the box: a title, its message (wrapped over lines), then a rule before the help; drawn with box characters
+        # on a terminal, with dashes (and a rule under the title) elsewhere
+        lines = [line.strip("\u2502\u256d\u2570\u256e\u256f ") for line in box.getvalue().splitlines()][1:]
+        body = itertools.dropwhile(lambda line: not line.strip("\u2500-"), lines)
+        message = " ".join(itertools.takewhile(lambda line: line.strip("\u2500-"), body))
+        fail(f"{message or 'the command line cannot be parsed'} (see python {Path(__file__).name} --help)")
 
 
 def new_run_dir(args: Args) -> Path:

@@ -74,14 +74,20 @@ def test_ctrl_c_during_the_final_evaluation_stops_the_run(name, tmp_path):
     cmd = [sys.executable, script_of(name), "--log-dir", str(tmp_path), *flags(name, RUNS[name][1]),
            "--eval-episodes", "1000000"]  # fmt: skip
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    for line in proc.stdout:
-        if line.startswith("evaluating the final policy"):
-            break
-    else:
-        pytest.fail(f"no evaluation started (exit {proc.wait()}): {proc.stderr.read()[-1500:]}")
-    proc.send_signal(signal.SIGINT)
-    code, _, err = finish(proc)
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)  # fmt: skip
+    try:
+        for line in proc.stdout:
+            if line.startswith("evaluating the final policy"):
+                break
+        else:
+            pytest.fail(f"no evaluation started (exit {proc.wait()}): {proc.stderr.read()[-1500:]}")
+        proc.send_signal(signal.SIGINT)
+        code, _, err = finish(proc)
+    finally:  # a run that hangs (or a test killed by pytest-timeout) must not keep playing its million episodes
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
     assert code == 128 + signal.SIGINT, err[-1500:]
     assert "Traceback" not in err, err[-1500:]
 
