@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from helpers import ROOT, only_run_dir, start_run, wait_for
+from helpers import ROOT, only_run_dir, start_run
 
 CARTPOLE = ("--env-id", "CartPole-v1")
 APEX = ("--num-actors", "2", "--learning-starts", "200", "--batch-size", "32", "--actor-batch", "20",
@@ -110,8 +110,9 @@ def test_track_with_a_wandb_that_cannot_be_imported_is_one_error_line(name, tmp_
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_a_resume_says_its_step_and_flags_and_refuses_a_new_shape(name, tmp_path):
     total = RUNS[name][1]
-    first = subprocess.run([sys.executable, script_of(name), "--log-dir", str(tmp_path), *flags(name, total),
-                            "--checkpoint-interval", "3600"], cwd=ROOT, capture_output=True, text=True, timeout=300)  # fmt: skip
+    cmd = [sys.executable, script_of(name), "--log-dir", str(tmp_path), *flags(name, total)]
+    cmd += ["--checkpoint-interval", "3600"]
+    first = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert first.returncode == 0, first.stderr[-1500:]
     checkpoint_path = only_run_dir(tmp_path) / "checkpoint.pt"
     step = torch.load(checkpoint_path, map_location="cpu", weights_only=False)["global_step"]
