@@ -43,7 +43,6 @@ import contextlib
 import ctypes
 import errno
 import hashlib
-import importlib.util
 import io
 import itertools
 import json
@@ -641,8 +640,9 @@ class Learner:
         self.generator = torch.Generator(device=device).manual_seed(args.seed * 104729 + index)
         if state:
             self.model.load_state_dict(state["model"])
-            self.optimizer.load_state_dict(state["optimizer"])
-            self.generator.set_state(state["generator"])
+            if "optimizer" in state:  # absent for a learner killed at the stop (Monitor.final_states)
+                self.optimizer.load_state_dict(state["optimizer"])
+                self.generator.set_state(state["generator"])
         numel = sum(p.numel() for p in self.params)
         self.x = torch.zeros(numel, device=device)  # flat parameters, mixed in place
         self.flat_grad = torch.zeros(numel, device=device)  # allreduce: the gradients, averaged in one call
@@ -970,6 +970,21 @@ class Monitor:
         except (WriteError, OSError) as e:
             self.write_failure = self.write_failure or failed_write(e, self.run.run_dir)
 
+    def final_states(self, gossip: SharedMemoryGossip | None) -> list[dict | None]:
+        """The newest state of each learner: its final one, or the one of the last checkpoint (or --resume); for a
+        gossip learner killed at the stop before it sent any, its last published parameters from its send buffer
+        (read without its lock, which it may have held when killed): its optimizer statistics restart on resume."""
+        states = list(self.latest)
+        for j in (j for j, s in enumerate(states) if s is None and gossip is not None and gossip.versions[j]):
+            model = make_model(self.run.obs_space, self.run.act_space, self.run.args.network)
+            unflatten_into(list(model.parameters()), gossip.buffers[j].cpu())
+            states[j] = dict(model=model.state_dict(), iteration=gossip.stamps[j] + 1)
+            what = f"learner {j}'s last published parameters (iteration {states[j]['iteration']}, no optimizer state)"
+            print(f"warning: the final checkpoint keeps {what}", file=sys.stderr)
+        if missing := [f"learner {j}" for j, s in enumerate(states) if s is None]:
+            print(f"warning: no final checkpoint: {', '.join(missing)} sent no state before the stop", file=sys.stderr)
+        return states
+
     def drain(self, timeout: float) -> None:
         """Handle every message on `log_q`, waiting up to `timeout` seconds for the first."""
         try:
@@ -1036,7 +1051,8 @@ def main_single_machine(run: Run) -> None:
     finally:
         failure = stop_learners(monitor, learners, shared, failure)
     finished = failure is None and not signals.signum and len(monitor.finals) == n
-    end_training(run, monitor.logger, monitor.latest, finished, failure, signals.signum, tracker)
+    states = monitor.final_states(gossip) if failure is None and args.checkpoint_interval else monitor.latest
+    end_training(run, monitor.logger, states, finished, failure, signals, tracker)
 
 
 def free_port() -> int:
@@ -1087,7 +1103,7 @@ def main_distributed(args: Args, n: int, checkpoint: dict | None, obs_space, act
         failure = lost_contact(rank, n, e) or learner_error(rank, e)
     try:  # rank 0: the final checkpoint, --save-model, --eval-episodes; every rank: its writer, its exit status
         finished = rank == 0 and not signals.signum and failure is None
-        end_training(run, logger, states or [], finished, failure or link.write_failure, signals.signum, tracker)
+        end_training(run, logger, states or [], finished, failure or link.write_failure, signals, tracker)
         code = 0
     except SystemExit as e:
         code = e.code
@@ -1461,7 +1477,7 @@ FLAG_RULES = (
               "env_threads", "torch_threads")),
 )  # fmt: skip
 RENAMED_FLAGS: dict[str, str] = {}  # old flag -> what to say instead
-RESUME_FIXED = ()  # TODO
+RESUME_FIXED = ("num_envs", "num_steps")  # the rollout storage and the step arithmetic (learners and mode: meta)
 RUN_SETTINGS = ("env_id", "atari_protocol", "network")
 
 
@@ -1477,8 +1493,6 @@ def validate(args: Args, n: int, torchrun: bool = False) -> str | None:
         return "--time-varying needs the single-machine launch (torchrun ranks use a static ring)"
     if torchrun and args.eval_only:
         return "--eval-only runs in one process: python gala_a2c.py --eval-only PATH, without torchrun"
-    if args.track and importlib.util.find_spec("wandb") is None:
-        return '--track needs wandb: pip install -e ".[track]"'
     if args.resume is not None and not Path(args.resume).is_file():
         return f"--resume {args.resume}: no such checkpoint file"
     if args.eval_only is not None and not Path(args.eval_only).is_file():
@@ -1554,14 +1568,14 @@ def failed_write(e: Exception, run_dir: Path) -> str:
     return f"{line}; stopping (the last good checkpoint is kept)"
 
 
-def end_training(run: Run, logger: Logger | None, states: list, finished: bool, failure: str | None, signum: int,
-                 tracker=None) -> None:  # fmt: skip
+def end_training(run: Run, logger: Logger | None, states: list, finished: bool, failure: str | None,
+                 signals: StopSignals, tracker=None) -> None:  # fmt: skip
     """After every learner stopped: the final checkpoint, then (run finished) --save-model and --eval-episodes on the
-    averaged parameters, the writer closed, the W&B run finished, the exit status (1 on a failure, 128 + signum when
-    stopped by a signal). A write that fails becomes the run's error line."""
-    args = run.args
+    averaged parameters (a signal ends the evaluation at once), the writer closed, the W&B run finished, the exit
+    status (1 on a failure, 128 + signum when stopped by a signal). A write that fails becomes the run's error line."""
+    args, signum = run.args, signals.signum
     try:
-        if failure is None and args.checkpoint_interval and states and all(s is not None for s in states):
+        if failure is None and args.checkpoint_interval and states and None not in states:
             save_checkpoint(run, states)
         if logger is not None:
             logger.maybe_print(force=True)
@@ -1570,12 +1584,18 @@ def end_training(run: Run, logger: Logger | None, states: list, finished: bool, 
             model.load_state_dict(average_model(states))
             if args.save_model:
                 atomic_save(model.state_dict(), run.run_dir / "model.pt")
-            returns = evaluate(model, args, run.run_dir / "videos", torch.device("cpu")) if args.eval_episodes else []
-            for i, ret in enumerate(returns):
-                logger.writer.add_scalar("eval/episodic_return", ret, i)
-                print(f"eval episode {i}: return {ret:.1f}")
+            if args.eval_episodes:
+                print(f"evaluating the final policy: {args.eval_episodes} episodes", flush=True)
+                signals.interruptible()
+                for i, ret in enumerate(evaluate(model, args, run.run_dir / "videos", torch.device("cpu"))):
+                    logger.writer.add_scalar("eval/episodic_return", ret, i)
+                    print(f"eval episode {i}: return {ret:.1f}")
+    except Stop:  # a signal during the evaluation
+        signum = signals.signum
     except (WriteError, OSError) as e:
         failure = failure or failed_write(e, run.run_dir)
+    finally:
+        signals.raise_stop = False  # from here on a signal changes nothing: the writer and W&B run are closed
     try:
         if logger is not None:
             logger.writer.close()
