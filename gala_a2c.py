@@ -228,22 +228,14 @@ def peer_offsets(n: int, num_peers: int, iteration: int = 0, time_varying: bool 
     return [1 + (iteration * num_peers + j) % (n - 1) for j in range(num_peers)]
 
 
-def in_peers(i: int, n: int, offsets: list[int]) -> list[int]:
-    return [(i - s) % n for s in offsets]
-
-
-def out_peers(i: int, n: int, offsets: list[int]) -> list[int]:
-    return [(i + s) % n for s in offsets]
-
-
 def mixing_matrix(n: int, offsets: list[int]) -> torch.Tensor:
     """P [n, n] with p_ij = 1 / (1 + |N_in(i)|) for j = i and j in N_in(i) (Algorithm 1, footnote 1)."""
     P = torch.zeros(n, n, dtype=torch.float64)
     weight = 1.0 / (1 + len(offsets))
     for i in range(n):
         P[i, i] = weight
-        for j in in_peers(i, n, offsets):
-            P[i, j] += weight
+        for s in offsets:
+            P[i, (i - s) % n] += weight
     return P
 
 
@@ -252,11 +244,6 @@ def gossip_mix_(x: torch.Tensor, messages: list[torch.Tensor]) -> torch.Tensor:
     for m in messages:
         x.add_(m)
     return x.div_(1 + len(messages))
-
-
-def consensus_distance(x: torch.Tensor, average: torch.Tensor) -> float:
-    """||x_i - x_bar||: how far one learner's parameters are from the learners' average."""
-    return torch.linalg.vector_norm(x.double() - average.double()).item()
 
 
 def average_model(states: list[dict]) -> dict:
@@ -303,33 +290,18 @@ def unflatten_into(tensors: list[torch.Tensor], flat: torch.Tensor) -> None:
 # ---- Storage and messages ------------------------------------------------------------------------------------------
 
 
-class Timing(NamedTuple):
-    """Seconds one iteration spent in each of its parts (the timing/ tags)."""
-
-    rollout: float  # the simulators and the actions (Algorithm 1, line 2)
-    train: float  # the forward and backward passes and the optimizer step
-    gossip: float  # publishing and mixing, without the wait
-    gossip_wait: float  # blocked for in-peers
-    allreduce: float  # averaging the gradients (--mode allreduce)
-    iteration: float  # the whole iteration
-
-
 class Record(NamedTuple):
     """A learner's summary of its iterations since its previous record (learner -> main process, or to rank 0's
     charts under torchrun)."""
 
     learner: int
     steps: int  # agent steps of these iterations (under torchrun: summed over the ranks before logging)
-    iteration: int
     lr: float
+    sps: float  # this learner's agent steps per second since it started
     episodes: list[tuple[float, int]]  # (true return, length) of each episode finished
-    losses: Losses  # means over the iterations, as are timing, staleness and mix_rate
-    timing: Timing
-    staleness: float  # iterations since the last mix
-    mix_rate: float  # share of the iterations that mixed
+    scalars: dict[str, float]  # the losses/, timing/ and gossip/ tags (Learner.iterate): means over the iterations
     policy_lag: float | None  # mean age of the messages mixed in (iterations); None: none mixed
     consensus: float | None  # ||x_i - x_bar|| measured at a sync point, if one was among these iterations
-    sps: float  # this learner's agent steps per second since it started
 
 
 class State(NamedTuple):
@@ -367,7 +339,7 @@ class GossipEndpoint:
         self.staleness = 0  # local iterations since the last mix
 
     def in_peers(self, iteration: int) -> list[int]:
-        return in_peers(self.learner, self.n, peer_offsets(self.n, self.num_peers, iteration, self.time_varying))
+        return [(self.learner - s) % self.n for s in peer_offsets(self.n, self.num_peers, iteration, self.time_varying)]
 
     def step(self, x: torch.Tensor, iteration: int, stop: Event | threading.Event, at_sync: bool = False) -> Mix:
         """Gossip after local update `iteration` on the flat parameters `x` (mixed in place); `at_sync`: this learner
@@ -513,7 +485,7 @@ class DistributedEndpoint(GossipEndpoint):
                         self.cond.wait()
                     out.copy_(self.snapshot)
                     self.pending = False
-                for dst in out_peers(self.learner, self.n, peer_offsets(self.n, self.num_peers)):
+                for dst in ((self.learner + s) % self.n for s in peer_offsets(self.n, self.num_peers)):
                     dist.send(out, dst=dst, group=self.group)
                 if out[self.numel + FLAG].item() == SENT_LAST:
                     return
@@ -596,20 +568,11 @@ class Shared:
 class Stats:
     """One learner's iterations since its previous Record."""
 
-    losses: list[Losses] = field(default_factory=list)
-    timing: list[Timing] = field(default_factory=list)
-    staleness: list[int] = field(default_factory=list)
-    mixed: list[bool] = field(default_factory=list)
+    iterations: int = 0
+    scalars: dict[str, list[float]] = field(default_factory=dict)  # tag -> its value at each iteration
     lags: list[int] = field(default_factory=list)  # ages of the messages mixed in
     episodes: list[tuple[float, int]] = field(default_factory=list)
     consensus: float | None = None
-
-    def add(self, losses: Losses, timing: Timing, staleness: int, mix: Mix) -> None:
-        self.losses.append(losses)
-        self.timing.append(timing)
-        self.staleness.append(staleness)
-        self.mixed.append(mix.mixed)
-        self.lags += mix.lags
 
 
 # ---- Workers -------------------------------------------------------------------------------------------------------
@@ -622,7 +585,7 @@ class Learner:
         cores = max(1, (os.cpu_count() or 1) // n)  # the machine's share of this learner
         torch.set_num_threads(args.torch_threads or cores)
         torch.use_deterministic_algorithms(args.torch_deterministic, warn_only=True)
-        self.index, self.n, self.args, self.device = index, n, args, device
+        self.index, self.n, self.args = index, n, args
         E, T = args.num_envs, args.num_steps
         self.num_iterations = args.total_timesteps // (n * E * T)
         self.iteration = self.start_iteration = state["iteration"] if state else 0
@@ -724,10 +687,20 @@ class Learner:
                 unflatten_into(self.params, self.x)
         t5 = time.perf_counter()
         self.iteration += 1
-        timing = Timing(rollout=t1 - t0, train=(t2 - t1) + (t4 - t3), gossip=t5 - t4 - mix.waited,
-                        gossip_wait=mix.waited, allreduce=t3 - t2, iteration=t5 - t0)  # fmt: skip
-        losses = Losses(*torch.stack([v.detach() for v in loss]).tolist())  # as floats, with one device sync
-        self.stats.add(losses, timing, gossip.staleness if gossip is not None else 0, mix)
+        losses = torch.stack([v.detach() for v in loss]).tolist()  # as floats, with one device sync
+        values = {f"losses/{k}": v for k, v in zip(Losses._fields, losses, strict=True)}
+        # seconds in each part: the simulators and the actions (Algorithm 1, line 2), the forward and backward passes
+        # and the optimizer step, averaging the gradients (allreduce), publishing and mixing (without the wait for
+        # in-peers, which gossip_wait is), the whole iteration
+        values |= {"timing/rollout": t1 - t0, "timing/train": (t2 - t1) + (t4 - t3), "timing/allreduce": t3 - t2,
+                   "timing/gossip": t5 - t4 - mix.waited, "timing/gossip_wait": mix.waited,
+                   "timing/iteration": t5 - t0}  # fmt: skip
+        if gossip is not None:  # staleness: iterations since the last mix
+            values |= {"gossip/staleness": gossip.staleness, "gossip/mix_rate": float(mix.mixed)}
+        self.stats.iterations += 1
+        for tag, value in values.items():
+            self.stats.scalars.setdefault(tag, []).append(value)
+        self.stats.lags += mix.lags
         return mix
 
     def train(self, gossip: GossipEndpoint | None, link: LocalLink | RankLink) -> dict:
@@ -735,15 +708,15 @@ class Learner:
         while self.iteration < self.num_iterations:
             at_sync = (self.iteration + 1) % self.args.sync_interval == 0 or self.iteration + 1 == self.num_iterations
             mix = self.iterate(gossip, link.stop, at_sync and link.torchrun)
-            if gossip is not None and at_sync:  # how far the gossip keeps this learner from the average (Prop. 2)
+            if gossip is not None and at_sync:  # ||x_i - x_bar||: how far gossip keeps this learner from it (Prop. 2)
                 x = self.flat_params()
-                self.stats.consensus = consensus_distance(x, gossip.average(x))
+                self.stats.consensus = torch.linalg.vector_norm(x.double() - gossip.average(x).double()).item()
             turn = link.agree(at_sync, self.stats)
             if turn.report:
                 link.report(self.record(), self.state() if turn.checkpoint else None)
             if turn.stop or mix.stopped:
                 break
-        if self.stats.losses:  # iterations not reported yet (under torchrun the loop ends at a sync point: none)
+        if self.stats.iterations:  # iterations not reported yet (under torchrun the loop ends at a sync point: none)
             link.report(self.record(), None)
         if gossip is not None:
             gossip.finish(self.flat_params(), self.iteration - 1)
@@ -753,13 +726,13 @@ class Learner:
         """The Record of the iterations since the previous one; the stats start over."""
         s, self.stats = self.stats, Stats()
         E, T = self.args.num_envs, self.args.num_steps
+        scalars = {tag: float(np.mean(values)) for tag, values in s.scalars.items()}
+        if "gossip/staleness" in scalars:
+            scalars["gossip/share_of_iteration"] = scalars["timing/gossip"] / max(1e-12, scalars["timing/iteration"])
         return Record(
-            learner=self.index, steps=len(s.losses) * E * T, iteration=self.iteration, lr=self.lr,
-            episodes=s.episodes, losses=Losses(*np.mean(s.losses, axis=0).tolist()),
-            timing=Timing(*np.mean(s.timing, axis=0).tolist()), staleness=float(np.mean(s.staleness)),
-            mix_rate=float(np.mean(s.mixed)), policy_lag=float(np.mean(s.lags)) if s.lags else None,
-            consensus=s.consensus,
+            learner=self.index, steps=s.iterations * E * T, lr=self.lr, episodes=s.episodes, scalars=scalars,
             sps=(self.iteration - self.start_iteration) * E * T / max(1e-9, time.time() - self.start_time),
+            policy_lag=float(np.mean(s.lags)) if s.lags else None, consensus=s.consensus,
         )  # fmt: skip
 
     def state(self) -> dict:
@@ -797,7 +770,7 @@ class LocalLink:
             dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
             stop, request = agreed[0].item() > 0, int(agreed[1].item())
         checkpoint, self.last_request = request > self.last_request, request
-        report = checkpoint or len(stats.losses) >= self.args.log_frequency or stats.consensus is not None
+        report = checkpoint or stats.iterations >= self.args.log_frequency or stats.consensus is not None
         return Turn(report=report, checkpoint=checkpoint, stop=stop)
 
     def report(self, record: Record, state: dict | None) -> None:
@@ -872,6 +845,27 @@ def learner_process(index: int, n: int, args: Args, device_name: str, shared: Sh
             learner.envs.close()
 
 
+def evaluate(model: nn.Module, args: Args, video_dir: Path, device: torch.device) -> list[float]:
+    """Play `eval_episodes` full games with the final (or --eval-only's saved) policy, true returns; argmax actions
+    with `--eval-greedy` (GALA Table 1), sampled ones otherwise; videos to `video_dir` with --capture-video."""
+    env = make_env(args.env_id, args.seed + 1_000_003, protocol=args.atari_protocol, capture_video=args.capture_video,
+                   video_dir=str(video_dir))  # fmt: skip
+    generator = torch.Generator().manual_seed(args.seed + 1_000_003)
+    returns = []
+    obs, _ = env.reset()
+    while len(returns) < args.eval_episodes:
+        with torch.inference_mode():
+            logits, _ = model(torch.as_tensor(obs[None], device=device))
+        action = logits.argmax(dim=1) if args.eval_greedy else sample_actions(logits.cpu(), generator)
+        obs, _, terminated, truncated, info = env.step(int(action[0]))
+        if terminated or truncated:
+            returns.append(float(info["episode"]["r"]))
+            if len(returns) < args.eval_episodes:  # no reset after the last game: it would record an empty video
+                obs, _ = env.reset()
+    env.close()
+    return returns
+
+
 # ---- Main ----------------------------------------------------------------------------------------------------------
 
 
@@ -889,6 +883,14 @@ class Run:
 
     def num_params(self) -> int:
         return sum(p.numel() for p in make_model(self.obs_space, self.act_space, self.args.network).parameters())
+
+
+def save_checkpoint(run: Run, states: list[dict]) -> None:
+    """The learners' states, and their average as "model", to {run_dir}/checkpoint.pt atomically (WriteError)."""
+    steps = sum(s["iteration"] for s in states) * run.args.num_envs * run.args.num_steps
+    checkpoint = dict(model=average_model(states), learners=states, global_step=steps, args=asdict(run.args),
+                      torch_rng=torch.get_rng_state(), meta=run.meta)  # fmt: skip
+    atomic_save(checkpoint, run.run_dir / "checkpoint.pt")
 
 
 class Logger:
@@ -914,19 +916,14 @@ class Logger:
             for tag, value in (("charts/episodic_return", ret), ("charts/episodic_length", length),
                                (f"per_learner/episodic_return_{i}", ret)):  # fmt: skip
                 self.writer.add_scalar(tag, value, self.global_step)
-        scalars = {f"losses/{k}": v for k, v in r.losses._asdict().items()}
-        scalars |= {f"timing/{k}": v for k, v in r.timing._asdict().items()}
-        scalars |= {"charts/learning_rate": r.lr, "charts/SPS": self.sps(), f"per_learner/SPS_{i}": r.sps}
+        scalars = r.scalars | {"charts/learning_rate": r.lr, "charts/SPS": self.sps(), f"per_learner/SPS_{i}": r.sps}
         if r.policy_lag is not None:
             scalars["charts/policy_lag"] = self.policy_lag = r.policy_lag
-        if self.args.mode == "gossip":
-            scalars |= {"gossip/staleness": r.staleness, "gossip/mix_rate": r.mix_rate,
-                        "gossip/share_of_iteration": r.timing.gossip / max(1e-12, r.timing.iteration)}  # fmt: skip
         if r.consensus is not None:
             scalars |= {"gossip/consensus_distance": r.consensus, f"per_learner/consensus_distance_{i}": r.consensus}
         for tag, value in scalars.items():
             self.writer.add_scalar(tag, value, self.global_step)
-        self.learner_sps[i], self.staleness = r.sps, r.staleness
+        self.learner_sps[i], self.staleness = r.sps, r.scalars.get("gossip/staleness", 0.0)
 
     def maybe_print(self, force: bool = False) -> None:
         if force or time.time() - self.last_print >= self.args.log_interval:
@@ -1100,14 +1097,20 @@ def main_distributed(args: Args, n: int, checkpoint: dict | None, obs_space, act
         dist.barrier()  # no rank leaves the group while a peer may still be sending to it
         dist.destroy_process_group()
     except Exception as e:  # the other ranks would wait for this one forever: torchrun stops them when it exits 1
-        failure = lost_contact(rank, n, e) or learner_error(rank, e)
+        failure = learner_error(rank, e, ranks=n)
     try:  # rank 0: the final checkpoint, --save-model, --eval-episodes; every rank: its writer, its exit status
         finished = rank == 0 and not signals.signum and failure is None
         end_training(run, logger, states or [], finished, failure or link.write_failure, signals, tracker)
         code = 0
     except SystemExit as e:
         code = e.code
-    exit_without_teardown(code)
+    # leave without the interpreter's teardown: gloo's transport and worker threads (`gloo_tcp_loop`,
+    # `pt_gloo_runloop`) and the gossip receivers inside `dist.recv` may still be alive, and destroying them while
+    # joinable aborts the rank ("terminate called without an active exception", SIGABRT) or hangs it; everything is
+    # written and closed by now
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 # ---- run plumbing ------------------------------------------------------------------------------------------------
@@ -1533,35 +1536,6 @@ def saved_model(args: Args, settings: dict, state_dict: dict) -> nn.Module:
     return model
 
 
-def evaluate(model: nn.Module, args: Args, video_dir: Path, device: torch.device) -> list[float]:
-    """Play `eval_episodes` full games with the final (or --eval-only's saved) policy, true returns; argmax actions
-    with `--eval-greedy` (GALA Table 1), sampled ones otherwise; videos to `video_dir` with --capture-video."""
-    env = make_env(args.env_id, args.seed + 1_000_003, protocol=args.atari_protocol, capture_video=args.capture_video,
-                   video_dir=str(video_dir))  # fmt: skip
-    generator = torch.Generator().manual_seed(args.seed + 1_000_003)
-    returns = []
-    obs, _ = env.reset()
-    while len(returns) < args.eval_episodes:
-        with torch.inference_mode():
-            logits, _ = model(torch.as_tensor(obs[None], device=device))
-        action = logits.argmax(dim=1) if args.eval_greedy else sample_actions(logits.cpu(), generator)
-        obs, _, terminated, truncated, info = env.step(int(action[0]))
-        if terminated or truncated:
-            returns.append(float(info["episode"]["r"]))
-            if len(returns) < args.eval_episodes:  # no reset after the last game: it would record an empty video
-                obs, _ = env.reset()
-    env.close()
-    return returns
-
-
-def save_checkpoint(run: Run, states: list[dict]) -> None:
-    """The learners' states, and their average as "model", to {run_dir}/checkpoint.pt atomically (WriteError)."""
-    steps = sum(s["iteration"] for s in states) * run.args.num_envs * run.args.num_steps
-    checkpoint = dict(model=average_model(states), learners=states, global_step=steps, args=asdict(run.args),
-                      torch_rng=torch.get_rng_state(), meta=run.meta)  # fmt: skip
-    atomic_save(checkpoint, run.run_dir / "checkpoint.pt")
-
-
 def failed_write(e: Exception, run_dir: Path) -> str:
     """The error line of a checkpoint (WriteError) or TensorBoard write (OSError) that failed: the run stops."""
     line = str(e) if isinstance(e, WriteError) else write_error(e, f"the TensorBoard events in {run_dir}")
@@ -1577,8 +1551,6 @@ def end_training(run: Run, logger: Logger | None, states: list, finished: bool, 
     try:
         if failure is None and args.checkpoint_interval and states and None not in states:
             save_checkpoint(run, states)
-        if logger is not None:
-            logger.maybe_print(force=True)
         if finished and failure is None and (args.save_model or args.eval_episodes):
             model = make_model(run.obs_space, run.act_space, args.network)
             model.load_state_dict(average_model(states))
@@ -1598,16 +1570,15 @@ def end_training(run: Run, logger: Logger | None, states: list, finished: bool, 
         signals.raise_stop = False  # from here on a signal changes nothing: the writer and W&B run are closed
     try:
         if logger is not None:
+            logger.maybe_print(force=True)
             logger.writer.close()
     except OSError as e:
         failure = failure or failed_write(e, run.run_dir)
-    finish_tracking(tracker, run.run_dir, 1 if failure else 128 + signum if signum else 0)
-    if failure:
-        print(failure, file=sys.stderr)
-        raise SystemExit(1)
-    if signum:
-        print(f"interrupted at step {logger.global_step if logger else 0}: shut down", file=sys.stderr)
-        raise SystemExit(128 + signum)
+    code = 1 if failure else 128 + signum if signum else 0
+    finish_tracking(tracker, run.run_dir, code)
+    if code:
+        print(failure or f"interrupted at step {logger.global_step if logger else 0}: shut down", file=sys.stderr)
+        raise SystemExit(code)
 
 
 STOP_GRACE = 5.0  # seconds the learners get to stop after the stop request before they are killed
@@ -1628,11 +1599,18 @@ def stop_learners(monitor: Monitor, learners: Processes, shared: Shared, failure
     return failure
 
 
-def learner_error(i: int, e: BaseException) -> str:
-    """The error line of learner i's exception (call it in the `except` block): a non-finite loss said plainly, any
-    other exception with its traceback."""
+def learner_error(i: int, e: BaseException, ranks: int = 0) -> str:
+    """The error line of learner i's exception (call it in the `except` block): a non-finite loss said plainly; under
+    torchrun (`ranks`), a collective or gossip message that failed because another rank is gone (killed, crashed, its
+    machine down; with two ranks it can only be the other one); any other exception with its traceback."""
+    text = str(e)
+    signs = ("Connection closed by peer", "Connection reset", "Broken pipe", "Timed out", "timed out", "gossip thread")
     if isinstance(e, NonFiniteLoss):
         return f"error: learner {i}: {e}; stopping (the last checkpoint, if any, is kept)"
+    if ranks and (isinstance(e, dist.DistError) or any(m in text for m in signs)):
+        who = f"rank {1 - i}" if ranks == 2 else "another rank"
+        reason = (text.strip().splitlines() or [""])[0][:160]
+        return f"error: learner {i} (rank {i}): lost contact with {who}, which died or lost its connection ({reason})"
     return f"error: learner {i} died:\n{traceback.format_exc()}"
 
 
@@ -1645,28 +1623,6 @@ def learner_failure(died: str | None, error_q: Queue) -> str | None:
         return error_q.get(timeout=2.0)
     except queue.Empty:
         return f"error: {died}; stopping the run"
-
-
-def lost_contact(rank: int, n: int, e: BaseException) -> str | None:
-    """The error line when a collective or gossip message failed because another rank is gone (killed, crashed, its
-    machine down): with two ranks it can only be the other one; with more, this rank cannot tell which."""
-    text = f"{e}"
-    signs = ("Connection closed by peer", "Connection reset", "Broken pipe", "Timed out", "timed out", "gossip thread")
-    if not isinstance(e, dist.DistError) and not any(m in text for m in signs):
-        return None
-    who = f"rank {1 - rank}" if n == 2 else "another rank"
-    reason = (text.strip().splitlines() or [""])[0][:160]
-    return f"error: learner {rank} (rank {rank}): lost contact with {who}, which died or lost its connection ({reason})"
-
-
-def exit_without_teardown(code: int) -> None:
-    """End a torchrun rank. gloo's transport and worker threads (`gloo_tcp_loop`, `pt_gloo_runloop`) and the gossip
-    receivers inside `dist.recv` may still be alive, and the interpreter's teardown destroys them while joinable: the
-    rank would abort at exit ("terminate called without an active exception", SIGABRT) or hang. Everything is
-    written and closed by now, so leave without that teardown."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 if __name__ == "__main__":
