@@ -106,13 +106,12 @@ class Args:
     eval_greedy: bool = True
     """evaluate with argmax actions (GALA Table 1's protocol); `--no-eval-greedy` samples from the policy instead"""
     eval_only: str | None = None
-    """evaluate a saved agent instead of training: a model.pt or checkpoint.pt of a run of this script; env, protocol,
-    network and model options come from the run's args.json / checkpoint (--eval-episodes 0 plays 10 episodes)"""
+    """evaluate a model.pt or checkpoint.pt of this script instead of training (env, protocol and network from its run's
+    args.json or checkpoint; --eval-episodes 0 plays 10 episodes)"""
     capture_video: bool = False
     """record videos of the evaluation episodes to {run_dir}/videos (--eval-only: {model dir}/videos-eval-{time})"""
     track: bool = False
-    """log the run to Weights & Biases: TensorBoard synced, Args as config, videos uploaded; needs
-    `pip install -e ".[track]"`"""
+    """log to Weights & Biases (TensorBoard synced, Args as config, videos uploaded; needs pip install -e ".[track]")"""
     wandb_project_name: str = "actorlearners"
     """Weights & Biases project of --track"""
     wandb_entity: str | None = None
@@ -819,14 +818,11 @@ class RankLink:
             self.stop.set()  # all ranks stop together at the next sync point
 
 
-def learner_process(index: int, n: int, args: Args, device_name: str, shared: Shared) -> None:
-    """A learner of the single-machine launch (started through child_main): its records, states and error line go to
-    the main process; nothing raises past here."""
+def learner_process(index: int, n: int, args: Args, device_name: str, shared: Shared, state: dict | None) -> None:
+    """A learner of the single-machine launch (started through child_main), from `state` (--resume) or afresh: its
+    records, states and error line go to the main process; nothing raises past here."""
     learner = None
     try:
-        state = None
-        if args.resume:
-            state = torch.load(args.resume, map_location="cpu", weights_only=False)["learners"][index]
         gossip = None
         if args.mode == "allreduce":
             dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{shared.port}", rank=index, world_size=n)
@@ -1012,6 +1008,9 @@ def main(args: Args) -> None:
         main_single_machine(Run(args, n, run_dir, obs_space, act_space, meta, checkpoint))
 
 
+STOP_GRACE = 5.0  # seconds the learners get to stop after the stop request before they are killed
+
+
 def main_single_machine(run: Run) -> None:
     """Learner processes plus this main process: it logs, asks for checkpoints, and stops the run on a signal, a dead
     learner or a failed write."""
@@ -1028,8 +1027,9 @@ def main_single_machine(run: Run) -> None:
         f"run directory: {run.run_dir}  ({n} learners x {args.num_envs} envs, {args.mode}{ring}, {device})", flush=True
     )
     signals, learners, monitor = StopSignals(shared.stop), Processes(ctx), Monitor(run, shared.log_q)
+    states = run.checkpoint["learners"] if run.checkpoint else [None] * n
     for i in range(n):
-        learners.start(f"learner {i}", learner_process, i, n, args, str(device), shared)
+        learners.start(f"learner {i}", learner_process, i, n, args, str(device), shared, states[i])
     tracker, failure, last_checkpoint = None, None, time.time()
     try:  # whatever fails from here on stops the learners
         tracker = start_tracking(args, run.run_dir)  # after the forks: no learner inherits wandb's threads and pipes
@@ -1045,8 +1045,15 @@ def main_single_machine(run: Run) -> None:
                 last_checkpoint = time.time()
     except OSError as e:  # the writer could not start (full disk, directory removed)
         failure = failed_write(e, run.run_dir)
-    finally:
-        failure = stop_learners(monitor, learners, shared, failure)
+    finally:  # read `log_q` while the learners finish: a learner exits only once its queued messages are in the pipe
+        shared.stop.set()
+        deadline = time.monotonic() + STOP_GRACE
+        while any(p.exitcode is None for p in learners.procs.values()) and time.monotonic() < deadline:
+            monitor.drain(0.1)
+        failure = failure or learner_failure(learners.failed(), shared.error_q) or monitor.write_failure
+        if stuck := learners.stop(max(0.0, deadline - time.monotonic())):  # stuck, or blocked on a peer that is
+            print(f"warning: {', '.join(stuck)} did not stop within {STOP_GRACE:.0f} s; killed", file=sys.stderr)
+        monitor.drain(0.0)
     finished = failure is None and not signals.signum and len(monitor.finals) == n
     states = monitor.final_states(gossip) if failure is None and args.checkpoint_interval else monitor.latest
     end_training(run, monitor.logger, states, finished, failure, signals, tracker)
@@ -1518,9 +1525,8 @@ def validate(args: Args, n: int, torchrun: bool = False) -> str | None:
 def env_spaces(args: Args) -> tuple[gym.Space, gym.Space]:
     """(observation space, action space) of one env of the training vector env."""
     probe = make_vector_env(args.env_id, 1, args.seed, protocol=args.atari_protocol, num_threads=1)
-    spaces = probe.single_observation_space, probe.single_action_space
     probe.close()
-    return spaces
+    return probe.single_observation_space, probe.single_action_space
 
 
 def checkpoint_meta(args: Args, obs_space: gym.Space, act_space: gym.spaces.Discrete, n: int) -> dict:
@@ -1579,24 +1585,6 @@ def end_training(run: Run, logger: Logger | None, states: list, finished: bool, 
     if code:
         print(failure or f"interrupted at step {logger.global_step if logger else 0}: shut down", file=sys.stderr)
         raise SystemExit(code)
-
-
-STOP_GRACE = 5.0  # seconds the learners get to stop after the stop request before they are killed
-
-
-def stop_learners(monitor: Monitor, learners: Processes, shared: Shared, failure: str | None) -> str | None:
-    """Set `stop` and read `log_q` while the learners finish (a learner exits only once its queued messages, its final
-    state among them, are in the pipe); kill those still running after STOP_GRACE (stuck, or blocked on a peer that
-    is), so the run always ends. Returns the run's error line: `failure`, a learner's or a failed write's."""
-    shared.stop.set()
-    deadline = time.monotonic() + STOP_GRACE
-    while any(p.exitcode is None for p in learners.procs.values()) and time.monotonic() < deadline:
-        monitor.drain(0.1)
-    failure = failure or learner_failure(learners.failed(), shared.error_q) or monitor.write_failure
-    if stuck := learners.stop(max(0.0, deadline - time.monotonic())):
-        print(f"warning: {', '.join(stuck)} did not stop within {STOP_GRACE:.0f} s; killed", file=sys.stderr)
-    monitor.drain(0.0)
-    return failure
 
 
 def learner_error(i: int, e: BaseException, ranks: int = 0) -> str:
