@@ -33,6 +33,12 @@ Determinism: none (actors, learner and evaluator race on the replay); the pure f
 
 from __future__ import annotations
 
+import signal
+import sys
+
+if __name__ == "__main__":  # Ctrl+C while the imports below load: exit 130 without a traceback
+    signal.signal(signal.SIGINT, lambda signum, frame: sys.exit(128 + signum))
+
 import contextlib
 import ctypes
 import errno
@@ -42,19 +48,19 @@ import io
 import itertools
 import json
 import math
+import multiprocessing.connection
 import os
 import queue
 import signal
-import sys
 import threading
 import time
 import traceback
 from collections import deque
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from multiprocessing.queues import Queue
 from multiprocessing.sharedctypes import Synchronized
 from pathlib import Path
-from typing import Literal, NamedTuple
+from typing import Literal, NamedTuple, NoReturn
 
 import gymnasium as gym
 import numpy as np
@@ -71,8 +77,6 @@ ALGORITHM = "Ape-X DDPG"
 LOCK_TIMEOUT = 5.0  # seconds a replay buffer's lock may be held before the learner gives up on it
 RPC_PERIOD = 0.25  # seconds between rank 0's exchanges with the actor hosts (torchrun), and between liveness checks
 HOST_SETUP_TIMEOUT = 600.0  # seconds an actor host may take to allocate its buffers and start its actors
-# what --eval-only takes from the saved run (its args.json or checkpoint): the env and the network
-RUN_SETTINGS = ("env_id", "hidden_sizes")
 
 # ---- Args ----
 
@@ -185,82 +189,29 @@ class Args:
     """seconds between console lines"""
 
 
-# flags of the former apex.py that this script does not take: one error line instead of tyro's usage box
-RENAMED_FLAGS = {
-    "--learner-threads": "is now --torch-threads (the actors' threads are --actor-torch-threads)",
-    "--algo": "is gone: apex_ddpg.py is Ape-X DDPG; Ape-X DQN is apex_dqn.py",
-    "--learning-rate": "is --critic-learning-rate here (and --actor-learning-rate for the actor)",
-}
-
-
-def parse_args(argv: list[str]) -> Args:
-    for arg in argv:
-        if (name := arg.split("=")[0]) in RENAMED_FLAGS:
-            fail(f"{name} {RENAMED_FLAGS[name]}")
-    return tyro.cli(Args, args=argv)
-
-
-def validate(args: Args, world_size: int = 1) -> str | None:
-    """Every flag checked before anything is spawned; returns the error line (without `error: `) or None."""
-    for name, value in asdict(args).items():
-        if isinstance(value, float) and not math.isfinite(value):
-            return f"--{name.replace('_', '-')} must be a finite number, got {value}"
-    rules = (
-        (">= 1", lambda v: v >= 1, ("num_actors", "num_envs_per_actor", "actor_torch_threads", "actor_batch",
-                                    "actor_update_interval", "batch_size", "n_step", "log_frequency",
-                                    "eval_interval_episodes")),
-        ("> 0", lambda v: v > 0, ("critic_learning_rate", "actor_learning_rate", "max_grad_norm", "adam_eps",
-                                  "priority_eps")),
-        (">= 0", lambda v: v >= 0, ("torch_threads", "learning_starts", "checkpoint_interval", "eval_episodes",
-                                    "eval_interval", "replay_ratio", "log_interval", "exploration_noise",
-                                    "priority_alpha")),
-        ("in [0, 1]", lambda v: 0 <= v <= 1, ("gamma", "tau", "priority_beta", "ou_theta")),
-    )  # fmt: skip
-    for want, ok, names in rules:
-        for name in names:
-            if not ok(getattr(args, name)):
-                return f"--{name.replace('_', '-')} must be {want}, got {getattr(args, name)}"
-    if not args.hidden_sizes or min(args.hidden_sizes) < 1:
-        return f"--hidden-sizes must be one or more positive widths, got {args.hidden_sizes}"
-    if args.track and importlib.util.find_spec("wandb") is None:
-        return '--track needs wandb: pip install -e ".[track]"'
-    if args.eval_only is not None:  # env and network come from the saved run: load_for_eval checks them
-        if world_size > 1:
-            return f"--eval-only runs in one process: python {Path(__file__).name} --eval-only PATH, without torchrun"
-        return None if Path(args.eval_only).is_file() else f"--eval-only {args.eval_only}: no such file"
-    if args.resume is not None and not Path(args.resume).is_file():
-        return f"--resume {args.resume}: no such checkpoint file"
-    if world_size > 1 and args.resume is not None:
-        return "--resume works with the single-machine launch only (the actor ranks' step counts are not saved)"
-    actors = args.num_actors * max(1, world_size - 1)
-    if args.buffer_size < actors * args.actor_batch:
-        return (
-            f"--buffer-size ({args.buffer_size}) must hold at least one --actor-batch ({args.actor_batch}) per "
-            f"actor ({actors} actors)"
-        )
-    if args.learning_starts > args.buffer_size:
-        return f"--learning-starts ({args.learning_starts}) must be <= --buffer-size ({args.buffer_size})"
-    if args.total_timesteps < actors * args.num_envs_per_actor:
-        return f"--total-timesteps ({args.total_timesteps}) is less than one step of every env of every actor"
-    try:
-        check_env_args(args.env_id, args.num_envs_per_actor)
-        if args.capture_video:  # fail now, not at the final evaluation
-            check_video(args.env_id)
-        obs_space, act_space = env_spaces(args)
-        if isinstance(act_space, gym.spaces.Discrete):
-            return (
-                f"{args.env_id} has a Discrete action space ({act_space}); Ape-X DDPG needs a Box action space: "
-                "use apex_dqn.py"
-            )
-        build_model(args, obs_space, act_space)
-    except EnvError as e:
-        return str(e)
-    except ValueError as e:
-        return f"{e} (Ape-X DDPG on {args.env_id})"
-    return None
-
-
 # ---- Algorithm ----
+
+
+def td_errors(online: nn.Module, target: nn.Module, data: Transitions) -> tuple[torch.Tensor, torch.Tensor]:
+    """n-step TD errors [B] of the critic, y = R + gamma^n Q'(s', mu'(s')) (Ape-X DPG), and Q(s, a) [B],
+    differentiable through `online`'s critic. The learner passes its target networks; an actor computing initial
+    priorities passes its one local copy twice."""
+    q = online.q(data.obs, data.actions)  # [B]
+    with torch.no_grad():
+        y = data.returns + data.discounts * target.q(data.next_obs, target(data.next_obs))
+    return y - q, q
+
+
+def priorities_of(td: torch.Tensor, alpha: float, eps: float) -> np.ndarray:
+    """Stored priorities p^alpha with p = |delta| + eps (Schaul et al. 2016, proportional variant)."""
+    return ((td.detach().abs().double() + eps) ** alpha).cpu().numpy()
+
+
+@torch.no_grad()
+def soft_update(target: nn.Module, online: nn.Module, tau: float) -> None:
+    """theta' <- tau theta + (1 - tau) theta' (Lillicrap et al. 2016)."""
+    for t, o in zip(target.parameters(), online.parameters(), strict=True):
+        t.lerp_(o, tau)
 
 
 def noise_scales(num_actors: int, sigma: float) -> list[float]:
@@ -360,49 +311,7 @@ class NStepBuilder:
         return out
 
 
-def td_errors(online: nn.Module, target: nn.Module, data: Transitions) -> tuple[torch.Tensor, torch.Tensor]:
-    """n-step TD errors [B] of the critic, y = R + gamma^n Q'(s', mu'(s')) (Ape-X DPG), and Q(s, a) [B],
-    differentiable through `online`'s critic. The learner passes its target networks; an actor computing initial
-    priorities passes its one local copy twice."""
-    q = online.q(data.obs, data.actions)  # [B]
-    with torch.no_grad():
-        y = data.returns + data.discounts * target.q(data.next_obs, target(data.next_obs))
-    return y - q, q
-
-
-def priorities_of(td: torch.Tensor, alpha: float, eps: float) -> np.ndarray:
-    """Stored priorities p^alpha with p = |delta| + eps (Schaul et al. 2016, proportional variant)."""
-    return ((td.detach().abs().double() + eps) ** alpha).cpu().numpy()
-
-
-@torch.no_grad()
-def soft_update(target: nn.Module, online: nn.Module, tau: float) -> None:
-    """theta' <- tau theta + (1 - tau) theta' (Lillicrap et al. 2016)."""
-    for t, o in zip(target.parameters(), online.parameters(), strict=True):
-        t.lerp_(o, tau)
-
-
 # ---- Storage and messages ----
-
-
-class Stop(Exception):
-    """Raised inside a process when the run is shutting down."""
-
-
-class NonFiniteLoss(RuntimeError):
-    pass
-
-
-class LockTimeout(RuntimeError):
-    pass
-
-
-class WorkerError(RuntimeError):
-    """An actor host failed or stopped answering (torchrun); the message is the error line."""
-
-
-class WriteError(RuntimeError):
-    """A checkpoint or model file could not be written; the message is the error line."""
 
 
 class Transitions(NamedTuple):
@@ -473,6 +382,10 @@ class WorkerFailed(NamedTuple):
     """actor host -> rank 0: the error line of one of its processes that died."""
 
     error: str
+
+
+class LockTimeout(Exception):
+    """A shared lock held for LOCK_TIMEOUT seconds: most likely a process died holding it."""
 
 
 @contextlib.contextmanager
@@ -653,6 +566,16 @@ class Shared:
     parent_pid: int
 
 
+def drain_into(q, handle, timeout: float) -> None:
+    """Handle every queued message, waiting up to `timeout` for the first."""
+    try:
+        handle(q.get(timeout=timeout) if timeout else q.get_nowait())
+        while True:
+            handle(q.get_nowait())
+    except queue.Empty:
+        pass
+
+
 # ---- Workers ----
 
 
@@ -718,35 +641,6 @@ def wait_for_learner(args: Args, shared: Shared, slack: int) -> None:
     sleep_until(
         shared, lambda: shared.steps_claimed.value - start - shared.store.version.value * per_update <= slack, 0.02
     )
-
-
-def die_with_parent(parent_pid: int) -> None:
-    """Linux: the kernel kills this process when the process that started it dies, even by kill -9, so no child
-    outlives the run. The main process may have died before prctl ran: then exit at once."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):  # no prctl (not Linux)
-        pass
-    if os.getppid() != parent_pid:
-        os._exit(0)
-
-
-def process_body(name: str, loop, shared: Shared, *loop_args) -> None:
-    """Run `loop(*loop_args)` in a child process, reporting any exception with its traceback to the main process."""
-    die_with_parent(shared.parent_pid)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the main process coordinates Ctrl+C / SIGTERM
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})  # blocked by main around start()
-    try:
-        loop(*loop_args)
-    except Stop:
-        pass
-    except NonFiniteLoss as e:
-        shared.error_q.put(f"error: {name}: {e}; stopping (the last checkpoint, if any, is kept)")
-        raise SystemExit(1) from None
-    except BaseException:
-        shared.error_q.put(f"error: {name} died:\n{traceback.format_exc()}")
-        raise SystemExit(1) from None
 
 
 def bootstrap_obs(next_obs: np.ndarray, done: np.ndarray, info: dict) -> np.ndarray:
@@ -846,75 +740,7 @@ def evaluator_loop(args: Args, shared: Shared, obs_space, act_space) -> None:
         env.close()
 
 
-def final_evaluation(args: Args, spaces, state_dict: dict, video_dir: Path) -> list[float]:
-    """--eval-episodes episodes of the final (or --eval-only's saved) model, videos to `video_dir` with
-    --capture-video."""
-    env = make_env(args.env_id, args.seed + 2_000_003, capture_video=args.capture_video, video_dir=str(video_dir))
-    model = build_model(args, *spaces)
-    model.load_state_dict(state_dict)
-    try:
-        return play_episodes(args, model, env, args.eval_episodes, np.random.default_rng(args.seed))
-    finally:
-        env.close()
-
-
-class Learner:
-    """Actor and critic, their target networks and Adam optimizers; `update` is one Ape-X DPG learner step."""
-
-    def __init__(self, args: Args, obs_space, act_space, device: torch.device):
-        self.args, self.device = args, device
-        self.model = build_model(args, obs_space, act_space).to(device)
-        self.target = build_model(args, obs_space, act_space).to(device)
-        self.target.load_state_dict(self.model.state_dict())
-        self.target.requires_grad_(False)
-        self.version = 0  # learner updates so far
-        self.learning_rate = args.critic_learning_rate  # charts/learning_rate (the critic's)
-        self.optimizers = {
-            "critic": torch.optim.Adam(self.model.critic.parameters(), args.critic_learning_rate, eps=args.adam_eps),
-            "actor": torch.optim.Adam(self.model.actor.parameters(), args.actor_learning_rate, eps=args.adam_eps),
-        }
-
-    def flat_params(self) -> torch.Tensor:
-        return torch.cat([p.detach().reshape(-1) for p in self.model.parameters()])  # logical order, any layout
-
-    def update(self, data: Transitions, weights: torch.Tensor) -> tuple[np.ndarray, dict[str, float]]:
-        """One critic step on the IS-weighted squared TD error, one actor step on the deterministic policy gradient,
-        a soft target update; returns the new priorities [B] and scalar statistics."""
-        data = Transitions(*(t.to(self.device, non_blocking=True) for t in data))
-        td, q = td_errors(self.model, self.target, data)
-        value_loss = 0.5 * (weights.to(self.device) * td.pow(2)).mean()
-        grad_norm = self.step("critic", value_loss)
-        policy_loss = -self.model.q(data.obs, self.model(data.obs)).mean()  # Silver et al. 2014, Eq. 6
-        self.step("actor", policy_loss)
-        soft_update(self.target, self.model, self.args.tau)
-        lag = self.version - data.policy_version.double().mean()  # updates between the acting parameters and this
-        values = dict(value_loss=value_loss, policy_loss=policy_loss, total_loss=value_loss + policy_loss,
-                      grad_norm=grad_norm, q_values=q.mean(), policy_lag=lag)  # fmt: skip
-        stats = dict(zip(values, torch.stack([v.detach().double() for v in values.values()]).tolist(), strict=True))
-        self.version += 1
-        return priorities_of(td, self.args.priority_alpha, self.args.priority_eps), stats
-
-    def step(self, name: str, loss: torch.Tensor) -> torch.Tensor:
-        """One clipped Adam step of the `name` network (critic or actor); its gradient norm before clipping."""
-        if not torch.isfinite(loss):
-            raise NonFiniteLoss(f"non-finite {name} loss {loss.item()} at learner update {self.version}")
-        self.optimizers[name].zero_grad(set_to_none=True)
-        loss.backward()
-        grad_norm = nn.utils.clip_grad_norm_(getattr(self.model, name).parameters(), self.args.max_grad_norm)
-        self.optimizers[name].step()
-        return grad_norm.detach()
-
-    def state_dict(self) -> dict:
-        optimizers = {k: o.state_dict() for k, o in self.optimizers.items()}
-        return dict(model=self.model.state_dict(), target=self.target.state_dict(), optimizers=optimizers,
-                    version=self.version)  # fmt: skip
-
-    def load_state_dict(self, state: dict) -> None:
-        self.model.load_state_dict(state["model"])
-        self.target.load_state_dict(state["target"])
-        for k, o in self.optimizers.items():
-            o.load_state_dict(state["optimizers"][k])
-        self.version = state["version"]
+# ---- Actor ranks (torchrun) ----
 
 
 class ActorHost(LocalReplay):
@@ -922,15 +748,13 @@ class ActorHost(LocalReplay):
     driven by rank 0's calls, one at a time: LocalReplay's methods, `relay` and `close`."""
 
     def __init__(self, args: Args, rank: int, world_size: int):
-        hosts, total = world_size - 1, args.total_timesteps
-        self.rank = rank
-        self.shared, self.procs = setup_machine(
-            args, mp.get_context("fork"), env_spaces(args), num_actors=args.num_actors,
-            steps_limit=total // hosts + (total % hosts if rank == 1 else 0), first_actor=(rank - 1) * args.num_actors,
-            num_total=hosts * args.num_actors, evaluator=False,
-        )  # fmt: skip
+        hosts, total, spaces, ctx = world_size - 1, args.total_timesteps, env_spaces(args), mp.get_context("fork")
+        self.rank, self.procs = rank, Processes(ctx)
+        self.shared = new_shared(args, ctx, spaces, num_buffers=args.num_actors, num_total=hosts * args.num_actors,
+                                 steps_limit=total // hosts + (total % hosts if rank == 1 else 0))  # fmt: skip
         super().__init__(self.shared.buffers, np.random.default_rng([args.seed, rank]))
-        start_processes(self.procs)
+        start_workers(self.procs, args, self.shared, spaces, first_actor=(rank - 1) * args.num_actors,
+                      num_total=hosts * args.num_actors, evaluator=False)  # fmt: skip
 
     def relay(self, flat: torch.Tensor | None, version: int) -> list[ActorReport | WorkerFailed]:
         """Publish rank 0's newer parameters (if any) to the actors; return their reports and any failure."""
@@ -938,12 +762,16 @@ class ActorHost(LocalReplay):
             self.shared.store.publish(flat, version)
         messages = []
         drain_into(self.shared.log_q, messages.append, 0.0)
-        if failure := dead_process(self.procs, self.shared):
+        if failure := worker_failure(self.procs, self.shared.error_q):
             messages.append(WorkerFailed(f"{failure} (on rank {self.rank})"))
         return messages
 
     def close(self) -> None:
-        shutdown(self.procs, self.shared, lambda t: drain_into(self.shared.log_q, lambda m: None, t), grace=4.0)
+        stop_processes(self.procs, self.shared, lambda message: None, grace=4.0)
+
+
+class WorkerError(Exception):
+    """An actor host failed or stopped answering (torchrun); the message is the error line."""
 
 
 class RemoteReplay:
@@ -1009,39 +837,236 @@ def serve_actor_host(rank: int, world_size: int) -> None:
         raise SystemExit(1) from None
 
 
-# ---- Lifecycle ----
+# ---- Learner ----
 
 
-class StopSignals:
-    """Ctrl+C and SIGTERM only set `requested` (and `signum`, for the exit status 128 + signum): start-up checks it
-    before starting processes and the main loop at the top of every iteration, then unwinds through `finally`. An
-    exception raised from the handler could cut start-up between two process starts (orphans, a traceback), or leave
-    half a message in the pipe inside a `log_q.get` (`EOFError: Ran out of input` at the next read)."""
+class Learner:
+    """Actor and critic, their target networks and Adam optimizers; `update` is one Ape-X DPG learner step."""
 
-    def __init__(self):
-        self.requested, self.signum = threading.Event(), 0
-        signal.signal(signal.SIGINT, self.handler)
-        signal.signal(signal.SIGTERM, self.handler)
+    def __init__(self, args: Args, obs_space, act_space, device: torch.device):
+        self.args, self.device = args, device
+        self.model = build_model(args, obs_space, act_space).to(device)
+        self.target = build_model(args, obs_space, act_space).to(device)
+        self.target.load_state_dict(self.model.state_dict())
+        self.target.requires_grad_(False)
+        self.version = 0  # learner updates so far
+        self.learning_rate = args.critic_learning_rate  # charts/learning_rate (the critic's)
+        self.optimizers = {
+            "critic": torch.optim.Adam(self.model.critic.parameters(), args.critic_learning_rate, eps=args.adam_eps),
+            "actor": torch.optim.Adam(self.model.actor.parameters(), args.actor_learning_rate, eps=args.adam_eps),
+        }
 
-    def handler(self, signum, frame) -> None:
-        self.signum = self.signum or signum
-        self.requested.set()
+    def flat_params(self) -> torch.Tensor:
+        return torch.cat([p.detach().reshape(-1) for p in self.model.parameters()])  # logical order, any layout
+
+    def update(self, data: Transitions, weights: torch.Tensor) -> tuple[np.ndarray, dict[str, float]]:
+        """One critic step on the IS-weighted squared TD error, one actor step on the deterministic policy gradient,
+        a soft target update; returns the new priorities [B] and scalar statistics."""
+        data = Transitions(*(t.to(self.device, non_blocking=True) for t in data))
+        td, q = td_errors(self.model, self.target, data)
+        value_loss = 0.5 * (weights.to(self.device) * td.pow(2)).mean()
+        grad_norm = self.step("critic", value_loss)
+        policy_loss = -self.model.q(data.obs, self.model(data.obs)).mean()  # Silver et al. 2014, Eq. 6
+        self.step("actor", policy_loss)
+        soft_update(self.target, self.model, self.args.tau)
+        lag = self.version - data.policy_version.double().mean()  # updates between the acting parameters and this
+        values = dict(value_loss=value_loss, policy_loss=policy_loss, total_loss=value_loss + policy_loss,
+                      grad_norm=grad_norm, q_values=q.mean(), policy_lag=lag)  # fmt: skip
+        stats = dict(zip(values, torch.stack([v.detach().double() for v in values.values()]).tolist(), strict=True))
+        self.version += 1
+        return priorities_of(td, self.args.priority_alpha, self.args.priority_eps), stats
+
+    def step(self, name: str, loss: torch.Tensor) -> torch.Tensor:
+        """One clipped Adam step of the `name` network (critic or actor); its gradient norm before clipping."""
+        if not torch.isfinite(loss):
+            raise NonFiniteLoss(f"non-finite {name} loss {loss.item()} at learner update {self.version}")
+        self.optimizers[name].zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = nn.utils.clip_grad_norm_(getattr(self.model, name).parameters(), self.args.max_grad_norm)
+        self.optimizers[name].step()
+        return grad_norm.detach()
+
+    def state_dict(self) -> dict:
+        optimizers = {k: o.state_dict() for k, o in self.optimizers.items()}
+        return dict(model=self.model.state_dict(), target=self.target.state_dict(), optimizers=optimizers,
+                    version=self.version)  # fmt: skip
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.target.load_state_dict(state["target"])
+        for k, o in self.optimizers.items():
+            o.load_state_dict(state["optimizers"][k])
+        self.version = state["version"]
 
 
-def env_spaces(args: Args):
-    """(observation space, action space) of one env, from a probe of the training vector env."""
-    probe = make_vector_env(args.env_id, 1, args.seed, num_threads=1)
-    spaces = probe.single_observation_space, probe.single_action_space
-    probe.close()
-    return spaces
+class Record:
+    """The learner's record: the step count, the actors' games and the evaluator's rounds as TensorBoard points, the
+    means of the learner's statistics over the last --log-frequency updates, and the console line."""
+
+    def __init__(self, writer, global_step: int):
+        self.writer = writer
+        self.global_step = self.start_step = global_step
+        self.start_time = time.time()
+        self.returns: deque[float] = deque(maxlen=20)  # the console line's mean return
+        self.last_eval_step = -1  # the step of the newest evaluator round reported
+        self.sums: dict[str, float] = {}
+        self.count, self.stale_updates, self.replay_wait = 0, 0, 0.0
+
+    def games(self, report: ActorReport) -> None:
+        self.global_step += report.steps
+        for ret, length in report.episodes:
+            self.writer.add_scalar("charts/episodic_return", ret, self.global_step)
+            self.writer.add_scalar("charts/episodic_length", length, self.global_step)
+            self.returns.append(ret)
+
+    def evaluation(self, report: EvalReport) -> None:
+        for ret in report.returns:
+            self.writer.add_scalar("eval/episodic_return", ret, report.step)
+        self.last_eval_step = max(self.last_eval_step, report.step)
+
+    def evaluation_due(self, interval: int) -> bool:
+        """The budget is spent, but no evaluator round has yet reported from at or after the last --eval-interval
+        boundary the run crossed. The evaluator is triggered by the step count, so a slow machine delays a round (it
+        plays the newest parameters when it gets there) but the run waits for it rather than dropping it."""
+        boundary = (self.global_step - 1) // interval * interval if interval else -1  # the last one before the end
+        return boundary > self.start_step and self.last_eval_step < boundary
+
+    def add(self, values: dict[str, float]) -> None:
+        for k, v in values.items():
+            self.sums[k] = self.sums.get(k, 0.0) + v
+        self.count += 1
+
+    def sps(self) -> float:
+        return (self.global_step - self.start_step) / max(1e-9, time.time() - self.start_time)
+
+    def write(self, learner: Learner, stats: ReplayStats) -> None:
+        """A point of every learner scalar: the means since the last point, the speed and the replay's statistics."""
+        step, size = self.global_step, stats.sizes.sum()
+        for k, v in self.sums.items():
+            self.writer.add_scalar(f"charts/{k}" if k == "policy_lag" else f"losses/{k}", v / self.count, step)
+        self.sums, self.count = {}, 0
+        self.writer.add_scalar("charts/SPS", self.sps(), step)
+        self.writer.add_scalar("charts/learning_rate", learner.learning_rate, step)
+        self.writer.add_scalar("replay/size", size, step)
+        self.writer.add_scalar("replay/priority_mean", stats.priority_sums.sum() / max(1.0, size), step)
+        self.writer.add_scalar("replay/stale_updates", self.stale_updates, step)
+        self.writer.add_scalar("timing/replay_wait", self.replay_wait, step)
+
+    def console_line(self, learner: Learner, stats: ReplayStats) -> str:
+        mean_return = f"{np.mean(self.returns):.2f}" if self.returns else "nan"
+        return (f"global_step={self.global_step} SPS={self.sps():.0f} mean_return={mean_return} "
+                f"updates={learner.version} replay={int(stats.sizes.sum())}")  # fmt: skip
 
 
-def setup_machine(
-    args: Args, ctx, spaces, *, num_actors: int, steps_limit: int, first_actor: int, num_total: int, evaluator: bool,
-    start_step: int = 0,
-) -> tuple[Shared, dict]:  # fmt: skip
-    """This machine's buffers, parameter store and (unstarted) processes: actors, and the evaluator if asked."""
-    shared = Shared(
+class RateLimiter:
+    """--replay-ratio, the learner's side (the actors' side is wait_for_learner), like Reverb's SampleToInsertRatio:
+    from the first update on, the learner samples at most --replay-ratio transitions per agent step."""
+
+    def __init__(self, args: Args):
+        self.args, self.start_step, self.start_version = args, -1, 0  # the origin: step and version at the 1st update
+
+    def allows(self, replay_size: int, global_step: int, version: int) -> bool:
+        """Enough transitions in the replay, and the learner is not ahead of the actors."""
+        args = self.args
+        if replay_size < max(args.learning_starts, 1):
+            return False
+        sampled = (version - self.start_version) * args.batch_size
+        steps = global_step - self.start_step
+        return not args.replay_ratio or self.start_step < 0 or sampled < args.replay_ratio * steps
+
+    def start(self, shared: Shared, global_step: int, version: int) -> None:
+        """At the first update: the origin of both sides (the actors' in shared memory)."""
+        if self.start_step >= 0:
+            return
+        self.start_step, self.start_version = global_step, version
+        if self.args.replay_ratio:  # steps_claimed read without its lock (actors hold it)
+            claimed = shared.steps_claimed.get_obj().value
+            shared.learn_start.value = claimed - version * self.args.batch_size / self.args.replay_ratio
+
+
+class LearnerRun:
+    """The learner's loop state and what one iteration does: take the workers' messages, train when the replay and
+    the rate limiter allow, log, check on the workers, checkpoint."""
+
+    def __init__(self, args: Args, learner: Learner, replay, shared: Shared, procs: Processes, record: Record,
+                 run_dir: Path, meta: dict, num_actors: int):  # fmt: skip
+        self.args, self.learner, self.replay, self.shared, self.procs = args, learner, replay, shared, procs
+        self.record, self.run_dir, self.meta, self.num_actors = record, run_dir, meta, num_actors
+        self.last_print = self.last_checkpoint = self.last_check = time.time()
+        self.actors_done: set[int] = set()
+        self.failure: str | None = None
+        self.tracker = None  # the wandb module of --track
+        self.limiter = RateLimiter(args)
+        self.stats = ReplayStats(np.zeros(1), np.ones(1), np.zeros(1, dtype=np.int64))  # until the loop reads it
+        self.rng = np.random.default_rng([args.seed, 1])
+
+    def running(self) -> bool:
+        return len(self.actors_done) < self.num_actors and self.failure is None
+
+    def handle(self, message: ActorReport | EvalReport | WorkerFailed) -> None:
+        if isinstance(message, ActorReport):
+            self.record.games(message)
+            self.shared.global_step.value = self.record.global_step
+            if message.done:
+                self.actors_done.add(message.actor)
+        elif isinstance(message, EvalReport):
+            self.record.evaluation(message)
+        else:
+            self.failure = self.failure or message.error
+
+    def wait_for_evaluation(self, stop: threading.Event) -> None:
+        """The budget is spent: take messages and check on the processes until no evaluator round is due."""
+        while self.failure is None and self.record.evaluation_due(self.args.eval_interval):
+            if stop.is_set():
+                raise Stop
+            drain_into(self.shared.log_q, self.handle, RPC_PERIOD)
+            self.housekeeping()
+
+    def can_learn(self) -> bool:
+        return self.limiter.allows(int(self.stats.sizes.sum()), self.record.global_step, self.learner.version)
+
+    def learn(self) -> None:
+        """One update: sample across the buffers, train, write the new priorities back, publish the parameters."""
+        args, learner, record = self.args, self.learner, self.record
+        self.limiter.start(self.shared, record.global_step, learner.version)
+        drain_into(self.shared.log_q, self.handle, 0.0)
+        beta = importance_exponent(args.priority_beta, args.anneal_beta, record.global_step / args.total_timesteps)
+        batch = sample_batch(self.replay, args.batch_size, beta, self.rng, self.stats)
+        priorities, values = learner.update(batch.data, batch.weights)
+        record.stale_updates += self.replay.update(split_updates(batch, priorities, len(self.stats.sizes)))
+        self.shared.store.publish(learner.flat_params(), learner.version)
+        record.add(values)
+        if record.count >= args.log_frequency:
+            record.write(learner, self.stats)
+
+    def wait_for_data(self) -> None:
+        """Too little data (or the rate limiter): block on the actors' reports."""
+        t0 = time.perf_counter()
+        drain_into(self.shared.log_q, self.handle, RPC_PERIOD)
+        self.record.replay_wait += time.perf_counter() - t0
+
+    def housekeeping(self) -> None:
+        """Exchange with the actor hosts and check on the processes every RPC_PERIOD; console line; checkpoint."""
+        now = time.time()
+        if now - self.last_check >= RPC_PERIOD:
+            self.last_check = now
+            for message in self.replay.exchange(self.shared.store):
+                self.handle(message)
+            self.failure = self.failure or worker_failure(self.procs, self.shared.error_q)
+        if now - self.last_print >= self.args.log_interval:
+            print(self.record.console_line(self.learner, self.stats), flush=True)
+            self.last_print = now
+        if self.args.checkpoint_interval and now - self.last_checkpoint >= self.args.checkpoint_interval:
+            write_checkpoint(self)
+            self.last_checkpoint = now
+
+
+# ---- Main ----
+
+
+def new_shared(args: Args, ctx, spaces, *, num_buffers: int, num_total: int, steps_limit: int, start_step: int = 0):
+    """What this machine's processes share: a buffer per local actor, the parameter store, the queues and counters."""
+    return Shared(
         stop=ctx.Value("b", 0, lock=False),
         log_q=ctx.Queue(),
         error_q=ctx.Queue(),
@@ -1051,100 +1076,220 @@ def setup_machine(
         global_step=ctx.Value("q", start_step, lock=False),
         learn_start=ctx.Value("d", math.nan, lock=False),
         store=ParamStore(sum(p.numel() for p in build_model(args, *spaces).parameters()), ctx),
-        buffers=[new_buffer(args.buffer_size // num_total, *spaces, ctx.Lock()) for _ in range(num_actors)],
+        buffers=[new_buffer(args.buffer_size // num_total, *spaces, ctx.Lock()) for _ in range(num_buffers)],
         parent_pid=os.getpid(),
     )
-    procs = {
-        f"actor {first_actor + a}": ctx.Process(
-            target=process_body,
-            args=(f"actor {first_actor + a}", actor_loop, shared, a, first_actor + a, num_total, args, shared),
-            daemon=True,
-        )
-        for a in range(num_actors)
-    }
+
+
+def start_workers(procs: Processes, args: Args, shared: Shared, spaces, *, first_actor: int, num_total: int,
+                  evaluator: bool) -> None:  # fmt: skip
+    """This machine's actors, one per buffer in `shared` (global ids from `first_actor`), and the evaluator if asked."""
+    for a in range(len(shared.buffers)):
+        name = f"actor {first_actor + a}"
+        procs.start(name, worker_body, actor_loop, shared.error_q, a, first_actor + a, num_total, args, shared)
     if evaluator:
-        procs["evaluator"] = ctx.Process(
-            target=process_body, args=("evaluator", evaluator_loop, shared, args, shared, *spaces), daemon=True
-        )
-    return shared, procs
+        procs.start("evaluator", worker_body, evaluator_loop, shared.error_q, args, shared, *spaces)
 
 
-def start_processes(procs: dict) -> None:
-    """Children start with SIGINT/SIGTERM blocked, then ignore them: Ctrl+C reaches the whole process group."""
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+def start_learner(args: Args, world_size: int, signals: StopSignals) -> LearnerRun:
+    """Rank 0: the run directory (or the resumed one), the learner, this machine's processes, the replay (the local
+    buffers, or the actor ranks' over rpc), tracking and TensorBoard."""
+    spaces, distributed = env_spaces(args), world_size > 1
+    meta = checkpoint_meta(args, *spaces)
+    checkpoint = load_checkpoint(args.resume, meta, args) if args.resume else None
+    device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
+    run_dir = Path(args.resume).parent if checkpoint else new_run_dir(args)
+    global_step = checkpoint["global_step"] if checkpoint else 0
+    num_actors = args.num_actors * (world_size - 1 if distributed else 1)
+    ctx = mp.get_context("spawn" if device.type == "cuda" else "fork")  # CUDA cannot be used in forked children
+    shared = new_shared(args, ctx, spaces, num_buffers=0 if distributed else args.num_actors, num_total=num_actors,
+                        steps_limit=args.total_timesteps, start_step=global_step)  # fmt: skip
+    learner = Learner(args, *spaces, device)
+    if checkpoint:
+        learner.load_state_dict(checkpoint)
+        torch.set_rng_state(checkpoint["torch_rng"])
+    shared.store.publish(learner.flat_params(), learner.version)
+    print(
+        f"run directory: {run_dir}  ({ALGORITHM}: {num_actors} actors x {args.num_envs_per_actor} envs, replay "
+        f"{args.buffer_size:,} in {num_actors} buffers, learner on {device}"
+        f"{f', {world_size - 1} actor ranks over rpc' if distributed else ''})",
+        flush=True,
+    )
+    stop_if_signalled(signals, run_dir, resumed=checkpoint is not None)
+    write_run_args(run_dir, args, meta)
+    procs = Processes(ctx)
+    start_workers(procs, args, shared, spaces, first_actor=0, num_total=num_actors, evaluator=args.eval_interval > 0)
+    tracker = start_tracking_or_stop(args, run_dir, procs, shared)  # after the forks: no child inherits wandb's threads
+    # rank 0's writer (slow to start under --track's TensorBoard sync) before the actor ranks start acting, so that
+    # they do not run ahead of a learner still starting up
+    writer = make_writer(run_dir, args)
+    rng = np.random.default_rng([args.seed, 0])
+    replay = RemoteReplay(args, world_size) if distributed else LocalReplay(shared.buffers, rng)
+    run = LearnerRun(args, learner, replay, shared, procs, Record(writer, global_step), run_dir, meta, num_actors)
+    run.tracker = tracker
+    return run
+
+
+def main(args: Args) -> None:
+    """The learner (single machine, or rank 0 under torchrun), or an actor rank under torchrun."""
+    world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    if args.torch_threads >= 1:  # before validation builds a model: oversubscribed threads make that slow too
+        torch.set_num_threads(args.torch_threads)
+    if error := validate(args, world_size):
+        fail(error)
+    if args.eval_only:
+        return main_eval_only(args)
+    torch.manual_seed(args.seed)
+    torch.backends.cudnn.deterministic = args.torch_deterministic
+    torch.use_deterministic_algorithms(args.torch_deterministic, warn_only=True)
+    # deterministic mode would also NaN-fill every new tensor; nothing here reads uninitialised memory
+    torch.utils.deterministic.fill_uninitialized_memory = False
+    if rank > 0:
+        return serve_actor_host(rank, world_size)
+    signals = StopSignals(threading.Event())
     try:
-        for p in procs.values():
-            p.start()
+        run = start_learner(args, world_size, signals)
+        interrupted = False
+        try:
+            while run.running():
+                if signals.stop.is_set():
+                    raise Stop
+                run.stats = run.replay.stats()
+                if run.can_learn():
+                    run.learn()
+                else:
+                    run.wait_for_data()
+                run.housekeeping()
+            run.wait_for_evaluation(signals.stop)
+        except Stop:
+            interrupted = True
+            print("interrupted: shutting down", file=sys.stderr, flush=True)
+        except (NonFiniteLoss, LockTimeout) as e:
+            failure = worker_failure(run.procs, run.shared.error_q)  # the cause, if a process died
+            run.failure = failure or f"error: learner: {e}; stopping (the last checkpoint, if any, is kept)"
+        except (WriteError, WorkerError) as e:
+            run.failure = str(e)
+        except OSError as e:  # the TensorBoard events file
+            run.failure = write_error(e, f"the TensorBoard events in {run.run_dir}")
+        finally:
+            stop_workers(run)
+        close_run(run, interrupted, signals.signum)
     finally:
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+        signals.restore()
 
 
-def drain_into(q, handle, timeout: float) -> None:
-    """Handle every queued message, waiting up to `timeout` for the first."""
-    try:
-        handle(q.get(timeout=timeout) if timeout else q.get_nowait())
-        while True:
-            handle(q.get_nowait())
-    except queue.Empty:
-        pass
+# ---- run plumbing ------------------------------------------------------------------------------------------------
+# Validation, the run directory, tracking, checkpoints, evaluation of a saved agent, signals, supervision and error
+# lines: nothing here is needed to read or change the algorithm above. A function here that several scripts have is
+# the same text in all of them (tests/test_plumbing.py names the script and function that drift): change it in every
+# script. What differs between scripts lives in the few script-specific functions at the end of this section.
 
 
-def dead_process(procs: dict, shared: Shared) -> str | None:
-    """The error line of the process that died, with its traceback if it sent one. A process killed by a signal is
-    named first: it is the cause (it sends no traceback, and may have died holding the parameter store's lock, so
-    that the tracebacks already queued are other processes' lock timeouts)."""
-    for name, p in procs.items():
-        if p.exitcode is not None and p.exitcode < 0:
-            return f"error: {name} died (killed by signal {-p.exitcode}); stopping the run"
-    for name, p in procs.items():
-        if p.exitcode is not None and p.exitcode > 0:
-            try:
-                return shared.error_q.get(timeout=2.0)
-            except queue.Empty:
-                return f"error: {name} died (exit status {p.exitcode}); stopping the run"
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # Ctrl+C, kill, a closed terminal
+
+
+class Stop(Exception):
+    """The run is stopping (a signal, a dead worker, the budget spent): raised to leave a wait or a loop early."""
+
+
+class NonFiniteLoss(Exception):
+    """A loss or gradient norm that is NaN or infinite: the run stops and the last good checkpoint is kept."""
+
+
+class WriteError(Exception):
+    """A checkpoint, model or TensorBoard write that failed (a full disk): the message is the run's error line."""
+
+
+class StopSignals:
+    """Ctrl+C, SIGTERM and SIGHUP (a closed terminal or ssh session) record the first signal's number, for the exit
+    status 128 + signum, and set `stop`, the event the run's waits and loops check; the run then stops at its own pace
+    and writes its final checkpoint. A second signal changes nothing, so a second Ctrl+C cannot cut the shutdown.
+    After `interruptible()` (the end-of-run evaluation: one thread, no queue or lock in use) a signal raises Stop."""
+
+    def __init__(self, stop):
+        self.stop, self.signum, self.raise_stop = stop, 0, False
+        self.previous = {s: signal.signal(s, self.handler) for s in STOP_SIGNALS}
+
+    def handler(self, signum: int, frame) -> None:
+        self.signum = self.signum or signum
+        # set from another thread: the handler runs in the main thread between two bytecodes, possibly while that
+        # thread holds the event's own lock (inside wait or is_set), and a set() here would wait for it forever
+        threading.Thread(target=self.stop.set, daemon=True).start()
+        if self.raise_stop:
+            raise Stop(f"signal {signum}")
+
+    def interruptible(self) -> None:
+        self.raise_stop = True
+        if self.signum:
+            raise Stop(f"signal {self.signum}")
+
+    def restore(self) -> None:
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
+
+
+def fail(message: str) -> NoReturn:
+    """Bad input: one error line, exit status 2, before anything is started or written."""
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def flag(name: str) -> str:
+    return f"--{name.replace('_', '-')}"
+
+
+def check_flags(args: Args) -> str | None:
+    """The error line of the first float flag that is not a finite number, of the first flag that breaks its rule in
+    FLAG_RULES (flags left at None are filled in later and skipped), or of a --track whose wandb does not import."""
+    for f in fields(args):
+        value = getattr(args, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            return f"{flag(f.name)} must be a finite number, got {value}"
+    holds = {">= 1": lambda v: v >= 1, ">= 0": lambda v: v >= 0, "> 0": lambda v: v > 0,
+             "in (0, 1]": lambda v: 0 < v <= 1, "in [0, 1]": lambda v: 0 <= v <= 1,
+             "in [0, 1)": lambda v: 0 <= v < 1}  # fmt: skip
+    for rule, name in ((rule, name) for rule, names in FLAG_RULES for name in names):
+        if (value := getattr(args, name)) is not None and not holds[rule](value):
+            return f"{flag(name)} must be {rule}, got {value}"
+    if args.track:
+        try:
+            import wandb  # noqa: F401  optional: pip install -e ".[track]"
+        except Exception as e:  # not installed, or broken: refused before any directory is made
+            return f'--track needs wandb (pip install -e ".[track]"): {type(e).__name__}: {str(e)[:160]}'
     return None
 
 
-def shutdown(procs: dict, shared: Shared, drain, grace: float) -> None:
-    """Stop processes within `grace` seconds: set `stop`, keep draining the log queue while they exit (a process
-    waits for its queued messages to reach the pipe before exiting), kill what is left."""
-    shared.stop.value = 1
-    deadline = time.time() + grace
-    while any(p.is_alive() for p in procs.values()) and time.time() < deadline:
-        try:
-            drain(0.2)
-        except OSError:  # TensorBoard's events file cannot be written (reported by the caller): keep stopping
-            time.sleep(0.2)
-    for p in procs.values():
-        if p.is_alive():
-            p.kill()
-        p.join(timeout=2.0)
-    with contextlib.suppress(OSError):
-        drain(0.0)
-
-
-def fail(message: str) -> None:
-    print(f"error: {message}", file=sys.stderr)
-    raise SystemExit(2)
+def parse_args(argv: list[str]) -> Args:
+    """tyro's parse of the command line, with a renamed flag (RENAMED_FLAGS) and tyro's own boxed message (an unknown
+    flag, a value of the wrong type) turned into the one error line and exit 2 of any other bad input."""
+    for arg in argv:
+        if (name := arg.split("=")[0]) in RENAMED_FLAGS:
+            fail(f"{name} {RENAMED_FLAGS[name]}")
+    box = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(box):
+            return tyro.cli(Args, args=argv)
+    except SystemExit as e:
+        if e.code in (0, None):
+            raise
+        lines = [line.strip("\u2502\u256d\u2570\u2500\u256e\u256f ") for line in box.getvalue().splitlines()]
+        fail(f"{next((x for x in lines[1:] if x), 'the command line cannot be parsed')} "
+             f"(see python {Path(__file__).name} --help)")  # fmt: skip
 
 
 def new_run_dir(args: Args) -> Path:
     """Create this run's directory, never one that exists: a run started in the same second with the same name gets
     the suffix -2, -3, ... (mkdir is atomic, so two runs cannot both take one name). Exit 2 if it cannot be made."""
     base = Path(args.log_dir) / f"{args.env_id.replace('/', '_')}__{args.exp_name}__{args.seed}__{int(time.time())}"
-    try:
-        base.parent.mkdir(parents=True, exist_ok=True)
-    except FileExistsError:
-        fail(f"cannot create the run directory {base}: {base.parent} is not a directory")
-    except OSError as e:
-        fail(f"cannot create the run directory {base}: {e.strerror or e}")
     for n in itertools.count(1):
         run_dir = base if n == 1 else base.with_name(f"{base.name}-{n}")
         try:
+            base.parent.mkdir(parents=True, exist_ok=True)
             run_dir.mkdir()
             return run_dir
         except FileExistsError:
-            continue
+            if not base.parent.is_dir():
+                fail(f"cannot create the run directory {base}: {base.parent} is not a directory")
         except OSError as e:
             fail(f"cannot create the run directory {run_dir}: {e.strerror or e}")
 
@@ -1168,16 +1313,9 @@ def start_tracking(args: Args, run_dir: Path):
     import wandb  # optional: pip install -e ".[track]"
 
     try:
-        wandb.init(
-            project=args.wandb_project_name,
-            entity=args.wandb_entity,
-            name=run_dir.name,
-            id=hashlib.sha1(run_dir.name.encode()).hexdigest(),
-            resume="allow" if args.resume else None,
-            config=vars(args),
-            sync_tensorboard=True,
-            save_code=True,
-        )
+        wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=run_dir.name, config=vars(args),
+                   id=hashlib.sha1(run_dir.name.encode()).hexdigest(), resume="allow" if args.resume else None,
+                   sync_tensorboard=True, save_code=True)  # fmt: skip
     except Exception as e:  # not logged in, no network, an unknown entity or project
         fail(f"--track: wandb.init failed: {(str(e).strip().splitlines() or [type(e).__name__])[0][:200]}")
     return wandb
@@ -1193,44 +1331,82 @@ def finish_tracking(tracker, run_dir: Path, exit_code: int) -> None:
     tracker.finish(exit_code=exit_code)
 
 
-def checkpoint_meta(args: Args, obs_space, act_space) -> dict:
-    """What a checkpoint must match to be resumed by this run: script, env, network widths and shapes."""
-    return dict(
-        script=Path(__file__).name,
-        env_id=args.env_id,
-        hidden_sizes=list(args.hidden_sizes),
-        obs_shape=list(obs_space.shape),
-        action_shape_or_n=list(act_space.shape),
-    )
+def make_writer(run_dir: Path, args: Args):
+    """The run's TensorBoard writer, with the hyperparameter table and its writer thread's write errors kept quiet."""
+    from torch.utils.tensorboard import SummaryWriter  # here, not at import: the writer starts a thread
+
+    threading.excepthook = quiet_writer_thread
+    writer = SummaryWriter(str(run_dir))
+    table = "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items())
+    writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
+    return writer
 
 
-def load_checkpoint(path: str, meta: dict) -> dict:
-    """The checkpoint at `path` if this run can continue it; otherwise one error line and exit 2 (nothing started)."""
+def quiet_writer_thread(hook) -> None:
+    """threading.excepthook: TensorBoard's writer thread dies of a write error (a full disk) that the next write or
+    close raises again in the main thread, which reports it in one line; that thread's own traceback is noise."""
+    frames = traceback.extract_tb(hook.exc_traceback)
+    if not (issubclass(hook.exc_type, OSError) and any("tensorboard" in f.filename for f in frames)):
+        threading.__excepthook__(hook)
+
+
+def write_error(e: OSError, what) -> str:
+    """The error line of a write that failed: a full disk said plainly, anything else with the system's reason."""
+    if e.errno == errno.ENOSPC:
+        return f"error: no space left on device while writing {what}"
+    return f"error: cannot write {what}: {e.strerror or e}"
+
+
+def atomic_save(obj, path: Path) -> None:
+    """torch.save to a temporary file beside `path`, then a rename over `path`, so a crash or a full disk leaves the
+    previous file intact. Raises WriteError with the error line."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)  # serialised in memory first: a full disk then shows as ENOSPC, not a zip-writer error
+    tmp = path.with_suffix(".tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(buffer.getbuffer())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise WriteError(write_error(e, path)) from None
+
+
+def load_checkpoint(path: str, meta: dict, args: Args) -> dict:
+    """The checkpoint at `path` if this run can continue it: its meta (checkpoint_meta) is this run's and no flag in
+    RESUME_FIXED differs from its run's. Otherwise one error line and exit 2, with nothing started. Prints the step it
+    resumes from and every flag that differs from its run's."""
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as e:
+    except Exception as e:  # garbage, truncated, or pickled objects this interpreter cannot rebuild
         reason = (str(e).strip().splitlines() or [""])[0][:120]
         fail(f"cannot resume from {path}: not a checkpoint this script can read ({type(e).__name__}: {reason})")
     theirs = checkpoint.get("meta") if isinstance(checkpoint, dict) else None
     if not isinstance(theirs, dict):
         fail(f'cannot resume from {path}: not a checkpoint this script can read (it has no "meta" entry)')
     if differ := [k for k in meta if theirs.get(k) != meta[k]]:
-        fail(
-            f"cannot resume from {path}: it is a {theirs.get('script')} checkpoint "
-            f"({', '.join(f'{k} {theirs.get(k)}' for k in differ)}), this run is "
-            f"{', '.join(f'{k} {meta[k]}' for k in differ)}"
-        )
-    run_dir = Path(path).parent
-    if not os.access(run_dir, os.W_OK):
-        fail(f"cannot write to the run directory {run_dir} of --resume {path}")
+        ours, saved = (", ".join(f"{k} {m.get(k)}" for k in differ) for m in (meta, theirs))
+        fail(f"cannot resume from {path}: it is a {theirs.get('script')} checkpoint ({saved}), this run is {ours}")
+    before, now = checkpoint.get("args", {}), asdict(args)
+    changed = [k for k in now if k in before and now[k] != before[k] and k not in ("resume", "eval_only")]
+    if fixed := [k for k in changed if k in RESUME_FIXED]:  # the run's shape: buffers, schedules, step arithmetic
+        k = fixed[0]
+        fail(f"cannot resume from {path} with {flag(k)} {now[k]}: its run has {before[k]} (these stay as they were "
+             f"in a resumed run: {', '.join(flag(name) for name in RESUME_FIXED)})")  # fmt: skip
+    if not os.access(Path(path).parent, os.W_OK):
+        fail(f"cannot write to the run directory {Path(path).parent} of --resume {path}")
+    said = ", ".join(f"{flag(k)} {now[k]} (was {before[k]})" for k in changed) or "none"
+    print(f"resuming {path} from step {checkpoint.get('global_step')}; flags that differ from its run: {said}")
     return checkpoint
 
 
-def load_for_eval(args: Args) -> tuple[Args, tuple, dict, dict]:
-    """--eval-only: the Args to evaluate the saved agent with (RUN_SETTINGS from the saved run; seed, evaluation flags
-    and the rest from this command line), its spaces, its parameters (a model.pt with its run's args.json beside it,
-    or a checkpoint.pt's learner) and the settings taken from the run. Anything this script cannot evaluate is one
-    error line and exit 2."""
+def load_for_eval(args: Args) -> tuple[Args, nn.Module, dict]:
+    """--eval-only: the saved agent (a model.pt with its run's args.json beside it, or a checkpoint.pt), the Args to
+    evaluate it with (the RUN_SETTINGS flags from the saved run; seed, evaluation flags and the rest from this command
+    line) and the settings taken from the run. Anything this script cannot evaluate is one error line and exit 2."""
     path, this = Path(args.eval_only), Path(__file__).name
     try:
         saved = torch.load(path, map_location="cpu", weights_only=False)
@@ -1247,349 +1423,32 @@ def load_for_eval(args: Args) -> tuple[Args, tuple, dict, dict]:
             fail(f"--eval-only {path}: cannot read its run's args.json beside it (it names the env and network): {e}")
     if run.get("script") != this:
         fail(f"{path} was saved by {run.get('script')}, not {this}")
-    settings = {k: run["meta"].get(k, run["args"][k]) for k in RUN_SETTINGS}  # meta: the network `auto` resolved to
-    for name in ("env_id", "network"):  # a value given on the command line must be the saved run's
-        given = getattr(args, name, None)
-        if name in settings and given != getattr(Args, name) and given not in (settings[name], run["args"][name]):
-            fail(f"--{name.replace('_', '-')} {given} contradicts {path}, saved by a run with {settings[name]}")
+    settings = {k: run["meta"].get(k, run["args"][k]) for k in RUN_SETTINGS}  # meta: what `auto` resolved to
+    for name, value in settings.items():  # a flag given on the command line must be the saved run's
+        given = getattr(args, name)
+        if given != getattr(Args, name) and json.loads(json.dumps(given)) not in (value, run["args"][name]):
+            fail(f"{flag(name)} {given} contradicts {path}, saved by a run with {value}")
     eval_args = replace(args, **{k: run["args"][k] for k in RUN_SETTINGS}, eval_episodes=args.eval_episodes or 10)
     try:
-        spaces = env_spaces(eval_args)
-        state_dict = saved["learner"]["model"] if is_checkpoint else saved
-        build_model(eval_args, *spaces).load_state_dict(state_dict)  # refused here, not in the middle of the games
+        model = saved_model(eval_args, settings, saved["model"] if is_checkpoint else saved)
     except EnvError as e:  # the run's env is not installed here
         fail(f"--eval-only {path}: {e}")
     except Exception as e:  # not a state_dict, or one of another network
         fail(f"--eval-only {path}: not parameters of its run's network ({type(e).__name__})")
-    return eval_args, spaces, state_dict, settings
-
-
-def atomic_save(obj, path: Path) -> None:
-    """torch.save, atomic: a temporary file, then a rename over the old file, so a full disk leaves the last good one.
-    Serialised in memory first: torch.save to a full disk raises a cryptic "unexpected pos" instead of ENOSPC."""
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    tmp = path.with_suffix(".tmp")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(buffer.getbuffer())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        reason = "no space left on device" if e.errno == errno.ENOSPC else (e.strerror or str(e))
-        raise WriteError(f"error: {reason} while writing {path}; stopping (the last good checkpoint is kept)") from None
-
-
-def events_error(e: OSError, run_dir: Path) -> str:
-    """The error line for a TensorBoard events file that cannot be written (a full disk, most often). TensorBoard's
-    writer thread dies of it and the main thread gets it at its next write; the thread is kept from printing its own
-    traceback (`threading.excepthook`), so the run reports it in this one line."""
-    reason = "no space left on device" if e.errno == errno.ENOSPC else (e.strerror or str(e))
-    return f"error: {reason} while writing the TensorBoard events in {run_dir}; stopping"
-
-
-def quiet_writer_thread() -> None:
-    default = threading.excepthook
-    threading.excepthook = lambda hook_args: None if issubclass(hook_args.exc_type, OSError) else default(hook_args)
-
-
-class Means:
-    """Means of the learner's statistics over the last --log-frequency updates."""
-
-    def __init__(self):
-        self.sums: dict[str, float] = {}
-        self.count = 0
-
-    def add(self, values: dict[str, float]) -> None:
-        for k, v in values.items():
-            self.sums[k] = self.sums.get(k, 0.0) + v
-        self.count += 1
-
-    def write(self, writer, global_step: int) -> None:
-        for k, v in self.sums.items():
-            writer.add_scalar(f"charts/{k}" if k == "policy_lag" else f"losses/{k}", v / self.count, global_step)
-        self.sums, self.count = {}, 0
-
-
-class LearnerRun:
-    """The learner's loop state and what one iteration does: take the workers' messages, train when the replay and
-    the rate limiter allow, log, check on the workers, checkpoint."""
-
-    def __init__(self, args: Args, learner: Learner, replay, shared: Shared, procs: dict, writer, run_dir: Path,
-                 meta: dict, global_step: int, num_actors: int):  # fmt: skip
-        self.args, self.learner, self.replay, self.shared, self.procs = args, learner, replay, shared, procs
-        self.writer, self.run_dir, self.meta, self.num_actors = writer, run_dir, meta, num_actors
-        self.global_step = self.start_step = global_step
-        self.start_time = self.last_print = self.last_checkpoint = self.last_check = time.time()
-        self.returns: deque[float] = deque(maxlen=20)  # the console line's mean return
-        self.actors_done: set[int] = set()
-        self.failure: str | None = None
-        self.stale_updates, self.replay_wait = 0, 0.0
-        self.last_eval_step = -1  # the step of the newest evaluator round reported
-        self.learn_start, self.start_version = -1, 0  # the rate limiter's origin: step and version at the 1st update
-        self.stats = ReplayStats(np.zeros(1), np.ones(1), np.zeros(1, dtype=np.int64))  # until the loop reads it
-        self.means, self.rng = Means(), np.random.default_rng([args.seed, 1])
-
-    def running(self) -> bool:
-        return len(self.actors_done) < self.num_actors and self.failure is None
-
-    def handle(self, message: ActorReport | EvalReport | WorkerFailed) -> None:
-        if isinstance(message, ActorReport):
-            self.global_step += message.steps
-            self.shared.global_step.value = self.global_step
-            for ret, length in message.episodes:
-                self.writer.add_scalar("charts/episodic_return", ret, self.global_step)
-                self.writer.add_scalar("charts/episodic_length", length, self.global_step)
-                self.returns.append(ret)
-            if message.done:
-                self.actors_done.add(message.actor)
-        elif isinstance(message, EvalReport):
-            for ret in message.returns:
-                self.writer.add_scalar("eval/episodic_return", ret, message.step)
-            self.last_eval_step = max(self.last_eval_step, message.step)
-        else:
-            self.failure = self.failure or message.error
-
-    def evaluation_due(self) -> bool:
-        """The budget is spent, but no evaluator round has yet reported from at or after the last --eval-interval
-        boundary the run crossed. The evaluator is triggered by the step count, so a slow machine delays a round (it
-        plays the newest parameters when it gets there) but the run waits for it rather than dropping it."""
-        interval = self.args.eval_interval
-        if not interval or self.failure is not None:
-            return False
-        boundary = (self.global_step - 1) // interval * interval  # the last boundary before the final step
-        return boundary > self.start_step and self.last_eval_step < boundary
-
-    def wait_for_evaluation(self, signals: StopSignals) -> None:
-        """The budget is spent: take messages and check on the processes until no evaluator round is due."""
-        while self.evaluation_due():
-            if signals.requested.is_set():
-                raise KeyboardInterrupt
-            drain_into(self.shared.log_q, self.handle, RPC_PERIOD)
-            self.housekeeping()
-
-    def can_learn(self) -> bool:
-        """Enough transitions in the replay, and with --replay-ratio the learner is not ahead of the actors."""
-        args = self.args
-        if self.stats.sizes.sum() < max(args.learning_starts, 1):
-            return False
-        sampled = (self.learner.version - self.start_version) * args.batch_size
-        steps = self.global_step - self.learn_start
-        return not args.replay_ratio or self.learn_start < 0 or sampled < args.replay_ratio * steps
-
-    def learn(self) -> None:
-        """One update: sample across the buffers, train, write the new priorities back, publish the parameters."""
-        args, learner = self.args, self.learner
-        if self.learn_start < 0:
-            self.learn_start, self.start_version = self.global_step, learner.version
-            if args.replay_ratio:  # steps_claimed read without its lock (actors hold it)
-                claimed = self.shared.steps_claimed.get_obj().value
-                self.shared.learn_start.value = claimed - self.start_version * args.batch_size / args.replay_ratio
-        drain_into(self.shared.log_q, self.handle, 0.0)
-        beta = importance_exponent(args.priority_beta, args.anneal_beta, self.global_step / args.total_timesteps)
-        batch = sample_batch(self.replay, args.batch_size, beta, self.rng, self.stats)
-        priorities, values = learner.update(batch.data, batch.weights)
-        self.stale_updates += self.replay.update(split_updates(batch, priorities, len(self.stats.sizes)))
-        self.shared.store.publish(learner.flat_params(), learner.version)
-        self.means.add(values)
-        if self.means.count >= args.log_frequency:
-            self.log_scalars()
-
-    def wait_for_data(self) -> None:
-        """Too little data (or the rate limiter): block on the actors' reports."""
-        t0 = time.perf_counter()
-        drain_into(self.shared.log_q, self.handle, RPC_PERIOD)
-        self.replay_wait += time.perf_counter() - t0
-
-    def housekeeping(self) -> None:
-        """Exchange with the actor hosts and check on the processes every RPC_PERIOD; console line; checkpoint."""
-        now = time.time()
-        if now - self.last_check >= RPC_PERIOD:
-            self.last_check = now
-            for message in self.replay.exchange(self.shared.store):
-                self.handle(message)
-            self.failure = self.failure or dead_process(self.procs, self.shared)
-        if now - self.last_print >= self.args.log_interval:
-            print(self.console_line(), flush=True)
-            self.last_print = now
-        if self.args.checkpoint_interval and now - self.last_checkpoint >= self.args.checkpoint_interval:
-            self.write_checkpoint()
-            self.last_checkpoint = now
-
-    def sps(self) -> float:
-        return (self.global_step - self.start_step) / max(1e-9, time.time() - self.start_time)
-
-    def console_line(self) -> str:
-        mean_return = f"{np.mean(self.returns):.2f}" if self.returns else "nan"
-        return (f"global_step={self.global_step} SPS={self.sps():.0f} mean_return={mean_return} "
-                f"updates={self.learner.version} replay={int(self.stats.sizes.sum())}")  # fmt: skip
-
-    def log_scalars(self) -> None:
-        step, stats, size = self.global_step, self.stats, self.stats.sizes.sum()
-        self.means.write(self.writer, step)
-        self.writer.add_scalar("charts/SPS", self.sps(), step)
-        self.writer.add_scalar("charts/learning_rate", self.learner.learning_rate, step)
-        self.writer.add_scalar("replay/size", size, step)
-        self.writer.add_scalar("replay/priority_mean", stats.priority_sums.sum() / max(1.0, size), step)
-        self.writer.add_scalar("replay/stale_updates", self.stale_updates, step)
-        self.writer.add_scalar("timing/replay_wait", self.replay_wait, step)
-
-    def write_checkpoint(self) -> None:
-        state = dict(learner=self.learner.state_dict(), global_step=self.global_step, args=asdict(self.args))
-        atomic_save({**state, "torch_rng": torch.get_rng_state(), "meta": self.meta}, self.run_dir / "checkpoint.pt")
-
-    def stop_workers(self) -> None:
-        """Stop every process (and the actor hosts), whatever ended the loop; a second Ctrl+C must not cut it short."""
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        shutdown(self.procs, self.shared, lambda t: drain_into(self.shared.log_q, self.handle, t),
-                 grace=4.0 if self.failure is None else 1.0)  # fmt: skip
-        self.replay.close()
-        if self.failure is None:  # an error a process sent before the stop (ones killed by `shutdown` are not failures)
-            with contextlib.suppress(queue.Empty):
-                self.failure = self.shared.error_q.get_nowait()
-
-    def finish(self, interrupted: bool, spaces) -> str | None:
-        """Final checkpoint, model, TensorBoard points, console line and evaluation; returns the failure, if any."""
-        args, failure = self.args, self.failure
-        try:
-            if failure is None and args.checkpoint_interval:
-                self.write_checkpoint()
-            if failure is None and not interrupted and args.save_model:
-                atomic_save(self.learner.model.state_dict(), self.run_dir / "model.pt")
-        except WriteError as e:
-            failure = str(e)
-        try:
-            self.log_scalars()  # the final step's point, whatever the update count
-        except OSError as e:
-            failure = failure or events_error(e, self.run_dir)
-        print(self.console_line(), flush=True)
-        if failure is None and not interrupted and args.eval_episodes:
-            returns = final_evaluation(args, spaces, self.learner.model.state_dict(), self.run_dir / "videos")
-            for i, ret in enumerate(returns):
-                self.writer.add_scalar("eval/episodic_return", ret, self.global_step)
-                print(f"eval episode {i}: return {ret:.1f}")
-        try:
-            self.writer.close()
-        except OSError as e:
-            failure = failure or events_error(e, self.run_dir)
-        return failure
-
-
-# ---- Main ----
-
-
-def main(args: Args) -> None:
-    """The learner (single machine, or rank 0 under torchrun), or an actor rank."""
-    world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
-    if args.torch_threads >= 1:  # before validation builds a model: oversubscribed threads make that slow too
-        torch.set_num_threads(args.torch_threads)
-    if error := validate(args, world_size):
-        fail(error)
-    if args.eval_only:
-        return main_eval_only(args)
-    torch.manual_seed(args.seed)
-    torch.backends.cudnn.deterministic = args.torch_deterministic
-    torch.use_deterministic_algorithms(args.torch_deterministic, warn_only=True)
-    # deterministic mode would also NaN-fill every new tensor; nothing here reads uninitialised memory
-    torch.utils.deterministic.fill_uninitialized_memory = False
-    if rank > 0:
-        serve_actor_host(rank, world_size)
-        return
-    spaces = env_spaces(args)
-    meta = checkpoint_meta(args, *spaces)
-    checkpoint = load_checkpoint(args.resume, meta) if args.resume else None
-    signals = StopSignals()
-    device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
-    run_dir = Path(args.resume).parent if checkpoint else new_run_dir(args)
-    global_step = checkpoint["global_step"] if checkpoint else 0
-    distributed = world_size > 1
-    num_actors = args.num_actors * (world_size - 1 if distributed else 1)
-    ctx = mp.get_context("spawn" if device.type == "cuda" else "fork")  # CUDA cannot be used in forked children
-    shared, procs = setup_machine(
-        args, ctx, spaces, num_actors=0 if distributed else args.num_actors, steps_limit=args.total_timesteps,
-        first_actor=0, num_total=num_actors, evaluator=args.eval_interval > 0, start_step=global_step,
-    )  # fmt: skip
-    learner = Learner(args, *spaces, device)
-    if checkpoint:
-        learner.load_state_dict(checkpoint["learner"])
-        torch.set_rng_state(checkpoint["torch_rng"])
-    shared.store.publish(learner.flat_params(), learner.version)
-    print(
-        f"run directory: {run_dir}  ({ALGORITHM}: {num_actors} actors x {args.num_envs_per_actor} envs, replay "
-        f"{args.buffer_size:,} in {num_actors} buffers, learner on {device}"
-        f"{f', {world_size - 1} actor ranks over rpc' if distributed else ''})",
-        flush=True,
-    )
-    if signals.requested.is_set():  # Ctrl+C while setting up: stop before any process starts, leave nothing behind
-        if not checkpoint:
-            run_dir.rmdir()
-        print("interrupted during start-up", file=sys.stderr)
-        raise SystemExit(128 + signals.signum)
-    write_run_args(run_dir, args, meta)
-    start_processes(procs)
-    try:
-        tracker = start_tracking(args, run_dir)  # after the forks: no child inherits wandb's threads and pipes
-    except SystemExit:  # wandb.init failed: stop the processes, which ignore the SIGTERM that exit's cleanup sends
-        shutdown(procs, shared, lambda t: drain_into(shared.log_q, lambda m: None, t), grace=1.0)
-        raise
-    # rank 0's writer (slow to start under --track's TensorBoard sync) before the actor ranks start acting, so that
-    # they do not run ahead of a learner still starting up
-    from torch.utils.tensorboard import SummaryWriter  # after the forks: the writer runs a thread
-
-    quiet_writer_thread()
-    writer = SummaryWriter(str(run_dir))
-    table = "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items())
-    writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
-    rng = np.random.default_rng([args.seed, 0])
-    replay = RemoteReplay(args, world_size) if distributed else LocalReplay(shared.buffers, rng)
-    run = LearnerRun(args, learner, replay, shared, procs, writer, run_dir, meta, global_step, num_actors)
-    interrupted = False
-    try:
-        while run.running():
-            if signals.requested.is_set():
-                raise KeyboardInterrupt
-            run.stats = replay.stats()
-            if run.can_learn():
-                run.learn()
-            else:
-                run.wait_for_data()
-            run.housekeeping()
-        run.wait_for_evaluation(signals)
-    except KeyboardInterrupt:
-        interrupted = True
-        print("interrupted: shutting down", file=sys.stderr, flush=True)
-    except NonFiniteLoss as e:
-        run.failure = f"error: learner: {e}; stopping (the last checkpoint, if any, is kept)"
-    except LockTimeout as e:
-        run.failure = dead_process(procs, shared) or f"error: learner: {e}; stopping"
-    except (WriteError, WorkerError) as e:
-        run.failure = str(e)
-    except OSError as e:  # the TensorBoard events file
-        run.failure = events_error(e, run_dir)
-    finally:
-        run.stop_workers()
-    failure = run.finish(interrupted, spaces)
-    code = 1 if failure else 128 + signals.signum if interrupted else 0
-    finish_tracking(tracker, run_dir, code)
-    if failure:
-        print(failure, file=sys.stderr)
-    if code:
-        raise SystemExit(code)
+    return eval_args, model, settings
 
 
 def main_eval_only(args: Args) -> None:
     """--eval-only: play the saved agent with the end-of-training evaluation, print the true game returns and write
     them to {model dir}/eval-{unix time}.json. Nothing trains, no run directory is made."""
-    eval_args, spaces, state_dict, settings = load_for_eval(args)
+    eval_args, model, settings = load_for_eval(args)
+    device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
     path, stamp = Path(args.eval_only), int(time.time())
     taken = " ".join(f"{k}={v}" for k, v in settings.items())
     how = "greedy" if eval_args.eval_greedy else "sampled"
     print(f"evaluating {path} ({eval_args.eval_episodes} episodes, {how} actions); from its run: {taken}", flush=True)
     try:
-        returns = final_evaluation(eval_args, spaces, state_dict, path.parent / f"videos-eval-{stamp}")
+        returns = evaluate(model.to(device), eval_args, path.parent / f"videos-eval-{stamp}", device)
     except (EnvError, gym.error.DependencyNotInstalled) as e:  # --capture-video without moviepy or a renderer
         fail(str(e))
     for i, ret in enumerate(returns):
@@ -1602,6 +1461,261 @@ def main_eval_only(args: Args) -> None:
     except OSError as e:
         fail(f"cannot write {out}: {e.strerror or e}")
     print(f"mean return over {len(returns)} episodes: {report['mean']:.2f} (written to {out})")
+
+
+# -- supervision of local child processes (the scripts that start them) --
+
+
+def child_main(parent_pid: int, target, args: tuple) -> None:
+    """A child process's first call: Linux's kernel kills it when the main process dies, even by kill -9, so nothing
+    outlives the run (a main process already gone before prctl ran: exit at once). Signals are the main process's to
+    handle (it stops the children through the run's stop event): ignored here, then unblocked (Processes.start)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # no prctl (not Linux)
+        pass
+    if os.getppid() != parent_pid:
+        os._exit(1)
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+    target(*args)
+
+
+class Processes:
+    """The run's child processes by name: started through child_main, watched through their sentinels, stopped with a
+    grace period before SIGKILL."""
+
+    def __init__(self, ctx):
+        self.ctx, self.procs = ctx, {}
+
+    def start(self, name: str, target, *args) -> None:
+        process = self.ctx.Process(target=child_main, name=name, args=(os.getpid(), target, args), daemon=True)
+        # the child starts with the stop signals blocked (the mask survives fork and exec) until child_main ignores
+        # them: a Ctrl+C sent to the whole process group cannot interrupt a spawned child while it imports
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        try:
+            process.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        self.procs[name] = process
+
+    def wait(self, timeout: float) -> str | None:
+        """Block until a child ends or `timeout` seconds pass, then `failed()`."""
+        running = [p.sentinel for p in self.procs.values() if p.exitcode is None]
+        if running:
+            multiprocessing.connection.wait(running, timeout)
+        return self.failed()
+
+    def failed(self) -> str | None:
+        for name, p in self.procs.items():
+            if p.exitcode is not None and p.exitcode != 0:
+                how = f"killed by signal {-p.exitcode}" if p.exitcode < 0 else f"exit status {p.exitcode}"
+                return f"{name} died ({how})"
+        return None
+
+    def stop(self, grace: float) -> list[str]:
+        """Join every child within `grace` seconds in all (the stop event is set), SIGKILL the rest; their names."""
+        deadline = time.monotonic() + grace
+        for p in self.procs.values():
+            p.join(max(0.0, deadline - time.monotonic()))
+        stuck = [name for name, p in self.procs.items() if p.is_alive()]
+        for name in stuck:
+            self.procs[name].kill()
+            self.procs[name].join()
+        return stuck
+
+
+# -- script-specific: FLAG_RULES, RUN_SETTINGS, validate, env_spaces, checkpoint_meta, saved_model, evaluate, ... --
+
+
+FLAG_RULES = (
+    (">= 1", ("num_actors", "num_envs_per_actor", "actor_torch_threads", "actor_batch", "actor_update_interval",
+              "batch_size", "n_step", "log_frequency", "eval_interval_episodes")),
+    ("> 0", ("critic_learning_rate", "actor_learning_rate", "max_grad_norm", "adam_eps", "priority_eps")),
+    (">= 0", ("torch_threads", "learning_starts", "checkpoint_interval", "eval_episodes", "eval_interval",
+              "replay_ratio", "log_interval", "exploration_noise", "priority_alpha")),
+    ("in [0, 1]", ("gamma", "tau", "priority_beta", "ou_theta")),
+)  # fmt: skip
+RESUME_FIXED = ()  # TODO
+RUN_SETTINGS = ("env_id", "hidden_sizes")
+RENAMED_FLAGS = {"--learner-threads": "is now --torch-threads (the actors' threads are --actor-torch-threads)",
+                 "--algo": "is now two scripts: apex_dqn.py (Ape-X DQN) and apex_ddpg.py (Ape-X DDPG)",
+                 "--learning-rate": "is now --critic-learning-rate (and --actor-learning-rate)"}  # fmt: skip
+
+
+def validate(args: Args, world_size: int = 1) -> str | None:
+    """Every flag checked before anything is spawned; returns the error line (without `error: `) or None."""
+    if error := check_flags(args):
+        return error
+    if not args.hidden_sizes or min(args.hidden_sizes) < 1:
+        return f"--hidden-sizes must be one or more positive widths, got {args.hidden_sizes}"
+    if args.track and importlib.util.find_spec("wandb") is None:
+        return '--track needs wandb: pip install -e ".[track]"'
+    if args.eval_only is not None:  # env and network come from the saved run: load_for_eval checks them
+        if world_size > 1:
+            return f"--eval-only runs in one process: python {Path(__file__).name} --eval-only PATH, without torchrun"
+        return None if Path(args.eval_only).is_file() else f"--eval-only {args.eval_only}: no such file"
+    if args.resume is not None and not Path(args.resume).is_file():
+        return f"--resume {args.resume}: no such checkpoint file"
+    if world_size > 1 and args.resume is not None:
+        return "--resume works with the single-machine launch only (the actor ranks' step counts are not saved)"
+    actors = args.num_actors * max(1, world_size - 1)
+    if args.buffer_size < actors * args.actor_batch:
+        return f"--buffer-size {args.buffer_size} must hold at least one --actor-batch ({args.actor_batch}) per actor"
+    if args.learning_starts > args.buffer_size:
+        return f"--learning-starts ({args.learning_starts}) must be <= --buffer-size ({args.buffer_size})"
+    if args.total_timesteps < actors * args.num_envs_per_actor:
+        return f"--total-timesteps ({args.total_timesteps}) is less than one step of every env of every actor"
+    try:
+        check_env_args(args.env_id, args.num_envs_per_actor)
+        if args.capture_video:  # fail now, not at the final evaluation
+            check_video(args.env_id)
+        obs_space, act_space = env_spaces(args)
+        if isinstance(act_space, gym.spaces.Discrete):
+            return f"{args.env_id}'s actions are Discrete: Ape-X DDPG needs a Box action space: use apex_dqn.py"
+        build_model(args, obs_space, act_space)
+    except EnvError as e:
+        return str(e)
+    except ValueError as e:
+        return f"{e} (Ape-X DDPG on {args.env_id})"
+    return None
+
+
+def env_spaces(args: Args):
+    """(observation space, action space) of one env, from a probe of the training vector env."""
+    probe = make_vector_env(args.env_id, 1, args.seed, num_threads=1)
+    spaces = probe.single_observation_space, probe.single_action_space
+    probe.close()
+    return spaces
+
+
+def checkpoint_meta(args: Args, obs_space, act_space) -> dict:
+    """What a checkpoint must match to be resumed by this run: script, env, network widths and shapes."""
+    return dict(
+        script=Path(__file__).name,
+        env_id=args.env_id,
+        hidden_sizes=list(args.hidden_sizes),
+        obs_shape=list(obs_space.shape),
+        action_shape_or_n=list(act_space.shape),
+    )
+
+
+def saved_model(eval_args: Args, settings: dict, state_dict: dict) -> nn.Module:
+    """The saved run's actor and critic, with the saved parameters."""
+    model = build_model(eval_args, *env_spaces(eval_args))
+    model.load_state_dict(state_dict)
+    return model
+
+
+def evaluate(model: nn.Module, args: Args, video_dir: Path, device: torch.device) -> list[float]:
+    """--eval-episodes episodes of `model`, on the CPU as actors act, whatever `device`; videos with --capture-video."""
+    env = make_env(args.env_id, args.seed + 2_000_003, capture_video=args.capture_video, video_dir=str(video_dir))
+    try:
+        return play_episodes(args, model.cpu(), env, args.eval_episodes, np.random.default_rng(args.seed))
+    finally:
+        env.close()
+
+
+def worker_body(loop, error_q, *loop_args) -> None:
+    """child_main's target: `loop(*loop_args)`; an exception but Stop goes to main as the error line naming us."""
+    name = multiprocessing.current_process().name
+    try:
+        with contextlib.suppress(Stop):
+            loop(*loop_args)
+    except BaseException as e:
+        if isinstance(e, NonFiniteLoss):
+            error_q.put(f"error: {name}: {e}; stopping (the last checkpoint, if any, is kept)")
+        else:
+            error_q.put(f"error: {name} died:\n{traceback.format_exc()}")
+        raise SystemExit(1) from None
+
+
+def worker_failure(procs: Processes, error_q) -> str | None:
+    """The error line of a dead process, or None; one killed by a signal first (others may be its lock's victims)."""
+    for name, p in procs.procs.items():
+        if p.exitcode is not None and p.exitcode < 0:
+            return f"error: {name} died (killed by signal {-p.exitcode}); stopping the run"
+    if failed := procs.failed():
+        with contextlib.suppress(queue.Empty):
+            return error_q.get(timeout=2.0)
+        return f"error: {failed}; stopping the run"
+    return None
+
+
+def stop_processes(procs: Processes, shared: Shared, handle, grace: float) -> None:
+    """Set the stop flag that the processes poll and `handle` their messages while they exit (a process waits for its
+    queued messages to reach the pipe before exiting), then Processes.stop: SIGKILL for the ones left after `grace`."""
+    shared.stop.value = 1
+    deadline = time.monotonic() + grace
+    while any(p.is_alive() for p in procs.procs.values()) and time.monotonic() < deadline:
+        with contextlib.suppress(OSError):  # TensorBoard's events file cannot be written: the caller reports it
+            drain_into(shared.log_q, handle, 0.2)
+    procs.stop(max(0.0, deadline - time.monotonic()))
+    with contextlib.suppress(OSError):
+        drain_into(shared.log_q, handle, 0.0)
+
+
+def stop_if_signalled(signals: StopSignals, run_dir: Path, resumed: bool) -> None:
+    """Ctrl+C or SIGTERM during start-up: exit before any process starts, leaving no new run directory behind."""
+    if signals.signum:  # set by the handler itself: the event is set a moment later, from a thread
+        if not resumed:
+            run_dir.rmdir()
+        print("interrupted during start-up", file=sys.stderr)
+        raise SystemExit(128 + signals.signum)
+
+
+def start_tracking_or_stop(args: Args, run_dir: Path, procs: Processes, shared: Shared):
+    """start_tracking; if wandb.init fails, stop the processes (they ignore the SIGTERM of the interpreter's exit)."""
+    try:
+        return start_tracking(args, run_dir)
+    except SystemExit:
+        stop_processes(procs, shared, lambda message: None, grace=1.0)
+        raise
+
+
+def write_checkpoint(run: LearnerRun) -> None:
+    """{run_dir}/checkpoint.pt: the learner's state (the model's state_dict at "model"), step count, RNG, Args, meta."""
+    state = dict(run.learner.state_dict(), global_step=run.record.global_step, args=asdict(run.args),
+                 torch_rng=torch.get_rng_state(), meta=run.meta)  # fmt: skip
+    atomic_save(state, run.run_dir / "checkpoint.pt")
+
+
+def stop_workers(run: LearnerRun) -> None:
+    """Stop the processes and actor hosts; an error a process sent before the stop is the run's failure, if none yet."""
+    stop_processes(run.procs, run.shared, run.handle, grace=4.0 if run.failure is None else 1.0)
+    run.replay.close()
+    with contextlib.suppress(queue.Empty):
+        run.failure = run.failure or run.shared.error_q.get_nowait()
+
+
+def close_run(run: LearnerRun, interrupted: bool, signum: int) -> None:
+    """With the workers stopped: the final checkpoint, model.pt, TensorBoard point, console line and evaluation (as
+    far as the run got), W&B's end and the error line; exit 1 if the run failed, 128 + signum if interrupted."""
+    try:
+        if run.failure is None and run.args.checkpoint_interval:
+            write_checkpoint(run)
+        if run.failure is None and not interrupted and run.args.save_model:
+            atomic_save(run.learner.model.state_dict(), run.run_dir / "model.pt")
+    except WriteError as e:
+        run.failure = str(e)
+    try:
+        run.record.write(run.learner, run.stats)  # the final step's point, whatever the update count
+        print(run.record.console_line(run.learner, run.stats), flush=True)
+        if run.failure is None and not interrupted and run.args.eval_episodes:
+            model = saved_model(run.args, run.meta, run.learner.model.state_dict())
+            for i, ret in enumerate(evaluate(model, run.args, run.run_dir / "videos", torch.device("cpu"))):
+                run.record.writer.add_scalar("eval/episodic_return", ret, run.record.global_step)
+                print(f"eval episode {i}: return {ret:.1f}")
+        run.record.writer.close()
+    except OSError as e:  # the TensorBoard events file
+        run.failure = run.failure or write_error(e, f"the TensorBoard events in {run.run_dir}")
+    code = 1 if run.failure else 128 + signum if interrupted else 0
+    finish_tracking(run.tracker, run.run_dir, code)
+    if run.failure:
+        print(run.failure, file=sys.stderr)
+    if code:
+        raise SystemExit(code)
 
 
 if __name__ == "__main__":

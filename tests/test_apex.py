@@ -85,8 +85,8 @@ REQUIRED_TAGS = ["charts/SPS", "charts/learning_rate", "charts/policy_lag", "los
                  "timing/replay_wait"]  # fmt: skip
 # what differs between the two scripts: their flags, their algorithm and the code that calls it
 DIFFERENT = {"ALGORITHM", "RUN_SETTINGS", "Args", "RENAMED_FLAGS", "validate", "td_errors", "new_buffer",
-             "build_model", "act", "play_episodes", "actor_loop", "evaluator_loop", "final_evaluation", "Learner",
-             "env_spaces", "checkpoint_meta"}  # fmt: skip
+             "build_model", "act", "play_episodes", "actor_loop", "evaluator_loop", "Learner", "FLAG_RULES",
+             "env_spaces", "checkpoint_meta", "saved_model", "evaluate"}  # fmt: skip
 script_ids = pytest.mark.parametrize("m", SCRIPTS, ids=lambda m: m.__name__)
 
 
@@ -107,7 +107,7 @@ def test_shared_code_is_the_same_in_both_scripts():
 
     dqn, ddpg = definitions(apex_dqn), definitions(apex_ddpg)
     shared = sorted(set(dqn) & set(ddpg) - DIFFERENT)
-    assert {"PrioritizedBuffer", "RemoteReplay", "ActorHost", "setup_machine", "LearnerRun", "main"} <= set(shared)
+    assert {"PrioritizedBuffer", "RemoteReplay", "ActorHost", "new_shared", "LearnerRun", "main"} <= set(shared)
     assert {"start_tracking", "finish_tracking", "write_run_args", "load_for_eval", "main_eval_only"} <= set(shared)
     assert [name for name in shared if dqn[name] != ddpg[name]] == []
     assert DIFFERENT <= set(dqn) & set(ddpg)  # no stale entry hides a difference
@@ -320,8 +320,7 @@ def test_actor_pulls_parameters_every_100_agent_steps_on_atari(monkeypatch):
     m = apex_dqn
     args = m.Args(env_id="ALE/Breakout-v5", num_actors=1, buffer_size=200, actor_batch=50, total_timesteps=200)
     spaces = m.env_spaces(args)
-    shared, _ = m.setup_machine(args, CTX, spaces, num_actors=1, steps_limit=200, first_actor=0, num_total=1,
-                                evaluator=False)  # fmt: skip
+    shared = m.new_shared(args, CTX, spaces, num_buffers=1, num_total=1, steps_limit=200)
     shared.parent_pid = os.getppid()  # the actor runs here: its "main process" is this one's parent
     shared.store.publish(shared.store.flat.clone(), 0)  # all-zero parameters: greedy action 0, finite priorities
     pulled_at, pull = [], shared.store.pull
@@ -405,7 +404,7 @@ def test_dqn_cartpole_under_torchrun_with_two_actor_ranks(dqn_torchrun_run):
     assert checkpoint["global_step"] == total and checkpoint["meta"]["script"] == "apex_dqn.py"
     final = torch.load(run_dir / "model.pt")
     for name, value in final.items():  # the final checkpoint holds the final model
-        assert torch.equal(value, checkpoint["learner"]["model"][name]), name
+        assert torch.equal(value, checkpoint["model"][name]), name
     tracked = assert_tracked_once(wandb_dir, run_dir)
     assert tracked.config["num_actors"] == 1 and tracked.config["total_timesteps"] == total
     saved = json.loads((run_dir / "args.json").read_text())
@@ -514,6 +513,15 @@ def test_eval_only_refuses_what_it_cannot_evaluate(dqn_torchrun_run, tmp_path, c
     error = refusal(capsys, apex_dqn, ["--eval-only", str(tmp_path / "missing.pt")])
     assert error == f"error: --eval-only {tmp_path / 'missing.pt'}: no such file", error
     assert "without torchrun" in apex_dqn.validate(apex_dqn.Args(eval_only=str(model)), world_size=3)
+
+
+def test_ddpg_eval_only_refuses_a_contradicting_env_id(ddpg_run, capsys, process_state):
+    """apex_ddpg.py's --eval-only, of a model.pt and of a checkpoint.pt, refuses an --env-id other than the saved
+    run's in one error line, as apex_dqn.py does."""
+    _, run_dir, _ = ddpg_run
+    for path in (run_dir / "model.pt", run_dir / "checkpoint.pt"):
+        error = refusal(capsys, apex_ddpg, ["--eval-only", str(path), "--env-id", "MountainCarContinuous-v0"])
+        assert error == f"error: --env-id MountainCarContinuous-v0 contradicts {path}, saved by a run with Pendulum-v1"
 
 
 def refusal(capsys, m, argv) -> str:
@@ -671,10 +679,10 @@ def test_bad_flags_one_line_error(m, args, message):
 @pytest.mark.parametrize(
     ("m", "argv", "message"),
     [
-        (apex_dqn, ["--algo", "ddpg"], "error: --algo is gone: apex_dqn.py is Ape-X DQN; Ape-X DDPG is apex_ddpg.py"),
-        (apex_ddpg, ["--algo=sac"], "error: --algo is gone: apex_ddpg.py is Ape-X DDPG; Ape-X DQN is apex_dqn.py"),
+        (apex_dqn, ["--algo", "ddpg"], "error: --algo is now two scripts: apex_dqn.py (Ape-X DQN) and apex_ddpg.py"),
+        (apex_ddpg, ["--algo=sac"], "error: --algo is now two scripts: apex_dqn.py (Ape-X DQN) and apex_ddpg.py"),
         (apex_dqn, ["--learner-threads", "2"], "error: --learner-threads is now --torch-threads (the actors'"),
-        (apex_ddpg, ["--learning-rate", "1e-3"], "error: --learning-rate is --critic-learning-rate here"),
+        (apex_ddpg, ["--learning-rate", "1e-3"], "error: --learning-rate is now --critic-learning-rate (and --actor-"),
         (apex_dqn, ["--optimizer", "sgd"], "invalid choice 'sgd'"),
         (apex_dqn, ["--network", "resnet"], "invalid choice 'resnet'"),
         (apex_dqn, ["--atari-protocol", "openai"], "invalid choice 'openai'"),
@@ -810,7 +818,8 @@ def _hold_lock_forever(m, lock, held) -> None:
         time.sleep(3600)
 
 
-def _take_lock(m, lock) -> None:
+def _take_lock(m, lock, go) -> None:
+    go.wait(10)
     with m.hold(lock, "actor 1's replay"):
         pass
 
@@ -818,24 +827,24 @@ def _take_lock(m, lock) -> None:
 @script_ids
 def test_a_process_killed_holding_a_lock_is_named_not_the_lock_timeout_it_causes(m, monkeypatch):
     """Deterministic: a process is killed (signal 9) inside a shared lock; another then times out on that lock and
-    queues its LockTimeout traceback. The run's error names the killed process, the cause, whatever the order of the
-    processes or of the queue."""
+    queues its LockTimeout traceback. The run's error names the killed process, the cause, though the other process
+    was started first and its traceback is in the queue."""
     monkeypatch.setattr(m, "LOCK_TIMEOUT", 0.5)  # read at call time, inherited by the forked children
     ctx = multiprocessing.get_context("fork")
-    lock, held = ctx.Lock(), ctx.Event()
-    shared = types.SimpleNamespace(parent_pid=os.getpid(), error_q=ctx.Queue())
-    holder = ctx.Process(target=m.process_body, args=("actor 1", _hold_lock_forever, shared, m, lock, held))
-    holder.start()
+    lock, held, go, error_q = ctx.Lock(), ctx.Event(), ctx.Event(), ctx.Queue()
+    procs = m.Processes(ctx)
+    procs.start("actor 0", m.worker_body, _take_lock, error_q, m, lock, go)  # waits for `go`
+    procs.start("actor 1", m.worker_body, _hold_lock_forever, error_q, m, lock, held)
+    holder, waiter = procs.procs["actor 1"], procs.procs["actor 0"]
     assert held.wait(10)
     os.kill(holder.pid, signal.SIGKILL)
     holder.join(10)
-    waiter = ctx.Process(target=m.process_body, args=("actor 0", _take_lock, shared, m, lock))
-    waiter.start()
+    go.set()
     waiter.join(10)
     assert (holder.exitcode, waiter.exitcode) == (-signal.SIGKILL, 1)
-    line = m.dead_process({"actor 0": waiter, "actor 1": holder}, shared)
+    line = m.worker_failure(procs, error_q)
     assert line == "error: actor 1 died (killed by signal 9); stopping the run"
-    queued = shared.error_q.get(timeout=5)  # the waiter's report is there, and was not the one chosen
+    queued = error_q.get(timeout=5)  # the waiter's report is there, and was not the one chosen
     assert queued.startswith("error: actor 0 died:") and "LockTimeout" in queued, queued
 
 
@@ -858,7 +867,7 @@ def test_sigint_stops_cleanly_with_a_checkpoint_even_with_a_stopped_process(tmp_
                 os.kill(pid, signal.SIGKILL)
     assert proc.returncode == 130 and "Traceback" not in err, err
     checkpoint = torch.load(only_run_dir(tmp_path) / "checkpoint.pt", weights_only=False)
-    assert checkpoint["global_step"] > 0 and checkpoint["learner"]["version"] > 0
+    assert checkpoint["global_step"] > 0 and checkpoint["version"] > 0
 
 
 @script_ids
