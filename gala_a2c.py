@@ -71,7 +71,7 @@ import torch.multiprocessing as mp
 import tyro
 from torch import nn
 
-from common.atari import EnvError, ale_game, check_env_args, check_video, finished_episodes, make_env, make_vector_env
+from common.atari import EnvError, check_video, finished_episodes, make_env, make_vector_env
 from common.models import make_model
 
 # ---- Args ----------------------------------------------------------------------------------------------------------
@@ -841,27 +841,6 @@ def learner_process(index: int, n: int, args: Args, device_name: str, shared: Sh
             learner.envs.close()
 
 
-def evaluate(model: nn.Module, args: Args, video_dir: Path, device: torch.device) -> list[float]:
-    """Play `eval_episodes` full games with the final (or --eval-only's saved) policy, true returns; argmax actions
-    with `--eval-greedy` (GALA Table 1), sampled ones otherwise; videos to `video_dir` with --capture-video."""
-    env = make_env(args.env_id, args.seed + 1_000_003, protocol=args.atari_protocol, capture_video=args.capture_video,
-                   video_dir=str(video_dir))  # fmt: skip
-    generator = torch.Generator().manual_seed(args.seed + 1_000_003)
-    returns = []
-    obs, _ = env.reset()
-    while len(returns) < args.eval_episodes:
-        with torch.inference_mode():
-            logits, _ = model(torch.as_tensor(obs[None], device=device))
-        action = logits.argmax(dim=1) if args.eval_greedy else sample_actions(logits.cpu(), generator)
-        obs, _, terminated, truncated, info = env.step(int(action[0]))
-        if terminated or truncated:
-            returns.append(float(info["episode"]["r"]))
-            if len(returns) < args.eval_episodes:  # no reset after the last game: it would record an empty video
-                obs, _ = env.reset()
-    env.close()
-    return returns
-
-
 # ---- Main ----------------------------------------------------------------------------------------------------------
 
 
@@ -934,11 +913,11 @@ class Logger:
 
 
 class Monitor:
-    """The main process's side of the single-machine launch's `log_q`: records to TensorBoard, checkpoint states
-    assembled into checkpoints (one per request, once every learner answered it), final states kept."""
+    """The main process's side of the single-machine launch's queues: records to TensorBoard, checkpoint states
+    assembled into checkpoints (one per request, once every learner answered it), final states kept, error lines."""
 
-    def __init__(self, run: Run, log_q: Queue):
-        self.run, self.log_q, self.logger = run, log_q, None
+    def __init__(self, run: Run, shared: Shared):
+        self.run, self.log_q, self.error_q, self.logger = run, shared.log_q, shared.error_q, None
         self.finals: dict[int, dict] = {}
         self.latest: list[dict | None] = list(run.checkpoint["learners"]) if run.checkpoint else [None] * run.n
         self.pending: dict[int, dict[int, dict]] = {}  # checkpoint request -> {learner: state}
@@ -977,6 +956,16 @@ class Monitor:
         if missing := [f"learner {j}" for j, s in enumerate(states) if s is None]:
             print(f"warning: no final checkpoint: {', '.join(missing)} sent no state before the stop", file=sys.stderr)
         return states
+
+    def learner_failure(self, died: str | None) -> str | None:
+        """The error line of a learner process that died (`died`: Processes.failed's description): its own, with its
+        traceback, if it lived to send one on `error_q`."""
+        if died is None:
+            return None
+        try:
+            return self.error_q.get(timeout=2.0)
+        except queue.Empty:
+            return f"error: {died}; stopping the run"
 
     def drain(self, timeout: float) -> None:
         """Handle every message on `log_q`, waiting up to `timeout` seconds for the first."""
@@ -1026,7 +1015,7 @@ def main_single_machine(run: Run) -> None:
     print(
         f"run directory: {run.run_dir}  ({n} learners x {args.num_envs} envs, {args.mode}{ring}, {device})", flush=True
     )
-    signals, learners, monitor = StopSignals(shared.stop), Processes(ctx), Monitor(run, shared.log_q)
+    signals, learners, monitor = StopSignals(shared.stop), Processes(ctx), Monitor(run, shared)
     states = run.checkpoint["learners"] if run.checkpoint else [None] * n
     for i in range(n):
         learners.start(f"learner {i}", learner_process, i, n, args, str(device), shared, states[i])
@@ -1038,7 +1027,7 @@ def main_single_machine(run: Run) -> None:
         while len(monitor.finals) < n and not signals.signum and not failure:
             monitor.drain(0.25)
             monitor.logger.maybe_print()
-            failure = monitor.write_failure or learner_failure(learners.failed(), shared.error_q)
+            failure = monitor.write_failure or monitor.learner_failure(learners.failed())
             if args.checkpoint_interval and time.time() - last_checkpoint >= args.checkpoint_interval:
                 with shared.checkpoint_requests.get_lock():
                     shared.checkpoint_requests.value += 1
@@ -1050,7 +1039,7 @@ def main_single_machine(run: Run) -> None:
         deadline = time.monotonic() + STOP_GRACE
         while any(p.exitcode is None for p in learners.procs.values()) and time.monotonic() < deadline:
             monitor.drain(0.1)
-        failure = failure or learner_failure(learners.failed(), shared.error_q) or monitor.write_failure
+        failure = failure or monitor.learner_failure(learners.failed()) or monitor.write_failure
         if stuck := learners.stop(max(0.0, deadline - time.monotonic())):  # stuck, or blocked on a peer that is
             print(f"warning: {', '.join(stuck)} did not stop within {STOP_GRACE:.0f} s; killed", file=sys.stderr)
         monitor.drain(0.0)
@@ -1502,15 +1491,16 @@ def validate(args: Args, n: int, torchrun: bool = False) -> str | None:
     if args.total_timesteps < n * args.num_envs * args.num_steps:
         return (f"--total-timesteps ({args.total_timesteps}) is less than one iteration of all learners "
                 f"({n} learners x {args.num_envs} envs x {args.num_steps} steps)")  # fmt: skip
+    if args.eval_only is not None:  # env, network and model are the saved run's: load_for_eval checks them
+        return None
     try:
-        check_env_args(args.env_id, args.num_envs, args.atari_protocol)
-        if args.capture_video and args.eval_only is None:  # fail now, not at the final evaluation
+        act_space = env_spaces(args)[1]  # an unknown env id: an EnvError that suggests close matches
+        if args.capture_video:  # fail now, not at the final evaluation
             check_video(args.env_id, args.atari_protocol)
     except EnvError as e:
         return str(e)
-    if ale_game(args.env_id) is None and not isinstance(space := env_spaces(args)[1], gym.spaces.Discrete):
-        return (f"{args.env_id} has a {type(space).__name__} action space {space}; gala_a2c.py needs a Discrete one "
-                f"(continuous actions: apex_ddpg.py)")  # fmt: skip
+    if not isinstance(act_space, gym.spaces.Discrete):
+        return f"{args.env_id} has a {type(act_space).__name__} action space; Discrete only (apex_ddpg.py: continuous)"
     return None
 
 
@@ -1534,6 +1524,27 @@ def saved_model(args: Args, settings: dict, state_dict: dict) -> nn.Module:
     return model
 
 
+def evaluate(model: nn.Module, args: Args, video_dir: Path, device: torch.device) -> list[float]:
+    """Play `eval_episodes` full games with the final (or --eval-only's saved) policy, true returns; argmax actions
+    with `--eval-greedy` (GALA Table 1), sampled ones otherwise; videos to `video_dir` with --capture-video."""
+    env = make_env(args.env_id, args.seed + 1_000_003, protocol=args.atari_protocol, capture_video=args.capture_video,
+                   video_dir=str(video_dir))  # fmt: skip
+    generator = torch.Generator().manual_seed(args.seed + 1_000_003)
+    returns = []
+    obs, _ = env.reset()
+    while len(returns) < args.eval_episodes:
+        with torch.inference_mode():
+            logits, _ = model(torch.as_tensor(obs[None], device=device))
+        action = logits.argmax(dim=1) if args.eval_greedy else sample_actions(logits.cpu(), generator)
+        obs, _, terminated, truncated, info = env.step(int(action[0]))
+        if terminated or truncated:
+            returns.append(float(info["episode"]["r"]))
+            if len(returns) < args.eval_episodes:  # no reset after the last game: it would record an empty video
+                obs, _ = env.reset()
+    env.close()
+    return returns
+
+
 def failed_write(e: Exception, run_dir: Path) -> str:
     """The error line of a checkpoint (WriteError) or TensorBoard write (OSError) that failed: the run stops."""
     line = str(e) if isinstance(e, WriteError) else write_error(e, f"the TensorBoard events in {run_dir}")
@@ -1542,9 +1553,9 @@ def failed_write(e: Exception, run_dir: Path) -> str:
 
 def end_training(run: Run, logger: Logger | None, states: list, finished: bool, failure: str | None,
                  signals: StopSignals, tracker=None) -> None:  # fmt: skip
-    """After every learner stopped: the final checkpoint, then (run finished) --save-model and --eval-episodes on the
-    averaged parameters (a signal ends the evaluation at once), the writer closed, the W&B run finished, the exit
-    status (1 on a failure, 128 + signum when stopped by a signal). A write that fails becomes the run's error line."""
+    """After every learner stopped: the final checkpoint; if the run finished, --save-model and the evaluation of the
+    averaged parameters (a signal ends it at once); the writer and W&B run closed; the exit status. A failed write
+    becomes the run's error line."""
     args, signum = run.args, signals.signum
     try:
         if failure is None and args.checkpoint_interval and states and None not in states:
@@ -1580,9 +1591,8 @@ def end_training(run: Run, logger: Logger | None, states: list, finished: bool, 
 
 
 def learner_error(i: int, e: BaseException, ranks: int = 0) -> str:
-    """The error line of learner i's exception (call it in the `except` block): a non-finite loss said plainly; under
-    torchrun (`ranks`), a collective or gossip message that failed because another rank is gone (killed, crashed, its
-    machine down; with two ranks it can only be the other one); any other exception with its traceback."""
+    """The error line of learner i's exception (in its `except` block): a non-finite loss said plainly; under torchrun
+    (`ranks`) a lost rank (killed, crashed, its machine down; of two ranks, the other one); else the traceback."""
     text = str(e)
     signs = ("Connection closed by peer", "Connection reset", "Broken pipe", "Timed out", "timed out", "gossip thread")
     if isinstance(e, NonFiniteLoss):
@@ -1592,17 +1602,6 @@ def learner_error(i: int, e: BaseException, ranks: int = 0) -> str:
         reason = (text.strip().splitlines() or [""])[0][:160]
         return f"error: learner {i} (rank {i}): lost contact with {who}, which died or lost its connection ({reason})"
     return f"error: learner {i} died:\n{traceback.format_exc()}"
-
-
-def learner_failure(died: str | None, error_q: Queue) -> str | None:
-    """The error line of a learner process that died (`died`: Processes.failed's description): its own, with its
-    traceback, if it lived to send one."""
-    if died is None:
-        return None
-    try:
-        return error_q.get(timeout=2.0)
-    except queue.Empty:
-        return f"error: {died}; stopping the run"
 
 
 if __name__ == "__main__":
