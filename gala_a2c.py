@@ -43,7 +43,6 @@ import contextlib
 import ctypes
 import errno
 import hashlib
-import importlib.util
 import io
 import itertools
 import json
@@ -72,7 +71,7 @@ import torch.multiprocessing as mp
 import tyro
 from torch import nn
 
-from common.atari import EnvError, ale_game, check_env_args, check_video, finished_episodes, make_env, make_vector_env
+from common.atari import EnvError, check_video, finished_episodes, make_env, make_vector_env
 from common.models import make_model
 
 # ---- Args ----------------------------------------------------------------------------------------------------------
@@ -107,13 +106,12 @@ class Args:
     eval_greedy: bool = True
     """evaluate with argmax actions (GALA Table 1's protocol); `--no-eval-greedy` samples from the policy instead"""
     eval_only: str | None = None
-    """evaluate a saved agent instead of training: a model.pt or checkpoint.pt of a run of this script; env, protocol,
-    network and model options come from the run's args.json / checkpoint (--eval-episodes 0 plays 10 episodes)"""
+    """evaluate a model.pt or checkpoint.pt of this script instead of training (env, protocol and network from its run's
+    args.json or checkpoint; --eval-episodes 0 plays 10 episodes)"""
     capture_video: bool = False
     """record videos of the evaluation episodes to {run_dir}/videos (--eval-only: {model dir}/videos-eval-{time})"""
     track: bool = False
-    """log the run to Weights & Biases: TensorBoard synced, Args as config, videos uploaded; needs
-    `pip install -e ".[track]"`"""
+    """log to Weights & Biases (TensorBoard synced, Args as config, videos uploaded; needs pip install -e ".[track]")"""
     wandb_project_name: str = "actorlearners"
     """Weights & Biases project of --track"""
     wandb_entity: str | None = None
@@ -229,22 +227,14 @@ def peer_offsets(n: int, num_peers: int, iteration: int = 0, time_varying: bool 
     return [1 + (iteration * num_peers + j) % (n - 1) for j in range(num_peers)]
 
 
-def in_peers(i: int, n: int, offsets: list[int]) -> list[int]:
-    return [(i - s) % n for s in offsets]
-
-
-def out_peers(i: int, n: int, offsets: list[int]) -> list[int]:
-    return [(i + s) % n for s in offsets]
-
-
 def mixing_matrix(n: int, offsets: list[int]) -> torch.Tensor:
     """P [n, n] with p_ij = 1 / (1 + |N_in(i)|) for j = i and j in N_in(i) (Algorithm 1, footnote 1)."""
     P = torch.zeros(n, n, dtype=torch.float64)
     weight = 1.0 / (1 + len(offsets))
     for i in range(n):
         P[i, i] = weight
-        for j in in_peers(i, n, offsets):
-            P[i, j] += weight
+        for s in offsets:
+            P[i, (i - s) % n] += weight
     return P
 
 
@@ -253,11 +243,6 @@ def gossip_mix_(x: torch.Tensor, messages: list[torch.Tensor]) -> torch.Tensor:
     for m in messages:
         x.add_(m)
     return x.div_(1 + len(messages))
-
-
-def consensus_distance(x: torch.Tensor, average: torch.Tensor) -> float:
-    """||x_i - x_bar||: how far one learner's parameters are from the learners' average."""
-    return torch.linalg.vector_norm(x.double() - average.double()).item()
 
 
 def average_model(states: list[dict]) -> dict:
@@ -304,33 +289,18 @@ def unflatten_into(tensors: list[torch.Tensor], flat: torch.Tensor) -> None:
 # ---- Storage and messages ------------------------------------------------------------------------------------------
 
 
-class Timing(NamedTuple):
-    """Seconds one iteration spent in each of its parts (the timing/ tags)."""
-
-    rollout: float  # the simulators and the actions (Algorithm 1, line 2)
-    train: float  # the forward and backward passes and the optimizer step
-    gossip: float  # publishing and mixing, without the wait
-    gossip_wait: float  # blocked for in-peers
-    allreduce: float  # averaging the gradients (--mode allreduce)
-    iteration: float  # the whole iteration
-
-
 class Record(NamedTuple):
     """A learner's summary of its iterations since its previous record (learner -> main process, or to rank 0's
     charts under torchrun)."""
 
     learner: int
     steps: int  # agent steps of these iterations (under torchrun: summed over the ranks before logging)
-    iteration: int
     lr: float
+    sps: float  # this learner's agent steps per second since it started
     episodes: list[tuple[float, int]]  # (true return, length) of each episode finished
-    losses: Losses  # means over the iterations, as are timing, staleness and mix_rate
-    timing: Timing
-    staleness: float  # iterations since the last mix
-    mix_rate: float  # share of the iterations that mixed
+    scalars: dict[str, float]  # the losses/, timing/ and gossip/ tags (Learner.iterate): means over the iterations
     policy_lag: float | None  # mean age of the messages mixed in (iterations); None: none mixed
     consensus: float | None  # ||x_i - x_bar|| measured at a sync point, if one was among these iterations
-    sps: float  # this learner's agent steps per second since it started
 
 
 class State(NamedTuple):
@@ -368,7 +338,7 @@ class GossipEndpoint:
         self.staleness = 0  # local iterations since the last mix
 
     def in_peers(self, iteration: int) -> list[int]:
-        return in_peers(self.learner, self.n, peer_offsets(self.n, self.num_peers, iteration, self.time_varying))
+        return [(self.learner - s) % self.n for s in peer_offsets(self.n, self.num_peers, iteration, self.time_varying)]
 
     def step(self, x: torch.Tensor, iteration: int, stop: Event | threading.Event, at_sync: bool = False) -> Mix:
         """Gossip after local update `iteration` on the flat parameters `x` (mixed in place); `at_sync`: this learner
@@ -514,7 +484,7 @@ class DistributedEndpoint(GossipEndpoint):
                         self.cond.wait()
                     out.copy_(self.snapshot)
                     self.pending = False
-                for dst in out_peers(self.learner, self.n, peer_offsets(self.n, self.num_peers)):
+                for dst in ((self.learner + s) % self.n for s in peer_offsets(self.n, self.num_peers)):
                     dist.send(out, dst=dst, group=self.group)
                 if out[self.numel + FLAG].item() == SENT_LAST:
                     return
@@ -597,20 +567,11 @@ class Shared:
 class Stats:
     """One learner's iterations since its previous Record."""
 
-    losses: list[Losses] = field(default_factory=list)
-    timing: list[Timing] = field(default_factory=list)
-    staleness: list[int] = field(default_factory=list)
-    mixed: list[bool] = field(default_factory=list)
+    iterations: int = 0
+    scalars: dict[str, list[float]] = field(default_factory=dict)  # tag -> its value at each iteration
     lags: list[int] = field(default_factory=list)  # ages of the messages mixed in
     episodes: list[tuple[float, int]] = field(default_factory=list)
     consensus: float | None = None
-
-    def add(self, losses: Losses, timing: Timing, staleness: int, mix: Mix) -> None:
-        self.losses.append(losses)
-        self.timing.append(timing)
-        self.staleness.append(staleness)
-        self.mixed.append(mix.mixed)
-        self.lags += mix.lags
 
 
 # ---- Workers -------------------------------------------------------------------------------------------------------
@@ -623,7 +584,7 @@ class Learner:
         cores = max(1, (os.cpu_count() or 1) // n)  # the machine's share of this learner
         torch.set_num_threads(args.torch_threads or cores)
         torch.use_deterministic_algorithms(args.torch_deterministic, warn_only=True)
-        self.index, self.n, self.args, self.device = index, n, args, device
+        self.index, self.n, self.args = index, n, args
         E, T = args.num_envs, args.num_steps
         self.num_iterations = args.total_timesteps // (n * E * T)
         self.iteration = self.start_iteration = state["iteration"] if state else 0
@@ -641,8 +602,9 @@ class Learner:
         self.generator = torch.Generator(device=device).manual_seed(args.seed * 104729 + index)
         if state:
             self.model.load_state_dict(state["model"])
-            self.optimizer.load_state_dict(state["optimizer"])
-            self.generator.set_state(state["generator"])
+            if "optimizer" in state:  # absent for a learner killed at the stop (Monitor.final_states)
+                self.optimizer.load_state_dict(state["optimizer"])
+                self.generator.set_state(state["generator"])
         numel = sum(p.numel() for p in self.params)
         self.x = torch.zeros(numel, device=device)  # flat parameters, mixed in place
         self.flat_grad = torch.zeros(numel, device=device)  # allreduce: the gradients, averaged in one call
@@ -724,10 +686,20 @@ class Learner:
                 unflatten_into(self.params, self.x)
         t5 = time.perf_counter()
         self.iteration += 1
-        timing = Timing(rollout=t1 - t0, train=(t2 - t1) + (t4 - t3), gossip=t5 - t4 - mix.waited,
-                        gossip_wait=mix.waited, allreduce=t3 - t2, iteration=t5 - t0)  # fmt: skip
-        losses = Losses(*torch.stack([v.detach() for v in loss]).tolist())  # as floats, with one device sync
-        self.stats.add(losses, timing, gossip.staleness if gossip is not None else 0, mix)
+        losses = torch.stack([v.detach() for v in loss]).tolist()  # as floats, with one device sync
+        values = {f"losses/{k}": v for k, v in zip(Losses._fields, losses, strict=True)}
+        # seconds in each part: the simulators and the actions (Algorithm 1, line 2), the forward and backward passes
+        # and the optimizer step, averaging the gradients (allreduce), publishing and mixing (without the wait for
+        # in-peers, which gossip_wait is), the whole iteration
+        values |= {"timing/rollout": t1 - t0, "timing/train": (t2 - t1) + (t4 - t3), "timing/allreduce": t3 - t2,
+                   "timing/gossip": t5 - t4 - mix.waited, "timing/gossip_wait": mix.waited,
+                   "timing/iteration": t5 - t0}  # fmt: skip
+        if gossip is not None:  # staleness: iterations since the last mix
+            values |= {"gossip/staleness": gossip.staleness, "gossip/mix_rate": float(mix.mixed)}
+        self.stats.iterations += 1
+        for tag, value in values.items():
+            self.stats.scalars.setdefault(tag, []).append(value)
+        self.stats.lags += mix.lags
         return mix
 
     def train(self, gossip: GossipEndpoint | None, link: LocalLink | RankLink) -> dict:
@@ -735,15 +707,15 @@ class Learner:
         while self.iteration < self.num_iterations:
             at_sync = (self.iteration + 1) % self.args.sync_interval == 0 or self.iteration + 1 == self.num_iterations
             mix = self.iterate(gossip, link.stop, at_sync and link.torchrun)
-            if gossip is not None and at_sync:  # how far the gossip keeps this learner from the average (Prop. 2)
+            if gossip is not None and at_sync:  # ||x_i - x_bar||: how far gossip keeps this learner from it (Prop. 2)
                 x = self.flat_params()
-                self.stats.consensus = consensus_distance(x, gossip.average(x))
+                self.stats.consensus = torch.linalg.vector_norm(x.double() - gossip.average(x).double()).item()
             turn = link.agree(at_sync, self.stats)
             if turn.report:
                 link.report(self.record(), self.state() if turn.checkpoint else None)
             if turn.stop or mix.stopped:
                 break
-        if self.stats.losses:  # iterations not reported yet (under torchrun the loop ends at a sync point: none)
+        if self.stats.iterations:  # iterations not reported yet (under torchrun the loop ends at a sync point: none)
             link.report(self.record(), None)
         if gossip is not None:
             gossip.finish(self.flat_params(), self.iteration - 1)
@@ -753,13 +725,13 @@ class Learner:
         """The Record of the iterations since the previous one; the stats start over."""
         s, self.stats = self.stats, Stats()
         E, T = self.args.num_envs, self.args.num_steps
+        scalars = {tag: float(np.mean(values)) for tag, values in s.scalars.items()}
+        if "gossip/staleness" in scalars:
+            scalars["gossip/share_of_iteration"] = scalars["timing/gossip"] / max(1e-12, scalars["timing/iteration"])
         return Record(
-            learner=self.index, steps=len(s.losses) * E * T, iteration=self.iteration, lr=self.lr,
-            episodes=s.episodes, losses=Losses(*np.mean(s.losses, axis=0).tolist()),
-            timing=Timing(*np.mean(s.timing, axis=0).tolist()), staleness=float(np.mean(s.staleness)),
-            mix_rate=float(np.mean(s.mixed)), policy_lag=float(np.mean(s.lags)) if s.lags else None,
-            consensus=s.consensus,
+            learner=self.index, steps=s.iterations * E * T, lr=self.lr, episodes=s.episodes, scalars=scalars,
             sps=(self.iteration - self.start_iteration) * E * T / max(1e-9, time.time() - self.start_time),
+            policy_lag=float(np.mean(s.lags)) if s.lags else None, consensus=s.consensus,
         )  # fmt: skip
 
     def state(self) -> dict:
@@ -797,7 +769,7 @@ class LocalLink:
             dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
             stop, request = agreed[0].item() > 0, int(agreed[1].item())
         checkpoint, self.last_request = request > self.last_request, request
-        report = checkpoint or len(stats.losses) >= self.args.log_frequency or stats.consensus is not None
+        report = checkpoint or stats.iterations >= self.args.log_frequency or stats.consensus is not None
         return Turn(report=report, checkpoint=checkpoint, stop=stop)
 
     def report(self, record: Record, state: dict | None) -> None:
@@ -846,14 +818,11 @@ class RankLink:
             self.stop.set()  # all ranks stop together at the next sync point
 
 
-def learner_process(index: int, n: int, args: Args, device_name: str, shared: Shared) -> None:
-    """A learner of the single-machine launch (started through child_main): its records, states and error line go to
-    the main process; nothing raises past here."""
+def learner_process(index: int, n: int, args: Args, device_name: str, shared: Shared, state: dict | None) -> None:
+    """A learner of the single-machine launch (started through child_main), from `state` (--resume) or afresh: its
+    records, states and error line go to the main process; nothing raises past here."""
     learner = None
     try:
-        state = None
-        if args.resume:
-            state = torch.load(args.resume, map_location="cpu", weights_only=False)["learners"][index]
         gossip = None
         if args.mode == "allreduce":
             dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{shared.port}", rank=index, world_size=n)
@@ -891,6 +860,14 @@ class Run:
         return sum(p.numel() for p in make_model(self.obs_space, self.act_space, self.args.network).parameters())
 
 
+def save_checkpoint(run: Run, states: list[dict]) -> None:
+    """The learners' states, and their average as "model", to {run_dir}/checkpoint.pt atomically (WriteError)."""
+    steps = sum(s["iteration"] for s in states) * run.args.num_envs * run.args.num_steps
+    checkpoint = dict(model=average_model(states), learners=states, global_step=steps, args=asdict(run.args),
+                      torch_rng=torch.get_rng_state(), meta=run.meta)  # fmt: skip
+    atomic_save(checkpoint, run.run_dir / "checkpoint.pt")
+
+
 class Logger:
     """Turns learner records into TensorBoard scalars and console lines. Global step = agent steps summed over all
     learners (exact on one machine; under torchrun rank 0 writes the exact sum at every sync point)."""
@@ -914,19 +891,14 @@ class Logger:
             for tag, value in (("charts/episodic_return", ret), ("charts/episodic_length", length),
                                (f"per_learner/episodic_return_{i}", ret)):  # fmt: skip
                 self.writer.add_scalar(tag, value, self.global_step)
-        scalars = {f"losses/{k}": v for k, v in r.losses._asdict().items()}
-        scalars |= {f"timing/{k}": v for k, v in r.timing._asdict().items()}
-        scalars |= {"charts/learning_rate": r.lr, "charts/SPS": self.sps(), f"per_learner/SPS_{i}": r.sps}
+        scalars = r.scalars | {"charts/learning_rate": r.lr, "charts/SPS": self.sps(), f"per_learner/SPS_{i}": r.sps}
         if r.policy_lag is not None:
             scalars["charts/policy_lag"] = self.policy_lag = r.policy_lag
-        if self.args.mode == "gossip":
-            scalars |= {"gossip/staleness": r.staleness, "gossip/mix_rate": r.mix_rate,
-                        "gossip/share_of_iteration": r.timing.gossip / max(1e-12, r.timing.iteration)}  # fmt: skip
         if r.consensus is not None:
             scalars |= {"gossip/consensus_distance": r.consensus, f"per_learner/consensus_distance_{i}": r.consensus}
         for tag, value in scalars.items():
             self.writer.add_scalar(tag, value, self.global_step)
-        self.learner_sps[i], self.staleness = r.sps, r.staleness
+        self.learner_sps[i], self.staleness = r.sps, r.scalars.get("gossip/staleness", 0.0)
 
     def maybe_print(self, force: bool = False) -> None:
         if force or time.time() - self.last_print >= self.args.log_interval:
@@ -941,11 +913,11 @@ class Logger:
 
 
 class Monitor:
-    """The main process's side of the single-machine launch's `log_q`: records to TensorBoard, checkpoint states
-    assembled into checkpoints (one per request, once every learner answered it), final states kept."""
+    """The main process's side of the single-machine launch's queues: records to TensorBoard, checkpoint states
+    assembled into checkpoints (one per request, once every learner answered it), final states kept, error lines."""
 
-    def __init__(self, run: Run, log_q: Queue):
-        self.run, self.log_q, self.logger = run, log_q, None
+    def __init__(self, run: Run, shared: Shared):
+        self.run, self.log_q, self.error_q, self.logger = run, shared.log_q, shared.error_q, None
         self.finals: dict[int, dict] = {}
         self.latest: list[dict | None] = list(run.checkpoint["learners"]) if run.checkpoint else [None] * run.n
         self.pending: dict[int, dict[int, dict]] = {}  # checkpoint request -> {learner: state}
@@ -969,6 +941,31 @@ class Monitor:
                     save_checkpoint(self.run, self.latest)
         except (WriteError, OSError) as e:
             self.write_failure = self.write_failure or failed_write(e, self.run.run_dir)
+
+    def final_states(self, gossip: SharedMemoryGossip | None) -> list[dict | None]:
+        """The newest state of each learner: its final one, or the one of the last checkpoint (or --resume); for a
+        gossip learner killed at the stop before it sent any, its last published parameters from its send buffer
+        (read without its lock, which it may have held when killed): its optimizer statistics restart on resume."""
+        states = list(self.latest)
+        for j in (j for j, s in enumerate(states) if s is None and gossip is not None and gossip.versions[j]):
+            model = make_model(self.run.obs_space, self.run.act_space, self.run.args.network)
+            unflatten_into(list(model.parameters()), gossip.buffers[j].cpu())
+            states[j] = dict(model=model.state_dict(), iteration=gossip.stamps[j] + 1)
+            what = f"learner {j}'s last published parameters (iteration {states[j]['iteration']}, no optimizer state)"
+            print(f"warning: the final checkpoint keeps {what}", file=sys.stderr)
+        if missing := [f"learner {j}" for j, s in enumerate(states) if s is None]:
+            print(f"warning: no final checkpoint: {', '.join(missing)} sent no state before the stop", file=sys.stderr)
+        return states
+
+    def learner_failure(self, died: str | None) -> str | None:
+        """The error line of a learner process that died (`died`: Processes.failed's description): its own, with its
+        traceback, if it lived to send one on `error_q`."""
+        if died is None:
+            return None
+        try:
+            return self.error_q.get(timeout=2.0)
+        except queue.Empty:
+            return f"error: {died}; stopping the run"
 
     def drain(self, timeout: float) -> None:
         """Handle every message on `log_q`, waiting up to `timeout` seconds for the first."""
@@ -1000,6 +997,9 @@ def main(args: Args) -> None:
         main_single_machine(Run(args, n, run_dir, obs_space, act_space, meta, checkpoint))
 
 
+STOP_GRACE = 5.0  # seconds the learners get to stop after the stop request before they are killed
+
+
 def main_single_machine(run: Run) -> None:
     """Learner processes plus this main process: it logs, asks for checkpoints, and stops the run on a signal, a dead
     learner or a failed write."""
@@ -1015,9 +1015,10 @@ def main_single_machine(run: Run) -> None:
     print(
         f"run directory: {run.run_dir}  ({n} learners x {args.num_envs} envs, {args.mode}{ring}, {device})", flush=True
     )
-    signals, learners, monitor = StopSignals(shared.stop), Processes(ctx), Monitor(run, shared.log_q)
+    signals, learners, monitor = StopSignals(shared.stop), Processes(ctx), Monitor(run, shared)
+    states = run.checkpoint["learners"] if run.checkpoint else [None] * n
     for i in range(n):
-        learners.start(f"learner {i}", learner_process, i, n, args, str(device), shared)
+        learners.start(f"learner {i}", learner_process, i, n, args, str(device), shared, states[i])
     tracker, failure, last_checkpoint = None, None, time.time()
     try:  # whatever fails from here on stops the learners
         tracker = start_tracking(args, run.run_dir)  # after the forks: no learner inherits wandb's threads and pipes
@@ -1026,17 +1027,25 @@ def main_single_machine(run: Run) -> None:
         while len(monitor.finals) < n and not signals.signum and not failure:
             monitor.drain(0.25)
             monitor.logger.maybe_print()
-            failure = monitor.write_failure or learner_failure(learners.failed(), shared.error_q)
+            failure = monitor.write_failure or monitor.learner_failure(learners.failed())
             if args.checkpoint_interval and time.time() - last_checkpoint >= args.checkpoint_interval:
                 with shared.checkpoint_requests.get_lock():
                     shared.checkpoint_requests.value += 1
                 last_checkpoint = time.time()
     except OSError as e:  # the writer could not start (full disk, directory removed)
         failure = failed_write(e, run.run_dir)
-    finally:
-        failure = stop_learners(monitor, learners, shared, failure)
+    finally:  # read `log_q` while the learners finish: a learner exits only once its queued messages are in the pipe
+        shared.stop.set()
+        deadline = time.monotonic() + STOP_GRACE
+        while any(p.exitcode is None for p in learners.procs.values()) and time.monotonic() < deadline:
+            monitor.drain(0.1)
+        failure = failure or monitor.learner_failure(learners.failed()) or monitor.write_failure
+        if stuck := learners.stop(max(0.0, deadline - time.monotonic())):  # stuck, or blocked on a peer that is
+            print(f"warning: {', '.join(stuck)} did not stop within {STOP_GRACE:.0f} s; killed", file=sys.stderr)
+        monitor.drain(0.0)
     finished = failure is None and not signals.signum and len(monitor.finals) == n
-    end_training(run, monitor.logger, monitor.latest, finished, failure, signals.signum, tracker)
+    states = monitor.final_states(gossip) if failure is None and args.checkpoint_interval else monitor.latest
+    end_training(run, monitor.logger, states, finished, failure, signals, tracker)
 
 
 def free_port() -> int:
@@ -1084,14 +1093,20 @@ def main_distributed(args: Args, n: int, checkpoint: dict | None, obs_space, act
         dist.barrier()  # no rank leaves the group while a peer may still be sending to it
         dist.destroy_process_group()
     except Exception as e:  # the other ranks would wait for this one forever: torchrun stops them when it exits 1
-        failure = lost_contact(rank, n, e) or learner_error(rank, e)
+        failure = learner_error(rank, e, ranks=n)
     try:  # rank 0: the final checkpoint, --save-model, --eval-episodes; every rank: its writer, its exit status
         finished = rank == 0 and not signals.signum and failure is None
-        end_training(run, logger, states or [], finished, failure or link.write_failure, signals.signum, tracker)
+        end_training(run, logger, states or [], finished, failure or link.write_failure, signals, tracker)
         code = 0
     except SystemExit as e:
         code = e.code
-    exit_without_teardown(code)
+    # leave without the interpreter's teardown: gloo's transport and worker threads (`gloo_tcp_loop`,
+    # `pt_gloo_runloop`) and the gossip receivers inside `dist.recv` may still be alive, and destroying them while
+    # joinable aborts the rank ("terminate called without an active exception", SIGABRT) or hangs it; everything is
+    # written and closed by now
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 # ---- run plumbing ------------------------------------------------------------------------------------------------
@@ -1456,7 +1471,7 @@ FLAG_RULES = (
               "env_threads", "torch_threads")),
 )  # fmt: skip
 RENAMED_FLAGS: dict[str, str] = {}  # old flag -> what to say instead
-RESUME_FIXED = ()  # TODO
+RESUME_FIXED = ("num_envs", "num_steps")  # the rollout storage and the step arithmetic (learners and mode: meta)
 RUN_SETTINGS = ("env_id", "atari_protocol", "network")
 
 
@@ -1472,8 +1487,6 @@ def validate(args: Args, n: int, torchrun: bool = False) -> str | None:
         return "--time-varying needs the single-machine launch (torchrun ranks use a static ring)"
     if torchrun and args.eval_only:
         return "--eval-only runs in one process: python gala_a2c.py --eval-only PATH, without torchrun"
-    if args.track and importlib.util.find_spec("wandb") is None:
-        return '--track needs wandb: pip install -e ".[track]"'
     if args.resume is not None and not Path(args.resume).is_file():
         return f"--resume {args.resume}: no such checkpoint file"
     if args.eval_only is not None and not Path(args.eval_only).is_file():
@@ -1481,24 +1494,24 @@ def validate(args: Args, n: int, torchrun: bool = False) -> str | None:
     if args.total_timesteps < n * args.num_envs * args.num_steps:
         return (f"--total-timesteps ({args.total_timesteps}) is less than one iteration of all learners "
                 f"({n} learners x {args.num_envs} envs x {args.num_steps} steps)")  # fmt: skip
+    if args.eval_only is not None:  # env, network and model are the saved run's: load_for_eval checks them
+        return None
     try:
-        check_env_args(args.env_id, args.num_envs, args.atari_protocol)
-        if args.capture_video and args.eval_only is None:  # fail now, not at the final evaluation
+        act_space = env_spaces(args)[1]  # an unknown env id: an EnvError that suggests close matches
+        if args.capture_video:  # fail now, not at the final evaluation
             check_video(args.env_id, args.atari_protocol)
     except EnvError as e:
         return str(e)
-    if ale_game(args.env_id) is None and not isinstance(space := env_spaces(args)[1], gym.spaces.Discrete):
-        return (f"{args.env_id} has a {type(space).__name__} action space {space}; gala_a2c.py needs a Discrete one "
-                f"(continuous actions: apex_ddpg.py)")  # fmt: skip
+    if not isinstance(act_space, gym.spaces.Discrete):
+        return f"{args.env_id} has a {type(act_space).__name__} action space; Discrete only (apex_ddpg.py: continuous)"
     return None
 
 
 def env_spaces(args: Args) -> tuple[gym.Space, gym.Space]:
     """(observation space, action space) of one env of the training vector env."""
     probe = make_vector_env(args.env_id, 1, args.seed, protocol=args.atari_protocol, num_threads=1)
-    spaces = probe.single_observation_space, probe.single_action_space
     probe.close()
-    return spaces
+    return probe.single_observation_space, probe.single_action_space
 
 
 def checkpoint_meta(args: Args, obs_space: gym.Space, act_space: gym.spaces.Discrete, n: int) -> dict:
@@ -1535,113 +1548,63 @@ def evaluate(model: nn.Module, args: Args, video_dir: Path, device: torch.device
     return returns
 
 
-def save_checkpoint(run: Run, states: list[dict]) -> None:
-    """The learners' states, and their average as "model", to {run_dir}/checkpoint.pt atomically (WriteError)."""
-    steps = sum(s["iteration"] for s in states) * run.args.num_envs * run.args.num_steps
-    checkpoint = dict(model=average_model(states), learners=states, global_step=steps, args=asdict(run.args),
-                      torch_rng=torch.get_rng_state(), meta=run.meta)  # fmt: skip
-    atomic_save(checkpoint, run.run_dir / "checkpoint.pt")
-
-
 def failed_write(e: Exception, run_dir: Path) -> str:
     """The error line of a checkpoint (WriteError) or TensorBoard write (OSError) that failed: the run stops."""
     line = str(e) if isinstance(e, WriteError) else write_error(e, f"the TensorBoard events in {run_dir}")
     return f"{line}; stopping (the last good checkpoint is kept)"
 
 
-def end_training(run: Run, logger: Logger | None, states: list, finished: bool, failure: str | None, signum: int,
-                 tracker=None) -> None:  # fmt: skip
-    """After every learner stopped: the final checkpoint, then (run finished) --save-model and --eval-episodes on the
-    averaged parameters, the writer closed, the W&B run finished, the exit status (1 on a failure, 128 + signum when
-    stopped by a signal). A write that fails becomes the run's error line."""
-    args = run.args
+def end_training(run: Run, logger: Logger | None, states: list, finished: bool, failure: str | None,
+                 signals: StopSignals, tracker=None) -> None:  # fmt: skip
+    """After every learner stopped: the final checkpoint; if the run finished, --save-model and the evaluation of the
+    averaged parameters (a signal ends it at once); the writer and W&B run closed; the exit status. A failed write
+    becomes the run's error line."""
+    args, signum = run.args, signals.signum
     try:
-        if failure is None and args.checkpoint_interval and states and all(s is not None for s in states):
+        if failure is None and args.checkpoint_interval and states and None not in states:
             save_checkpoint(run, states)
-        if logger is not None:
-            logger.maybe_print(force=True)
         if finished and failure is None and (args.save_model or args.eval_episodes):
             model = make_model(run.obs_space, run.act_space, args.network)
             model.load_state_dict(average_model(states))
             if args.save_model:
                 atomic_save(model.state_dict(), run.run_dir / "model.pt")
-            returns = evaluate(model, args, run.run_dir / "videos", torch.device("cpu")) if args.eval_episodes else []
-            for i, ret in enumerate(returns):
-                logger.writer.add_scalar("eval/episodic_return", ret, i)
-                print(f"eval episode {i}: return {ret:.1f}")
+            if args.eval_episodes:
+                print(f"evaluating the final policy: {args.eval_episodes} episodes", flush=True)
+                signals.interruptible()
+                for i, ret in enumerate(evaluate(model, args, run.run_dir / "videos", torch.device("cpu"))):
+                    logger.writer.add_scalar("eval/episodic_return", ret, i)
+                    print(f"eval episode {i}: return {ret:.1f}")
+    except Stop:  # a signal during the evaluation
+        signum = signals.signum
     except (WriteError, OSError) as e:
         failure = failure or failed_write(e, run.run_dir)
+    finally:
+        signals.raise_stop = False  # from here on a signal changes nothing: the writer and W&B run are closed
     try:
         if logger is not None:
+            logger.maybe_print(force=True)
             logger.writer.close()
     except OSError as e:
         failure = failure or failed_write(e, run.run_dir)
-    finish_tracking(tracker, run.run_dir, 1 if failure else 128 + signum if signum else 0)
-    if failure:
-        print(failure, file=sys.stderr)
-        raise SystemExit(1)
-    if signum:
-        print(f"interrupted at step {logger.global_step if logger else 0}: shut down", file=sys.stderr)
-        raise SystemExit(128 + signum)
+    code = 1 if failure else 128 + signum if signum else 0
+    finish_tracking(tracker, run.run_dir, code)
+    if code:
+        print(failure or f"interrupted at step {logger.global_step if logger else 0}: shut down", file=sys.stderr)
+        raise SystemExit(code)
 
 
-STOP_GRACE = 5.0  # seconds the learners get to stop after the stop request before they are killed
-
-
-def stop_learners(monitor: Monitor, learners: Processes, shared: Shared, failure: str | None) -> str | None:
-    """Set `stop` and read `log_q` while the learners finish (a learner exits only once its queued messages, its final
-    state among them, are in the pipe); kill those still running after STOP_GRACE (stuck, or blocked on a peer that
-    is), so the run always ends. Returns the run's error line: `failure`, a learner's or a failed write's."""
-    shared.stop.set()
-    deadline = time.monotonic() + STOP_GRACE
-    while any(p.exitcode is None for p in learners.procs.values()) and time.monotonic() < deadline:
-        monitor.drain(0.1)
-    failure = failure or learner_failure(learners.failed(), shared.error_q) or monitor.write_failure
-    if stuck := learners.stop(max(0.0, deadline - time.monotonic())):
-        print(f"warning: {', '.join(stuck)} did not stop within {STOP_GRACE:.0f} s; killed", file=sys.stderr)
-    monitor.drain(0.0)
-    return failure
-
-
-def learner_error(i: int, e: BaseException) -> str:
-    """The error line of learner i's exception (call it in the `except` block): a non-finite loss said plainly, any
-    other exception with its traceback."""
+def learner_error(i: int, e: BaseException, ranks: int = 0) -> str:
+    """The error line of learner i's exception (in its `except` block): a non-finite loss said plainly; under torchrun
+    (`ranks`) a lost rank (killed, crashed, its machine down; of two ranks, the other one); else the traceback."""
+    text = str(e)
+    signs = ("Connection closed by peer", "Connection reset", "Broken pipe", "Timed out", "timed out", "gossip thread")
     if isinstance(e, NonFiniteLoss):
         return f"error: learner {i}: {e}; stopping (the last checkpoint, if any, is kept)"
+    if ranks and (isinstance(e, dist.DistError) or any(m in text for m in signs)):
+        who = f"rank {1 - i}" if ranks == 2 else "another rank"
+        reason = (text.strip().splitlines() or [""])[0][:160]
+        return f"error: learner {i} (rank {i}): lost contact with {who}, which died or lost its connection ({reason})"
     return f"error: learner {i} died:\n{traceback.format_exc()}"
-
-
-def learner_failure(died: str | None, error_q: Queue) -> str | None:
-    """The error line of a learner process that died (`died`: Processes.failed's description): its own, with its
-    traceback, if it lived to send one."""
-    if died is None:
-        return None
-    try:
-        return error_q.get(timeout=2.0)
-    except queue.Empty:
-        return f"error: {died}; stopping the run"
-
-
-def lost_contact(rank: int, n: int, e: BaseException) -> str | None:
-    """The error line when a collective or gossip message failed because another rank is gone (killed, crashed, its
-    machine down): with two ranks it can only be the other one; with more, this rank cannot tell which."""
-    text = f"{e}"
-    signs = ("Connection closed by peer", "Connection reset", "Broken pipe", "Timed out", "timed out", "gossip thread")
-    if not isinstance(e, dist.DistError) and not any(m in text for m in signs):
-        return None
-    who = f"rank {1 - rank}" if n == 2 else "another rank"
-    reason = (text.strip().splitlines() or [""])[0][:160]
-    return f"error: learner {rank} (rank {rank}): lost contact with {who}, which died or lost its connection ({reason})"
-
-
-def exit_without_teardown(code: int) -> None:
-    """End a torchrun rank. gloo's transport and worker threads (`gloo_tcp_loop`, `pt_gloo_runloop`) and the gossip
-    receivers inside `dist.recv` may still be alive, and the interpreter's teardown destroys them while joinable: the
-    rank would abort at exit ("terminate called without an active exception", SIGABRT) or hang. Everything is
-    written and closed by now, so leave without that teardown."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 if __name__ == "__main__":
