@@ -72,7 +72,7 @@ def test_the_plumbing_is_one_section_after_main(script):
     tree = ast.parse(text)
     main = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main")
     assert main.lineno < start, f"{script.name}: main (line {main.lineno}) must come before the plumbing ({start})"
-    missing = [name for name in EVERY_SCRIPT if name not in defs]
+    missing = [name for name in (*EVERY_SCRIPT, "validate") if name not in defs]
     assert not missing, f"{script.name}: not in the plumbing section: {', '.join(missing)}"
     above = [n.name for n in tree.body if getattr(n, "name", None) in EVERY_SCRIPT and n.lineno < start]
     assert not above, f"{script.name}: plumbing defined above the banner: {', '.join(above)}"
@@ -92,6 +92,6 @@ def test_drift_in_one_script_is_named():
     texts[victim] = texts[victim].replace(source, source.replace("os.fsync(f.fileno())", "pass"))
     assert drift(texts) == [f"{victim}: `atomic_save` differs from the other scripts' text: "
                             f"-            os.fsync(f.fileno()) | +            pass"]  # fmt: skip
-    source = plumbing_of(texts[victim])[1]["evaluate"]
+    source = plumbing_of(texts[victim])[1]["validate"]
     texts[victim] = texts[victim].replace(source, source + "\n    # an edit")
     assert len(drift(texts)) == 1
