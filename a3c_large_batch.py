@@ -24,7 +24,6 @@ Examples:
   python a3c_large_batch.py --env-id ALE/Breakout-v5                                  # 4 workers x 16 envs, hogwild
   python a3c_large_batch.py --env-id ALE/Breakout-v5 --update server --num-workers 8 --track
   python a3c_large_batch.py --env-id ALE/Pong-v5 --num-workers 16 --num-envs-per-worker 1    # original A3C
-  python a3c_large_batch.py --eval-only runs/<run>/model.pt --eval-episodes 10 --capture-video  # a saved agent
 """
 
 from __future__ import annotations
@@ -40,7 +39,6 @@ import copy
 import ctypes
 import errno
 import hashlib
-import importlib.util
 import io
 import itertools
 import json
@@ -48,7 +46,6 @@ import math
 import multiprocessing.connection
 import os
 import queue
-import signal
 import threading
 import time
 import traceback
@@ -67,7 +64,7 @@ import torch.multiprocessing as mp
 import tyro
 from torch import nn
 
-from common.atari import EnvError, check_env_args, check_video, finished_episodes, make_env, make_vector_env
+from common.atari import EnvError, check_video, finished_episodes, make_env, make_vector_env
 from common.models import make_model
 
 # ---- Args ----
@@ -107,8 +104,7 @@ class Args:
     capture_video: bool = False
     """record videos of the evaluation episodes to {run_dir}/videos (--eval-only: {model dir}/videos-eval-{time})"""
     track: bool = False
-    """log the run to Weights & Biases: TensorBoard synced, Args as config, videos uploaded; needs
-    `pip install -e ".[track]"`"""
+    """log the run to Weights & Biases (TensorBoard synced, Args as config, videos): pip install -e '.[track]'"""
     wandb_project_name: str = "actorlearners"
     """Weights & Biases project of --track"""
     wandb_entity: str | None = None
@@ -279,8 +275,7 @@ class Update(NamedTuple):
 
 
 class WorkerDone(NamedTuple):
-    """worker -> main, on `log_q` (server mode: forwarded by the server after the worker's last gradient): the step
-    budget is used up."""
+    """worker -> main, on `log_q` (server mode: through the server, after its last gradient): the budget is spent."""
 
     worker: int
 
@@ -471,9 +466,7 @@ def worker_loop(worker: int, args: Args, shared: Shared, device: torch.device) -
             if not torch.isfinite(losses["grad_norm"]):
                 raise NonFiniteLoss(f"non-finite gradient norm at global step {global_step}")
             stats = dict(zip(losses, torch.stack([v.detach() for v in losses.values()]).tolist(), strict=True))
-            lr = args.learning_rate
-            if args.anneal_lr:
-                lr *= 1.0 - (global_step - batch) / args.total_timesteps
+            lr = args.learning_rate * (1.0 - (global_step - batch) / args.total_timesteps if args.anneal_lr else 1.0)
             obs_buf[0].copy_(obs_buf[T])
             t3 = time.perf_counter()
             timing = dict(pull=t1 - t0, rollout=t2 - t1, train=t3 - t2)
@@ -528,6 +521,22 @@ def gradient_server(model: nn.Module, args: Args, shared: Shared, device: torch.
                 return
 
 
+def run_child(who: str, error_q: Queue, body, *body_args) -> None:
+    """A worker's or the gradient server's process (through child_main): `body`, its failure sent to main as the
+    run's error line, one line for a non-finite loss or a failed write, with the traceback for anything else."""
+    try:
+        body(*body_args)
+    except Stop:
+        pass
+    except (NonFiniteLoss, WriteError) as e:
+        line = str(e) if isinstance(e, WriteError) else f"error: {e}"
+        error_q.put(f"{line} ({who}); stopping (the last good checkpoint, if any, is kept)")
+        raise SystemExit(1) from None
+    except BaseException:
+        error_q.put(f"error: {who} died:\n{traceback.format_exc()}")
+        raise SystemExit(1) from None
+
+
 # ---- The run's record ----
 
 
@@ -542,7 +551,7 @@ class Progress:
     lr: float
     server_done: bool  # True from the start in hogwild mode
     start_time: float = field(default_factory=time.time)
-    start_step: int = field(init=False)
+    steps: int = 0  # agent steps of this process (SPS): a resumed run starts at global_step > 0
     updates: int = 0
     lag: int = 0  # of the latest update
     workers_done: set[int] = field(default_factory=set)
@@ -550,9 +559,6 @@ class Progress:
     sums: dict[str, float] = field(default_factory=dict)  # over the updates since the last TensorBoard point
     count: int = 0
     lag_max: int = 0
-
-    def __post_init__(self):
-        self.start_step = self.global_step
 
     def handle(self, update: Update | WorkerDone | ServerDone) -> None:
         if isinstance(update, WorkerDone):
@@ -562,6 +568,7 @@ class Progress:
             self.server_done = True
             return
         self.global_step += update.steps
+        self.steps += update.steps
         self.updates += 1
         self.lag, self.lr = update.lag, update.lr
         for ret, length in update.episodes:
@@ -608,7 +615,7 @@ class Progress:
                 time.sleep(0.2)
 
     def sps(self) -> float:
-        return (self.global_step - self.start_step) / max(1e-9, time.time() - self.start_time)
+        return self.steps / max(1e-9, time.time() - self.start_time)
 
     def console_line(self) -> str:
         mean_return = np.mean(self.returns) if self.returns else math.nan
@@ -622,22 +629,100 @@ class Progress:
 
 
 @dataclass
-class Checkpoints:
-    """{run_dir}/checkpoint.pt, written by main in hogwild mode and, in server mode, by the gradient server, which owns
+class Run:
+    """What main's loop and its last steps (shut_down, finish) work with once the processes run. Checkpoints go to
+    {run_dir}/checkpoint.pt, written by main in hogwild mode and, in server mode, by the gradient server, which owns
     the model and the optimizer (main sends it SaveCheckpoint, then Finish)."""
 
-    path: Path
-    model: nn.Module  # hogwild: the shared model
+    args: Args
+    model: nn.Module  # hogwild: the shared model; server: main's view of it
     shared: Shared
+    processes: Processes
+    progress: Progress
+    signals: StopSignals
+    run_dir: Path
     extra: dict  # what main adds to every checkpoint: the Args, meta and its RNG state
-    final: bool  # write a final checkpoint (--checkpoint-interval > 0)
 
-    def write(self, global_step: int) -> None:
-        if self.shared.grad_q is not None:
-            self.shared.grad_q.put(SaveCheckpoint(str(self.path), self.extra))
+    def write_checkpoint(self) -> None:
+        path, shared = self.run_dir / "checkpoint.pt", self.shared
+        if shared.grad_q is not None:
+            shared.grad_q.put(SaveCheckpoint(str(path), self.extra))
             return
-        own = dict(model=self.model.state_dict(), optimizer=self.shared.optimizer.state_dict())
-        atomic_save({**own, "global_step": global_step, "version": self.shared.updates.value, **self.extra}, self.path)
+        own = dict(model=self.model.state_dict(), optimizer=shared.optimizer.state_dict(), version=shared.updates.value)
+        atomic_save({**own, "global_step": self.progress.global_step, **self.extra}, path)
+
+    def failure_line(self) -> str | None:
+        """The error line of the first child that failed: the one it sent (run_child), else how it died (a kill)."""
+        if (died := self.processes.failed()) is None:
+            return None
+        sent = any(p.exitcode is not None and p.exitcode > 0 for p in self.processes.procs.values())
+        with contextlib.suppress(queue.Empty):  # run_child's line reached the pipe before its process exited
+            return self.shared.error_q.get(timeout=2.0 if sent else 0.0)
+        return f"error: {died}; stopping the run"
+
+    def shut_down(self, failure: str | None) -> str | None:
+        """Stop the workers, let the gradient server apply what is queued and write the final checkpoint, then end
+        every process (SIGKILL for one that does not stop in time); returns the run's error line, if any."""
+        shared, progress, interrupted = self.shared, self.progress, bool(self.signals.signum)
+        if interrupted:
+            print("interrupted: shutting down", file=sys.stderr, flush=True)
+        shared.stop.set()
+        workers = [p for name, p in self.processes.procs.items() if name.startswith("worker")]
+        # after a death the wait is short: a process killed while writing to a queue leaves its lock held, and the
+        # others' exits would hang on it
+        progress.drain_while(shared.log_q, lambda: any(p.is_alive() for p in workers), 4.0 if failure is None else 1.0)
+        failure = failure or self.failure_line()
+        server = self.processes.procs.get("gradient server")
+        if server is not None and failure is None:
+            final = str(self.run_dir / "checkpoint.pt") if self.args.checkpoint_interval else None
+            shared.grad_q.put(Finish(final, self.extra))  # behind every gradient of the workers, which have stopped
+            wait = 5.0 if interrupted else 60.0  # the final checkpoint of a finished run may take a while to write
+            progress.drain_while(shared.log_q, lambda: not progress.server_done and server.is_alive(), wait)
+            if not progress.server_done:
+                failure = self.failure_line() or "error: the gradient server did not finish; stopping"
+        killed = self.processes.stop(grace=1.0)
+        with contextlib.suppress(OSError):  # the events file's error, if any, is reported by finish
+            progress.drain(shared.log_q, 0.0)
+        if interrupted and killed:  # e.g. Ctrl+C while a worker was still starting up: not a crash
+            print(f"{', '.join(killed)} did not stop in time after the interrupt: killed", file=sys.stderr)
+        return failure
+
+    def finish(self, failure: str | None) -> int:
+        """After the processes stopped: the final checkpoint (hogwild), model.pt, the last TensorBoard point and console
+        line, the evaluation of the final policy (a signal ends it), the error line. Returns the exit status."""
+        args, signals, writer = self.args, self.signals, self.progress.writer
+        if self.shared.grad_q is not None:  # main's view of the shared model: the latest published version
+            with torch.no_grad():
+                copy_flat_into(list(self.model.parameters()), self.shared.published)
+        try:
+            if failure is None and args.checkpoint_interval and self.shared.grad_q is None:
+                self.write_checkpoint()
+            if failure is None and not signals.signum and args.save_model:
+                atomic_save(self.model.state_dict(), self.run_dir / "model.pt")
+        except WriteError as e:
+            failure = f"{e}; stopping (the last good checkpoint is kept)"
+        try:
+            self.progress.write()
+        except OSError as e:
+            failure = failure or write_error(e, f"the TensorBoard events in {self.run_dir}")
+        print(self.progress.console_line(), flush=True)
+        if failure is None and not signals.signum and args.eval_episodes:
+            print(f"evaluating the final policy: {args.eval_episodes} episodes", flush=True)
+            try:
+                signals.interruptible()  # from here a signal raises Stop: the evaluation ends at once
+                for i, ret in enumerate(evaluate(self.model, args, self.run_dir / "videos", torch.device("cpu"))):
+                    writer.add_scalar("eval/episodic_return", ret, i)
+                    print(f"eval episode {i}: return {ret:.1f}")
+            except Stop:
+                print("interrupted: the final evaluation stopped", file=sys.stderr)
+        signals.restore()
+        try:
+            writer.close()
+        except OSError as e:
+            failure = failure or write_error(e, f"the TensorBoard events in {self.run_dir}")
+        if failure:
+            print(failure, file=sys.stderr)
+        return 1 if failure else 128 + signals.signum if signals.signum else 0
 
 
 def start_processes(
@@ -654,96 +739,11 @@ def start_processes(
     return processes
 
 
-def train(args: Args, shared: Shared, processes: Processes, progress: Progress, checkpoints: Checkpoints) -> str | None:
-    """Main's loop: log what the workers report, print the console line, write checkpoints and watch the processes
-    until every worker is done or the run stops (a signal); returns the error line of a failed process or write."""
-    last_print = last_checkpoint = time.time()
-    try:
-        while len(progress.workers_done) < args.num_workers and not shared.stop.is_set():
-            progress.drain(shared.log_q, 0.5)
-            if failure := failure_line(processes, shared.error_q):
-                return failure
-            now = time.time()
-            if now - last_print >= args.log_interval:
-                print(progress.console_line(), flush=True)
-                last_print = now
-            if args.checkpoint_interval and now - last_checkpoint >= args.checkpoint_interval:
-                checkpoints.write(progress.global_step)
-                last_checkpoint = now
-    except WriteError as e:
-        return f"{e}; stopping (the last good checkpoint is kept)"
-    except OSError as e:
-        return write_error(e, f"the TensorBoard events in {checkpoints.path.parent}")
-    return None
-
-
-def shut_down(
-    shared: Shared, processes: Processes, progress: Progress, checkpoints: Checkpoints, failure: str | None,
-    interrupted: bool,
-) -> str | None:  # fmt: skip
-    """Stop the workers, let the gradient server apply what is queued and write the final checkpoint, then end every
-    process (SIGKILL for one that does not stop in time); returns the run's error line, if any."""
-    shared.stop.set()
-    workers = [p for name, p in processes.procs.items() if name.startswith("worker")]
-    # after a death the wait is short: a process killed while writing to a queue leaves its lock held, and the others'
-    # exits would hang on it
-    progress.drain_while(shared.log_q, lambda: any(p.is_alive() for p in workers), 4.0 if failure is None else 1.0)
-    failure = failure or failure_line(processes, shared.error_q)
-    server = processes.procs.get("gradient server")
-    if server is not None and failure is None:
-        final = str(checkpoints.path) if checkpoints.final else None
-        shared.grad_q.put(Finish(final, checkpoints.extra))  # behind every gradient of the workers, which have stopped
-        wait = 5.0 if interrupted else 60.0  # the final checkpoint of a finished run may take a while to write
-        progress.drain_while(shared.log_q, lambda: not progress.server_done and server.is_alive(), wait)
-        if not progress.server_done:
-            failure = failure_line(processes, shared.error_q) or "error: the gradient server did not finish; stopping"
-    killed = processes.stop(grace=1.0)
-    with contextlib.suppress(OSError):  # the events file's error, if any, is reported by finish_run
-        progress.drain(shared.log_q, 0.0)
-    if interrupted and killed:  # e.g. Ctrl+C while a worker was still starting up: not a crash
-        print(f"{', '.join(killed)} did not stop in time after the interrupt: killed", file=sys.stderr)
-    return failure
-
-
-def finish_run(
-    args: Args, model: nn.Module, shared: Shared, progress: Progress, checkpoints: Checkpoints, failure: str | None,
-    interrupted: bool,
-) -> str | None:  # fmt: skip
-    """After the processes stopped: main's model becomes the final one, then the final checkpoint (hogwild), model.pt,
-    the last TensorBoard point and console line, the evaluation. Returns the run's error line, if any."""
-    run_dir = checkpoints.path.parent
-    if shared.grad_q is not None:  # main's view of the shared model: the latest published version
-        with torch.no_grad():
-            copy_flat_into(list(model.parameters()), shared.published)
-    try:
-        if failure is None and checkpoints.final and shared.grad_q is None:
-            checkpoints.write(progress.global_step)
-        if failure is None and not interrupted and args.save_model:
-            atomic_save(model.state_dict(), run_dir / "model.pt")
-    except WriteError as e:
-        failure = f"{e}; stopping (the last good checkpoint is kept)"
-    try:
-        progress.write()
-    except OSError as e:
-        failure = failure or write_error(e, f"the TensorBoard events in {run_dir}")
-    print(progress.console_line(), flush=True)
-    if failure is None and not interrupted and args.eval_episodes:
-        for i, ret in enumerate(evaluate(model, args, run_dir / "videos", torch.device("cpu"))):
-            progress.writer.add_scalar("eval/episodic_return", ret, i)
-            print(f"eval episode {i}: return {ret:.1f}")
-    try:
-        progress.writer.close()
-    except OSError as e:
-        failure = failure or write_error(e, f"the TensorBoard events in {run_dir}")
-    return failure
-
-
 def main(args: Args) -> None:
     if error := validate(args):
         fail(error)
     if args.eval_only:
-        main_eval_only(args)
-        return
+        return main_eval_only(args)
     obs_space, act_space = env_spaces(args)
     meta = checkpoint_meta(args, obs_space, act_space)
     checkpoint = load_checkpoint(args.resume, meta, args) if args.resume else None
@@ -761,10 +761,8 @@ def main(args: Args) -> None:
         model.load_state_dict(checkpoint["model"])
     shared = make_shared(args, ctx, signals.stop, model, checkpoint)
     extra = dict(update=args.update, args=asdict(args), torch_rng=torch.get_rng_state(), meta=meta)
-    checkpoints = Checkpoints(run_dir / "checkpoint.pt", model, shared, extra, final=args.checkpoint_interval > 0)
-    rollout = f"{args.num_steps}-step rollouts of {args.num_envs_per_worker * args.num_steps} agent steps"
     print(f"run directory: {run_dir}  ({args.num_workers} workers x {args.num_envs_per_worker} envs, {args.update} "
-          f"updates, {rollout}, {device})", flush=True)  # fmt: skip
+          f"updates, {args.num_steps}-step rollouts, {device})", flush=True)  # fmt: skip
     if signals.stop.is_set():  # Ctrl+C while setting up: stop before any process starts, leave nothing behind
         if not checkpoint:
             run_dir.rmdir()
@@ -778,23 +776,29 @@ def main(args: Args) -> None:
         signals.stop.set()
         processes.stop(grace=0.0)
         raise
-    global_step = checkpoint["global_step"] if checkpoint else 0
-    progress = Progress(make_writer(run_dir, args), args.log_frequency, global_step, args.learning_rate,
-                        server_done=args.update == "hogwild")  # fmt: skip
-
-    failure = None
-    try:
-        failure = train(args, shared, processes, progress, checkpoints)
+    progress = Progress(make_writer(run_dir, args), args.log_frequency, checkpoint["global_step"] if checkpoint else 0,
+                        args.learning_rate, server_done=args.update == "hogwild")  # fmt: skip
+    run, failure = Run(args, model, shared, processes, progress, signals, run_dir, extra), None
+    last_print = last_checkpoint = time.time()
+    try:  # log what the workers report, print the console line, write checkpoints and watch the processes
+        while len(progress.workers_done) < args.num_workers and not signals.stop.is_set():
+            progress.drain(shared.log_q, 0.5)
+            if failure := run.failure_line():
+                break
+            now = time.time()
+            if now - last_print >= args.log_interval:
+                print(progress.console_line(), flush=True)
+                last_print = now
+            if args.checkpoint_interval and now - last_checkpoint >= args.checkpoint_interval:
+                run.write_checkpoint()
+                last_checkpoint = now
+    except WriteError as e:
+        failure = f"{e}; stopping (the last good checkpoint is kept)"
+    except OSError as e:
+        failure = write_error(e, f"the TensorBoard events in {run_dir}")
     finally:  # whatever ended the loop, no process outlives it
-        interrupted = bool(signals.signum)
-        if interrupted:
-            print("interrupted: shutting down", file=sys.stderr, flush=True)
-        failure = shut_down(shared, processes, progress, checkpoints, failure, interrupted)
-    failure = finish_run(args, model, shared, progress, checkpoints, failure, interrupted)
-    signals.restore()
-    if failure:
-        print(failure, file=sys.stderr)
-    code = 1 if failure else 128 + signals.signum if interrupted else 0
+        failure = run.shut_down(failure)
+    code = run.finish(failure)
     finish_tracking(tracker, run_dir, code)
     if code:
         raise SystemExit(code)
@@ -867,13 +871,12 @@ def check_flags(args: Args) -> str | None:
         value = getattr(args, f.name)
         if isinstance(value, float) and not math.isfinite(value):
             return f"{flag(f.name)} must be a finite number, got {value}"
-    for rule, names in FLAG_RULES:
-        for name, value in ((name, getattr(args, name)) for name in names):
-            holds = {">= 1": lambda v: v >= 1, ">= 0": lambda v: v >= 0, "> 0": lambda v: v > 0,
-                     "in (0, 1]": lambda v: 0 < v <= 1, "in [0, 1]": lambda v: 0 <= v <= 1,
-                     "in [0, 1)": lambda v: 0 <= v < 1}[rule]  # fmt: skip
-            if value is not None and not holds(value):
-                return f"{flag(name)} must be {rule}, got {value}"
+    holds = {">= 1": lambda v: v >= 1, ">= 0": lambda v: v >= 0, "> 0": lambda v: v > 0,
+             "in (0, 1]": lambda v: 0 < v <= 1, "in [0, 1]": lambda v: 0 <= v <= 1,
+             "in [0, 1)": lambda v: 0 <= v < 1}  # fmt: skip
+    for rule, name in ((rule, name) for rule, names in FLAG_RULES for name in names):
+        if (value := getattr(args, name)) is not None and not holds[rule](value):
+            return f"{flag(name)} must be {rule}, got {value}"
     if args.track:
         try:
             import wandb  # noqa: F401  optional: pip install -e ".[track]"
@@ -993,10 +996,8 @@ def atomic_save(obj, path: Path) -> None:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except OSError as e:
-        try:
+        with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
-        except OSError:
-            pass
         raise WriteError(write_error(e, path)) from None
 
 
@@ -1013,11 +1014,8 @@ def load_checkpoint(path: str, meta: dict, args: Args) -> dict:
     if not isinstance(theirs, dict):
         fail(f'cannot resume from {path}: not a checkpoint this script can read (it has no "meta" entry)')
     if differ := [k for k in meta if theirs.get(k) != meta[k]]:
-        fail(
-            f"cannot resume from {path}: it is a {theirs.get('script')} checkpoint "
-            f"({', '.join(f'{k} {theirs.get(k)}' for k in differ)}), this run is "
-            f"{', '.join(f'{k} {meta[k]}' for k in differ)}"
-        )
+        ours, saved = (", ".join(f"{k} {m.get(k)}" for k in differ) for m in (meta, theirs))
+        fail(f"cannot resume from {path}: it is a {theirs.get('script')} checkpoint ({saved}), this run is {ours}")
     before, now = checkpoint.get("args", {}), asdict(args)
     changed = [k for k in now if k in before and now[k] != before[k] and k not in ("resume", "eval_only")]
     if fixed := [k for k in changed if k in RESUME_FIXED]:  # the run's shape: buffers, schedules, step arithmetic
@@ -1111,8 +1109,8 @@ def child_main(parent_pid: int, target, args: tuple) -> None:
 
 
 class Processes:
-    """The run's child processes by name: started through child_main, watched through their sentinels (a blocking wait,
-    no polling), and stopped with a grace period before SIGKILL."""
+    """The run's child processes by name: started through child_main, watched through their sentinels, stopped with a
+    grace period before SIGKILL."""
 
     def __init__(self, ctx):
         self.ctx, self.procs = ctx, {}
@@ -1129,8 +1127,7 @@ class Processes:
         self.procs[name] = process
 
     def wait(self, timeout: float) -> str | None:
-        """Block until a child ends or `timeout` seconds pass; the description of a child that ended with a non-zero
-        status (an exception, a kill), or None."""
+        """Block until a child ends or `timeout` seconds pass, then `failed()`."""
         running = [p.sentinel for p in self.procs.values() if p.exitcode is None]
         if running:
             multiprocessing.connection.wait(running, timeout)
@@ -1144,8 +1141,7 @@ class Processes:
         return None
 
     def stop(self, grace: float) -> list[str]:
-        """Join every child within `grace` seconds in all (the caller has set the stop event), then SIGKILL the ones
-        left; returns their names."""
+        """Join every child within `grace` seconds in all (the stop event is set), SIGKILL the rest; their names."""
         deadline = time.monotonic() + grace
         for p in self.procs.values():
             p.join(max(0.0, deadline - time.monotonic()))
@@ -1164,40 +1160,35 @@ FLAG_RULES = (
     ("> 0", ("learning_rate", "max_grad_norm", "rmsprop_eps")),
     ("in [0, 1)", ("rmsprop_alpha",)),
     ("in (0, 1]", ("gamma",)),
-    (">= 0", ("env_threads", "torch_threads", "ent_coef", "vf_coef", "checkpoint_interval", "eval_episodes")),
-    (">= 0", ("log_interval",)),
+    (">= 0", ("env_threads", "torch_threads", "ent_coef", "vf_coef", "eval_episodes")),
+    (">= 0", ("checkpoint_interval", "log_interval")),
 )
 RENAMED_FLAGS: dict[str, str] = {}  # old flag -> what to say instead
-RESUME_FIXED = ()  # TODO
+# a gradient's rollout (agent steps per version, the step arithmetic of a run) and --update server's per-worker slots
+RESUME_FIXED = ("num_workers", "num_envs_per_worker", "num_steps")
 RUN_SETTINGS = ("env_id", "atari_protocol", "network")
 
 
 def validate(args: Args) -> str | None:
-    """Every flag checked before anything is spawned; returns the error line or None (tyro checks the choices)."""
+    """The checks beyond check_flags's, before anything is made: the error line or None (tyro checks the choices)."""
     if error := check_flags(args):
         return error
-    if args.track and importlib.util.find_spec("wandb") is None:
-        return '--track needs wandb: pip install -e ".[track]"'
     if args.resume is not None and not Path(args.resume).is_file():
         return f"--resume {args.resume}: no such checkpoint file"
     if args.eval_only is not None and not Path(args.eval_only).is_file():
         return f"--eval-only {args.eval_only}: no such file"
-    if args.total_timesteps < args.num_envs_per_worker * args.num_steps:
-        return (
-            f"--total-timesteps ({args.total_timesteps}) is less than one rollout "
-            f"({args.num_envs_per_worker} envs x {args.num_steps} steps)"
-        )
+    if args.total_timesteps < (n := args.num_envs_per_worker) * (T := args.num_steps):
+        return f"--total-timesteps ({args.total_timesteps}) is less than one rollout ({n} envs x {T} steps)"
+    if args.eval_only is not None:  # env, network and model are the saved run's: load_for_eval checks them
+        return None
     try:
-        check_env_args(args.env_id, args.num_envs_per_worker, args.atari_protocol)
-        if args.capture_video and args.eval_only is None:  # fail now, not at the final evaluation
+        act_space = env_spaces(args)[1]  # an unknown env id: an EnvError that suggests close matches
+        if args.capture_video:  # fail now, not at the final evaluation
             check_video(args.env_id, args.atari_protocol)
     except EnvError as e:
         return str(e)
-    if not isinstance(act_space := env_spaces(args)[1], gym.spaces.Discrete):
-        return (
-            f"{args.env_id} has a continuous action space ({act_space}); a3c_large_batch.py handles Discrete "
-            f"action spaces only (for continuous actions: apex_ddpg.py)"
-        )
+    if not isinstance(act_space, gym.spaces.Discrete):
+        return f"{args.env_id} has a continuous action space ({act_space}); Discrete only (apex_ddpg.py: continuous)"
     return None
 
 
@@ -1243,32 +1234,6 @@ def evaluate(model: nn.Module, args: Args, video_dir: Path, device: torch.device
                 obs, _ = env.reset()
     env.close()
     return returns
-
-
-def run_child(who: str, error_q: Queue, body, *body_args) -> None:
-    """A worker's or the gradient server's process (through child_main): `body`, its failure sent to main as the
-    run's error line, one line for a non-finite loss or a failed write, with the traceback for anything else."""
-    try:
-        body(*body_args)
-    except Stop:
-        pass
-    except (NonFiniteLoss, WriteError) as e:
-        line = str(e) if isinstance(e, WriteError) else f"error: {e}"
-        error_q.put(f"{line} ({who}); stopping (the last good checkpoint, if any, is kept)")
-        raise SystemExit(1) from None
-    except BaseException:
-        error_q.put(f"error: {who} died:\n{traceback.format_exc()}")
-        raise SystemExit(1) from None
-
-
-def failure_line(processes: Processes, error_q: Queue) -> str | None:
-    """The error line of the first child that failed: the one it sent (run_child), else how it died (a kill)."""
-    if (died := processes.failed()) is None:
-        return None
-    sent = any(p.exitcode is not None and p.exitcode > 0 for p in processes.procs.values())
-    with contextlib.suppress(queue.Empty):  # run_child's line reached the pipe before its process exited
-        return error_q.get(timeout=2.0 if sent else 0.0)
-    return f"error: {died}; stopping the run"
 
 
 if __name__ == "__main__":

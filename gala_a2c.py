@@ -1161,13 +1161,12 @@ def check_flags(args: Args) -> str | None:
         value = getattr(args, f.name)
         if isinstance(value, float) and not math.isfinite(value):
             return f"{flag(f.name)} must be a finite number, got {value}"
-    for rule, names in FLAG_RULES:
-        for name, value in ((name, getattr(args, name)) for name in names):
-            holds = {">= 1": lambda v: v >= 1, ">= 0": lambda v: v >= 0, "> 0": lambda v: v > 0,
-                     "in (0, 1]": lambda v: 0 < v <= 1, "in [0, 1]": lambda v: 0 <= v <= 1,
-                     "in [0, 1)": lambda v: 0 <= v < 1}[rule]  # fmt: skip
-            if value is not None and not holds(value):
-                return f"{flag(name)} must be {rule}, got {value}"
+    holds = {">= 1": lambda v: v >= 1, ">= 0": lambda v: v >= 0, "> 0": lambda v: v > 0,
+             "in (0, 1]": lambda v: 0 < v <= 1, "in [0, 1]": lambda v: 0 <= v <= 1,
+             "in [0, 1)": lambda v: 0 <= v < 1}  # fmt: skip
+    for rule, name in ((rule, name) for rule, names in FLAG_RULES for name in names):
+        if (value := getattr(args, name)) is not None and not holds[rule](value):
+            return f"{flag(name)} must be {rule}, got {value}"
     if args.track:
         try:
             import wandb  # noqa: F401  optional: pip install -e ".[track]"
@@ -1287,10 +1286,8 @@ def atomic_save(obj, path: Path) -> None:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except OSError as e:
-        try:
+        with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
-        except OSError:
-            pass
         raise WriteError(write_error(e, path)) from None
 
 
@@ -1307,11 +1304,8 @@ def load_checkpoint(path: str, meta: dict, args: Args) -> dict:
     if not isinstance(theirs, dict):
         fail(f'cannot resume from {path}: not a checkpoint this script can read (it has no "meta" entry)')
     if differ := [k for k in meta if theirs.get(k) != meta[k]]:
-        fail(
-            f"cannot resume from {path}: it is a {theirs.get('script')} checkpoint "
-            f"({', '.join(f'{k} {theirs.get(k)}' for k in differ)}), this run is "
-            f"{', '.join(f'{k} {meta[k]}' for k in differ)}"
-        )
+        ours, saved = (", ".join(f"{k} {m.get(k)}" for k in differ) for m in (meta, theirs))
+        fail(f"cannot resume from {path}: it is a {theirs.get('script')} checkpoint ({saved}), this run is {ours}")
     before, now = checkpoint.get("args", {}), asdict(args)
     changed = [k for k in now if k in before and now[k] != before[k] and k not in ("resume", "eval_only")]
     if fixed := [k for k in changed if k in RESUME_FIXED]:  # the run's shape: buffers, schedules, step arithmetic
@@ -1405,8 +1399,8 @@ def child_main(parent_pid: int, target, args: tuple) -> None:
 
 
 class Processes:
-    """The run's child processes by name: started through child_main, watched through their sentinels (a blocking wait,
-    no polling), and stopped with a grace period before SIGKILL."""
+    """The run's child processes by name: started through child_main, watched through their sentinels, stopped with a
+    grace period before SIGKILL."""
 
     def __init__(self, ctx):
         self.ctx, self.procs = ctx, {}
@@ -1423,8 +1417,7 @@ class Processes:
         self.procs[name] = process
 
     def wait(self, timeout: float) -> str | None:
-        """Block until a child ends or `timeout` seconds pass; the description of a child that ended with a non-zero
-        status (an exception, a kill), or None."""
+        """Block until a child ends or `timeout` seconds pass, then `failed()`."""
         running = [p.sentinel for p in self.procs.values() if p.exitcode is None]
         if running:
             multiprocessing.connection.wait(running, timeout)
@@ -1438,8 +1431,7 @@ class Processes:
         return None
 
     def stop(self, grace: float) -> list[str]:
-        """Join every child within `grace` seconds in all (the caller has set the stop event), then SIGKILL the ones
-        left; returns their names."""
+        """Join every child within `grace` seconds in all (the stop event is set), SIGKILL the rest; their names."""
         deadline = time.monotonic() + grace
         for p in self.procs.values():
             p.join(max(0.0, deadline - time.monotonic()))

@@ -41,7 +41,6 @@ import copy
 import ctypes
 import errno
 import hashlib
-import importlib.util
 import io
 import itertools
 import json
@@ -50,7 +49,6 @@ import multiprocessing.connection
 import os
 import queue
 import random
-import signal
 import threading
 import time
 import traceback
@@ -70,7 +68,7 @@ import torch.multiprocessing as mp
 import tyro
 from torch import nn
 
-from common.atari import EnvError, check_env_args, check_video, finished_episodes, make_env, make_vector_env
+from common.atari import EnvError, check_video, finished_episodes, make_env, make_vector_env
 from common.models import make_model
 
 # ---- Args ------------------------------------------------------------------------------------------------------------
@@ -101,22 +99,17 @@ class Args:
     checkpoint_interval: float = 0.0
     """seconds between checkpoints to {run_dir}/checkpoint.pt (0 = off)"""
     resume: str | None = None
-    """path of a checkpoint.pt to continue: its parameters, optimizer, run directory and step count (envs start new
-    episodes)"""
+    """a checkpoint.pt to continue: its parameters, optimizer, run directory and step count (envs start new episodes)"""
     eval_episodes: int = 0
     """episodes played by the final policy after training, logged as eval/episodic_return (--eval-only: 0 plays 10)"""
     eval_greedy: bool = False
-    """evaluate with argmax actions; by default actions are sampled, as the policy acts in training, whose episode
-    returns HTS-RL reports"""
+    """evaluate with argmax actions (default: sampled, as in training, whose episode returns HTS-RL reports)"""
     eval_only: str | None = None
-    """evaluate a saved agent instead of training: a model.pt or checkpoint.pt of a run of this script; env, protocol,
-    network and model options come from the run's args.json / checkpoint"""
+    """evaluate a model.pt or checkpoint.pt of this script instead of training, with its run's env and network"""
     capture_video: bool = False
-    """record the evaluation episodes to {run_dir}/videos (needs --eval-episodes; --eval-only: to
-    {model dir}/videos-eval-{unix time})"""
+    """record the evaluation episodes to {run_dir}/videos (--eval-only: {model dir}/videos-eval-{unix time})"""
     track: bool = False
-    """log the run to Weights & Biases: TensorBoard synced, Args as config, videos uploaded; needs
-    `pip install -e ".[track]"`"""
+    """log the run to Weights & Biases (TensorBoard, Args, videos); needs `pip install -e ".[track]"`"""
     wandb_project_name: str = "actorlearners"
     """Weights & Biases project of --track"""
     wandb_entity: str | None = None
@@ -317,8 +310,6 @@ class Episode(NamedTuple):
 class CollectionDone(NamedTuple):
     """Executor -> learner (`results` queue): one collection written, its finished episodes, seconds waited."""
 
-    executor: int
-    collection: int
     episodes: list[Episode]
     wait_actors: float
     wait_learner: float
@@ -376,8 +367,7 @@ class Shared:
 
 
 def run_worker(results: Queue, body: Callable, *body_args) -> None:
-    """A worker process's body (started by Processes through child_main), on one intra-op thread; an exception goes to
-    the learner with the worker's name and traceback, and the process exits non-zero."""
+    """A worker process's body (through child_main): an exception goes to the learner with its name and traceback."""
     torch.set_num_threads(1)
     try:
         body(*body_args)
@@ -432,7 +422,7 @@ def executor(eid: int, args: Args, shared: Shared, commands: SimpleQueue, reques
                 lockstep.wait()
                 wait_lockstep += time.perf_counter() - start
         shared.storage_obs[s, args.sync_interval, lo:hi] = torch.from_numpy(obs)
-        results.put(CollectionDone(eid, j, episodes, wait_actors, wait_learner, wait_lockstep))
+        results.put(CollectionDone(episodes, wait_actors, wait_learner, wait_lockstep))
     envs.close()
 
 
@@ -490,13 +480,10 @@ class Workers:
                 q.put(Command(j, j % 2, base_step))
 
     def wait_collection(self, j: int, stop: threading.Event) -> tuple[list[Episode], dict[str, float]]:
-        """Block until every executor finished collection j (the batch synchronization); its episodes in step order
-        (not the executors' timing-dependent one) and timing/ scalars. Raises Stop when `stop` is set (a signal) and
-        Stop(what happened) when a worker failed or died."""
-        E, start = len(self.commands), time.perf_counter()
-        pending, episodes = set(range(E)), []
-        timings = dict.fromkeys(("executor_wait_actors", "executor_wait_learner", "executor_wait_lockstep"), 0.0)
-        while pending:
+        """Block until every executor finished collection j (the batch synchronization): its episodes in step order (not
+        the executors' timing-dependent one) and timing/ scalars. Stop on a signal, Stop(why) when a worker failed."""
+        E, start, done = len(self.commands), time.perf_counter(), []
+        while len(done) < E:
             if stop.is_set():
                 raise Stop
             try:
@@ -507,17 +494,12 @@ class Workers:
                 raise Stop(f"{message.worker} failed:\n{message.traceback}")
             if died := self.processes.failed():  # a killed actor leaves the others running: check every time
                 raise Stop(died)
-            if message is None:
-                continue
-            if message.collection != j:
-                raise RuntimeError(f"executor {message.executor} finished collection {message.collection} while "
-                                   f"collection {j} was expected")  # fmt: skip
-            pending.discard(message.executor)
-            episodes += message.episodes
-            for key in timings:  # the executors' mean
-                timings[key] += getattr(message, key.removeprefix("executor_")) / E
+            if message is not None:  # Shared.rollout checks that every transition is of collection j
+                done.append(message)
+        waits = ("wait_actors", "wait_learner", "wait_lockstep")  # the executors' mean
+        timings = {f"executor_{k}": sum(getattr(m, k) for m in done) / E for k in waits}
         timings["learner_wait_executors"] = time.perf_counter() - start
-        return sorted(episodes), timings
+        return sorted(e for m in done for e in m.episodes), timings
 
     def stop(self, graceful: bool) -> None:
         """After a clean finish the workers are idle: the sentinels they wait for end them (SIGKILL after 3 s). After a
@@ -718,6 +700,41 @@ def main(args: Args) -> None:
     close_run(args, learner, writer, tracker, run_dir, meta, exit_code, message)
 
 
+def stopped(e: Exception, learner: Learner, signum: int, run_dir: Path) -> tuple[int, str]:
+    """The exit status and error line of a training loop that `e` ended: a Stop without a message is a signal's."""
+    if isinstance(e, Stop) and not e.args:
+        return 128 + signum, f"stopped by {signal.Signals(signum).name} at global step {learner.global_step}"
+    if isinstance(e, OSError):
+        return 1, f"{write_error(e, f'the TensorBoard events in {run_dir}')}; stopping"
+    if isinstance(e, NonFiniteLoss):
+        return 1, f"error: {e} at update {learner.update}; stopping (the last good checkpoint, if any, is kept)"
+    return 1, f"{e}; stopping (the last good checkpoint is kept)" if isinstance(e, WriteError) else f"error: {e}"
+
+
+def close_run(args: Args, learner: Learner, writer, tracker, run_dir: Path, meta: dict, exit_code: int,
+              message: str | None) -> None:  # fmt: skip
+    """After the workers stopped: the final checkpoint (after the last update or a signal) and model (after the last
+    update), TensorBoard closed, the W&B run (from start_tracking) ended; the error line, exit with the status."""
+    try:
+        if args.checkpoint_interval > 0 and (exit_code == 0 or exit_code > 128):
+            learner.save(run_dir / "checkpoint.pt", args, meta)
+            message = message and f"{message}; checkpoint written to {run_dir / 'checkpoint.pt'}"
+        if exit_code == 0 and args.save_model:
+            atomic_save(learner.target.state_dict(), run_dir / "model.pt")
+    except WriteError as e:
+        exit_code, message = 1, f"{e}; stopping (the last good checkpoint is kept)"
+    try:
+        if writer is not None:  # None: it could not be made (the error line says why)
+            writer.close()
+    except OSError as e:  # the events file could not be flushed: the error above, or this one
+        message, exit_code = message or write_error(e, f"the TensorBoard events in {run_dir}"), exit_code or 1
+    finish_tracking(tracker, run_dir, exit_code)
+    if message:
+        print(message, file=sys.stderr, flush=True)
+    if exit_code:
+        raise SystemExit(exit_code)
+
+
 # ---- run plumbing ------------------------------------------------------------------------------------------------
 # Validation, the run directory, tracking, checkpoints, evaluation of a saved agent, signals, supervision and error
 # lines: nothing here is needed to read or change the algorithm above. A function here that several scripts have is
@@ -785,13 +802,12 @@ def check_flags(args: Args) -> str | None:
         value = getattr(args, f.name)
         if isinstance(value, float) and not math.isfinite(value):
             return f"{flag(f.name)} must be a finite number, got {value}"
-    for rule, names in FLAG_RULES:
-        for name, value in ((name, getattr(args, name)) for name in names):
-            holds = {">= 1": lambda v: v >= 1, ">= 0": lambda v: v >= 0, "> 0": lambda v: v > 0,
-                     "in (0, 1]": lambda v: 0 < v <= 1, "in [0, 1]": lambda v: 0 <= v <= 1,
-                     "in [0, 1)": lambda v: 0 <= v < 1}[rule]  # fmt: skip
-            if value is not None and not holds(value):
-                return f"{flag(name)} must be {rule}, got {value}"
+    holds = {">= 1": lambda v: v >= 1, ">= 0": lambda v: v >= 0, "> 0": lambda v: v > 0,
+             "in (0, 1]": lambda v: 0 < v <= 1, "in [0, 1]": lambda v: 0 <= v <= 1,
+             "in [0, 1)": lambda v: 0 <= v < 1}  # fmt: skip
+    for rule, name in ((rule, name) for rule, names in FLAG_RULES for name in names):
+        if (value := getattr(args, name)) is not None and not holds[rule](value):
+            return f"{flag(name)} must be {rule}, got {value}"
     if args.track:
         try:
             import wandb  # noqa: F401  optional: pip install -e ".[track]"
@@ -911,10 +927,8 @@ def atomic_save(obj, path: Path) -> None:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except OSError as e:
-        try:
+        with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
-        except OSError:
-            pass
         raise WriteError(write_error(e, path)) from None
 
 
@@ -931,11 +945,8 @@ def load_checkpoint(path: str, meta: dict, args: Args) -> dict:
     if not isinstance(theirs, dict):
         fail(f'cannot resume from {path}: not a checkpoint this script can read (it has no "meta" entry)')
     if differ := [k for k in meta if theirs.get(k) != meta[k]]:
-        fail(
-            f"cannot resume from {path}: it is a {theirs.get('script')} checkpoint "
-            f"({', '.join(f'{k} {theirs.get(k)}' for k in differ)}), this run is "
-            f"{', '.join(f'{k} {meta[k]}' for k in differ)}"
-        )
+        ours, saved = (", ".join(f"{k} {m.get(k)}" for k in differ) for m in (meta, theirs))
+        fail(f"cannot resume from {path}: it is a {theirs.get('script')} checkpoint ({saved}), this run is {ours}")
     before, now = checkpoint.get("args", {}), asdict(args)
     changed = [k for k in now if k in before and now[k] != before[k] and k not in ("resume", "eval_only")]
     if fixed := [k for k in changed if k in RESUME_FIXED]:  # the run's shape: buffers, schedules, step arithmetic
@@ -1029,8 +1040,8 @@ def child_main(parent_pid: int, target, args: tuple) -> None:
 
 
 class Processes:
-    """The run's child processes by name: started through child_main, watched through their sentinels (a blocking wait,
-    no polling), and stopped with a grace period before SIGKILL."""
+    """The run's child processes by name: started through child_main, watched through their sentinels, stopped with a
+    grace period before SIGKILL."""
 
     def __init__(self, ctx):
         self.ctx, self.procs = ctx, {}
@@ -1047,8 +1058,7 @@ class Processes:
         self.procs[name] = process
 
     def wait(self, timeout: float) -> str | None:
-        """Block until a child ends or `timeout` seconds pass; the description of a child that ended with a non-zero
-        status (an exception, a kill), or None."""
+        """Block until a child ends or `timeout` seconds pass, then `failed()`."""
         running = [p.sentinel for p in self.procs.values() if p.exitcode is None]
         if running:
             multiprocessing.connection.wait(running, timeout)
@@ -1062,8 +1072,7 @@ class Processes:
         return None
 
     def stop(self, grace: float) -> list[str]:
-        """Join every child within `grace` seconds in all (the caller has set the stop event), then SIGKILL the ones
-        left; returns their names."""
+        """Join every child within `grace` seconds in all (the stop event is set), SIGKILL the rest; their names."""
         deadline = time.monotonic() + grace
         for p in self.procs.values():
             p.join(max(0.0, deadline - time.monotonic()))
@@ -1083,8 +1092,8 @@ FLAG_RULES = (
     ("> 0", ("learning_rate", "adam_eps", "max_grad_norm", "log_interval", "clip_coef")),
     ("in [0, 1]", ("gamma", "gae_lambda")), (">= 1", ("update_epochs", "num_minibatches")),
 )  # fmt: skip
-RESUME_FIXED = ("num_envs", "num_executors", "sync_interval", "sync")  # the storage layout and the update arithmetic
 RUN_SETTINGS = ("env_id", "atari_protocol", "network")
+RESUME_FIXED = ("num_envs", "num_executors", "sync_interval", "sync")  # the storage layout and the update arithmetic
 RENAMED_FLAGS = {"--console-interval": "is now --log-interval (see --help)"}
 
 
@@ -1092,10 +1101,9 @@ def validate(args: Args) -> str | None:
     """The one-line message of the first bad flag (env and network included), or None."""
     if error := check_flags(args):
         return error
-    rollout = args.num_envs * args.sync_interval
     if args.num_envs % args.num_executors:
         return f"--num-executors must divide --num-envs {args.num_envs}, got {args.num_executors}"
-    if args.total_timesteps < rollout:
+    if args.total_timesteps < (rollout := args.num_envs * args.sync_interval):
         return f"--total-timesteps must be >= {rollout} (num_envs * sync_interval), got {args.total_timesteps}"
     if rollout % args.num_minibatches:
         return f"--num-minibatches must divide num_envs * sync_interval = {rollout}, got {args.num_minibatches}"
@@ -1104,8 +1112,6 @@ def validate(args: Args) -> str | None:
     for name in ("resume", "eval_only"):
         if (path := getattr(args, name)) is not None and not Path(path).is_file():
             return f"{flag(name)} {path}: no such file"
-    if args.track and importlib.util.find_spec("wandb") is None:
-        return '--track needs wandb: pip install -e ".[track]"'
     if args.eval_only is not None:  # env, network and model are the saved run's: load_for_eval checks them
         return None
     try:
@@ -1113,8 +1119,7 @@ def validate(args: Args) -> str | None:
         if args.capture_video:  # fail now, not at the final evaluation
             check_video(args.env_id, args.atari_protocol)
         if not isinstance(action_space, gym.spaces.Discrete):
-            return (f"{args.env_id} has a continuous action space ({action_space}); {Path(__file__).name} handles "
-                    "Discrete action spaces only (for continuous actions: apex_ddpg.py)")  # fmt: skip
+            return f"{args.env_id} has a continuous action space ({action_space}); for it use apex_ddpg.py"
         make_model(observation_space, action_space, args.network)
     except (EnvError, ValueError) as e:
         return str(e).splitlines()[0] if str(e) else type(e).__name__
@@ -1122,12 +1127,9 @@ def validate(args: Args) -> str | None:
 
 
 def env_spaces(args: Args) -> tuple[gym.Space, gym.Space]:
-    """The observation and action space of one env of the run."""
-    check_env_args(args.env_id, args.num_envs, args.atari_protocol)
     envs = make_vector_env(args.env_id, 1, args.seed, protocol=args.atari_protocol, num_threads=1)
-    spaces = envs.single_observation_space, envs.single_action_space
     envs.close()
-    return spaces
+    return envs.single_observation_space, envs.single_action_space
 
 
 def checkpoint_meta(args: Args, obs_space: gym.Space, action_space: gym.Space) -> dict:
@@ -1138,45 +1140,9 @@ def checkpoint_meta(args: Args, obs_space: gym.Space, action_space: gym.Space) -
 
 
 def saved_model(eval_args: Args, settings: dict, state_dict: dict) -> nn.Module:
-    """The saved run's network (`auto` as the run resolved it) with the saved parameters."""
     model = make_model(*env_spaces(eval_args), settings["network"])
     model.load_state_dict(state_dict)
     return model
-
-
-def stopped(e: Exception, learner: Learner, signum: int, run_dir: Path) -> tuple[int, str]:
-    """The exit status and error line of a training loop that `e` ended: a Stop without a message is a signal's."""
-    if isinstance(e, Stop) and not e.args:
-        return 128 + signum, f"stopped by {signal.Signals(signum).name} at global step {learner.global_step}"
-    if isinstance(e, OSError):
-        return 1, f"{write_error(e, f'the TensorBoard events in {run_dir}')}; stopping"
-    if isinstance(e, NonFiniteLoss):
-        return 1, f"error: {e} at update {learner.update}; stopping (the last good checkpoint, if any, is kept)"
-    return 1, f"{e}; stopping (the last good checkpoint is kept)" if isinstance(e, WriteError) else f"error: {e}"
-
-
-def close_run(args: Args, learner: Learner, writer, tracker, run_dir: Path, meta: dict, exit_code: int,
-              message: str | None) -> None:  # fmt: skip
-    """After the workers stopped: the final checkpoint (after the last update or a signal) and model (after the last
-    update), TensorBoard closed, the W&B run (from start_tracking) ended; the error line, exit with the status."""
-    try:
-        if args.checkpoint_interval > 0 and (exit_code == 0 or exit_code > 128):
-            learner.save(run_dir / "checkpoint.pt", args, meta)
-            message = message and f"{message}; checkpoint written to {run_dir / 'checkpoint.pt'}"
-        if exit_code == 0 and args.save_model:
-            atomic_save(learner.target.state_dict(), run_dir / "model.pt")
-    except WriteError as e:
-        exit_code, message = 1, f"{e}; stopping (the last good checkpoint is kept)"
-    try:
-        if writer is not None:  # None: it could not be made (the error line says why)
-            writer.close()
-    except OSError as e:  # the events file could not be flushed: the error above, or this one
-        message, exit_code = message or write_error(e, f"the TensorBoard events in {run_dir}"), exit_code or 1
-    finish_tracking(tracker, run_dir, exit_code)
-    if message:
-        print(message, file=sys.stderr, flush=True)
-    if exit_code:
-        raise SystemExit(exit_code)
 
 
 if __name__ == "__main__":

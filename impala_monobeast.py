@@ -8,34 +8,34 @@ Who runs where: actors are processes; learner threads and the inference thread r
       asking the policy at every row; index -> full.
   the policy: `--inference actor` (MonoBeast): the actor's CPU copy of the model in shared memory, refreshed in place
       after every update. `--inference batched` (PolyBeast's dynamic batching without gRPC): the actor writes its
-      inputs to its slot, its id to `requests` and waits on its semaphore; the inference thread takes every id
-      waiting (up to `--max-inference-batch` envs), runs one forward pass (GPU when present), writes the outputs
-      (action, logits, baseline, policy version) to the slots and releases the actors.
+      inputs to its slot and its id to a pipe; the inference thread takes every id waiting (up to
+      `--max-inference-batch` envs), runs one forward pass (GPU when present), writes the outputs to the slots.
   learner thread j (`--num-learner-threads`): B indices <- full (under a lock), stacked to [T + 1, B * N], indices
       -> free; then, one thread at a time: V-trace loss, RMSprop step, refresh of the acting parameters, logging.
-Policy lag (`charts/policy_lag`, updates between the acting and the learning parameters, averaged over the batch):
-  with one actor and one learner thread a row is at most ceil(K / B) updates old, ceil((K + 1) / B) for row 0 (acted
-  before the actor took the buffer): every buffer but the one being written may wait full. With more actors or
-  learner threads nothing bounds it (a slow actor keeps one buffer while the others cycle through the learner), and
-  the lag grows with the number of actors (IMPALA, Section 3).
-Determinism: none promised. Envs, initial parameters and sampling are seeded, but which policy version acts on which
-  step depends on process timing, as in MonoBeast.
+Policy lag (`charts/policy_lag`, updates between the acting and the learning parameters): with one actor and one
+  learner thread a row is at most ceil(K / B) updates old, ceil((K + 1) / B) for row 0, as every buffer but the one
+  being written may wait full. With more actors nothing bounds it, and it grows with their number (IMPALA, Sec. 3).
+Determinism: none promised: which policy version acts on which step depends on process timing, as in MonoBeast.
 Defaults are TorchBeast's (monobeast.py flags): 4 actors, unroll 80, batch 8, RMSprop lr 4.8e-4 decayed linearly to
-  0, shallow network and AtariNet's inputs (the clipped reward and a one-hot of the last action beside the torso
-  features, into a 2-layer LSTM as wide as them with `--use-lstm`), losses summed over the batch. Rewards reach the
-  buffers raw; the loss clips them (`--clip-rewards`). The IMPALA paper's Atari setting (Table G.1):
-  `--unroll-length 20 --batch-size 32 --learning-rate 6e-4 --ent-coef 0.01 --network impala`.
+  0, AtariNet's inputs (the clipped reward and a one-hot of the last action beside the torso features), losses summed
+  over the batch; rewards reach the buffers raw and the loss clips them. IMPALA's Atari setting is Table G.1's:
 
+    python impala_monobeast.py --env-id ALE/Pong-v5 --unroll-length 20 --batch-size 32 --learning-rate 6e-4 \\
+        --ent-coef 0.01 --network impala --use-lstm
     python impala_monobeast.py --env-id ALE/Breakout-v5                                # batched inference, 4 actors
     python impala_monobeast.py --env-id ALE/Pong-v5 --inference actor --num-actors 8    # MonoBeast exactly
-    python impala_monobeast.py --env-id ALE/Pong-v5 --unroll-length 20 --batch-size 32 --learning-rate 6e-4 \\
-        --ent-coef 0.01 --network impala --use-lstm                                     # Table G.1
-    python impala_monobeast.py --env-id ALE/Breakout-v5 --save-model --track         # logged to Weights & Biases
     python impala_monobeast.py --eval-only runs/<run>/model.pt --eval-episodes 10 --capture-video  # a saved agent
 """
 
 from __future__ import annotations
 
+import signal
+import sys
+
+if __name__ == "__main__":  # Ctrl+C while the imports below load: exit 130 without a traceback
+    signal.signal(signal.SIGINT, lambda signum, frame: sys.exit(128 + signum))
+
+import contextlib
 import ctypes
 import errno
 import hashlib
@@ -49,12 +49,11 @@ import multiprocessing.connection
 import os
 import queue
 import signal
-import sys
 import threading
 import time
 import traceback
 from collections import deque
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from multiprocessing.queues import Queue
 from multiprocessing.synchronize import Event, Semaphore
 from pathlib import Path
@@ -69,8 +68,6 @@ from torch.utils.tensorboard import SummaryWriter
 
 from common.atari import EnvError, check_env_args, check_video, make_env, make_vector_env
 from common.models import LSTMState, make_model
-
-# ---- Args ------------------------------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -100,17 +97,15 @@ class Args:
     eval_episodes: int = 0
     """episodes to evaluate the final policy on (logged as eval/episodic_return; --eval-only: 0 plays 10)"""
     eval_greedy: bool = True
-    """evaluate with argmax actions (TorchBeast's test mode: AtariNet in eval mode takes the argmax);
-    `--no-eval-greedy` samples from the policy instead. An evaluation episode is a full game; TorchBeast's test() ends
-    one at each lost life"""
+    """evaluate with argmax actions (TorchBeast's test mode); `--no-eval-greedy` samples. An evaluation episode is a
+    full game; TorchBeast's test() ends one at each lost life"""
     eval_only: str | None = None
     """evaluate a saved agent instead of training: a model.pt or checkpoint.pt of a run of this script; env, protocol,
     network and model options (TorchBeast's inputs, the LSTM) come from the run's args.json / checkpoint"""
     capture_video: bool = False
     """record videos of the evaluation episodes to {run_dir}/videos (--eval-only: {model dir}/videos-eval-{time})"""
     track: bool = False
-    """log the run to Weights & Biases: TensorBoard synced, Args as config, videos uploaded; needs
-    `pip install -e ".[track]"`"""
+    """log to Weights & Biases (TensorBoard synced, Args as config, videos uploaded); `pip install -e ".[track]"`"""
     wandb_project_name: str = "actorlearners"
     """Weights & Biases project of --track"""
     wandb_entity: str | None = None
@@ -130,8 +125,7 @@ class Args:
     max_inference_batch: int = 0
     """batched inference: most envs per forward pass (0 = all actors' envs)"""
     torch_threads: int = 0
-    """torch intra-op threads of the main process, which learns and runs batched inference (0 = the cores the actors
-    leave free, at least 1)"""
+    """torch threads of the main process, which learns and runs batched inference (0 = the cores the actors leave)"""
     network: Literal["auto", "nature", "impala", "mlp"] = "auto"
     """`nature` (TorchBeast's shallow net), `impala` (deep ResNet), `mlp`, or `auto` (nature for frames, else mlp)"""
     use_lstm: bool = False
@@ -143,8 +137,7 @@ class Args:
     action_reward_inputs: bool = True
     """feed the clipped reward and a one-hot of the last action beside the torso features (TorchBeast's AtariNet)"""
 
-    # loss and optimiser (TorchBeast monobeast.py defaults; IMPALA paper Table G.1 for Atari: unroll 20, batch 32,
-    # learning rate 6e-4, entropy cost 0.01)
+    # loss and optimiser (TorchBeast monobeast.py defaults; IMPALA's Atari setting, Table G.1: module docstring)
     unroll_length: int = 80
     """steps per rollout (T)"""
     batch_size: int = 8
@@ -177,33 +170,13 @@ class Args:
     """seconds between console lines"""
 
 
-# flags renamed for one vocabulary across the scripts: the old name fails with one line naming the new one
-RENAMED_FLAGS = {"--entropy-cost": "--ent-coef", "--baseline-cost": "--vf-coef"}
-
-
-def parse_args(argv: list[str]) -> Args:
-    """tyro's parse of the command line, after refusing a renamed flag with one line that names the new one."""
-    for arg in argv:
-        if (name := arg.split("=", 1)[0]) in RENAMED_FLAGS:
-            fail(f"{name} is now {RENAMED_FLAGS[name]} (see --help)")
-    return tyro.cli(Args, args=argv)
-
-
 # ---- Algorithm -------------------------------------------------------------------------------------------------------
 
 
 def vtrace(
-    behaviour_logprob: torch.Tensor,
-    target_logprob: torch.Tensor,
-    rewards: torch.Tensor,
-    values: torch.Tensor,
-    dones: torch.Tensor,
-    next_value: torch.Tensor,
-    gamma: float,
-    rho_bar: float,
-    c_bar: float,
-    pg_rho_bar: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    behaviour_logprob: torch.Tensor, target_logprob: torch.Tensor, rewards: torch.Tensor, values: torch.Tensor,
+    dones: torch.Tensor, next_value: torch.Tensor, gamma: float, rho_bar: float, c_bar: float, pg_rho_bar: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """V-trace targets v_s and policy-gradient advantages (Espeholt et al. 2018, Eq. 1 and Section 4.2).
 
     Time-major inputs [T, B, ...] except next_value [B, ...] (any trailing dimensions); the discount is
@@ -235,14 +208,9 @@ def logprob_entropy(logits: torch.Tensor, actions: torch.Tensor) -> tuple[torch.
 
 
 def impala_loss(
-    target_logprob: torch.Tensor,
-    entropy: torch.Tensor,
-    values: torch.Tensor,
-    vs: torch.Tensor,
-    pg_advantages: torch.Tensor,
-    vf_coef: float,
-    ent_coef: float,
-) -> dict[str, torch.Tensor]:
+    target_logprob: torch.Tensor, entropy: torch.Tensor, values: torch.Tensor, vs: torch.Tensor,
+    pg_advantages: torch.Tensor, vf_coef: float, ent_coef: float,
+) -> dict[str, torch.Tensor]:  # fmt: skip
     """IMPALA's loss (Section 4.2) summed over the [T, B] batch, as TorchBeast sums it (its lr assumes sums)."""
     policy_loss = -(target_logprob * pg_advantages).sum()
     value_loss = 0.5 * ((vs - values) ** 2).sum()
@@ -254,6 +222,42 @@ def impala_loss(
 def linear_lr(base: float, steps_done: int, total_steps: int) -> float:
     """TorchBeast's schedule: linear decay to 0 over total_timesteps, evaluated before each update."""
     return base * (1.0 - min(steps_done, total_steps) / total_steps)
+
+
+def learner_outputs(model: nn.Module, b: Rollouts) -> tuple[torch.Tensor, torch.Tensor]:
+    """The learner's logits [T + 1, B, A] and values [T + 1, B] on a batch, from the same inputs the actors fed."""
+    T1, B = b.reward.shape
+    if model.core is None:
+        logits, values = model(b.obs.reshape(T1 * B, *b.obs.shape[2:]), b.last_action, b.reward)
+        return logits.reshape(T1, B, -1), values.reshape(T1, B)
+    logits, values, _ = model.recurrent(b.obs, b.done, (b.initial_h, b.initial_c), b.last_action, b.reward)
+    return logits, values
+
+
+def learn(
+    model: nn.Module, optimizer: torch.optim.Optimizer, batch: Rollouts, args: Args, device: torch.device
+) -> dict:
+    """One V-trace update on a [T + 1, B] batch; returns float metrics (losses, grad norm). A non-finite loss raises
+    NonFiniteLoss before the step, so the parameters (and the next checkpoint) stay finite."""
+    b = batch.to(device)
+    logits, values = learner_outputs(model, b)
+    rewards = b.reward[1:]  # raw from the env
+    if args.clip_rewards:
+        rewards = rewards.clamp(-1.0, 1.0)
+    actions = b.action[:-1]
+    target_logprob, entropy = logprob_entropy(logits[:-1], actions)
+    behaviour_logprob, _ = logprob_entropy(b.logits[:-1], actions)
+    vs, pg_adv = vtrace(behaviour_logprob, target_logprob.detach(), rewards, values[:-1].detach(), b.done[1:],
+                        values[-1].detach(), args.gamma, args.vtrace_rho_bar, args.vtrace_c_bar,
+                        args.vtrace_pg_rho_bar)  # fmt: skip
+    losses = impala_loss(target_logprob, entropy, values[:-1], vs, pg_adv, args.vf_coef, args.ent_coef)
+    if not torch.isfinite(losses["total_loss"]):
+        raise NonFiniteLoss(f"non-finite loss {losses['total_loss'].item()}")
+    optimizer.zero_grad(set_to_none=False)
+    losses["total_loss"].backward()
+    losses["grad_norm"] = nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+    optimizer.step()
+    return {k: v.item() for k, v in losses.items()}
 
 
 # ---- Storage and messages --------------------------------------------------------------------------------------------
@@ -316,17 +320,14 @@ class Buffers(Rollouts):
         K: int, T: int, N: int, obs_shape: tuple[int, ...], obs_dtype: torch.dtype, num_actions: int,
         lstm: tuple[int, int],
     ) -> Buffers:  # fmt: skip
-        rows = (K, T + 1, N)
+        rows, lstm_shape = (K, T + 1, N), (K, lstm[0], N, lstm[1])
         shapes = {k: rows for k in ROW_KEYS} | {k: (K,) for k in (*ROLLOUT_KEYS, "ledger")}
-        shapes |= dict(obs=(*rows, *obs_shape), logits=(*rows, num_actions), initial_h=(K, lstm[0], N, lstm[1]),
-                       initial_c=(K, lstm[0], N, lstm[1]))  # fmt: skip
-        dtypes = dict(obs=obs_dtype, done=torch.bool, episode_end=torch.bool, reward=torch.float32,
-                      episode_return=torch.float32, logits=torch.float32, baseline=torch.float32,
-                      initial_h=torch.float32, initial_c=torch.float32, free_wait=torch.float64,
-                      inference_wait=torch.float64)  # fmt: skip
-        return Buffers(
-            **{k: torch.zeros(s, dtype=dtypes.get(k, torch.int64)).share_memory_() for k, s in shapes.items()}
-        )
+        shapes |= dict(obs=(*rows, *obs_shape), logits=(*rows, num_actions), initial_h=lstm_shape, initial_c=lstm_shape)
+        floats = ("reward", "episode_return", "logits", "baseline", "initial_h", "initial_c")
+        dtypes = dict(obs=obs_dtype, done=torch.bool, episode_end=torch.bool, free_wait=torch.float64,
+                      inference_wait=torch.float64) | dict.fromkeys(floats, torch.float32)  # fmt: skip
+        zeros = {k: torch.zeros(s, dtype=dtypes.get(k, torch.int64)).share_memory_() for k, s in shapes.items()}
+        return Buffers(**zeros)
 
     def move(self, index: int, owner: int, new_owner: int) -> None:
         """Hand `index` from `owner` to `new_owner`; the ledger must say `owner`, or the protocol is broken."""
@@ -372,19 +373,10 @@ class InferenceSlots:
     def allocate(
         M: int, N: int, obs_shape: tuple[int, ...], obs_dtype: torch.dtype, num_actions: int, lstm: tuple[int, int]
     ) -> InferenceSlots:
-        L, H = lstm
-        return InferenceSlots(
-            obs=torch.zeros((M, N, *obs_shape), dtype=obs_dtype).share_memory_(),
-            done=torch.zeros((M, N), dtype=torch.bool).share_memory_(),
-            last_action=torch.zeros((M, N), dtype=torch.int64).share_memory_(),
-            reward=torch.zeros((M, N)).share_memory_(),
-            action=torch.zeros((M, N), dtype=torch.int64).share_memory_(),
-            logits=torch.zeros((M, N, num_actions)).share_memory_(),
-            baseline=torch.zeros((M, N)).share_memory_(),
-            version=torch.zeros(M, dtype=torch.int64).share_memory_(),
-            h=torch.zeros((M, L, N, H)).share_memory_(),
-            c=torch.zeros((M, L, N, H)).share_memory_(),
-        )
+        shapes = dict(obs=(M, N, *obs_shape), logits=(M, N, num_actions), version=(M,), h=(M, lstm[0], N, lstm[1]))
+        shapes |= {k: (M, N) for k in ("done", "last_action", "reward", "action", "baseline")} | {"c": shapes["h"]}
+        dtypes = dict(obs=obs_dtype, done=torch.bool, last_action=torch.int64, action=torch.int64, version=torch.int64)
+        return InferenceSlots(**{k: torch.zeros(s, dtype=dtypes.get(k)).share_memory_() for k, s in shapes.items()})
 
 
 class RequestPipe:
@@ -419,13 +411,6 @@ class AgentOutput(NamedTuple):
     version: int  # learner updates behind the parameters that produced it
 
 
-class ActorError(NamedTuple):
-    """An actor -> the main process, as it dies of an exception."""
-
-    actor_id: int
-    traceback: str
-
-
 @dataclass
 class ActingModel:
     """The parameters the actors act with, a copy of the learner's model refreshed after every update, and the number
@@ -448,39 +433,30 @@ class ActingModel:
 class Queues:
     """The main process's channels to the actors, besides the buffers and the inference slots."""
 
-    free: Queue  # buffer indices an actor may fill; None: stop
-    full: Queue  # indices of written rollouts, oldest first, for the learner threads; None: stop
-    errors: Queue  # ActorError of an actor that dies of an exception
+    free: Queue  # buffer indices an actor may fill
+    full: Queue  # indices of written rollouts, oldest first, for the learner threads
     stop: Event  # set once: every worker returns
 
     @staticmethod
     def create(ctx: mp.context.BaseContext, buffers: Buffers) -> Queues:
         """The queues, with every buffer index on the free queue."""
-        queues = Queues(free=ctx.Queue(), full=ctx.Queue(), errors=ctx.Queue(), stop=ctx.Event())
+        queues = Queues(free=ctx.Queue(), full=ctx.Queue(), stop=ctx.Event())
         buffers.ledger.fill_(FREE_QUEUE)
         for index in range(len(buffers.ledger)):
             queues.free.put(index)
         return queues
 
     def close(self) -> None:
-        for q in (self.free, self.full, self.errors):
+        for q in (self.free, self.full):
             q.cancel_join_thread()  # never block at exit on data no one will read
             q.close()
 
 
-# ---- Workers ---------------------------------------------------------------------------------------------------------
+# ---- Actors and the inference thread ---------------------------------------------------------------------------------
 
 
-class Stop(Exception):
-    """Raised inside a worker when the run is stopping."""
-
-
-class NonFiniteLoss(RuntimeError):
-    """The loss is NaN or infinite: the run stops, and the last checkpoint stays as it was."""
-
-
-def get_or_stop(q: Queue, stop: Event) -> int | None:
-    """`q.get()` that gives up when `stop` is set (wakes once a second to look; no busy wait)."""
+def get_or_stop(q: Queue, stop: Event) -> int:
+    """`q.get()` that raises Stop once `stop` is set (it looks once a second: no busy wait)."""
     while True:
         try:
             return q.get(timeout=1.0)
@@ -490,14 +466,9 @@ def get_or_stop(q: Queue, stop: Event) -> int | None:
 
 
 def policy_step(
-    model: nn.Module,
-    obs: torch.Tensor,
-    done: torch.Tensor,
-    last_action: torch.Tensor,
-    reward: torch.Tensor,
-    state: LSTMState | None,
-    greedy: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, LSTMState | None]:
+    model: nn.Module, obs: torch.Tensor, done: torch.Tensor, last_action: torch.Tensor, reward: torch.Tensor,
+    state: LSTMState | None, greedy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, LSTMState | None]:  # fmt: skip
     """The agent's forward pass at one step: [B, ...] obs (and the [B] done, last action, raw reward that came with
     it) -> sampled (`greedy`: argmax) action, logits, baseline, next LSTM state."""
     if state is None:
@@ -526,9 +497,8 @@ class CopyPolicy:
     def __call__(self, obs, done, last_action, reward, stop: Event) -> AgentOutput:
         version = int(self.acting.version.item())  # read first: the parameters are at least this new
         with torch.inference_mode():
-            action, logits, baseline, self.state = policy_step(
-                self.acting.model, obs, done, last_action, reward, self.state
-            )
+            action, logits, baseline, self.state = policy_step(self.acting.model, obs, done, last_action, reward,
+                                                               self.state)  # fmt: skip
         return AgentOutput(action, logits, baseline, version)
 
 
@@ -560,53 +530,41 @@ class BatchedPolicy:
         return AgentOutput(slots.action[i].clone(), slots.logits[i], slots.baseline[i], int(slots.version[i].item()))
 
 
-def die_with_parent(parent_pid: int) -> None:
-    """Linux: the kernel kills this process when the main process dies, even by kill -9, so no actor outlives the run.
-    The main process may have died before prctl ran: then exit at once."""
+def act(b: Buffers, index: int, t: int, policy: CopyPolicy | BatchedPolicy, stop: Event) -> None:
+    """The agent's output at row t of buffer `index`, from the inputs stored there."""
+    out = policy(b.obs[index, t], b.done[index, t], b.last_action[index, t], b.reward[index, t], stop)
+    b.action[index, t].copy_(out.action)
+    b.logits[index, t].copy_(out.logits)
+    b.baseline[index, t].copy_(out.baseline)
+    b.version[index, t].fill_(out.version)
+
+
+def actor_process(
+    actor_id: int, args: Args, env_seed: int, b: Buffers, queues: Queues, policy: CopyPolicy | BatchedPolicy
+) -> None:
+    """An actor process, MonoBeast's `act()`: take a free index, write a rollout (row 0 = the previous rollout's row T)
+    and hand it to the learners, until stopped. Its envs hand over raw rewards (the loss clips them, or not). An
+    exception ends it with its traceback on stderr; the main process then names it and stops the run."""
+    torch.set_num_threads(1)
+    torch.manual_seed(env_seed)
+    envs = make_vector_env(args.env_id, args.num_envs_per_actor, env_seed, protocol=args.atari_protocol,
+                           num_threads=1, clip_rewards=False)  # fmt: skip
+    T, stop = args.unroll_length, queues.stop
+    obs, _ = envs.reset()
+    carried = None  # (row T of the previous rollout, the LSTM state before it): row 0 of the next
     try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):  # no prctl (not Linux)
-        pass
-    if os.getppid() != parent_pid:
-        os._exit(0)
-
-
-class Actor:
-    """MonoBeast's `act()`: take a free index, write a rollout (row 0 = the previous rollout's row T), hand it to the
-    learners."""
-
-    def __init__(self, actor_id: int, args: Args, buffers: Buffers, queues: Queues, policy: CopyPolicy | BatchedPolicy):
-        self.actor_id, self.T, self.buffers, self.queues = actor_id, args.unroll_length, buffers, queues
-        self.policy = policy
-
-    def act(self, index: int, t: int) -> None:
-        """The agent's output at row t of buffer `index`, from the inputs stored there."""
-        b = self.buffers
-        out = self.policy(b.obs[index, t], b.done[index, t], b.last_action[index, t], b.reward[index, t],
-                          self.queues.stop)  # fmt: skip
-        b.action[index, t].copy_(out.action)
-        b.logits[index, t].copy_(out.logits)
-        b.baseline[index, t].copy_(out.baseline)
-        b.version[index, t].fill_(out.version)
-
-    def run(self, envs: gym.vector.VectorEnv) -> None:
-        b, T, stop = self.buffers, self.T, self.queues.stop
-        obs, _ = envs.reset()
-        carried = None  # (row T of the previous rollout, the LSTM state before it): row 0 of the next
         for rollout in itertools.count(1):
             start = time.perf_counter()
-            index = get_or_stop(self.queues.free, stop)
-            if index is None:
-                return
+            index = get_or_stop(queues.free, stop)
             free_wait = time.perf_counter() - start
-            b.move(index, FREE_QUEUE, self.actor_id)
-            self.policy.wait = 0.0
+            b.move(index, FREE_QUEUE, actor_id)
+            policy.wait = 0.0
             if carried is None:  # x_0 starts an episode, reward and last action 0 (TorchBeast's `Environment.initial`)
                 b.set_row(index, 0, {k: torch.zeros_like(getattr(b, k)[index, 0]) for k in ROW_KEYS})
                 b.obs[index, 0].copy_(torch.from_numpy(obs))
                 b.done[index, 0] = True
-                state = self.policy.lstm_state()
-                self.act(index, 0)
+                state = policy.lstm_state()
+                act(b, index, 0, policy, stop)
             else:
                 row, state = carried
                 b.set_row(index, 0, row)
@@ -625,44 +583,45 @@ class Actor:
                 b.episode_return[index, t].copy_(torch.from_numpy(info["episode"]["r"]))
                 b.episode_length[index, t].copy_(torch.from_numpy(info["episode"]["l"]))
                 if t == T:  # the next rollout starts from this forward pass
-                    state = self.policy.lstm_state()
-                self.act(index, t)
+                    state = policy.lstm_state()
+                act(b, index, t, policy, stop)
             carried = (b.row(index, T), state)
-            b.actor_id[index], b.rollout[index] = self.actor_id, rollout
-            b.free_wait[index], b.inference_wait[index] = free_wait, self.policy.wait
-            b.move(index, self.actor_id, FULL_QUEUE)
-            self.queues.full.put(index)
-
-
-def actor_process(
-    actor_id: int,
-    args: Args,
-    env_seed: int,
-    buffers: Buffers,
-    queues: Queues,
-    policy: CopyPolicy | BatchedPolicy,
-    parent_pid: int | None = None,
-) -> None:
-    """An actor process: its envs (raw rewards: the loss clips them, or not) and its rollouts until stopped."""
-    if parent_pid is not None:
-        die_with_parent(parent_pid)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C reaches the whole process group: the main process decides
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    torch.set_num_threads(1)
-    torch.manual_seed(env_seed)
-    envs = None
-    try:
-        envs = make_vector_env(args.env_id, args.num_envs_per_actor, env_seed, protocol=args.atari_protocol,
-                               num_threads=1, clip_rewards=False)  # fmt: skip
-        Actor(actor_id, args, buffers, queues, policy).run(envs)
-    except (Stop, KeyboardInterrupt):
+            b.actor_id[index], b.rollout[index] = actor_id, rollout
+            b.free_wait[index], b.inference_wait[index] = free_wait, policy.wait
+            b.move(index, actor_id, FULL_QUEUE)
+            queues.full.put(index)
+    except Stop:
         pass
-    except BaseException:
-        queues.errors.put(ActorError(actor_id, traceback.format_exc()))
-        raise SystemExit(1) from None
     finally:
-        if envs is not None:
-            envs.close()
+        envs.close()
+
+
+def evaluate(model: nn.Module, args: Args, video_dir: Path, device: torch.device) -> list[float]:
+    """Play `eval_episodes` full games with the final (or --eval-only's saved) policy, true returns; argmax actions
+    with `--eval-greedy` (TorchBeast's test mode), sampled ones otherwise; videos to `video_dir` (--capture-video)."""
+    env = make_env(args.env_id, args.seed + 1_000_003, protocol=args.atari_protocol, capture_video=args.capture_video,
+                   video_dir=str(video_dir))  # fmt: skip
+    torch.manual_seed(args.seed + 1_000_003)
+    returns = []
+    obs, _ = env.reset()
+    done = torch.ones(1, dtype=torch.bool, device=device)
+    last_action = torch.zeros(1, dtype=torch.int64, device=device)
+    reward = torch.zeros(1, device=device)
+    state = model.initial_state(1, device) if model.core is not None else None
+    while len(returns) < args.eval_episodes:
+        with torch.inference_mode():
+            obs_t = torch.as_tensor(obs[None], device=device)
+            action, _, _, state = policy_step(model, obs_t, done, last_action, reward, state, args.eval_greedy)
+        obs, r, terminated, truncated, info = env.step(int(action[0]))
+        done.fill_(bool(terminated or truncated))
+        last_action.copy_(action)  # carried into the next game, as in training
+        reward.fill_(r)
+        if terminated or truncated:
+            returns.append(float(info["episode"]["r"]))
+            if len(returns) < args.eval_episodes:  # no reset after the last game: it would record an empty video
+                obs, _ = env.reset()
+    env.close()
+    return returns
 
 
 @dataclass
@@ -691,6 +650,10 @@ class InferenceServer:
             self.failures.append(f"error: inference thread died:\n{traceback.format_exc()}")
             self.stop.set()
 
+    def policy(self, actor_id: int, use_lstm: bool) -> BatchedPolicy:
+        """Actor `actor_id`'s side of the batching: its slot, the request pipe and its semaphore."""
+        return BatchedPolicy(actor_id, self.slots, self.requests, self.sems[actor_id], use_lstm)
+
     def serve(self, ids: list[int]) -> None:
         slots, device, k = self.slots, self.device, len(ids)
         N = slots.obs.shape[1]
@@ -717,17 +680,13 @@ class InferenceServer:
             self.sems[i].release()
 
 
-def get_batch(
-    buffers: Buffers, queues: Queues, batch_size: int, batch_lock: threading.Lock
-) -> tuple[Rollouts, list[int]]:
+def get_batch(buffers: Buffers, queues: Queues, batch_size: int, lock: threading.Lock) -> tuple[Rollouts, list[int]]:
     """Dequeue `batch_size` indices (under a lock, so two learners never deadlock on half batches), stack the
     rollouts, and put the indices back on the free queue. Returns (batch, indices)."""
-    with batch_lock:
+    with lock:
         indices = []
         for _ in range(batch_size):
             index = get_or_stop(queues.full, queues.stop)
-            if index is None:
-                raise Stop
             buffers.move(index, FULL_QUEUE, LEARNER)
             indices.append(index)
     batch = buffers.stack(indices)
@@ -737,39 +696,7 @@ def get_batch(
     return batch, indices
 
 
-def learner_outputs(model: nn.Module, b: Rollouts) -> tuple[torch.Tensor, torch.Tensor]:
-    """The learner's logits [T + 1, B, A] and values [T + 1, B] on a batch, from the same inputs the actors fed."""
-    T1, B = b.reward.shape
-    if model.core is None:
-        logits, values = model(b.obs.reshape(T1 * B, *b.obs.shape[2:]), b.last_action, b.reward)
-        return logits.reshape(T1, B, -1), values.reshape(T1, B)
-    logits, values, _ = model.recurrent(b.obs, b.done, (b.initial_h, b.initial_c), b.last_action, b.reward)
-    return logits, values
-
-
-def learn(
-    model: nn.Module, optimizer: torch.optim.Optimizer, batch: Rollouts, args: Args, device: torch.device
-) -> dict:
-    """One V-trace update on a [T + 1, B] batch; returns float metrics (losses, grad norm)."""
-    b = batch.to(device)
-    logits, values = learner_outputs(model, b)
-    rewards = b.reward[1:]  # raw from the env
-    if args.clip_rewards:
-        rewards = rewards.clamp(-1.0, 1.0)
-    actions = b.action[:-1]
-    target_logprob, entropy = logprob_entropy(logits[:-1], actions)
-    behaviour_logprob, _ = logprob_entropy(b.logits[:-1], actions)
-    vs, pg_adv = vtrace(behaviour_logprob, target_logprob.detach(), rewards, values[:-1].detach(), b.done[1:],
-                        values[-1].detach(), args.gamma, args.vtrace_rho_bar, args.vtrace_c_bar,
-                        args.vtrace_pg_rho_bar)  # fmt: skip
-    losses = impala_loss(target_logprob, entropy, values[:-1], vs, pg_adv, args.vf_coef, args.ent_coef)
-    if not torch.isfinite(losses["total_loss"]):
-        raise NonFiniteLoss(f"non-finite loss {losses['total_loss'].item()}")
-    optimizer.zero_grad(set_to_none=False)
-    losses["total_loss"].backward()
-    losses["grad_norm"] = nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-    optimizer.step()
-    return {k: v.item() for k, v in losses.items()}
+# ---- Learner ---------------------------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -784,14 +711,14 @@ class Learner:
     acting: ActingModel
     buffers: Buffers
     queues: Queues
+    inference: InferenceServer | None
     num_updates: int
-    writer: SummaryWriter
     run_dir: Path
     meta: dict
-    failures: list[str]  # error lines of the threads; the first one is the run's
-    inference: InferenceServer | None
+    failures: list[str]  # error lines of the threads and of dead actors; the first one is the run's
     updates: int  # updates done (read and written under the learn lock, as are the counters below)
     global_step: int
+    writer: SummaryWriter | None = None  # made once the actors run (its thread is not forked)
     claimed: int = field(init=False)  # updates a learner thread has started on (each claims one before it batches)
     last_print: float = field(default_factory=time.time)
     last_checkpoint: float = field(default_factory=time.time)
@@ -816,7 +743,7 @@ class Learner:
         except WriteError as e:
             error = f"{e}; stopping (the last good checkpoint is kept)"
         except OSError as e:  # the TensorBoard events file
-            error = events_error(e, self.run_dir)
+            error = write_error(e, f"the TensorBoard events in {self.run_dir}")
         except BaseException:
             error = f"error: learner thread {thread_id} died:\n{traceback.format_exc()}"
         self.failures.append(error)
@@ -851,10 +778,20 @@ class Learner:
         return True
 
     def log(self, batch: Rollouts, lr: float, lag: float, metrics: dict[str, float], timing: dict[str, float]) -> None:
-        """TensorBoard for this update; the console line and a checkpoint when they are due."""
-        step, now = self.global_step, time.time()
+        """TensorBoard for this update, the games that ended in its batch included; the console line and a checkpoint
+        when they are due."""
+        step, now, writer = self.global_step, time.time(), self.writer
         sps = (step - self.start[1]) / (now - self.start[0])
-        self.recent_returns.extend(log_update(self.writer, step, batch, lr, lag, sps, metrics, timing))
+        ends = batch.episode_end[1:]  # row 0 repeats the previous rollout's last row
+        returns = batch.episode_return[1:][ends].tolist()
+        for ret, length in zip(returns, batch.episode_length[1:][ends].tolist(), strict=True):
+            writer.add_scalar("charts/episodic_return", ret, step)
+            writer.add_scalar("charts/episodic_length", length, step)
+        scalars = {"charts/policy_lag": lag, "charts/SPS": sps, "charts/learning_rate": lr}
+        scalars |= {f"losses/{k}": v for k, v in metrics.items()} | {f"timing/{k}": v for k, v in timing.items()}
+        for tag, value in scalars.items():
+            writer.add_scalar(tag, value, step)
+        self.recent_returns.extend(returns)
         if now - self.last_print >= self.args.log_interval or self.updates == self.num_updates:
             mean_return = np.mean(self.recent_returns) if self.recent_returns else math.nan
             print(f"global_step={step} SPS={sps:.0f} mean_return={mean_return:.2f} "
@@ -865,21 +802,21 @@ class Learner:
             self.save_checkpoint()
             self.last_checkpoint = now
 
+    def evaluate(self) -> None:
+        """The final policy's evaluation games, logged as eval/episodic_return (videos: {run_dir}/videos)."""
+        for i, ret in enumerate(evaluate(self.model, self.args, self.run_dir / "videos", self.device)):
+            self.writer.add_scalar("eval/episodic_return", ret, i)
+            print(f"eval episode {i}: return {ret:.1f}")
+
     def save_checkpoint(self) -> None:
         """Model, optimizer, counters, RNG state, args and meta, written atomically to {run_dir}/checkpoint.pt."""
-        state = dict(
-            model=self.model.state_dict(),
-            optimizer=self.optimizer.state_dict(),
-            update=self.updates,
-            global_step=self.global_step,
-            torch_rng=torch.get_rng_state(),
-            args=asdict(self.args),
-            meta=self.meta,
-        )
+        state = dict(model=self.model.state_dict(), optimizer=self.optimizer.state_dict(), update=self.updates,
+                     global_step=self.global_step, torch_rng=torch.get_rng_state(), args=asdict(self.args),
+                     meta=self.meta)  # fmt: skip
         atomic_save(state, self.run_dir / "checkpoint.pt")
 
 
-# ---- Lifecycle -------------------------------------------------------------------------------------------------------
+# ---- Main ------------------------------------------------------------------------------------------------------------
 
 
 def num_buffers_of(args: Args) -> int:
@@ -892,87 +829,224 @@ def model_options(args: Args) -> dict:
                 action_reward_inputs=args.action_reward_inputs)  # fmt: skip
 
 
-def validate(args: Args) -> str | None:
-    """Every flag checked before anything is made or spawned; returns the error line (without `error: `) or None."""
-    for name, value in asdict(args).items():
-        if isinstance(value, float) and not math.isfinite(value):
-            return f"--{name.replace('_', '-')} must be a finite number, got {value}"
-    rules = (
-        (">= 1", lambda v: v >= 1, ("num_actors", "num_envs_per_actor", "num_learner_threads", "unroll_length",
-                                    "batch_size", "total_timesteps", "lstm_layers")),
-        ("> 0", lambda v: v > 0, ("learning_rate", "max_grad_norm", "gamma", "vtrace_rho_bar", "vtrace_c_bar",
-                                  "vtrace_pg_rho_bar", "rmsprop_eps", "rmsprop_alpha")),
-        (">= 0", lambda v: v >= 0, ("checkpoint_interval", "eval_episodes", "torch_threads", "max_inference_batch",
-                                    "vf_coef", "ent_coef", "rmsprop_momentum", "lstm_size")),
-    )  # fmt: skip
-    for rule, holds, names in rules:
-        for name in names:
-            if not holds(getattr(args, name)):
-                return f"--{name.replace('_', '-')} must be {rule}, got {getattr(args, name)}"
-    K = num_buffers_of(args)
-    if K < max(args.num_actors, args.batch_size):
-        return (
-            f"--num-buffers ({K}) must be >= --num-actors ({args.num_actors}) and >= --batch-size ({args.batch_size})"
-        )
-    if args.gamma > 1:
-        return f"--gamma must be in (0, 1], got {args.gamma}"
-    if 0 < args.max_inference_batch < args.num_envs_per_actor:
-        return (f"--max-inference-batch ({args.max_inference_batch}) must hold at least one actor's "
-                f"--num-envs-per-actor ({args.num_envs_per_actor}) envs (or be 0 = all)")  # fmt: skip
-    if args.resume is not None and not Path(args.resume).is_file():
-        return f"--resume {args.resume}: no such checkpoint file"
-    if args.eval_only is not None and not Path(args.eval_only).is_file():
-        return f"--eval-only {args.eval_only}: no such file"
-    if args.track and importlib.util.find_spec("wandb") is None:
-        return '--track needs wandb: pip install -e ".[track]"'
-    if args.total_timesteps < args.unroll_length * args.batch_size * args.num_envs_per_actor:
-        return (
-            f"--total-timesteps ({args.total_timesteps}) is less than one learner batch "
-            f"({args.unroll_length} steps x {args.batch_size} rollouts x {args.num_envs_per_actor} envs)"
-        )
+def make_learner(
+    args: Args, obs_space: gym.Space, act_space: gym.spaces.Discrete, network: str, checkpoint: dict | None,
+    device: torch.device, ctx: mp.context.BaseContext, run_dir: Path, meta: dict,
+) -> Learner:  # fmt: skip
+    """The model and optimizer (restored from `checkpoint`), and what the actors share with the main process, made
+    once before they fork (inherited, not pickled: MonoBeast's choice): the rollout buffers, the queues, the acting
+    copy of the model and, with batched inference, the inference server's slots, pipe and semaphores."""
+    model = make_model(obs_space, act_space, network, **model_options(args)).to(device)
+    optimizer = torch.optim.RMSprop(model.parameters(), lr=args.learning_rate, alpha=args.rmsprop_alpha,
+                                    eps=args.rmsprop_eps, momentum=args.rmsprop_momentum)  # fmt: skip
+    updates, global_step = (checkpoint["update"], checkpoint["global_step"]) if checkpoint else (0, 0)
+    if checkpoint:
+        model.load_state_dict(checkpoint["model"])
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        torch.set_rng_state(checkpoint["torch_rng"])
+    M, N, A = args.num_actors, args.num_envs_per_actor, int(act_space.n)
+    lstm = (model.core.num_layers, model.core.hidden_size) if model.core is not None else (1, 1)
+    obs_dtype = torch.uint8 if obs_space.dtype == np.uint8 else torch.float32
+    buffers = Buffers.allocate(args.num_buffers, args.unroll_length, N, obs_space.shape, obs_dtype, A, lstm)
+    queues, failures, inference = Queues.create(ctx, buffers), [], None
+    # the actors' copy: the Nature network infers faster contiguous on CPU, trains faster channels_last (common.models)
+    copy = make_model(obs_space, act_space, network, **model_options(args), channels_last=network != "nature")
+    copy.to(device if args.inference == "batched" else torch.device("cpu"))
+    acting = ActingModel(copy, torch.zeros(1, dtype=torch.int64).share_memory_(), threading.Lock())
+    acting.refresh(model, updates)
+    if args.inference == "actor":
+        acting.model.share_memory()
+    else:
+        slots = InferenceSlots.allocate(M, N, obs_space.shape, obs_dtype, A, lstm)
+        sems = [ctx.Semaphore(0) for _ in range(M)]
+        max_actors = M if not args.max_inference_batch else max(1, args.max_inference_batch // N)
+        inference = InferenceServer(acting, slots, RequestPipe(), sems, max_actors, device, queues.stop, failures)
+    num_updates = args.total_timesteps // (args.unroll_length * args.batch_size * N)
+    return Learner(args, model, optimizer, device, acting, buffers, queues, inference, num_updates, run_dir, meta,
+                   failures, updates, global_step)  # fmt: skip
+
+
+def shutdown(actors: Processes, threads: list[threading.Thread], queues: Queues, inference: InferenceServer | None):
+    """Stop every worker (their waits look at the stop event once a second; the inference thread, blocked in a read
+    of its pipe, is woken), join the threads, then the actors (killed if they do not return), close the queues."""
+    queues.stop.set()
+    if inference is not None:
+        inference.requests.put(RequestPipe.WAKE)
+    deadline = time.monotonic() + 8.0  # an update in progress ends within seconds
+    for t in threads:
+        t.join(timeout=max(0.0, deadline - time.monotonic()))
+    actors.stop(grace=3.0)
+    queues.close()
+    if inference is not None:
+        inference.requests.close()
+
+
+def main(args: Args) -> None:
+    if error := validate(args):
+        fail(error)
+    if args.eval_only:
+        return main_eval_only(args)
     try:
-        check_env_args(args.env_id, args.num_envs_per_actor, args.atari_protocol)  # the id too, without making the env
-        if args.capture_video and args.eval_only is None:  # fail now, not at the final evaluation
-            check_video(args.env_id, args.atari_protocol)
+        obs_space, act_space = env_spaces(args)
     except EnvError as e:
-        return str(e)
-    return None
+        fail(str(e))
+    args = replace(args, num_buffers=num_buffers_of(args))
+    network = args.network if args.network != "auto" else ("nature" if len(obs_space.shape) == 3 else "mlp")
+    meta = checkpoint_meta(args, network, obs_space, act_space)
+    checkpoint = (
+        load_checkpoint(args.resume, meta, args) if args.resume else None
+    )  # before anything is started or written
+    run_dir = Path(args.resume).parent if checkpoint else new_run_dir(args)
+    write_run_args(run_dir, args, meta)
+    device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
+    torch.set_num_threads(args.torch_threads or max(1, (os.cpu_count() or 1) - args.num_actors))
+    sys.setswitchinterval(0.0005)  # the inference thread gets the GIL as a request arrives, not after a 5 ms slice
+    torch.manual_seed(args.seed)
+    torch.backends.cudnn.deterministic = args.torch_deterministic
+    torch.use_deterministic_algorithms(args.torch_deterministic, warn_only=True)
+
+    ctx = mp.get_context("fork")
+    learner = make_learner(args, obs_space, act_space, network, checkpoint, device, ctx, run_dir, meta)
+    queues, inference, N = learner.queues, learner.inference, args.num_envs_per_actor
+    signals, actors, threads = StopSignals(queues.stop), Processes(ctx), []
+    env_seed = args.seed + (1_000_003 * learner.updates if checkpoint else 0)  # shifted on resume: new episodes
+    for i in range(args.num_actors):  # env e of actor i is seeded env_seed + N i + e
+        policy = inference.policy(i, args.use_lstm) if inference else CopyPolicy(learner.acting, N)
+        actors.start(f"actor-{i}", actor_process, i, args, env_seed + N * i, learner.buffers, queues, policy)
+    try:
+        tracker = start_tracking(args, run_dir)  # after the fork: no actor inherits wandb's threads and pipes
+        learner.writer = make_writer(run_dir, args)  # after wandb.init, which patches TensorBoard
+        print(f"run directory: {run_dir}  ({learner.num_updates} updates, {args.num_actors} actors x {N} envs, "
+              f"{args.inference} inference, {network} network{' + LSTM' if args.use_lstm else ''}, "
+              f"{args.num_buffers} buffers)", flush=True)  # fmt: skip
+        threads += [threading.Thread(target=learner.run, args=(j,), name=f"learner-{j}", daemon=True)
+                    for j in range(args.num_learner_threads)]  # fmt: skip
+        threads += [threading.Thread(target=inference.run, name="inference", daemon=True)] if inference else []
+        for t in threads:
+            t.start()
+        # the learner threads train; the main thread watches them and the actors
+        while not queues.stop.is_set() and any(t.is_alive() for t in threads[: args.num_learner_threads]):
+            if died := actors.wait(timeout=1.0):
+                learner.failures.insert(0, f"error: {died}")  # an exception's traceback: the actor printed it
+                break
+    finally:
+        shutdown(actors, threads, queues, inference)
+        signals.restore()
+    finish(learner, learner.failures[0] if learner.failures else None, signals.signum, threads, tracker)
 
 
-def env_spaces(args: Args) -> tuple[gym.Space, gym.spaces.Discrete]:
-    """(observation space, action space) of one env of the training vector env; EnvError if this script cannot train
-    on it."""
-    probe = make_vector_env(args.env_id, 1, args.seed, protocol=args.atari_protocol, num_threads=1)
-    obs_space, act_space = probe.single_observation_space, probe.single_action_space
-    probe.close()
-    if not isinstance(act_space, gym.spaces.Discrete):
-        raise EnvError(f"{args.env_id} has a continuous action space ({act_space}); impala_monobeast.py handles "
-                       f"Discrete action spaces only (for continuous actions: apex_ddpg.py)")  # fmt: skip
-    return obs_space, act_space
+# ---- run plumbing ------------------------------------------------------------------------------------------------
+# Validation, the run directory, tracking, checkpoints, evaluation of a saved agent, signals, supervision and error
+# lines: nothing here is needed to read or change the algorithm above. A function here that several scripts have is
+# the same text in all of them (tests/test_plumbing.py names the script and function that drift): change it in every
+# script. What differs between scripts lives in the few script-specific functions at the end of this section.
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # Ctrl+C, kill, a closed terminal
+
+
+class Stop(Exception):
+    """The run is stopping (a signal, a dead worker, the budget spent): raised to leave a wait or a loop early."""
+
+
+class NonFiniteLoss(Exception):
+    """A loss or gradient norm that is NaN or infinite: the run stops and the last good checkpoint is kept."""
+
+
+class WriteError(Exception):
+    """A checkpoint, model or TensorBoard write that failed (a full disk): the message is the run's error line."""
+
+
+class StopSignals:
+    """Ctrl+C, SIGTERM and SIGHUP (a closed terminal or ssh session) record the first signal's number, for the exit
+    status 128 + signum, and set `stop`, the event the run's waits and loops check; the run then stops at its own pace
+    and writes its final checkpoint. A second signal changes nothing, so a second Ctrl+C cannot cut the shutdown.
+    After `interruptible()` (the end-of-run evaluation: one thread, no queue or lock in use) a signal raises Stop."""
+
+    def __init__(self, stop):
+        self.stop, self.signum, self.raise_stop = stop, 0, False
+        self.previous = {s: signal.signal(s, self.handler) for s in STOP_SIGNALS}
+
+    def handler(self, signum: int, frame) -> None:
+        self.signum = self.signum or signum
+        # set from another thread: the handler runs in the main thread between two bytecodes, possibly while that
+        # thread holds the event's own lock (inside wait or is_set), and a set() here would wait for it forever
+        threading.Thread(target=self.stop.set, daemon=True).start()
+        if self.raise_stop:
+            raise Stop(f"signal {signum}")
+
+    def interruptible(self) -> None:
+        self.raise_stop = True
+        if self.signum:
+            raise Stop(f"signal {self.signum}")
+
+    def restore(self) -> None:
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
 
 
 def fail(message: str) -> NoReturn:
+    """Bad input: one error line, exit status 2, before anything is started or written."""
     print(f"error: {message}", file=sys.stderr)
     raise SystemExit(2)
+
+
+def flag(name: str) -> str:
+    return f"--{name.replace('_', '-')}"
+
+
+def check_flags(args: Args) -> str | None:
+    """The error line of the first float flag that is not a finite number, of the first flag that breaks its rule in
+    FLAG_RULES (flags left at None are filled in later and skipped), or of a --track whose wandb does not import."""
+    for f in fields(args):
+        value = getattr(args, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            return f"{flag(f.name)} must be a finite number, got {value}"
+    holds = {">= 1": lambda v: v >= 1, ">= 0": lambda v: v >= 0, "> 0": lambda v: v > 0,
+             "in (0, 1]": lambda v: 0 < v <= 1, "in [0, 1]": lambda v: 0 <= v <= 1,
+             "in [0, 1)": lambda v: 0 <= v < 1}  # fmt: skip
+    for rule, name in ((rule, name) for rule, names in FLAG_RULES for name in names):
+        if (value := getattr(args, name)) is not None and not holds[rule](value):
+            return f"{flag(name)} must be {rule}, got {value}"
+    if args.track:
+        try:
+            import wandb  # noqa: F401  optional: pip install -e ".[track]"
+        except Exception as e:  # not installed, or broken: refused before any directory is made
+            return f'--track needs wandb (pip install -e ".[track]"): {type(e).__name__}: {str(e)[:160]}'
+    return None
+
+
+def parse_args(argv: list[str]) -> Args:
+    """tyro's parse of the command line, with a renamed flag (RENAMED_FLAGS) and tyro's own boxed message (an unknown
+    flag, a value of the wrong type) turned into the one error line and exit 2 of any other bad input."""
+    for arg in argv:
+        if (name := arg.split("=")[0]) in RENAMED_FLAGS:
+            fail(f"{name} {RENAMED_FLAGS[name]}")
+    box = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(box):
+            return tyro.cli(Args, args=argv)
+    except SystemExit as e:
+        if e.code in (0, None):
+            raise
+        lines = [line.strip("\u2502\u256d\u2570\u2500\u256e\u256f ") for line in box.getvalue().splitlines()]
+        fail(f"{next((x for x in lines[1:] if x), 'the command line cannot be parsed')} "
+             f"(see python {Path(__file__).name} --help)")  # fmt: skip
 
 
 def new_run_dir(args: Args) -> Path:
     """Create this run's directory, never one that exists: a run started in the same second with the same name gets
     the suffix -2, -3, ... (mkdir is atomic, so two runs cannot both take one name). Exit 2 if it cannot be made."""
     base = Path(args.log_dir) / f"{args.env_id.replace('/', '_')}__{args.exp_name}__{args.seed}__{int(time.time())}"
-    try:
-        base.parent.mkdir(parents=True, exist_ok=True)
-    except FileExistsError:
-        fail(f"cannot create the run directory {base}: {base.parent} is not a directory")
-    except OSError as e:
-        fail(f"cannot create the run directory {base}: {e.strerror or e}")
     for n in itertools.count(1):
         run_dir = base if n == 1 else base.with_name(f"{base.name}-{n}")
         try:
+            base.parent.mkdir(parents=True, exist_ok=True)
             run_dir.mkdir()
             return run_dir
         except FileExistsError:
-            continue
+            if not base.parent.is_dir():
+                fail(f"cannot create the run directory {base}: {base.parent} is not a directory")
         except OSError as e:
             fail(f"cannot create the run directory {run_dir}: {e.strerror or e}")
 
@@ -996,52 +1070,100 @@ def start_tracking(args: Args, run_dir: Path):
     import wandb  # optional: pip install -e ".[track]"
 
     try:
-        wandb.init(
-            project=args.wandb_project_name,
-            entity=args.wandb_entity,
-            name=run_dir.name,
-            id=hashlib.sha1(run_dir.name.encode()).hexdigest(),
-            resume="allow" if args.resume else None,
-            config=vars(args),
-            sync_tensorboard=True,
-            save_code=True,
-        )
+        wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=run_dir.name, config=vars(args),
+                   id=hashlib.sha1(run_dir.name.encode()).hexdigest(), resume="allow" if args.resume else None,
+                   sync_tensorboard=True, save_code=True)  # fmt: skip
     except Exception as e:  # not logged in, no network, an unknown entity or project
         fail(f"--track: wandb.init failed: {(str(e).strip().splitlines() or [type(e).__name__])[0][:200]}")
     return wandb
 
 
-def checkpoint_meta(args: Args, network: str, obs_space: gym.Space, act_space: gym.spaces.Discrete) -> dict:
-    """What a checkpoint must match to be resumed by this run: script, env, network and shapes."""
-    return dict(script=Path(__file__).name, algo=None, env_id=args.env_id, network=network, **model_options(args),
-                obs_shape=list(obs_space.shape), action_shape_or_n=int(act_space.n))  # fmt: skip
+def finish_tracking(tracker, run_dir: Path, exit_code: int) -> None:
+    """--track (`tracker` from start_tracking): upload the final evaluation's videos, then end the W&B run with the
+    run's exit status. Call it after the SummaryWriter is closed: wandb has synced the events written up to then."""
+    if tracker is None:
+        return
+    for video in sorted((run_dir / "videos").glob("*.mp4")):
+        tracker.log({"videos": tracker.Video(str(video))})
+    tracker.finish(exit_code=exit_code)
 
 
-def load_checkpoint(path: str, meta: dict) -> dict:
-    """The checkpoint at `path` if this run can continue it; otherwise one error line and exit 2 (nothing started)."""
+def make_writer(run_dir: Path, args: Args):
+    """The run's TensorBoard writer, with the hyperparameter table and its writer thread's write errors kept quiet."""
+    from torch.utils.tensorboard import SummaryWriter  # here, not at import: the writer starts a thread
+
+    threading.excepthook = quiet_writer_thread
+    writer = SummaryWriter(str(run_dir))
+    table = "\n".join(f"|{k}|{v}|" for k, v in asdict(args).items())
+    writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
+    return writer
+
+
+def quiet_writer_thread(hook) -> None:
+    """threading.excepthook: TensorBoard's writer thread dies of a write error (a full disk) that the next write or
+    close raises again in the main thread, which reports it in one line; that thread's own traceback is noise."""
+    frames = traceback.extract_tb(hook.exc_traceback)
+    if not (issubclass(hook.exc_type, OSError) and any("tensorboard" in f.filename for f in frames)):
+        threading.__excepthook__(hook)
+
+
+def write_error(e: OSError, what) -> str:
+    """The error line of a write that failed: a full disk said plainly, anything else with the system's reason."""
+    if e.errno == errno.ENOSPC:
+        return f"error: no space left on device while writing {what}"
+    return f"error: cannot write {what}: {e.strerror or e}"
+
+
+def atomic_save(obj, path: Path) -> None:
+    """torch.save to a temporary file beside `path`, then a rename over `path`, so a crash or a full disk leaves the
+    previous file intact. Raises WriteError with the error line."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)  # serialised in memory first: a full disk then shows as ENOSPC, not a zip-writer error
+    tmp = path.with_suffix(".tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(buffer.getbuffer())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise WriteError(write_error(e, path)) from None
+
+
+def load_checkpoint(path: str, meta: dict, args: Args) -> dict:
+    """The checkpoint at `path` if this run can continue it: its meta (checkpoint_meta) is this run's and no flag in
+    RESUME_FIXED differs from its run's. Otherwise one error line and exit 2, with nothing started. Prints the step it
+    resumes from and every flag that differs from its run's."""
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as e:
+    except Exception as e:  # garbage, truncated, or pickled objects this interpreter cannot rebuild
         reason = (str(e).strip().splitlines() or [""])[0][:120]
         fail(f"cannot resume from {path}: not a checkpoint this script can read ({type(e).__name__}: {reason})")
     theirs = checkpoint.get("meta") if isinstance(checkpoint, dict) else None
     if not isinstance(theirs, dict):
         fail(f'cannot resume from {path}: not a checkpoint this script can read (it has no "meta" entry)')
-    differ = [k for k in meta if theirs.get(k) != meta[k]]
-    if differ:
-        fail(
-            f"cannot resume from {path}: it is a {theirs.get('script')} checkpoint "
-            f"({', '.join(f'{k} {theirs.get(k)}' for k in differ)}), this run is "
-            f"{', '.join(f'{k} {meta[k]}' for k in differ)}"
-        )
+    if differ := [k for k in meta if theirs.get(k) != meta[k]]:
+        ours, saved = (", ".join(f"{k} {m.get(k)}" for k in differ) for m in (meta, theirs))
+        fail(f"cannot resume from {path}: it is a {theirs.get('script')} checkpoint ({saved}), this run is {ours}")
+    before, now = checkpoint.get("args", {}), asdict(args)
+    changed = [k for k in now if k in before and now[k] != before[k] and k not in ("resume", "eval_only")]
+    if fixed := [k for k in changed if k in RESUME_FIXED]:  # the run's shape: buffers, schedules, step arithmetic
+        k = fixed[0]
+        fail(f"cannot resume from {path} with {flag(k)} {now[k]}: its run has {before[k]} (these stay as they were "
+             f"in a resumed run: {', '.join(flag(name) for name in RESUME_FIXED)})")  # fmt: skip
+    if not os.access(Path(path).parent, os.W_OK):
+        fail(f"cannot write to the run directory {Path(path).parent} of --resume {path}")
+    said = ", ".join(f"{flag(k)} {now[k]} (was {before[k]})" for k in changed) or "none"
+    print(f"resuming {path} from step {checkpoint.get('global_step')}; flags that differ from its run: {said}")
     return checkpoint
 
 
 def load_for_eval(args: Args) -> tuple[Args, nn.Module, dict]:
     """--eval-only: the saved agent (a model.pt with its run's args.json beside it, or a checkpoint.pt), the Args to
-    evaluate it with (env, protocol, network and model options from the saved run, so the agent gets the inputs and
-    the LSTM it was trained with; seed and evaluation flags from this command line) and the settings taken from the
-    run. Anything this script cannot evaluate is one error line and exit 2."""
+    evaluate it with (the RUN_SETTINGS flags from the saved run; seed, evaluation flags and the rest from this command
+    line) and the settings taken from the run. Anything this script cannot evaluate is one error line and exit 2."""
     path, this = Path(args.eval_only), Path(__file__).name
     try:
         saved = torch.load(path, map_location="cpu", weights_only=False)
@@ -1058,351 +1180,19 @@ def load_for_eval(args: Args) -> tuple[Args, nn.Module, dict]:
             fail(f"--eval-only {path}: cannot read its run's args.json beside it (it names the env and network): {e}")
     if run.get("script") != this:
         fail(f"{path} was saved by {run.get('script')}, not {this}")
-    for name in ("env_id", "network"):  # a value given on the command line must be the saved run's
-        given, theirs = getattr(args, name), (run["meta"][name], run["args"][name])
-        if given != getattr(Args, name) and given not in theirs:
-            fail(f"--{name.replace('_', '-')} {given} contradicts {path}, saved by a run with {theirs[0]}")
-    own = dict(eval_only=args.eval_only, eval_episodes=args.eval_episodes or 10, eval_greedy=args.eval_greedy,
-               capture_video=args.capture_video, seed=args.seed, cuda=args.cuda)  # fmt: skip
-    known = {f.name for f in fields(Args)}
-    eval_args = Args(**{k: v for k, v in run["args"].items() if k in known} | own)
-    network = run["meta"]["network"]  # `auto` resolved by the run
+    settings = {k: run["meta"].get(k, run["args"][k]) for k in RUN_SETTINGS}  # meta: what `auto` resolved to
+    for name, value in settings.items():  # a flag given on the command line must be the saved run's
+        given = getattr(args, name)
+        if given != getattr(Args, name) and json.loads(json.dumps(given)) not in (value, run["args"][name]):
+            fail(f"{flag(name)} {given} contradicts {path}, saved by a run with {value}")
+    eval_args = replace(args, **{k: run["args"][k] for k in RUN_SETTINGS}, eval_episodes=args.eval_episodes or 10)
     try:
-        spaces = env_spaces(eval_args)
-    except EnvError as e:
-        fail(str(e))
-    model = make_model(*spaces, network, **model_options(eval_args))
-    try:
-        model.load_state_dict(saved["model"] if is_checkpoint else saved)
+        model = saved_model(eval_args, settings, saved["model"] if is_checkpoint else saved)
+    except EnvError as e:  # the run's env is not installed here
+        fail(f"--eval-only {path}: {e}")
     except Exception as e:  # not a state_dict, or one of another network
-        fail(f"--eval-only {path}: not parameters of its run's {network} network ({type(e).__name__})")
-    settings = dict(env_id=eval_args.env_id, atari_protocol=eval_args.atari_protocol, network=network,
-                    **model_options(eval_args))  # fmt: skip
+        fail(f"--eval-only {path}: not parameters of its run's network ({type(e).__name__})")
     return eval_args, model, settings
-
-
-def events_error(e: OSError, run_dir: Path) -> str:
-    """The error line for a TensorBoard events file that cannot be written (a full disk, most often). TensorBoard's
-    writer thread dies of it and the main thread gets it at its next write; the thread is kept from printing its own
-    traceback (`quiet_writer_thread`), so the run reports it in this one line."""
-    reason = "no space left on device" if e.errno == errno.ENOSPC else (e.strerror or str(e))
-    return f"error: {reason} while writing the TensorBoard events in {run_dir}; stopping"
-
-
-def quiet_writer_thread() -> None:
-    default = threading.excepthook
-    threading.excepthook = lambda hook_args: None if issubclass(hook_args.exc_type, OSError) else default(hook_args)
-
-
-class WriteError(RuntimeError):
-    """A checkpoint or model file could not be written; the message is the error line."""
-
-
-def atomic_save(obj: object, path: Path) -> None:
-    """torch.save, atomic: a temporary file, then a rename over the old file, so a full disk leaves the last good one.
-    Serialised in memory first: torch.save to a full disk raises a cryptic "unexpected pos" instead of ENOSPC."""
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    tmp = path.with_suffix(".tmp")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(buffer.getbuffer())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        reason = "no space left on device" if e.errno == errno.ENOSPC else (e.strerror or str(e))
-        raise WriteError(f"error: {reason} while writing {path}") from None
-
-
-def log_update(
-    writer: SummaryWriter, step: int, batch: Rollouts, lr: float, lag: float, sps: float, metrics: dict[str, float],
-    timing: dict[str, float],
-) -> list[float]:  # fmt: skip
-    """One update's TensorBoard scalars, the games that ended in its batch included; returns their returns."""
-    ends = batch.episode_end[1:]  # row 0 repeats the previous rollout's last row
-    returns = batch.episode_return[1:][ends].tolist()
-    for ret, length in zip(returns, batch.episode_length[1:][ends].tolist(), strict=True):
-        writer.add_scalar("charts/episodic_return", ret, step)
-        writer.add_scalar("charts/episodic_length", length, step)
-    writer.add_scalar("charts/policy_lag", lag, step)
-    writer.add_scalar("charts/SPS", sps, step)
-    writer.add_scalar("charts/learning_rate", lr, step)
-    for name, value in metrics.items():
-        writer.add_scalar(f"losses/{name}", value, step)
-    for name, value in timing.items():
-        writer.add_scalar(f"timing/{name}", value, step)
-    return returns
-
-
-def evaluate(model: nn.Module, args: Args, video_dir: Path, device: torch.device) -> list[float]:
-    """Play `eval_episodes` full games with the final (or --eval-only's saved) policy, true returns; argmax actions
-    with `--eval-greedy` (TorchBeast's test mode), sampled ones otherwise; videos to `video_dir` (--capture-video)."""
-    env = make_env(args.env_id, args.seed + 1_000_003, protocol=args.atari_protocol, capture_video=args.capture_video,
-                   video_dir=str(video_dir))  # fmt: skip
-    torch.manual_seed(args.seed + 1_000_003)
-    returns = []
-    obs, _ = env.reset()
-    done = torch.ones(1, dtype=torch.bool, device=device)
-    last_action = torch.zeros(1, dtype=torch.int64, device=device)
-    reward = torch.zeros(1, device=device)
-    state = model.initial_state(1, device) if model.core is not None else None
-    while len(returns) < args.eval_episodes:
-        with torch.inference_mode():
-            obs_t = torch.as_tensor(obs[None], device=device)
-            action, _, _, state = policy_step(model, obs_t, done, last_action, reward, state, args.eval_greedy)
-        obs, r, terminated, truncated, info = env.step(int(action[0]))
-        done.fill_(bool(terminated or truncated))
-        last_action.copy_(action)  # carried into the next game, as in training
-        reward.fill_(r)
-        if terminated or truncated:
-            returns.append(float(info["episode"]["r"]))
-            if len(returns) < args.eval_episodes:  # no reset after the last game: it would record an empty video
-                obs, _ = env.reset()
-    env.close()
-    return returns
-
-
-class StopSignals:
-    """Ctrl+C and SIGTERM record their number (the exit status is 128 + it); the main thread's watch loop sees it within
-    a second and sets `stop`. The handler must not touch `stop` itself: it runs in the main thread, which may be inside
-    `stop.is_set()` holding the event's lock, and would wait on that lock forever."""
-
-    def __init__(self):
-        self.signum: int | None = None
-
-    def handler(self, signum: int, frame: object) -> None:
-        self.signum = signum
-
-    def install(self) -> None:
-        signal.signal(signal.SIGINT, self.handler)
-        signal.signal(signal.SIGTERM, self.handler)
-
-    @staticmethod
-    def restore() -> None:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-
-
-def watch(
-    actors: list[mp.Process], learners: list[threading.Thread], queues: Queues, signals: StopSignals
-) -> str | None:
-    """The main thread until the learners finish, a signal arrives or a worker fails: a dead actor (exception or
-    kill -9) stops the run. Returns the error line naming a dead actor, or None."""
-    sentinels = {p.sentinel: i for i, p in enumerate(actors)}
-    while signals.signum is None and not queues.stop.is_set() and any(t.is_alive() for t in learners):
-        ready = multiprocessing.connection.wait(list(sentinels), timeout=1.0)
-        if not ready or signals.signum is not None or queues.stop.is_set():
-            continue
-        i = sentinels[ready[0]]
-        actors[i].join(timeout=1.0)
-        try:
-            error = queues.errors.get(timeout=2.0)
-            i, detail = error.actor_id, f":\n{error.traceback}"
-        except queue.Empty:
-            code = actors[i].exitcode
-            detail = f" (killed by signal {-code})" if code is not None and code < 0 else f" (exit code {code})"
-        return f"error: actor {i} (pid {actors[i].pid}) died{detail}"
-    return None
-
-
-def shutdown(
-    actors: list[mp.Process], threads: list[threading.Thread], num_learners: int, queues: Queues,
-    inference: InferenceServer | None,
-) -> None:  # fmt: skip
-    """Stop every worker: wake whoever blocks on a queue, pipe or semaphore, join the threads, then the actors
-    (terminated, then killed, if they do not return), and close the queues. No process is left behind."""
-    queues.stop.set()
-    if inference is not None:
-        inference.requests.put(RequestPipe.WAKE)
-    for _ in range(num_learners):
-        queues.full.put(None)
-    deadline = time.time() + 8.0  # queue waits wake within a second; an update ends within seconds
-    for t in threads:
-        t.join(timeout=max(0.0, deadline - time.time()))
-    for _ in actors:
-        queues.free.put(None)
-    for sem in inference.sems if inference is not None else []:
-        sem.release()
-    deadline = time.time() + 3.0
-    for p in actors:
-        p.join(timeout=max(0.0, deadline - time.time()))
-    for p in actors:
-        if p.is_alive():
-            p.terminate()
-            p.join(timeout=1.0)
-        if p.is_alive():
-            p.kill()
-            p.join()
-    queues.close()
-    if inference is not None:
-        inference.requests.close()
-
-
-def leave(code: int, threads: list[threading.Thread]) -> None:
-    """Exit with `code`. A thread still inside torch when the interpreter tears down makes C++ static destructors
-    abort the process ("terminate called without an active exception", SIGABRT), so if a worker thread outlived its
-    join, skip the teardown: TensorBoard is closed and checkpoints are written by now."""
-    alive = [t.name for t in threads if t.is_alive()]
-    if alive:
-        print(f"warning: {', '.join(alive)} still running at exit; leaving without interpreter teardown",
-              file=sys.stderr, flush=True)  # fmt: skip
-        sys.stdout.flush()
-        os._exit(code)
-    if code:
-        raise SystemExit(code)
-
-
-def start_actors(
-    args: Args, env_seed: int, buffers: Buffers, queues: Queues, acting: ActingModel, slots: InferenceSlots | None,
-    requests: RequestPipe | None, sems: list[Semaphore], ctx: mp.context.BaseContext,
-) -> list[mp.Process]:  # fmt: skip
-    """One process per actor (env e of actor i seeded env_seed + N i + e), forked: the buffers and the shared model
-    are inherited, not pickled (MonoBeast's choice)."""
-    actors = []
-    for i in range(args.num_actors):
-        if args.inference == "actor":
-            policy = CopyPolicy(acting, args.num_envs_per_actor)
-        else:
-            policy = BatchedPolicy(i, slots, requests, sems[i], args.use_lstm)
-        actors.append(ctx.Process(target=actor_process, name=f"actor-{i}", daemon=True,
-                                  args=(i, args, env_seed + args.num_envs_per_actor * i, buffers, queues, policy,
-                                        os.getpid())))  # fmt: skip
-        actors[-1].start()
-    return actors
-
-
-def finish(
-    learner: Learner, failure: str | None, signum: int | None, threads: list[threading.Thread], tracker=None
-) -> None:
-    """After the workers stopped: the final checkpoint and model, the evaluation, TensorBoard closed, the W&B run
-    (`tracker`, from start_tracking) finished, the exit status (1 on failure, 128 + the signal when interrupted)."""
-    args, run_dir = learner.args, learner.run_dir
-    if signum is not None:
-        print(f"interrupted at step {learner.global_step}: shutting down", file=sys.stderr)
-    try:
-        if failure is None and args.checkpoint_interval:
-            learner.save_checkpoint()
-        if failure is None and signum is None and args.save_model:
-            atomic_save(learner.model.state_dict(), run_dir / "model.pt")
-    except WriteError as e:
-        failure = f"{e}; stopping (the last good checkpoint is kept)"
-    if failure is None and signum is None and args.eval_episodes:
-        for i, ret in enumerate(evaluate(learner.model, args, run_dir / "videos", learner.device)):
-            learner.writer.add_scalar("eval/episodic_return", ret, i)
-            print(f"eval episode {i}: return {ret:.1f}")
-    try:
-        learner.writer.close()
-    except OSError as e:
-        failure = failure or events_error(e, run_dir)
-    code = 1 if failure else 128 + signum if signum is not None else 0
-    if tracker is not None:  # after the writer is closed: wandb syncs the events files up to then
-        for video in sorted((run_dir / "videos").glob("*.mp4")):
-            tracker.log({"videos": tracker.Video(str(video))})
-        tracker.finish(exit_code=code)
-    if failure:
-        print(failure, file=sys.stderr)
-    leave(code, threads)
-
-
-# ---- Main ------------------------------------------------------------------------------------------------------------
-
-
-def main(args: Args) -> None:
-    if error := validate(args):
-        fail(error)
-    if args.eval_only:
-        main_eval_only(args)
-        return
-    try:
-        obs_space, act_space = env_spaces(args)
-    except EnvError as e:
-        fail(str(e))
-    # checkpoint and run directory, before any process, thread, file or process-wide setting
-    network = args.network if args.network != "auto" else ("nature" if len(obs_space.shape) == 3 else "mlp")
-    meta = checkpoint_meta(args, network, obs_space, act_space)
-    checkpoint = load_checkpoint(args.resume, meta) if args.resume else None
-    if checkpoint and not os.access(Path(args.resume).parent, os.W_OK):
-        fail(f"cannot write to the run directory {Path(args.resume).parent} of --resume {args.resume}")
-    run_dir = Path(args.resume).parent if checkpoint else new_run_dir(args)
-    write_run_args(run_dir, args, meta)
-
-    device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
-    torch.set_num_threads(args.torch_threads or max(1, (os.cpu_count() or 1) - args.num_actors))
-    # the inference thread must get the GIL as soon as a request arrives, not after the learner's 5 ms time slice
-    sys.setswitchinterval(0.0005)
-    torch.manual_seed(args.seed)
-    torch.backends.cudnn.deterministic = args.torch_deterministic
-    torch.use_deterministic_algorithms(args.torch_deterministic, warn_only=True)
-
-    # model, optimizer, shared memory: all allocated once, before the actors fork
-    model = make_model(obs_space, act_space, network, **model_options(args)).to(device)
-    optimizer = torch.optim.RMSprop(model.parameters(), lr=args.learning_rate, alpha=args.rmsprop_alpha,
-                                    eps=args.rmsprop_eps, momentum=args.rmsprop_momentum)  # fmt: skip
-    updates, global_step = 0, 0
-    if checkpoint:
-        model.load_state_dict(checkpoint["model"])
-        optimizer.load_state_dict(checkpoint["optimizer"])
-        updates, global_step = checkpoint["update"], checkpoint["global_step"]
-        torch.set_rng_state(checkpoint["torch_rng"])
-    M, N, K = args.num_actors, args.num_envs_per_actor, num_buffers_of(args)
-    steps_per_update = args.unroll_length * args.batch_size * N
-    num_updates = args.total_timesteps // steps_per_update
-    lstm = (model.core.num_layers, model.core.hidden_size) if model.core is not None else (1, 1)
-    obs_dtype = torch.uint8 if obs_space.dtype == np.uint8 else torch.float32
-    buffers = Buffers.allocate(K, args.unroll_length, N, obs_space.shape, obs_dtype, int(act_space.n), lstm)
-    # the actors' copy: the Nature network infers faster contiguous on CPU, trains faster channels_last (common.models)
-    acting_device = device if args.inference == "batched" else torch.device("cpu")
-    acting_model = make_model(obs_space, act_space, network, **model_options(args), channels_last=network != "nature")
-    acting = ActingModel(acting_model.to(acting_device), torch.tensor([updates]).share_memory_(), threading.Lock())
-    acting.refresh(model, updates)
-    ctx = mp.get_context("fork")
-    queues = Queues.create(ctx, buffers)
-    slots, requests, sems = None, None, []
-    if args.inference == "batched":
-        slots = InferenceSlots.allocate(M, N, obs_space.shape, obs_dtype, int(act_space.n), lstm)
-        requests, sems = RequestPipe(), [ctx.Semaphore(0) for _ in range(M)]
-    else:
-        acting.model.share_memory()
-    env_seed = args.seed + (1_000_003 * updates if checkpoint else 0)  # shifted on resume so episodes are new
-    actors = start_actors(args, env_seed, buffers, queues, acting, slots, requests, sems, ctx)
-    try:  # after the fork (no actor inherits wandb's threads and pipes), before the SummaryWriter (wandb patches it)
-        tracker = start_tracking(args, run_dir)
-    except SystemExit:  # wandb.init failed: its error line is printed, the actors stop before the exit
-        shutdown(actors, [], 0, queues, None)
-        raise
-
-    # TensorBoard after the fork (the writer runs a background thread), then the learner and inference threads
-    quiet_writer_thread()
-    writer = SummaryWriter(str(run_dir))
-    table = "\n".join(f"|{k}|{v}|" for k, v in {**asdict(args), "num_buffers": K}.items())
-    writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
-    print(f"run directory: {run_dir}  ({num_updates} updates of {steps_per_update} agent steps, {M} actors x {N} envs, "
-          f"{args.inference} inference, {network} network{' + LSTM' if args.use_lstm else ''}, {K} buffers)",
-          flush=True)  # fmt: skip
-    failures: list[str] = []
-    inference = None
-    if args.inference == "batched":
-        max_actors = M if not args.max_inference_batch else max(1, args.max_inference_batch // N)
-        inference = InferenceServer(acting, slots, requests, sems, max_actors, device, queues.stop, failures)
-    learner = Learner(args, model, optimizer, device, acting, buffers, queues, num_updates, writer, run_dir, meta,
-                      failures, inference, updates, global_step)  # fmt: skip
-    threads = [threading.Thread(target=learner.run, args=(j,), name=f"learner-{j}", daemon=True)
-               for j in range(args.num_learner_threads)]  # fmt: skip
-    if inference is not None:
-        threads.append(threading.Thread(target=inference.run, name="inference", daemon=True))
-    signals = StopSignals()
-    signals.install()
-    for t in threads:
-        t.start()
-
-    try:
-        actor_failure = watch(actors, threads[: args.num_learner_threads], queues, signals)
-    finally:
-        shutdown(actors, threads, args.num_learner_threads, queues, inference)
-        signals.restore()
-    finish(learner, actor_failure or (failures[0] if failures else None), signals.signum, threads, tracker)
 
 
 def main_eval_only(args: Args) -> None:
@@ -1428,6 +1218,177 @@ def main_eval_only(args: Args) -> None:
     except OSError as e:
         fail(f"cannot write {out}: {e.strerror or e}")
     print(f"mean return over {len(returns)} episodes: {report['mean']:.2f} (written to {out})")
+
+
+# -- supervision of local child processes (the scripts that start them) --
+
+
+def child_main(parent_pid: int, target, args: tuple) -> None:
+    """A child process's first call: Linux's kernel kills it when the main process dies, even by kill -9, so nothing
+    outlives the run (a main process already gone before prctl ran: exit at once). Signals are the main process's to
+    handle (it stops the children through the run's stop event): ignored here, then unblocked (Processes.start)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # no prctl (not Linux)
+        pass
+    if os.getppid() != parent_pid:
+        os._exit(1)
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+    target(*args)
+
+
+class Processes:
+    """The run's child processes by name: started through child_main, watched through their sentinels, stopped with a
+    grace period before SIGKILL."""
+
+    def __init__(self, ctx):
+        self.ctx, self.procs = ctx, {}
+
+    def start(self, name: str, target, *args) -> None:
+        process = self.ctx.Process(target=child_main, name=name, args=(os.getpid(), target, args), daemon=True)
+        # the child starts with the stop signals blocked (the mask survives fork and exec) until child_main ignores
+        # them: a Ctrl+C sent to the whole process group cannot interrupt a spawned child while it imports
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        try:
+            process.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        self.procs[name] = process
+
+    def wait(self, timeout: float) -> str | None:
+        """Block until a child ends or `timeout` seconds pass, then `failed()`."""
+        running = [p.sentinel for p in self.procs.values() if p.exitcode is None]
+        if running:
+            multiprocessing.connection.wait(running, timeout)
+        return self.failed()
+
+    def failed(self) -> str | None:
+        for name, p in self.procs.items():
+            if p.exitcode is not None and p.exitcode != 0:
+                how = f"killed by signal {-p.exitcode}" if p.exitcode < 0 else f"exit status {p.exitcode}"
+                return f"{name} died ({how})"
+        return None
+
+    def stop(self, grace: float) -> list[str]:
+        """Join every child within `grace` seconds in all (the stop event is set), SIGKILL the rest; their names."""
+        deadline = time.monotonic() + grace
+        for p in self.procs.values():
+            p.join(max(0.0, deadline - time.monotonic()))
+        stuck = [name for name, p in self.procs.items() if p.is_alive()]
+        for name in stuck:
+            self.procs[name].kill()
+            self.procs[name].join()
+        return stuck
+
+
+# -- script-specific: FLAG_RULES, RUN_SETTINGS, validate, env_spaces, checkpoint_meta, saved_model, evaluate, ... --
+
+
+FLAG_RULES = (
+    (">= 1", ("num_actors", "num_envs_per_actor", "num_learner_threads", "unroll_length", "batch_size")),
+    (">= 1", ("total_timesteps", "lstm_layers")), ("in (0, 1]", ("gamma", "rmsprop_alpha")),
+    ("> 0", ("learning_rate", "max_grad_norm", "vtrace_rho_bar", "vtrace_c_bar", "vtrace_pg_rho_bar", "rmsprop_eps")),
+    (">= 0", ("checkpoint_interval", "eval_episodes", "torch_threads", "max_inference_batch", "lstm_size")),
+    (">= 0", ("vf_coef", "ent_coef", "rmsprop_momentum")),
+)  # fmt: skip
+RESUME_FIXED = ()  # TODO
+RUN_SETTINGS = ("env_id", "atari_protocol", "network", "use_lstm", "lstm_size", "lstm_layers", "action_reward_inputs")
+RENAMED_FLAGS = {"--entropy-cost": "is now --ent-coef (see --help)", "--baseline-cost": "is now --vf-coef (see --help)"}
+
+
+def validate(args: Args) -> str | None:
+    """Every flag checked before anything is made or started: the error line (without `error: `), or None."""
+    if error := check_flags(args):
+        return error
+    M, N, B, K = args.num_actors, args.num_envs_per_actor, args.batch_size, num_buffers_of(args)
+    if K < max(M, B):
+        return f"--num-buffers ({K}) must be >= --num-actors ({M}) and >= --batch-size ({B})"
+    if 0 < args.max_inference_batch < N:
+        return f"--max-inference-batch ({args.max_inference_batch}) must be 0 (all) or >= --num-envs-per-actor ({N})"
+    if args.total_timesteps < args.unroll_length * B * N:
+        return (f"--total-timesteps ({args.total_timesteps}) is less than one learner batch ({args.unroll_length} "
+                f"steps x {B} rollouts x {N} envs)")  # fmt: skip
+    if args.resume is not None and not Path(args.resume).is_file():
+        return f"--resume {args.resume}: no such checkpoint file"
+    if args.eval_only is not None and not Path(args.eval_only).is_file():
+        return f"--eval-only {args.eval_only}: no such file"
+    if args.track and importlib.util.find_spec("wandb") is None:
+        return '--track needs wandb: pip install -e ".[track]"'
+    try:
+        check_env_args(args.env_id, N, args.atari_protocol)  # the id too, without making the env
+        if args.capture_video and args.eval_only is None:  # fail now, not at the final evaluation
+            check_video(args.env_id, args.atari_protocol)
+    except EnvError as e:
+        return str(e)
+    return None
+
+
+def env_spaces(args: Args) -> tuple[gym.Space, gym.spaces.Discrete]:
+    """(observation space, action space) of one training env; EnvError if this script cannot train on it."""
+    probe = make_vector_env(args.env_id, 1, args.seed, protocol=args.atari_protocol, num_threads=1)
+    obs_space, act_space = probe.single_observation_space, probe.single_action_space
+    probe.close()
+    if not isinstance(act_space, gym.spaces.Discrete):
+        raise EnvError(f"{args.env_id} has a continuous action space ({act_space}); impala_monobeast.py handles "
+                       f"Discrete action spaces only (for continuous actions: apex_ddpg.py)")  # fmt: skip
+    return obs_space, act_space
+
+
+def checkpoint_meta(args: Args, network: str, obs_space: gym.Space, act_space: gym.spaces.Discrete) -> dict:
+    """What a checkpoint must match to be resumed by this run: script, env, network and shapes."""
+    return dict(script=Path(__file__).name, algo=None, env_id=args.env_id, network=network, **model_options(args),
+                obs_shape=list(obs_space.shape), action_shape_or_n=int(act_space.n))  # fmt: skip
+
+
+def saved_model(args: Args, settings: dict, state_dict: dict) -> nn.Module:
+    """--eval-only: the saved run's network (its inputs and LSTM included) with its parameters."""
+    model = make_model(*env_spaces(args), settings["network"], **model_options(args))
+    model.load_state_dict(state_dict)
+    return model
+
+
+def finish(learner: Learner, failure: str | None, signum: int, threads: list[threading.Thread], tracker=None) -> None:
+    """After the workers stopped: final checkpoint and model, evaluation, TensorBoard closed, W&B finished, exit."""
+    if signum:
+        print(f"interrupted at step {learner.global_step}: shutting down", file=sys.stderr)
+    try:
+        if failure is None and learner.args.checkpoint_interval:
+            learner.save_checkpoint()
+        if failure is None and not signum and learner.args.save_model:
+            atomic_save(learner.model.state_dict(), learner.run_dir / "model.pt")
+    except WriteError as e:
+        failure = f"{e}; stopping (the last good checkpoint is kept)"
+    if failure is None and not signum and learner.args.eval_episodes:
+        learner.evaluate()
+    try:
+        learner.writer.close()
+    except OSError as e:
+        failure = failure or write_error(e, f"the TensorBoard events in {learner.run_dir}")
+    code = 1 if failure else 128 + signum if signum else 0
+    finish_tracking(tracker, learner.run_dir, code)
+    if failure:
+        print(failure, file=sys.stderr)
+    leave(code, threads)
+
+
+def leave(code: int, threads: list[threading.Thread], teardown: bool = True) -> None:
+    """Exit with `code`. A thread still inside torch when the interpreter tears down makes C++ static destructors
+    abort the process ("terminate called without an active exception", SIGABRT), so if a worker thread outlived its
+    join, skip the teardown: TensorBoard is closed and checkpoints are written by now. `teardown=False` skips it too,
+    for torchrun ranks: gloo's transport threads outlive destroy_process_group (or the group lost a rank and was never
+    destroyed), and the teardown can abort the same way."""
+    alive = [t.name for t in threads if t.is_alive()]
+    if alive:
+        print(f"warning: {', '.join(alive)} still running at exit; leaving without interpreter teardown",
+              file=sys.stderr, flush=True)  # fmt: skip
+    if alive or not teardown:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    if code:
+        raise SystemExit(code)
 
 
 if __name__ == "__main__":

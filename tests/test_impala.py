@@ -198,7 +198,7 @@ def test_buffer_protocol_with_real_actors(inference):
         watcher.join()
         if inference == "batched":
             requests.close()
-    assert all(p.exitcode == 0 for p in actors) and not failures and queues.errors.empty()
+    assert all(p.exitcode == 0 for p in actors) and not failures  # 1: an actor died of an exception
     assert not violations, violations[:3]
     drained = {"free": [], "full": []}
     for name, q in (("free", queues.free), ("full", queues.full)):
@@ -255,7 +255,7 @@ def test_learner_sees_the_actors_inputs_and_raw_rewards(use_lstm, monkeypatch):
     finally:
         queues.stop.set()
         actor.join(timeout=10)
-    assert queues.errors.empty()
+    assert actor.exitcode == 0  # 1: it died of an exception
     first = batches[0]
     assert first.done[0].all() and first.last_action[0].eq(0).all() and first.reward[0].eq(0).all()
     for batch in batches:
@@ -603,9 +603,11 @@ def test_runs_started_in_the_same_second_get_their_own_directories(tmp_path, mon
     assert [d.name for d in dirs] == [f"CartPole-v1__impala_monobeast__1__1700000000{s}" for s in ("", "-2", "-3")]
 
 
-def test_crashing_actor_stops_the_run_with_its_traceback(run_main):
-    proc = run_main(["--env-id", "tests.faulty_env:CrashingCartPole-v0", "--num-actors", "2", "--unroll-length", "16",
-                     "--batch-size", "2", "--total-timesteps", "10000000"])  # fmt: skip
+def test_crashing_actor_stops_the_run_with_its_traceback(tmp_path):
+    # a process of its own: the actor prints its traceback to the stderr it inherits, which capsys does not see
+    proc = run_script(SCRIPT, ["--env-id", "tests.faulty_env:CrashingCartPole-v0", "--num-actors", "2",
+                               "--unroll-length", "16", "--batch-size", "2", "--total-timesteps", "10000000"],
+                      tmp_path)  # fmt: skip
     assert proc.returncode == 1
     assert "actor" in proc.stderr and "died" in proc.stderr and "injected env failure" in proc.stderr, proc.stderr
 
