@@ -42,7 +42,6 @@ import contextlib
 import ctypes
 import errno
 import hashlib
-import importlib.util
 import io
 import itertools
 import json
@@ -50,7 +49,6 @@ import math
 import multiprocessing.connection
 import os
 import queue
-import signal
 import threading
 import time
 import traceback
@@ -69,16 +67,7 @@ import tyro
 from torch import nn
 from torch.distributed import rpc
 
-from common.atari import (
-    FRAME_SKIP,
-    EnvError,
-    ale_game,
-    check_env_args,
-    check_video,
-    finished_episodes,
-    make_env,
-    make_vector_env,
-)
+from common.atari import FRAME_SKIP, EnvError, ale_game, check_video, finished_episodes, make_env, make_vector_env
 from common.models import make_q_network
 
 ALGORITHM = "Ape-X DQN"
@@ -112,20 +101,17 @@ class Args:
     checkpoint_interval: float = 0.0
     """seconds between checkpoints to {run_dir}/checkpoint.pt (0 = off)"""
     resume: str | None = None
-    """path of a checkpoint.pt to continue from (networks, optimizer, step count; the replay starts empty)"""
+    """a checkpoint.pt to continue: its networks, optimizer, run directory and step count (the replay starts empty)"""
     eval_episodes: int = 0
-    """episodes to evaluate the final policy on (logged as eval/episodic_return at the final step)"""
+    """episodes played by the final policy after training, logged as eval/episodic_return (--eval-only: 0 plays 10)"""
     eval_greedy: bool = False
     """evaluate with argmax Q-values (epsilon 0); the default `--no-eval-greedy` is epsilon-greedy at --eval-epsilon"""
     eval_only: str | None = None
-    """evaluate a saved agent instead of training: a model.pt or checkpoint.pt of a run of this script; env, protocol,
-    network and model options come from the run's args.json / checkpoint (--eval-episodes 0 plays 10 episodes)"""
+    """evaluate a model.pt or checkpoint.pt of this script instead of training, with its run's env and network"""
     capture_video: bool = False
-    """record videos of the final evaluation episodes to {run_dir}/videos (--eval-only: to
-    {model dir}/videos-eval-{time})"""
+    """record the evaluation episodes to {run_dir}/videos (--eval-only: {model dir}/videos-eval-{unix time})"""
     track: bool = False
-    """log the run to Weights & Biases: TensorBoard synced, Args as config, videos uploaded; needs
-    `pip install -e ".[track]"`"""
+    """log the run to Weights & Biases (TensorBoard, Args, videos); needs `pip install -e ".[track]"`"""
     wandb_project_name: str = "actorlearners"
     """Weights & Biases project of --track"""
     wandb_entity: str | None = None
@@ -137,21 +123,18 @@ class Args:
     num_envs_per_actor: int = 1
     """envs each actor steps with one batched forward pass (Ape-X: 1)"""
     torch_threads: int = 1
-    """torch intra-op threads of the learner (0 = torch's default, one per core); 1 by default, since the actors
-    already use the cores and oversubscribed threads slow a small learner update many times over"""
+    """torch intra-op threads of the learner (0: torch's); 1: the actors use the cores, more threads slow the update"""
     actor_torch_threads: int = 1
     """torch intra-op threads of each actor and of the evaluator"""
     hidden_sizes: tuple[int, ...] = (256, 256)
     """MLP widths of the torso for flat observations"""
     # Horgan et al. 2018, Appendix C (Ape-X DQN on Atari)
     buffer_size: int = 100_000
-    """replay capacity over all actors, split evenly (Ape-X: 2M frames, PNG-compressed; raw frames here are ~56 KB a
-    transition, so 100k is ~5.6 GB of shared memory on Atari)"""
+    """replay capacity over all actors, split evenly (Ape-X: 2M, compressed; raw Atari frames take ~56 KB each)"""
     actor_batch: int = 50
     """transitions an actor collects before computing their priorities and appending them (Ape-X: B = 50)"""
     actor_update_interval: int = 400
-    """frames an actor plays between parameter pulls, summed over its envs (Ape-X: 400 frames); an agent step is 4
-    frames on ALE ids (frame skip 4) and 1 frame on other ids, so the default pulls every 100 agent steps on Atari"""
+    """frames an actor plays between parameter pulls, over its envs (Ape-X: 400; an agent step is 4 frames on ALE)"""
     learning_starts: int = 50_000
     """transitions in the replay (all buffers) before the learner starts (Ape-X: 50,000)"""
     batch_size: int = 512
@@ -165,8 +148,7 @@ class Args:
     priority_beta: float = 0.4
     """importance-sampling exponent beta, fixed over the run as in Ape-X (0.4); see --anneal-beta"""
     anneal_beta: bool = False
-    """anneal beta linearly from --priority-beta to 1 over the run (Schaul et al. 2016's schedule; Ape-X keeps it
-    fixed)"""
+    """anneal beta linearly from --priority-beta to 1 over the run (Schaul et al. 2016; Ape-X keeps it fixed)"""
     priority_eps: float = 1e-6
     """added to |TD error| so that no transition has priority 0"""
     optimizer: Literal["rmsprop", "adam"] = "rmsprop"
@@ -190,12 +172,10 @@ class Args:
     eval_epsilon: float = 0.001
     """epsilon of the evaluation episodes (the usual DQN evaluation protocol); --eval-greedy plays epsilon 0"""
     replay_ratio: float = 0.0
-    """sampled transitions per agent step once learning starts, a rate limiter like Reverb's SampleToInsertRatio: the
-    learner waits when ahead, actors wait when more than a small slack ahead (under torchrun only the learner side).
-    0 = off: actors and learner run free, as in Ape-X. CPU-only runs need it, or actors starve the learner"""
+    """sampled transitions per agent step, a rate limiter like Reverb's SampleToInsertRatio (under torchrun: the learner
+    side only); 0 = off, actors and learner run free as in Ape-X. CPU-only runs need it, or actors starve the learner"""
     eval_interval: int = 100_000
-    """agent steps between greedy evaluation rounds during training, logged as eval/episodic_return (0 = off); the run
-    ends only once a round has reported from at or after the last boundary it crossed"""
+    """agent steps between evaluation rounds during training (0 = off); the run ends after the last one due"""
     eval_interval_episodes: int = 5
     """episodes per evaluation round during training"""
     log_frequency: int = 10
@@ -239,9 +219,7 @@ def priorities_of(td: torch.Tensor, alpha: float, eps: float) -> np.ndarray:
 
 def apex_epsilons(num_actors: int, epsilon: float = 0.4, alpha: float = 7.0) -> list[float]:
     """Horgan et al. 2018, Section 4.1: actor i of N explores with eps_i = eps^(1 + i alpha / (N - 1)); 1 actor: eps."""
-    if num_actors == 1:
-        return [epsilon]
-    return [epsilon ** (1 + i * alpha / (num_actors - 1)) for i in range(num_actors)]
+    return [epsilon ** (1 + i * alpha / max(1, num_actors - 1)) for i in range(num_actors)]
 
 
 def frame_skip(env_id: str) -> int:
@@ -255,8 +233,7 @@ def pull_interval_steps(frames: int, skip: int) -> int:
 
 
 def importance_exponent(beta: float, anneal: bool, progress: float) -> float:
-    """The IS exponent at `progress` in [0, 1] of the run: beta itself (Ape-X), or with `anneal` linear from beta to 1
-    (Schaul et al. 2016, Section 3.4)."""
+    """The IS exponent at `progress` in [0, 1]: beta (Ape-X), or linear from beta to 1 (Schaul et al. 2016, 3.4)."""
     return beta + (1.0 - beta) * min(1.0, progress) if anneal else beta
 
 
@@ -344,9 +321,7 @@ class NStepBuilder:
 # ---- Storage and messages ----
 
 
-class Transitions(NamedTuple):
-    """n-step transitions, tensors [k, ...]: what a buffer stores per slot and what the learner trains on."""
-
+class Transitions(NamedTuple):  # n-step transitions [k, ...]: a buffer's slots, the learner's batch
     obs: torch.Tensor  # s_t
     actions: torch.Tensor  # a_t
     returns: torch.Tensor  # n-step discounted reward sums
@@ -355,12 +330,10 @@ class Transitions(NamedTuple):
     policy_version: torch.Tensor  # learner version of the parameters that acted (for the policy lag)
 
 
-class Sample(NamedTuple):
-    """What one buffer gives to a batch: transitions, their slots, the slots' versions and their priorities."""
-
+class Sample(NamedTuple):  # what one buffer gives to a batch
     data: Transitions
     slots: torch.Tensor
-    versions: torch.Tensor
+    versions: torch.Tensor  # the slots' versions when sampled
     priorities: torch.Tensor
 
 
@@ -372,19 +345,15 @@ class Batch(NamedTuple):
     buffer_ids: np.ndarray  # [B] the buffer each sample came from
 
 
-class PriorityUpdate(NamedTuple):
-    """New priorities for one buffer's sampled slots, applied where the slot versions still match."""
-
+class PriorityUpdate(NamedTuple):  # new priorities of one buffer's sampled slots, where their versions still match
     slots: torch.Tensor
     versions: torch.Tensor
     priorities: np.ndarray
 
 
-class ReplayStats(NamedTuple):
-    """Per buffer [K]: the sum of its priorities, its smallest priority, its size."""
-
-    priority_sums: np.ndarray
-    min_priorities: np.ndarray
+class ReplayStats(NamedTuple):  # per buffer [K]
+    priority_sums: np.ndarray  # the sum of its priorities
+    min_priorities: np.ndarray  # its smallest priority
     sizes: np.ndarray
 
     @classmethod
@@ -392,25 +361,19 @@ class ReplayStats(NamedTuple):
         return cls(*(np.concatenate(column) for column in zip(*stats, strict=True)))
 
 
-class ActorReport(NamedTuple):
-    """actor -> main on log_q, after every append and once at the end."""
-
+class ActorReport(NamedTuple):  # actor -> main on log_q, after every append and once at the end
     actor: int  # global actor id
     steps: int  # agent steps since the last report
     episodes: list[tuple[float, int]]  # (return, length) of the games finished since
     done: bool  # the actor has used up its share of --total-timesteps
 
 
-class EvalReport(NamedTuple):
-    """evaluator -> main on log_q: the returns of one evaluation round at `step`."""
-
+class EvalReport(NamedTuple):  # evaluator -> main on log_q: one evaluation round
     step: int
     returns: list[float]
 
 
-class WorkerFailed(NamedTuple):
-    """actor host -> rank 0: the error line of one of its processes that died."""
-
+class WorkerFailed(NamedTuple):  # actor host -> rank 0: the error line of one of its processes that died
     error: str
 
 
@@ -476,8 +439,7 @@ class PrioritizedBuffer:
             return ReplayStats(self.sum_tree[1:2].numpy(), self.min_tree[1:2].numpy(), self.size[None].numpy())
 
     def sample(self, count: int, rng: np.random.Generator) -> Sample:
-        """`count` slots drawn in proportion to their priority, stratified over [0, total) (Schaul et al. 2016,
-        Appendix B.2.1)."""
+        """`count` slots in proportion to their priority, stratified over [0, total) (Schaul et al. 2016, B.2.1)."""
         with hold(self.lock, "a replay buffer"):
             tree = self.sum_tree.numpy()
             prefix = (np.arange(count) + rng.random(count)) * (tree[1] / count)
@@ -798,8 +760,7 @@ class WorkerError(Exception):
 
 
 class RemoteReplay:
-    """Rank 0's view of the buffers on the actor ranks (rank r holds buffers [(r-1) K, r K)), the same interface as
-    LocalReplay."""
+    """Rank 0's view of the buffers on the actor ranks (rank r holds buffers [(r-1) K, r K)), as LocalReplay's."""
 
     def __init__(self, args: Args, world_size: int):
         rpc.init_rpc("rank0", rank=0, world_size=world_size)
@@ -1001,8 +962,7 @@ class RateLimiter:
 
 
 class LearnerRun:
-    """The learner's loop state and what one iteration does: take the workers' messages, train when the replay and
-    the rate limiter allow, log, check on the workers, checkpoint."""
+    """The learner's loop state and one iteration: take messages, train if allowed, log, check workers, checkpoint."""
 
     def __init__(self, args: Args, learner: Learner, replay, shared: Shared, procs: Processes, record: Record,
                  run_dir: Path, meta: dict, num_actors: int):  # fmt: skip
@@ -1108,8 +1068,7 @@ def start_workers(procs: Processes, args: Args, shared: Shared, spaces, *, first
 
 
 def start_learner(args: Args, world_size: int, signals: StopSignals) -> LearnerRun:
-    """Rank 0: the run directory (or the resumed one), the learner, this machine's processes, the replay (the local
-    buffers, or the actor ranks' over rpc), tracking and TensorBoard."""
+    """Rank 0: the run directory, the learner, this machine's processes, the replay (local or over rpc), tracking."""
     spaces, distributed = env_spaces(args), world_size > 1
     meta = checkpoint_meta(args, *spaces)
     checkpoint = load_checkpoint(args.resume, meta, args) if args.resume else None
@@ -1135,7 +1094,11 @@ def start_learner(args: Args, world_size: int, signals: StopSignals) -> LearnerR
     write_run_args(run_dir, args, meta)
     procs = Processes(ctx)
     start_workers(procs, args, shared, spaces, first_actor=0, num_total=num_actors, evaluator=args.eval_interval > 0)
-    tracker = start_tracking_or_stop(args, run_dir, procs, shared)  # after the forks: no child inherits wandb's threads
+    try:  # after the forks: no child inherits wandb's threads
+        tracker = start_tracking(args, run_dir)
+    except SystemExit:  # wandb.init failed: the children ignore the SIGTERM of the interpreter's exit
+        stop_processes(procs, shared, lambda message: None, grace=1.0)
+        raise
     # rank 0's writer (slow to start under --track's TensorBoard sync) before the actor ranks start acting, so that
     # they do not run ahead of a learner still starting up
     writer = make_writer(run_dir, args)
@@ -1189,9 +1152,72 @@ def main(args: Args) -> None:
             run.failure = write_error(e, f"the TensorBoard events in {run.run_dir}")
         finally:
             stop_workers(run)
-        close_run(run, interrupted, signals.signum)
+        close_run(run, interrupted, signals)
     finally:
         signals.restore()
+
+
+def stop_if_signalled(signals: StopSignals, run_dir: Path, resumed: bool) -> None:
+    """Ctrl+C or SIGTERM during start-up: exit before any process starts, leaving no new run directory behind."""
+    if signals.signum:  # set by the handler itself: the event is set a moment later, from a thread
+        if not resumed:
+            run_dir.rmdir()
+        print("interrupted during start-up", file=sys.stderr)
+        raise SystemExit(128 + signals.signum)
+
+
+def write_checkpoint(run: LearnerRun) -> None:
+    """{run_dir}/checkpoint.pt: the learner's state (the model's state_dict at "model"), step count, RNG, Args, meta."""
+    state = dict(run.learner.state_dict(), global_step=run.record.global_step, args=asdict(run.args),
+                 torch_rng=torch.get_rng_state(), meta=run.meta)  # fmt: skip
+    atomic_save(state, run.run_dir / "checkpoint.pt")
+
+
+def stop_workers(run: LearnerRun) -> None:
+    """Stop the processes and actor hosts; an error a process sent before the stop is the run's failure, if none yet."""
+    stop_processes(run.procs, run.shared, run.handle, grace=4.0 if run.failure is None else 1.0)
+    run.replay.close()
+    with contextlib.suppress(queue.Empty):
+        run.failure = run.failure or run.shared.error_q.get_nowait()
+
+
+def close_run(run: LearnerRun, interrupted: bool, signals: StopSignals) -> None:
+    """With the workers stopped: the final checkpoint, model.pt, TensorBoard point, console line and evaluation (as
+    far as the run got; a signal ends the evaluation at once), W&B's end and the error line; exit 1 if the run
+    failed, 128 + signum if a signal stopped it."""
+    args, record = run.args, run.record
+    try:
+        if run.failure is None and args.checkpoint_interval:
+            write_checkpoint(run)
+        if run.failure is None and not interrupted and args.save_model:
+            atomic_save(run.learner.model.state_dict(), run.run_dir / "model.pt")
+    except WriteError as e:
+        run.failure = str(e)
+    try:
+        record.write(run.learner, run.stats)  # the final step's point, whatever the update count
+        print(record.console_line(run.learner, run.stats), flush=True)
+        if run.failure is None and not interrupted and args.eval_episodes:
+            print(f"evaluating the final policy: {args.eval_episodes} episodes", flush=True)
+            model = saved_model(args, run.meta, run.learner.model.state_dict())
+            try:
+                signals.interruptible()
+                returns = evaluate(model, args, run.run_dir / "videos", torch.device("cpu"))
+            except Stop:
+                interrupted, returns = True, []
+                print("interrupted: shutting down", file=sys.stderr, flush=True)
+            signals.raise_stop = False  # a second signal must not cut the writes below
+            for i, ret in enumerate(returns):
+                record.writer.add_scalar("eval/episodic_return", ret, record.global_step)
+                print(f"eval episode {i}: return {ret:.1f}")
+        record.writer.close()
+    except OSError as e:  # the TensorBoard events file
+        run.failure = run.failure or write_error(e, f"the TensorBoard events in {run.run_dir}")
+    code = 1 if run.failure else 128 + signals.signum if interrupted else 0
+    finish_tracking(run.tracker, run.run_dir, code)
+    if run.failure:
+        print(run.failure, file=sys.stderr)
+    if code:
+        raise SystemExit(code)
 
 
 # ---- run plumbing ------------------------------------------------------------------------------------------------
@@ -1556,20 +1582,18 @@ FLAG_RULES = (
               "replay_ratio", "log_interval", "priority_alpha")),
     ("in [0, 1]", ("gamma", "epsilon", "eval_epsilon", "priority_beta", "rmsprop_alpha")),
 )  # fmt: skip
-RESUME_FIXED = ()  # TODO
+RESUME_FIXED = ("num_actors",)  # it sets each actor's exploration (eps_i or sigma_i); the replay is not saved
 RUN_SETTINGS = ("env_id", "atari_protocol", "network", "hidden_sizes")
 RENAMED_FLAGS = {"--learner-threads": "is now --torch-threads (the actors' threads are --actor-torch-threads)",
                  "--algo": "is now two scripts: apex_dqn.py (Ape-X DQN) and apex_ddpg.py (Ape-X DDPG)"}  # fmt: skip
 
 
 def validate(args: Args, world_size: int = 1) -> str | None:
-    """Every flag checked before anything is spawned; returns the error line (without `error: `) or None."""
+    """check_flags, then the checks across flags, env and network; the error line (without `error: `) or None."""
     if error := check_flags(args):
         return error
     if not args.hidden_sizes or min(args.hidden_sizes) < 1:
         return f"--hidden-sizes must be one or more positive widths, got {args.hidden_sizes}"
-    if args.track and importlib.util.find_spec("wandb") is None:
-        return '--track needs wandb: pip install -e ".[track]"'
     if args.eval_only is not None:  # env and network come from the saved run: load_for_eval checks them
         if world_size > 1:
             return f"--eval-only runs in one process: python {Path(__file__).name} --eval-only PATH, without torchrun"
@@ -1586,7 +1610,6 @@ def validate(args: Args, world_size: int = 1) -> str | None:
     if args.total_timesteps < actors * args.num_envs_per_actor:
         return f"--total-timesteps ({args.total_timesteps}) is less than one step of every env of every actor"
     try:
-        check_env_args(args.env_id, args.num_envs_per_actor, args.atari_protocol)
         if args.capture_video:  # fail now, not at the final evaluation
             check_video(args.env_id, args.atari_protocol)
         obs_space, act_space = env_spaces(args)
@@ -1603,9 +1626,8 @@ def validate(args: Args, world_size: int = 1) -> str | None:
 def env_spaces(args: Args):
     """(observation space, action space) of one env, from a probe of the training vector env."""
     probe = make_vector_env(args.env_id, 1, args.seed, protocol=args.atari_protocol, num_threads=1)
-    spaces = probe.single_observation_space, probe.single_action_space
     probe.close()
-    return spaces
+    return probe.single_observation_space, probe.single_action_space
 
 
 def checkpoint_meta(args: Args, obs_space, act_space) -> dict:
@@ -1669,68 +1691,6 @@ def stop_processes(procs: Processes, shared: Shared, handle, grace: float) -> No
     procs.stop(max(0.0, deadline - time.monotonic()))
     with contextlib.suppress(OSError):
         drain_into(shared.log_q, handle, 0.0)
-
-
-def stop_if_signalled(signals: StopSignals, run_dir: Path, resumed: bool) -> None:
-    """Ctrl+C or SIGTERM during start-up: exit before any process starts, leaving no new run directory behind."""
-    if signals.signum:  # set by the handler itself: the event is set a moment later, from a thread
-        if not resumed:
-            run_dir.rmdir()
-        print("interrupted during start-up", file=sys.stderr)
-        raise SystemExit(128 + signals.signum)
-
-
-def start_tracking_or_stop(args: Args, run_dir: Path, procs: Processes, shared: Shared):
-    """start_tracking; if wandb.init fails, stop the processes (they ignore the SIGTERM of the interpreter's exit)."""
-    try:
-        return start_tracking(args, run_dir)
-    except SystemExit:
-        stop_processes(procs, shared, lambda message: None, grace=1.0)
-        raise
-
-
-def write_checkpoint(run: LearnerRun) -> None:
-    """{run_dir}/checkpoint.pt: the learner's state (the model's state_dict at "model"), step count, RNG, Args, meta."""
-    state = dict(run.learner.state_dict(), global_step=run.record.global_step, args=asdict(run.args),
-                 torch_rng=torch.get_rng_state(), meta=run.meta)  # fmt: skip
-    atomic_save(state, run.run_dir / "checkpoint.pt")
-
-
-def stop_workers(run: LearnerRun) -> None:
-    """Stop the processes and actor hosts; an error a process sent before the stop is the run's failure, if none yet."""
-    stop_processes(run.procs, run.shared, run.handle, grace=4.0 if run.failure is None else 1.0)
-    run.replay.close()
-    with contextlib.suppress(queue.Empty):
-        run.failure = run.failure or run.shared.error_q.get_nowait()
-
-
-def close_run(run: LearnerRun, interrupted: bool, signum: int) -> None:
-    """With the workers stopped: the final checkpoint, model.pt, TensorBoard point, console line and evaluation (as
-    far as the run got), W&B's end and the error line; exit 1 if the run failed, 128 + signum if interrupted."""
-    try:
-        if run.failure is None and run.args.checkpoint_interval:
-            write_checkpoint(run)
-        if run.failure is None and not interrupted and run.args.save_model:
-            atomic_save(run.learner.model.state_dict(), run.run_dir / "model.pt")
-    except WriteError as e:
-        run.failure = str(e)
-    try:
-        run.record.write(run.learner, run.stats)  # the final step's point, whatever the update count
-        print(run.record.console_line(run.learner, run.stats), flush=True)
-        if run.failure is None and not interrupted and run.args.eval_episodes:
-            model = saved_model(run.args, run.meta, run.learner.model.state_dict())
-            for i, ret in enumerate(evaluate(model, run.args, run.run_dir / "videos", torch.device("cpu"))):
-                run.record.writer.add_scalar("eval/episodic_return", ret, run.record.global_step)
-                print(f"eval episode {i}: return {ret:.1f}")
-        run.record.writer.close()
-    except OSError as e:  # the TensorBoard events file
-        run.failure = run.failure or write_error(e, f"the TensorBoard events in {run.run_dir}")
-    code = 1 if run.failure else 128 + signum if interrupted else 0
-    finish_tracking(run.tracker, run.run_dir, code)
-    if run.failure:
-        print(run.failure, file=sys.stderr)
-    if code:
-        raise SystemExit(code)
 
 
 if __name__ == "__main__":
