@@ -30,7 +30,7 @@ Definitions
 
 JSON written by throughput.py (`write_json`): {"meta": {...}, "rows": [...]}, floats to 4 significant digits, a value
 that could not be measured as null.
-- meta: command, date (ISO 8601 with offset), cpu_model, cores (os.cpu_count), usable_cores (affinity), python,
+- meta: command, date (ISO 8601 with offset), cpu_model, cores (os.cpu_count), gpu (nvidia-smi's names or null), usable_cores (affinity), python,
   torch, platform, load_average_start, load_average_end (1, 5, 15 min), mode (table | memory | straggler | env |
   stop_times), args.
 - rows, modes table / memory / straggler: one per configuration, external commands last:
@@ -607,6 +607,15 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def gpu_model() -> str | None:
+    """The GPUs nvidia-smi lists (asked in a child process, so the driver never initialises CUDA), else None."""
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=30, check=True).stdout  # fmt: skip
+        return ", ".join(line.strip() for line in out.splitlines() if line.strip()) or None
+    return None
+
+
 def machine_meta() -> dict:
     import torch
 
@@ -615,6 +624,7 @@ def machine_meta() -> dict:
         date=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         cpu_model=cpu_model(),
         cores=os.cpu_count(),
+        gpu=gpu_model(),
         usable_cores=len(os.sched_getaffinity(0)),
         python=platform.python_version(),
         torch=torch.__version__,

@@ -89,7 +89,7 @@ def provenance(results: Path, name: str) -> str:
     meta = data.get("meta", data)
     cores = meta.get("cpus") or meta.get("cores") or data.get("cpu_count")
     date = meta.get("time") or (meta.get("date") or "")[:10]  # throughput.py writes an ISO 8601 date and time
-    bits = [date, meta.get("cpu_model"), f"{cores} CPUs" if cores else meta.get("machine")]
+    bits = [date, meta.get("cpu_model"), f"{cores} CPUs" if cores else meta.get("machine"), meta.get("gpu")]
     bits.append(f"torch {meta['torch']}" if meta.get("torch") else None)
     manifest = results / name.replace(".json", "_manifest.json")
     bits.append(load(manifest)["machine"] if manifest.exists() else None)
@@ -414,6 +414,15 @@ def memory_table(results: Path) -> str:
     return driver_table(results, ["throughput_memory.json"], columns)
 
 
+GPU_SOURCE = "throughput_gpu_h200.json"  # throughput.py --memory --seconds 20 --num-envs 32 on a GPU machine
+
+
+def gpu_table(results: Path) -> str:
+    """Each script's default mode on one GPU: the steady rate of a 20-s run (memory mode: no CPU ceiling pieces)."""
+    flags = ("flags", "l", lambda r: flags_of(r["command"].split()[1:], SHARED_FLAGS))
+    return driver_table(results, [GPU_SOURCE], [RUN, SCRIPT, flags, SPS, LAG, PSS])
+
+
 STOP_SOURCE = "throughput_stop_times.json"  # throughput.py --stop-times
 STOP_KINDS = {"sigint": "Ctrl+C (SIGINT)", "sigterm": "SIGTERM", "killed_worker": "a killed worker"}
 
@@ -577,6 +586,7 @@ DOCUMENTS: dict[str, dict[str, Callable[[Path], str]]] = {
         "a3c-lag": a3c_lag_table,
         "peers": peers_table,
         "memory": memory_table,
+        "gpu": gpu_table,
         "stop-times": stop_table,
         "soak": soak_table,
     },

@@ -190,7 +190,7 @@ class ActorCritic(nn.Module):
         x = self.core_input(obs.reshape(T * B, *obs.shape[2:]), last_action, reward).reshape(T, B, -1)
         keep = (~done.bool()).float().unsqueeze(-1)  # [T, B, 1]
         outputs = []
-        h, c = state
+        h, c = (s.contiguous() for s in state)  # cuDNN's LSTM refuses a strided state (e.g. a transposed batch view)
         for t in range(T):  # zero the state where an episode starts, then one LSTM step
             h, c = h * keep[t], c * keep[t]
             out, (h, c) = self.core(x[t : t + 1], (h, c))

@@ -134,6 +134,22 @@ def test_lstm_unroll_equals_chained_single_steps():
         model(obs[0])
 
 
+def test_lstm_core_gets_contiguous_state_from_a_strided_batch():
+    """IMPALA's learner batch holds the LSTM state as a transposed view ([K, L, N, H] -> [L, K*N, H]); cuDNN's LSTM
+    raises "rnn: hx is not contiguous" on such a state where the CPU LSTM accepts it, so the check is on what the
+    core receives."""
+    model = make_model(FLAT, gym.spaces.Discrete(2), "mlp", use_lstm=True, lstm_size=16, lstm_layers=2)
+    K, N, T, L = 2, 1, 4, 2  # one env per actor (the default) and two layers: a strided view, no copy
+    stored = torch.randn(K, L, N, 16)  # as impala_monobeast.py's buffers keep initial_h / initial_c
+    state = tuple(s.transpose(0, 1).flatten(1, 2) for s in (stored, stored.clone()))
+    assert not state[0].is_contiguous()
+    seen = []
+    model.core.register_forward_pre_hook(lambda m, a: seen.append([s.is_contiguous() for s in a[1]]))
+    with torch.no_grad():
+        model.recurrent(torch.randn(T, K * N, 4), torch.zeros(T, K * N), state)
+    assert seen and all(all(flags) for flags in seen), seen
+
+
 def test_bad_network_choices():
     with pytest.raises(ValueError, match="--network must be one of"):
         make_model(FRAMES, gym.spaces.Discrete(4), "resnet50")
