@@ -30,9 +30,9 @@ Definitions
 
 JSON written by throughput.py (`write_json`): {"meta": {...}, "rows": [...]}, floats to 4 significant digits, a value
 that could not be measured as null.
-- meta: command, date (ISO 8601 with offset), cpu_model, cores (os.cpu_count), gpu (nvidia-smi's names or null), usable_cores (affinity), python,
-  torch, platform, load_average_start, load_average_end (1, 5, 15 min), mode (table | memory | straggler | env |
-  stop_times), args.
+- meta: command, date (ISO 8601 with offset), cpu_model, cores (os.cpu_count), gpu (nvidia-smi's names or null),
+  usable_cores (affinity), python, torch, platform, load_average_start, load_average_end (1, 5, 15 min), mode
+  (table | memory | straggler | env | stop_times), args.
 - rows, modes table / memory / straggler: one per configuration, external commands last:
   label, external, command (a runnable command line), env_id, num_envs (in total), workers;
   medians over rounds: sps, env, infer, train, ceiling, efficiency (sps / the same round's ceiling), pss_growth_pct,
