@@ -151,7 +151,8 @@ def seed_of(run_dir: Path, name_seed: int) -> int:
 def distinct_seeds(runs: list[Run]) -> list[Run]:
     """One run per (env, exp name, seed), the latest started, ordered by seed within each (env, exp name). Repeats of
     a seed are the same experiment run again (a bitwise identical copy with deterministic scripts): pooled as seeds
-    they would give a band that measures nothing, so each repeat is named on stderr and left out."""
+    they would give a band that measures nothing, so each repeat is named on stderr and left out. Copies with the
+    same start time (one directory copied to two places) have no latest: the last by path is used, and said so."""
     by_seed: dict[tuple[str, str, int], list[Run]] = defaultdict(list)
     for r in runs:
         by_seed[r.env, r.exp, r.seed].append(r)
@@ -161,8 +162,9 @@ def distinct_seeds(runs: list[Run]) -> list[Run]:
         if len(same) > 1:
             dirs = ", ".join(str(r.path) for r in same)
             latest = same[-1].path
+            rule = "latest by the start time in its name" if same[-1].started > same[-2].started else "last by path"
             print(
-                f"warning: {exp} on {env}: seed {seed} has {len(same)} runs ({dirs}); using the latest, {latest}",
+                f"warning: {exp} on {env}: seed {seed} has {len(same)} runs ({dirs}); using the {rule}, {latest}",
                 file=sys.stderr,
             )
         kept.append(same[-1])

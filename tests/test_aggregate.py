@@ -111,18 +111,23 @@ def test_game_without_reference_scores_is_refused(tmp_path):
 
 
 def test_repeated_seed_counts_once_and_the_latest_run_is_used(tmp_path, capsys):
-    """Two runs of seed 1 on Pong are one seed: the later (by the start time in the name, not the name's sort order)
-    is scored, and a warning names both."""
-    older = write_run(tmp_path, "ALE/Pong-v5", "algo", 1, 0.9, started=999999999)
-    newer = write_run(tmp_path, "ALE/Pong-v5", "algo", 1, 0.2, started=1700000000)
-    write_run(tmp_path, "ALE/Pong-v5", "algo", 2, 0.4)
-    runs = [aggregate.plot.load_run(d, "charts/episodic_return") for d in aggregate.plot.find_run_dirs([str(tmp_path)])]
-    m = aggregate.score_matrices(runs, WINDOW, aggregate.load_references(aggregate.REFERENCES))["algo"]
-    assert m.seeds == [1, 2]
-    np.testing.assert_allclose(m.scores, [[0.2], [0.4]], atol=1e-9)
-    (warning,) = capsys.readouterr().err.splitlines()
-    assert "algo" in warning and "seed 1 has 2 runs" in warning and str(older) in warning, warning
-    assert warning.endswith(f"using the latest, {newer}"), warning
+    """Two runs of seed 1 on Pong and one of seed 2 are two seeds, not three: the later run of seed 1 (by the start
+    time in the name, not the name's sort order) is scored, a warning names both, and the JSON lists each seed once."""
+    runs = tmp_path / "runs"
+    older = write_run(runs, "ALE/Pong-v5", "algo", 1, 0.9, started=999999999)
+    newer = write_run(runs, "ALE/Pong-v5", "algo", 1, 0.2, started=1700000000)
+    write_run(runs, "ALE/Pong-v5", "algo", 2, 0.4)
+    out = tmp_path / "agg"
+    assert aggregate.main(aggregate.Args(paths=(str(runs),), out=str(out), window=WINDOW, reps=200)) == 0
+    captured = capsys.readouterr()
+    (warning,) = captured.err.splitlines()
+    assert warning.startswith("warning: algo on ALE_Pong-v5: seed 1 has 2 runs") and str(older) in warning, warning
+    assert warning.endswith(f"using the latest by the start time in its name, {newer}"), warning
+    assert "| algo | 1 | 2 | " in captured.out, captured.out
+    a = json.loads(Path(f"{out}.json").read_text())["algorithms"]["algo"]
+    assert a["seeds"] == [1, 2]
+    np.testing.assert_allclose(a["normalised_scores"], [[0.2], [0.4]], atol=1e-9)
+    assert None not in a["aggregates"]["mean"] and a["profile"]["low"] is not None
 
 
 def test_one_seed_gives_points_without_intervals(tmp_path, capsys):

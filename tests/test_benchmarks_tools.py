@@ -152,7 +152,8 @@ def test_repeated_seed_counts_once_and_the_latest_run_is_used(tmp_path, monkeypa
     warnings = [line for line in err.splitlines() if line.startswith("warning:")]
     assert len(warnings) == 1, err
     assert "hts_a2c" in warnings[0] and "seed 1 has 2 runs" in warnings[0], warnings[0]
-    assert str(older) in warnings[0] and warnings[0].endswith(f"using the latest, {newer}"), warnings[0]
+    assert str(older) in warnings[0], warnings[0]
+    assert warnings[0].endswith(f"using the latest by the start time in its name, {newer}"), warnings[0]
     (row,) = json.loads((tmp_path / "out.json").read_text())["runs"]
     assert row["seeds"] == [1]
     assert row["final_return_per_seed"] == [20.0] and row["episodes"] == [25]
@@ -160,6 +161,29 @@ def test_repeated_seed_counts_once_and_the_latest_run_is_used(tmp_path, monkeypa
     assert figures.legend() == ["hts_a2c (1 seed, no band)"]
     assert figures.bands() == [0, 0]
     assert figures.drawn[0]._suptitle.get_text() == "CartPole-v1: one seed per run, no band"
+
+
+def test_copies_of_one_seed_beside_another_seed_are_two_seeds(tmp_path, monkeypatch, capsys):
+    """The issue's case: one hts_a2c run of seed 1 copied into two folders (same name, bitwise identical) and a run of
+    seed 2 are two seeds, not three; the copies have the same start time, so the warning says the last by path is
+    used."""
+    runs = tmp_path / "runs"
+    name = "CartPole-v1__hts_a2c__1__1700000001"
+    first = write_pieces(runs / "a" / name, [[10.0] * 25], args_seed=1)
+    second = write_pieces(runs / "b" / name, [[10.0] * 25], args_seed=1)
+    write_pieces(runs / "a" / "CartPole-v1__hts_a2c__2__1700000002", [[30.0] * 25], args_seed=2)
+    figures = Figures(monkeypatch)
+    assert plot.main([str(runs), "--out", str(tmp_path / "out")]) == 0
+    out, err = capsys.readouterr()
+    warnings = [line for line in err.splitlines() if line.startswith("warning:")]
+    assert warnings == [
+        f"warning: hts_a2c on CartPole-v1: seed 1 has 2 runs ({first}, {second}); using the last by path, {second}"
+    ], err
+    (row,) = json.loads((tmp_path / "out.json").read_text())["runs"]
+    assert row["seeds"] == [1, 2] and row["final_return_per_seed"] == [10.0, 30.0]
+    assert "| CartPole-v1 | hts_a2c | 2 |" in out, out
+    assert figures.legend() == ["hts_a2c (2 seeds)"]
+    assert figures.bands() == [1, 1]
 
 
 def test_latest_of_runs_started_in_the_same_second_goes_by_the_suffix_number(tmp_path, capsys):
