@@ -541,7 +541,7 @@ def run_child(who: str, error_q: Queue, body, *body_args) -> None:
 
 
 @dataclass
-class Progress:
+class RunLog:
     """Main's view of the run, from the messages on `log_q`: the step count, TensorBoard points (episodes as they
     end; lag, losses and timings averaged over `log_frequency` updates) and the console line."""
 
@@ -638,7 +638,7 @@ class Run:
     model: nn.Module  # hogwild: the shared model; server: main's view of it
     shared: Shared
     processes: Processes
-    progress: Progress
+    log: RunLog
     signals: StopSignals
     run_dir: Path
     extra: dict  # what main adds to every checkpoint: the Args, meta and its RNG state
@@ -649,7 +649,7 @@ class Run:
             shared.grad_q.put(SaveCheckpoint(str(path), self.extra))
             return
         own = dict(model=self.model.state_dict(), optimizer=shared.optimizer.state_dict(), version=shared.updates.value)
-        atomic_save({**own, "global_step": self.progress.global_step, **self.extra}, path)
+        atomic_save({**own, "global_step": self.log.global_step, **self.extra}, path)
 
     def failure_line(self) -> str | None:
         """The error line of the first child that failed: the one it sent (run_child), else how it died (a kill)."""
@@ -663,26 +663,26 @@ class Run:
     def shut_down(self, failure: str | None) -> str | None:
         """Stop the workers, let the gradient server apply what is queued and write the final checkpoint, then end
         every process (SIGKILL for one that does not stop in time); returns the run's error line, if any."""
-        shared, progress, interrupted = self.shared, self.progress, bool(self.signals.signum)
+        shared, log, interrupted = self.shared, self.log, bool(self.signals.signum)
         if interrupted:
             print("interrupted: shutting down", file=sys.stderr, flush=True)
         shared.stop.set()
         workers = [p for name, p in self.processes.procs.items() if name.startswith("worker")]
         # after a death the wait is short: a process killed while writing to a queue leaves its lock held, and the
         # others' exits would hang on it
-        progress.drain_while(shared.log_q, lambda: any(p.is_alive() for p in workers), 4.0 if failure is None else 1.0)
+        log.drain_while(shared.log_q, lambda: any(p.is_alive() for p in workers), 4.0 if failure is None else 1.0)
         failure = failure or self.failure_line()
         server = self.processes.procs.get("gradient server")
         if server is not None and failure is None:
             final = str(self.run_dir / "checkpoint.pt") if self.args.checkpoint_interval else None
             shared.grad_q.put(Finish(final, self.extra))  # behind every gradient of the workers, which have stopped
             wait = 5.0 if interrupted else 60.0  # the final checkpoint of a finished run may take a while to write
-            progress.drain_while(shared.log_q, lambda: not progress.server_done and server.is_alive(), wait)
-            if not progress.server_done:
+            log.drain_while(shared.log_q, lambda: not log.server_done and server.is_alive(), wait)
+            if not log.server_done:
                 failure = self.failure_line() or "error: the gradient server did not finish; stopping"
         killed = self.processes.stop(grace=1.0)
         with contextlib.suppress(OSError):  # the events file's error, if any, is reported by finish
-            progress.drain(shared.log_q, 0.0)
+            log.drain(shared.log_q, 0.0)
         if interrupted and killed:  # e.g. Ctrl+C while a worker was still starting up: not a crash
             print(f"{', '.join(killed)} did not stop in time after the interrupt: killed", file=sys.stderr)
         return failure
@@ -690,7 +690,7 @@ class Run:
     def finish(self, failure: str | None) -> int:
         """After the processes stopped: the final checkpoint (hogwild), model.pt, the last TensorBoard point and console
         line, the evaluation of the final policy (a signal ends it), the error line. Returns the exit status."""
-        args, signals, writer = self.args, self.signals, self.progress.writer
+        args, signals, writer = self.args, self.signals, self.log.writer
         if self.shared.grad_q is not None:  # main's view of the shared model: the latest published version
             with torch.no_grad():
                 copy_flat_into(list(self.model.parameters()), self.shared.published)
@@ -702,10 +702,10 @@ class Run:
         except WriteError as e:
             failure = f"{e}; stopping (the last good checkpoint is kept)"
         try:
-            self.progress.write()
+            self.log.write()
         except OSError as e:
             failure = failure or write_error(e, f"the TensorBoard events in {self.run_dir}")
-        print(self.progress.console_line(), flush=True)
+        print(self.log.console_line(), flush=True)
         if failure is None and not signals.signum and args.eval_episodes:
             print(f"evaluating the final policy: {args.eval_episodes} episodes", flush=True)
             try:
@@ -776,18 +776,18 @@ def main(args: Args) -> None:
         signals.stop.set()
         processes.stop(grace=0.0)
         raise
-    progress = Progress(make_writer(run_dir, args), args.log_frequency, checkpoint["global_step"] if checkpoint else 0,
+    log = RunLog(make_writer(run_dir, args), args.log_frequency, checkpoint["global_step"] if checkpoint else 0,
                         args.learning_rate, server_done=args.update == "hogwild")  # fmt: skip
-    run, failure = Run(args, model, shared, processes, progress, signals, run_dir, extra), None
+    run, failure = Run(args, model, shared, processes, log, signals, run_dir, extra), None
     last_print = last_checkpoint = time.time()
     try:  # log what the workers report, print the console line, write checkpoints and watch the processes
-        while len(progress.workers_done) < args.num_workers and not signals.stop.is_set():
-            progress.drain(shared.log_q, 0.5)
+        while len(log.workers_done) < args.num_workers and not signals.stop.is_set():
+            log.drain(shared.log_q, 0.5)
             if failure := run.failure_line():
                 break
             now = time.time()
             if now - last_print >= args.log_interval:
-                print(progress.console_line(), flush=True)
+                print(log.console_line(), flush=True)
                 last_print = now
             if args.checkpoint_interval and now - last_checkpoint >= args.checkpoint_interval:
                 run.write_checkpoint()
@@ -891,6 +891,7 @@ def parse_args(argv: list[str]) -> Args:
     for arg in argv:
         if (name := arg.split("=")[0]) in RENAMED_FLAGS:
             fail(f"{name} {RENAMED_FLAGS[name]}")
+    tyro._strings.remove_single_line_breaks = unindented
     box = io.StringIO()
     try:
         with contextlib.redirect_stderr(box):
@@ -904,6 +905,13 @@ def parse_args(argv: list[str]) -> Args:
         body = itertools.dropwhile(lambda line: not line.strip("\u2500-"), lines)
         message = " ".join(itertools.takewhile(lambda line: line.strip("\u2500-"), body))
         fail(f"{message or 'the command line cannot be parsed'} (see python {Path(__file__).name} --help)")
+
+
+def unindented(text: str, join=tyro._strings.remove_single_line_breaks) -> str:
+    """tyro (its private helper, replaced in parse_args) keeps a docstring's line break wherever the next line starts
+    with a space, as every continued flag help here does: without the indent, --help joins each flag's help into
+    whole sentences wrapped at the terminal's width."""
+    return join("\n".join(line.lstrip() for line in text.split("\n")))
 
 
 def new_run_dir(args: Args) -> Path:
@@ -1002,6 +1010,60 @@ def atomic_save(obj, path: Path) -> None:
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
         raise WriteError(write_error(e, path)) from None
+
+
+def planned_updates(total_timesteps: int, steps_per_update: int) -> tuple[int, str]:
+    """The number of updates a budget holds, and the start line's words for it: a budget that is not a whole number
+    of updates says the agent steps it runs instead."""
+    n = total_timesteps // steps_per_update
+    plan = f"{n:,} updates of {steps_per_update:,} agent steps"
+    if n * steps_per_update != total_timesteps:
+        plan += f" = {n * steps_per_update:,} agent steps: --total-timesteps {total_timesteps:,} is not whole updates"
+    return n, plan
+
+
+def duration(seconds: float) -> str:
+    """A console time: 2h05m, 3m07s or 42s."""
+    s = round(seconds)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
+
+
+class Progress:
+    """What the console says about a run: where it goes and what it plans (the first line), how far it is and how
+    long is left at the rate since it started (every console line), and at its end, also after a signal or an
+    error, what it did, the files it left and the commands that go on from them."""
+
+    def __init__(self, run_dir: Path, start_step: int, total_steps: int, plan: str) -> None:
+        self.run_dir, self.start_step, self.total, self.start = run_dir, start_step, total_steps, time.time()
+        self.step, self.mean_return = start_step, math.nan
+        print(f"run directory: {run_dir}  ({plan})", flush=True)
+
+    def line(self, step: int, sps: float, mean_return: float, details: str = "") -> None:
+        """`global_step=N SPS=R mean_return=M` (the prefix tools and tests read), the share of the budget done, the
+        time left at the run's mean rate, then the script's own `details`."""
+        self.step, self.mean_return = step, mean_return
+        rate = (step - self.start_step) / max(time.time() - self.start, 1e-9)
+        left = duration((self.total - step) / rate) if rate > 0 else "?"
+        print(f"global_step={step} SPS={sps:.0f} mean_return={mean_return:.2f} done={100 * step / self.total:.1f}% "
+              f"left={left} {details}".rstrip(), flush=True)  # fmt: skip
+
+    def summary(self, step: int, exit_code: int) -> None:
+        """The run's last lines (after its error line, if any): steps and time, the last mean return, the files in
+        the run directory, and the commands that show, continue or evaluate the run."""
+        ended = "finished" if exit_code == 0 else f"stopped (exit status {exit_code})"
+        print(f"{ended}: {step:,} of {self.total:,} agent steps in {duration(time.time() - self.start)}, last mean "
+              f"return {self.mean_return:.2f}", flush=True)  # fmt: skip
+        try:
+            files = sorted(p.name + "/" * p.is_dir() for p in self.run_dir.iterdir() if not p.name.endswith(".tmp"))
+        except OSError:
+            files = []
+        print(f"wrote to {self.run_dir}: {', '.join(files) or 'nothing'}")
+        script, checkpoint, model = Path(__file__).name, self.run_dir / "checkpoint.pt", self.run_dir / "model.pt"
+        print(f"next: tensorboard --logdir {self.run_dir}")
+        if checkpoint.exists() and step < self.total:
+            print(f"      python {script} --resume {checkpoint}")
+        if model.exists() or checkpoint.exists():
+            print(f"      python {script} --eval-only {model if model.exists() else checkpoint}", flush=True)
 
 
 def load_checkpoint(path: str, meta: dict, args: Args) -> dict:

@@ -1302,6 +1302,7 @@ def parse_args(argv: list[str]) -> Args:
     for arg in argv:
         if (name := arg.split("=")[0]) in RENAMED_FLAGS:
             fail(f"{name} {RENAMED_FLAGS[name]}")
+    tyro._strings.remove_single_line_breaks = unindented
     box = io.StringIO()
     try:
         with contextlib.redirect_stderr(box):
@@ -1315,6 +1316,13 @@ def parse_args(argv: list[str]) -> Args:
         body = itertools.dropwhile(lambda line: not line.strip("\u2500-"), lines)
         message = " ".join(itertools.takewhile(lambda line: line.strip("\u2500-"), body))
         fail(f"{message or 'the command line cannot be parsed'} (see python {Path(__file__).name} --help)")
+
+
+def unindented(text: str, join=tyro._strings.remove_single_line_breaks) -> str:
+    """tyro (its private helper, replaced in parse_args) keeps a docstring's line break wherever the next line starts
+    with a space, as every continued flag help here does: without the indent, --help joins each flag's help into
+    whole sentences wrapped at the terminal's width."""
+    return join("\n".join(line.lstrip() for line in text.split("\n")))
 
 
 def new_run_dir(args: Args) -> Path:
@@ -1413,6 +1421,50 @@ def atomic_save(obj, path: Path) -> None:
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
         raise WriteError(write_error(e, path)) from None
+
+
+def duration(seconds: float) -> str:
+    """A console time: 2h05m, 3m07s or 42s."""
+    s = round(seconds)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
+
+
+class Progress:
+    """What the console says about a run: where it goes and what it plans (the first line), how far it is and how
+    long is left at the rate since it started (every console line), and at its end, also after a signal or an
+    error, what it did, the files it left and the commands that go on from them."""
+
+    def __init__(self, run_dir: Path, start_step: int, total_steps: int, plan: str) -> None:
+        self.run_dir, self.start_step, self.total, self.start = run_dir, start_step, total_steps, time.time()
+        self.step, self.mean_return = start_step, math.nan
+        print(f"run directory: {run_dir}  ({plan})", flush=True)
+
+    def line(self, step: int, sps: float, mean_return: float, details: str = "") -> None:
+        """`global_step=N SPS=R mean_return=M` (the prefix tools and tests read), the share of the budget done, the
+        time left at the run's mean rate, then the script's own `details`."""
+        self.step, self.mean_return = step, mean_return
+        rate = (step - self.start_step) / max(time.time() - self.start, 1e-9)
+        left = duration((self.total - step) / rate) if rate > 0 else "?"
+        print(f"global_step={step} SPS={sps:.0f} mean_return={mean_return:.2f} done={100 * step / self.total:.1f}% "
+              f"left={left} {details}".rstrip(), flush=True)  # fmt: skip
+
+    def summary(self, step: int, exit_code: int) -> None:
+        """The run's last lines (after its error line, if any): steps and time, the last mean return, the files in
+        the run directory, and the commands that show, continue or evaluate the run."""
+        ended = "finished" if exit_code == 0 else f"stopped (exit status {exit_code})"
+        print(f"{ended}: {step:,} of {self.total:,} agent steps in {duration(time.time() - self.start)}, last mean "
+              f"return {self.mean_return:.2f}", flush=True)  # fmt: skip
+        try:
+            files = sorted(p.name + "/" * p.is_dir() for p in self.run_dir.iterdir() if not p.name.endswith(".tmp"))
+        except OSError:
+            files = []
+        print(f"wrote to {self.run_dir}: {', '.join(files) or 'nothing'}")
+        script, checkpoint, model = Path(__file__).name, self.run_dir / "checkpoint.pt", self.run_dir / "model.pt"
+        print(f"next: tensorboard --logdir {self.run_dir}")
+        if checkpoint.exists() and step < self.total:
+            print(f"      python {script} --resume {checkpoint}")
+        if model.exists() or checkpoint.exists():
+            print(f"      python {script} --eval-only {model if model.exists() else checkpoint}", flush=True)
 
 
 def load_checkpoint(path: str, meta: dict, args: Args) -> dict:

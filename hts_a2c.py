@@ -95,14 +95,14 @@ class Args:
     """root of the run directories"""
     save_model: bool = False
     """write the final model's state_dict to {run_dir}/model.pt"""
-    checkpoint_interval: float = 0.0
-    """seconds between checkpoints to {run_dir}/checkpoint.pt (0 = off)"""
+    checkpoint_interval: float = 600.0
+    """seconds between checkpoints to {run_dir}/checkpoint.pt, also written at the end and at Ctrl+C (0 = none)"""
     resume: str | None = None
     """a checkpoint.pt to continue: its parameters, optimizer, run directory and step count (envs start new episodes)"""
     eval_episodes: int = 0
     """episodes played by the final policy after training, logged as eval/episodic_return (--eval-only: 0 plays 10)"""
     eval_greedy: bool = False
-    """evaluate with argmax actions (default: sampled, as in training, whose episode returns HTS-RL reports)"""
+    """evaluate with argmax actions; by default they are sampled, as in training (the returns HTS-RL reports)"""
     eval_only: str | None = None
     """evaluate a model.pt or checkpoint.pt of this script instead of training, with its run's env and network"""
     capture_video: bool = False
@@ -504,8 +504,8 @@ class Record:
     """The learner's record: episodes as they end; losses, charts and timings every `log_frequency` updates and after
     the last (that update's values); a console line every `log_interval` seconds and after the last update."""
 
-    def __init__(self, writer, args: Args, global_step: int, num_collections: int) -> None:
-        self.writer, self.args, self.num_collections = writer, args, num_collections
+    def __init__(self, writer, args: Args, global_step: int, num_collections: int, progress: Progress) -> None:
+        self.writer, self.args, self.num_collections, self.progress = writer, args, num_collections, progress
         self.start_step, self.start_time, self.last_console = global_step, time.time(), time.time()
         self.returns: deque[float] = deque(maxlen=100)
 
@@ -524,7 +524,7 @@ class Record:
                     self.writer.add_scalar(f"{group}/{name}", value, learner.global_step)
         if last or time.time() - self.last_console >= self.args.log_interval:
             mean_return = np.mean(self.returns) if self.returns else float("nan")
-            print(f"global_step={learner.global_step} SPS={sps:.0f} mean_return={mean_return:.2f}", flush=True)
+            self.progress.line(learner.global_step, sps, mean_return, f"update={learner.update}/{self.num_collections}")
             self.last_console = time.time()
 
     def evaluation(self, returns: list[float], global_step: int) -> None:
@@ -590,15 +590,17 @@ def main(args: Args) -> None:
     learner = Learner.create(args, spaces, device, checkpoint)
     shared = Shared(args, spaces[0], learner.target, learner.update)
     steps_per_collection = args.num_envs * args.sync_interval
-    num_collections = args.total_timesteps // steps_per_collection
+    num_collections, plan = planned_updates(args.total_timesteps, steps_per_collection)
     signals = StopSignals(threading.Event())
     workers = Workers(args, shared, "spawn" if device.type == "cuda" else "fork", num_collections)  # CUDA: no fork
     checkpoint_path, exit_code, message = run_dir / "checkpoint.pt", 0, None
     writer = tracker = None  # made in the try: whatever fails from there on stops the workers
+    progress = Progress(run_dir, learner.global_step, num_collections * steps_per_collection,
+                        f"{plan}, {args.num_executors} executors and {args.num_actors} actors, {device}")  # fmt: skip
     try:
         tracker = start_tracking(args, run_dir)  # after the forks: no worker inherits wandb's threads and pipes
         writer = make_writer(run_dir, args)
-        record, last_checkpoint = Record(writer, args, learner.global_step, num_collections), time.time()
+        record, last_checkpoint = Record(writer, args, learner.global_step, num_collections, progress), time.time()
         workers.start_collection(learner.update, learner.global_step)
         while learner.update < num_collections:
             j = learner.update
@@ -637,7 +639,7 @@ def main(args: Args) -> None:
         except Stop:
             exit_code, message = stopped(Stop(), learner, signals.signum, run_dir)
     signals.restore()
-    close_run(args, learner, writer, tracker, run_dir, meta, exit_code, message)
+    close_run(args, learner, writer, tracker, progress, meta, exit_code, message)
 
 
 def stopped(e: Exception, learner: Learner, signum: int, run_dir: Path) -> tuple[int, str]:
@@ -651,10 +653,12 @@ def stopped(e: Exception, learner: Learner, signum: int, run_dir: Path) -> tuple
     return 1, f"{e}; stopping (the last good checkpoint is kept)" if isinstance(e, WriteError) else f"error: {e}"
 
 
-def close_run(args: Args, learner: Learner, writer, tracker, run_dir: Path, meta: dict, exit_code: int,
+def close_run(args: Args, learner: Learner, writer, tracker, progress: Progress, meta: dict, exit_code: int,
               message: str | None) -> None:  # fmt: skip
     """After the workers stopped: the final checkpoint (after the last update or a signal) and model (after the last
-    update), TensorBoard closed, the W&B run (from start_tracking) ended; the error line, exit with the status."""
+    update), TensorBoard closed, the W&B run (from start_tracking) ended; the error line and the run's summary, exit
+    with the status."""
+    run_dir = progress.run_dir
     try:
         if args.checkpoint_interval > 0 and (exit_code == 0 or exit_code > 128):
             learner.save(run_dir / "checkpoint.pt", args, meta)
@@ -671,6 +675,7 @@ def close_run(args: Args, learner: Learner, writer, tracker, run_dir: Path, meta
     finish_tracking(tracker, run_dir, exit_code)
     if message:
         print(message, file=sys.stderr, flush=True)
+    progress.summary(learner.global_step, exit_code)
     if exit_code:
         raise SystemExit(exit_code)
 
@@ -762,6 +767,7 @@ def parse_args(argv: list[str]) -> Args:
     for arg in argv:
         if (name := arg.split("=")[0]) in RENAMED_FLAGS:
             fail(f"{name} {RENAMED_FLAGS[name]}")
+    tyro._strings.remove_single_line_breaks = unindented
     box = io.StringIO()
     try:
         with contextlib.redirect_stderr(box):
@@ -775,6 +781,13 @@ def parse_args(argv: list[str]) -> Args:
         body = itertools.dropwhile(lambda line: not line.strip("\u2500-"), lines)
         message = " ".join(itertools.takewhile(lambda line: line.strip("\u2500-"), body))
         fail(f"{message or 'the command line cannot be parsed'} (see python {Path(__file__).name} --help)")
+
+
+def unindented(text: str, join=tyro._strings.remove_single_line_breaks) -> str:
+    """tyro (its private helper, replaced in parse_args) keeps a docstring's line break wherever the next line starts
+    with a space, as every continued flag help here does: without the indent, --help joins each flag's help into
+    whole sentences wrapped at the terminal's width."""
+    return join("\n".join(line.lstrip() for line in text.split("\n")))
 
 
 def new_run_dir(args: Args) -> Path:
@@ -873,6 +886,60 @@ def atomic_save(obj, path: Path) -> None:
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
         raise WriteError(write_error(e, path)) from None
+
+
+def duration(seconds: float) -> str:
+    """A console time: 2h05m, 3m07s or 42s."""
+    s = round(seconds)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
+
+
+def planned_updates(total_timesteps: int, steps_per_update: int) -> tuple[int, str]:
+    """The number of updates a budget holds, and the start line's words for it: a budget that is not a whole number
+    of updates says the agent steps it runs instead."""
+    n = total_timesteps // steps_per_update
+    plan = f"{n:,} updates of {steps_per_update:,} agent steps"
+    if n * steps_per_update != total_timesteps:
+        plan += f" = {n * steps_per_update:,} agent steps: --total-timesteps {total_timesteps:,} is not whole updates"
+    return n, plan
+
+
+class Progress:
+    """What the console says about a run: where it goes and what it plans (the first line), how far it is and how
+    long is left at the rate since it started (every console line), and at its end, also after a signal or an
+    error, what it did, the files it left and the commands that go on from them."""
+
+    def __init__(self, run_dir: Path, start_step: int, total_steps: int, plan: str) -> None:
+        self.run_dir, self.start_step, self.total, self.start = run_dir, start_step, total_steps, time.time()
+        self.step, self.mean_return = start_step, math.nan
+        print(f"run directory: {run_dir}  ({plan})", flush=True)
+
+    def line(self, step: int, sps: float, mean_return: float, details: str = "") -> None:
+        """`global_step=N SPS=R mean_return=M` (the prefix tools and tests read), the share of the budget done, the
+        time left at the run's mean rate, then the script's own `details`."""
+        self.step, self.mean_return = step, mean_return
+        rate = (step - self.start_step) / max(time.time() - self.start, 1e-9)
+        left = duration((self.total - step) / rate) if rate > 0 else "?"
+        print(f"global_step={step} SPS={sps:.0f} mean_return={mean_return:.2f} done={100 * step / self.total:.1f}% "
+              f"left={left} {details}".rstrip(), flush=True)  # fmt: skip
+
+    def summary(self, step: int, exit_code: int) -> None:
+        """The run's last lines (after its error line, if any): steps and time, the last mean return, the files in
+        the run directory, and the commands that show, continue or evaluate the run."""
+        ended = "finished" if exit_code == 0 else f"stopped (exit status {exit_code})"
+        print(f"{ended}: {step:,} of {self.total:,} agent steps in {duration(time.time() - self.start)}, last mean "
+              f"return {self.mean_return:.2f}", flush=True)  # fmt: skip
+        try:
+            files = sorted(p.name + "/" * p.is_dir() for p in self.run_dir.iterdir() if not p.name.endswith(".tmp"))
+        except OSError:
+            files = []
+        print(f"wrote to {self.run_dir}: {', '.join(files) or 'nothing'}")
+        script, checkpoint, model = Path(__file__).name, self.run_dir / "checkpoint.pt", self.run_dir / "model.pt"
+        print(f"next: tensorboard --logdir {self.run_dir}")
+        if checkpoint.exists() and step < self.total:
+            print(f"      python {script} --resume {checkpoint}")
+        if model.exists() or checkpoint.exists():
+            print(f"      python {script} --eval-only {model if model.exists() else checkpoint}", flush=True)
 
 
 def load_checkpoint(path: str, meta: dict, args: Args) -> dict:
@@ -1051,7 +1118,8 @@ def validate(args: Args) -> str | None:
     if args.num_envs % args.num_executors:
         return f"--num-executors must divide --num-envs {args.num_envs}, got {args.num_executors}"
     if args.total_timesteps < (rollout := args.num_envs * args.sync_interval):
-        return f"--total-timesteps must be >= {rollout} (num_envs * sync_interval), got {args.total_timesteps}"
+        return (f"--total-timesteps {args.total_timesteps} is below one update, {rollout} agent steps (--num-envs x "
+                f"--sync-interval): the run would learn nothing; give at least {rollout}")  # fmt: skip
     if args.capture_video and args.eval_episodes == 0 and args.eval_only is None:
         return "--capture-video records the evaluation episodes; add --eval-episodes N (N >= 1)"
     for name in ("resume", "eval_only"):
