@@ -170,6 +170,17 @@ def test_eval_env_ends_at_game_over_with_true_return_and_video(tmp_path):
     assert videos and videos[0].stat().st_size > 1000
 
 
+def test_cartpole_eval_env_records_a_video_with_the_video_extra(tmp_path):
+    """CartPole draws its frames with pygame: the `video` extra (which the test extra includes) must bring it."""
+    env = make_env("CartPole-v1", seed=0, capture_video=True, video_dir=str(tmp_path / "videos"))
+    env.reset()
+    while not any(env.step(env.action_space.sample())[2:4]):
+        pass
+    env.close()
+    videos = list((tmp_path / "videos").glob("*.mp4"))
+    assert videos and all(v.stat().st_size > 1000 for v in videos), videos
+
+
 def test_async_batches_account_every_step_once():
     """ale-py async mode: per env, finished game lengths + the running length = actions sent to that env."""
     num_envs, batch = 6, 3
