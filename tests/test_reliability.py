@@ -1,9 +1,13 @@
 """What every script does at the edges of a run, checked the same way for all eight (issue 35's probe): a closed
 terminal (SIGHUP), Ctrl+C during the end-of-run evaluation or while the imports load, a --track whose wandb cannot
-be imported, a resume with other flags, and an unknown flag. Each is triggered by what the run prints or by an import
-hook, never by a timer; a deadline only catches a hang."""
+be imported, a resume with other flags, and an unknown flag; and what a run tells its user (issue 36): where it goes,
+how far it is, what it left behind and how to go on, and a --help that reads as sentences. Each is triggered by what
+the run prints or by an import hook, never by a timer; a deadline only catches a hang."""
 
+import importlib
+import itertools
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -62,11 +66,18 @@ def finish(proc, timeout=60):
 def test_sighup_stops_like_sigterm_with_a_final_checkpoint(name, tmp_path):
     proc = start_run(script_of(name), flags(name, 100_000_000, "--checkpoint-interval", "3600"), tmp_path)
     proc.send_signal(signal.SIGHUP)
-    code, _, err = finish(proc)
+    code, out, err = finish(proc)
     assert code == 128 + signal.SIGHUP, err[-1500:]
     assert "Traceback" not in err, err[-1500:]
-    checkpoint = torch.load(only_run_dir(tmp_path) / "checkpoint.pt", map_location="cpu", weights_only=False)
+    run_dir = only_run_dir(tmp_path)
+    checkpoint = torch.load(run_dir / "checkpoint.pt", map_location="cpu", weights_only=False)
     assert checkpoint["global_step"] > 0
+    # the summary after the stop: how far it got, and the commands that continue or evaluate it
+    assert re.search(
+        rf"^stopped \(exit status 129\): {checkpoint['global_step']:,} of [\d,]+ agent steps", out, re.M
+    ), out
+    assert f"python {script_of(name)} --resume {run_dir / 'checkpoint.pt'}" in out, out[-1500:]
+    assert f"--eval-only {run_dir / 'checkpoint.pt'}" in out, out[-1500:]
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
@@ -111,10 +122,12 @@ def test_track_with_a_wandb_that_cannot_be_imported_is_one_error_line(name, tmp_
 def test_a_resume_says_its_step_and_flags_and_refuses_a_new_shape(name, tmp_path):
     total = RUNS[name][1]
     cmd = [sys.executable, script_of(name), "--log-dir", str(tmp_path), *flags(name, total)]
-    cmd += ["--checkpoint-interval", "3600"]
+    cmd += ["--checkpoint-interval", "3600", "--save-model"]
     first = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert first.returncode == 0, first.stderr[-1500:]
-    checkpoint_path = only_run_dir(tmp_path) / "checkpoint.pt"
+    run_dir = only_run_dir(tmp_path)
+    checkpoint_path = run_dir / "checkpoint.pt"
+    said_what_it_did(first.stdout, run_dir, name)
     step = torch.load(checkpoint_path, map_location="cpu", weights_only=False)["global_step"]
     shape_flag, value = RUNS[name][2]
     refused = subprocess.run([sys.executable, script_of(name), "--log-dir", str(tmp_path), *flags(name, 2 * total),
@@ -130,6 +143,49 @@ def test_a_resume_says_its_step_and_flags_and_refuses_a_new_shape(name, tmp_path
     said = [line for line in resumed.stdout.splitlines() if line.startswith("resuming")]
     assert len(said) == 1 and f"step {step}" in said[0], resumed.stdout[-1500:]
     assert "--seed 7 (was 1)" in said[0] and f"--total-timesteps {2 * total} (was {total})" in said[0], said
+
+
+def said_what_it_did(out: str, run_dir, name: str) -> None:
+    """A finished run's console: the run directory first, lines with the share done and the time left, then the
+    summary naming every file the run wrote and the commands that show and evaluate it."""
+    lines = out.splitlines()
+    assert lines[0].startswith(f"run directory: {run_dir}  ("), lines[:2]
+    assert any(re.search(r"^global_step=\d+ SPS=\d+ mean_return=\S+ done=[\d.]+% left=\S+", x) for x in lines), out
+    ended = [x for x in lines if x.startswith("finished: ")]
+    assert len(ended) == 1 and re.match(r"finished: ([\d,]+) of \1 agent steps in \d", ended[0]), ended
+    wrote = next(x for x in lines if x.startswith(f"wrote to {run_dir}: ")).split(": ", 1)[1].split(", ")
+    assert {"args.json", "checkpoint.pt", "model.pt"} <= set(wrote), wrote
+    assert any(f.startswith("events.out.tfevents.") for f in wrote), wrote
+    assert set(wrote) <= {p.name + "/" * p.is_dir() for p in run_dir.iterdir()}, wrote  # what is there, no more
+    assert f"next: tensorboard --logdir {run_dir}" in lines, out[-1500:]
+    assert f"      python {script_of(name)} --eval-only {run_dir / 'model.pt'}" in lines, out[-1500:]
+    assert "--resume" not in out.split("finished: ")[1], "a finished run has nothing to continue"
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_help_gives_each_flag_whole_sentences_and_one_default(name, monkeypatch, capsys):
+    """tyro keeps a docstring's line break before an indented line, which cuts a flag's help mid-sentence: every
+    line break inside a flag's help must be a wrap (the next word did not fit), and each help has one default."""
+    monkeypatch.setenv("COLUMNS", "160")
+    with pytest.raises(SystemExit) as e:
+        importlib.import_module(name).parse_args(["--help"])
+    assert e.value.code in (0, None)
+    lines = capsys.readouterr().out.splitlines()  # not a terminal: tyro draws the box as a title and a rule
+    rule = next(i for i, line in enumerate(lines) if set(line.strip()) == {"-"})
+    width, rows = len(lines[rule].rstrip()), [line.rstrip() for line in lines[rule + 1 :] if line.strip()]
+    entries: list[list[str]] = []  # per flag: its rows, the flag's own first
+    for row in rows:
+        if row.lstrip().startswith("-"):
+            entries.append([row])
+        else:
+            entries[-1].append(row)
+    assert len(entries) > 20, entries
+    for entry in entries[1:]:  # [0]: -h, --help
+        own_help = re.search(r"\S\s{2,}\S", entry[0])  # a long flag's help starts on the next row
+        for row, after in itertools.pairwise(entry if own_help else entry[1:]):
+            word = after.split()[0]
+            assert len(row) + 1 + len(word) > width - 2, f"help cut mid-sentence before {word!r}:\n" + "\n".join(entry)
+        assert " ".join(entry).count("(default:") == 1, entry
 
 
 IMPORT_HOOK = """
