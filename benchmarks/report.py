@@ -560,12 +560,32 @@ def summary_table(results: Path) -> str:
     return table(header, "lrrrll", rows)
 
 
+def learn_in_minutes_table(results: Path) -> str:
+    """The README's first runs: for each classic-control run of learn.py, its seed-1 command as measured (from the
+    manifest, without the naming flags) and the wall time it took here, to the bar and for the whole budget."""
+    rows = []
+    for source in CLASSIC_SOURCES:
+        manifest = load(results / source.replace(".json", "_manifest.json"))
+        for run in load(results / source)["runs"]:
+            runs = [r for r in manifest["runs"] if r["label"] == run["exp"]]
+            seed1 = next(r for r in runs if r["seed"] == min(x["seed"] for x in runs))["command"]
+            command = f"`python {seed1[0]} --env-id {run['env']} --total-timesteps {run['agent_steps'][0]} " + \
+                flags_of(seed1, NAMING_FLAGS).strip("`") + "`"  # fmt: skip
+            to_bar = [s for s in run["seconds_to_threshold_per_seed"] if s is not None]
+            rows.append(f"`{run['exp']}` | {command} | {num(run['threshold'])} | "
+                        f"{num(statistics.median(to_bar)) if to_bar else '—'} s | "
+                        f"{num(statistics.median(r['wall_seconds'] for r in runs))} s")  # fmt: skip
+    header = "run | command | bar | time to the bar (median of seeds) | time for the whole run (median)"
+    links = sources(results, CLASSIC_SOURCES).replace("](results/", "](benchmarks/results/")  # from the README
+    return table(header, "llrrr", rows) + links
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Filling the documents
 # ----------------------------------------------------------------------------------------------------------------
 
 DOCUMENTS: dict[str, dict[str, Callable[[Path], str]]] = {
-    "README.md": {"summary": summary_table},
+    "README.md": {"summary": summary_table, "learn-in-minutes": learn_in_minutes_table},
     "benchmarks/RESULTS.md": {
         "noise": noise_table,
         "classic-control": classic_control_table,
