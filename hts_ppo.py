@@ -96,14 +96,14 @@ class Args:
     """root of the run directories"""
     save_model: bool = False
     """write the final model's state_dict to {run_dir}/model.pt"""
-    checkpoint_interval: float = 0.0
-    """seconds between checkpoints to {run_dir}/checkpoint.pt (0 = off)"""
+    checkpoint_interval: float = 600.0
+    """seconds between checkpoints to {run_dir}/checkpoint.pt, also written at the end and at Ctrl+C (0 = none)"""
     resume: str | None = None
     """a checkpoint.pt to continue: its parameters, optimizer, run directory and step count (envs start new episodes)"""
     eval_episodes: int = 0
     """episodes played by the final policy after training, logged as eval/episodic_return (--eval-only: 0 plays 10)"""
     eval_greedy: bool = False
-    """evaluate with argmax actions (default: sampled, as in training, whose episode returns HTS-RL reports)"""
+    """evaluate with argmax actions; by default they are sampled, as in training (the returns HTS-RL reports)"""
     eval_only: str | None = None
     """evaluate a model.pt or checkpoint.pt of this script instead of training, with its run's env and network"""
     capture_video: bool = False
@@ -564,8 +564,8 @@ class Record:
     """The learner's record: episodes as they end; losses, charts and timings every `log_frequency` updates and after
     the last (that update's values); a console line every `log_interval` seconds and after the last update."""
 
-    def __init__(self, writer, args: Args, global_step: int, num_collections: int) -> None:
-        self.writer, self.args, self.num_collections = writer, args, num_collections
+    def __init__(self, writer, args: Args, global_step: int, num_collections: int, progress: Progress) -> None:
+        self.writer, self.args, self.num_collections, self.progress = writer, args, num_collections, progress
         self.start_step, self.start_time, self.last_console = global_step, time.time(), time.time()
         self.returns: deque[float] = deque(maxlen=100)
 
@@ -584,7 +584,7 @@ class Record:
                     self.writer.add_scalar(f"{group}/{name}", value, learner.global_step)
         if last or time.time() - self.last_console >= self.args.log_interval:
             mean_return = np.mean(self.returns) if self.returns else float("nan")
-            print(f"global_step={learner.global_step} SPS={sps:.0f} mean_return={mean_return:.2f}", flush=True)
+            self.progress.line(learner.global_step, sps, mean_return, f"update={learner.update}/{self.num_collections}")
             self.last_console = time.time()
 
     def evaluation(self, returns: list[float], global_step: int) -> None:
@@ -650,15 +650,17 @@ def main(args: Args) -> None:
     learner = Learner.create(args, spaces, device, checkpoint)
     shared = Shared(args, spaces[0], learner.target, learner.update)
     steps_per_collection = args.num_envs * args.sync_interval
-    num_collections = args.total_timesteps // steps_per_collection
+    num_collections, plan = planned_updates(args.total_timesteps, steps_per_collection)
     signals = StopSignals(threading.Event())
     workers = Workers(args, shared, "spawn" if device.type == "cuda" else "fork", num_collections)  # CUDA: no fork
     checkpoint_path, exit_code, message = run_dir / "checkpoint.pt", 0, None
     writer = tracker = None  # made in the try: whatever fails from there on stops the workers
+    progress = Progress(run_dir, learner.global_step, num_collections * steps_per_collection,
+                        f"{plan}, {args.num_executors} executors and {args.num_actors} actors, {device}")  # fmt: skip
     try:
         tracker = start_tracking(args, run_dir)  # after the forks: no worker inherits wandb's threads and pipes
         writer = make_writer(run_dir, args)
-        record, last_checkpoint = Record(writer, args, learner.global_step, num_collections), time.time()
+        record, last_checkpoint = Record(writer, args, learner.global_step, num_collections, progress), time.time()
         workers.start_collection(learner.update, learner.global_step)
         while learner.update < num_collections:
             j = learner.update
@@ -697,7 +699,7 @@ def main(args: Args) -> None:
         except Stop:
             exit_code, message = stopped(Stop(), learner, signals.signum, run_dir)
     signals.restore()
-    close_run(args, learner, writer, tracker, run_dir, meta, exit_code, message)
+    close_run(args, learner, writer, tracker, progress, meta, exit_code, message)
 
 
 def stopped(e: Exception, learner: Learner, signum: int, run_dir: Path) -> tuple[int, str]:
@@ -711,10 +713,12 @@ def stopped(e: Exception, learner: Learner, signum: int, run_dir: Path) -> tuple
     return 1, f"{e}; stopping (the last good checkpoint is kept)" if isinstance(e, WriteError) else f"error: {e}"
 
 
-def close_run(args: Args, learner: Learner, writer, tracker, run_dir: Path, meta: dict, exit_code: int,
+def close_run(args: Args, learner: Learner, writer, tracker, progress: Progress, meta: dict, exit_code: int,
               message: str | None) -> None:  # fmt: skip
     """After the workers stopped: the final checkpoint (after the last update or a signal) and model (after the last
-    update), TensorBoard closed, the W&B run (from start_tracking) ended; the error line, exit with the status."""
+    update), TensorBoard closed, the W&B run (from start_tracking) ended; the error line and the run's summary, exit
+    with the status."""
+    run_dir = progress.run_dir
     try:
         if args.checkpoint_interval > 0 and (exit_code == 0 or exit_code > 128):
             learner.save(run_dir / "checkpoint.pt", args, meta)
@@ -731,6 +735,7 @@ def close_run(args: Args, learner: Learner, writer, tracker, run_dir: Path, meta
     finish_tracking(tracker, run_dir, exit_code)
     if message:
         print(message, file=sys.stderr, flush=True)
+    progress.summary(learner.global_step, exit_code)
     if exit_code:
         raise SystemExit(exit_code)
 
@@ -1169,7 +1174,8 @@ def validate(args: Args) -> str | None:
     if args.num_envs % args.num_executors:
         return f"--num-executors must divide --num-envs {args.num_envs}, got {args.num_executors}"
     if args.total_timesteps < (rollout := args.num_envs * args.sync_interval):
-        return f"--total-timesteps must be >= {rollout} (num_envs * sync_interval), got {args.total_timesteps}"
+        return (f"--total-timesteps {args.total_timesteps} is below one update, {rollout} agent steps (--num-envs x "
+                f"--sync-interval): the run would learn nothing; give at least {rollout}")  # fmt: skip
     if rollout % args.num_minibatches:
         return f"--num-minibatches must divide num_envs * sync_interval = {rollout}, got {args.num_minibatches}"
     if args.capture_video and args.eval_episodes == 0 and args.eval_only is None:

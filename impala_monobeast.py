@@ -87,8 +87,8 @@ class Args:
     """where run directories go"""
     save_model: bool = False
     """write the final model's state_dict to {run_dir}/model.pt"""
-    checkpoint_interval: float = 0.0
-    """seconds between checkpoints to {run_dir}/checkpoint.pt (0 = off)"""
+    checkpoint_interval: float = 600.0
+    """seconds between checkpoints to {run_dir}/checkpoint.pt, also written at the end and at Ctrl+C (0 = none)"""
     resume: str | None = None
     """path of a checkpoint.pt to continue from (same run directory and step count)"""
     eval_episodes: int = 0
@@ -116,7 +116,7 @@ class Args:
     num_envs_per_actor: int = 1
     """envs each actor steps (1 = MonoBeast; more gives each actor a batched forward pass)"""
     num_buffers: int | None = None
-    """shared-memory rollout buffers (default: max(2 * num_actors, batch_size), TorchBeast's)"""
+    """shared-memory rollout buffers; None: max(2 * num_actors, batch_size), TorchBeast's choice"""
     num_learner_threads: int = 2
     """learner threads: they batch concurrently, update one at a time"""
     max_inference_batch: int = 0
@@ -672,7 +672,8 @@ class Learner:
         self.model = make_model(obs_space, act_space, network, **model_options(args)).to(device)
         self.optimizer = torch.optim.RMSprop(self.model.parameters(), lr=args.learning_rate, alpha=args.rmsprop_alpha,
                                              eps=args.rmsprop_eps, momentum=args.rmsprop_momentum)  # fmt: skip
-        self.num_updates = args.total_timesteps // (args.unroll_length * args.batch_size * N)
+        self.steps_per_update = args.unroll_length * args.batch_size * N
+        self.num_updates, self.plan = planned_updates(args.total_timesteps, self.steps_per_update)  # plan: start line
         # updates done, and those a learner thread has claimed (each claims one before it batches): under the learn lock
         self.updates, self.global_step = (checkpoint["update"], checkpoint["global_step"]) if checkpoint else (0, 0)
         self.claimed = self.updates
@@ -701,6 +702,7 @@ class Learner:
                 self.acting, slots, RequestPipe(), sems, max_actors, device, self.queues.stop, self.failures
             )
         self.writer: SummaryWriter | None = None  # made once the actors run (its thread is not forked)
+        self.progress: Progress | None = None  # made with the writer: the start line, console lines and summary
         self.learn_lock, self.batch_lock = threading.Lock(), threading.Lock()
         self.recent_returns: deque[float] = deque(maxlen=50)
         self.last_print = self.last_checkpoint = time.time()
@@ -743,7 +745,7 @@ class Learner:
             metrics = learn(self.model, self.optimizer, batch, args, self.device)
             lag = self.updates - batch.version[:-1].double().mean().item()  # row T is the next rollout's row 0
             self.updates += 1
-            self.global_step += args.unroll_length * args.batch_size * args.num_envs_per_actor
+            self.global_step += self.steps_per_update
             self.acting.refresh(self.model, self.updates)
             timing = {"full_queue_get": batch_wait, "free_queue_get": batch.free_wait.mean().item(),
                       "train": time.perf_counter() - start}  # fmt: skip
@@ -770,9 +772,8 @@ class Learner:
         self.recent_returns.extend(returns)
         if now - self.last_print >= self.args.log_interval or self.updates == self.num_updates:
             mean_return = np.mean(self.recent_returns) if self.recent_returns else math.nan
-            print(f"global_step={step} SPS={sps:.0f} mean_return={mean_return:.2f} "
-                  f"update={self.updates}/{self.num_updates} policy_lag={lag:.1f} "
-                  f"batch_wait={timing['full_queue_get']:.3f}s train={timing['train']:.3f}s", flush=True)  # fmt: skip
+            self.progress.line(step, sps, mean_return, f"update={self.updates}/{self.num_updates} policy_lag={lag:.1f} "
+                               f"batch_wait={timing['full_queue_get']:.3f}s train={timing['train']:.3f}s")  # fmt: skip
             self.last_print = now
         if self.args.checkpoint_interval and now - self.last_checkpoint >= self.args.checkpoint_interval:
             self.save_checkpoint()
@@ -803,6 +804,8 @@ def main(args: Args) -> None:
         fail(error)
     if args.eval_only:
         return main_eval_only(args)
+    for ignored in ignored_flags(args):
+        print(f"warning: {ignored}", file=sys.stderr, flush=True)
     try:
         obs_space, act_space = env_spaces(args)
     except EnvError as e:
@@ -830,9 +833,11 @@ def main(args: Args) -> None:
     try:
         tracker = start_tracking(args, run_dir)  # after the fork: no actor inherits wandb's threads and pipes
         learner.writer = make_writer(run_dir, args)  # after wandb.init, which patches TensorBoard
-        print(f"run directory: {run_dir}  ({learner.num_updates} updates, {args.num_actors} actors x {N} envs, "
-              f"{args.inference} inference, {meta['network']} network{' + LSTM' if args.use_lstm else ''}, "
-              f"{args.num_buffers} buffers)", flush=True)  # fmt: skip
+        learner.progress = Progress(
+            run_dir, learner.global_step, learner.num_updates * learner.steps_per_update,
+            f"{learner.plan}, {args.num_actors} actors x {N} envs, {args.inference} inference, {meta['network']} "
+            f"network{' + LSTM' if args.use_lstm else ''}, {args.num_buffers} buffers, {device}",
+        )  # fmt: skip
         threads += [threading.Thread(target=learner.run, args=(j,), name=f"learner-{j}", daemon=True)
                     for j in range(args.num_learner_threads)]  # fmt: skip
         threads += [threading.Thread(target=inference.run, name="inference", daemon=True)] if inference else []
@@ -859,7 +864,7 @@ def main(args: Args) -> None:
 
 def finish(learner: Learner, failure: str | None, signals: StopSignals, threads: list[threading.Thread], tracker=None):
     """After the workers stopped: final checkpoint and model, the evaluation (a signal ends it), TensorBoard closed,
-    W&B finished, exit with the run's status."""
+    W&B finished, the error line and the run's summary, exit with the run's status."""
     args, signum = learner.args, signals.signum
     if signum:
         print(f"interrupted at step {learner.global_step}: shutting down", file=sys.stderr)
@@ -888,6 +893,7 @@ def finish(learner: Learner, failure: str | None, signals: StopSignals, threads:
     finish_tracking(tracker, learner.run_dir, code)
     if failure:
         print(failure, file=sys.stderr)
+    learner.progress.summary(learner.global_step, code)
     leave(code, threads)
 
 
@@ -1346,9 +1352,11 @@ def validate(args: Args) -> str | None:
         return f"--num-buffers ({K}) must be >= --num-actors ({M}) and >= --batch-size ({B})"
     if 0 < args.max_inference_batch < N:
         return f"--max-inference-batch ({args.max_inference_batch}) must be 0 (all) or >= --num-envs-per-actor ({N})"
-    if args.total_timesteps < args.unroll_length * B * N:
-        return (f"--total-timesteps ({args.total_timesteps}) is less than one learner batch ({args.unroll_length} "
-                f"steps x {B} rollouts x {N} envs)")  # fmt: skip
+    if args.total_timesteps < (n := args.unroll_length * B * N):
+        return (f"--total-timesteps {args.total_timesteps} is below one update, {n} agent steps (--unroll-length x "
+                f"--batch-size x --num-envs-per-actor): the run would learn nothing; give at least {n}")  # fmt: skip
+    if args.capture_video and args.eval_episodes == 0 and args.eval_only is None:
+        return "--capture-video records the evaluation episodes; add --eval-episodes N (N >= 1)"
     for name, what in (("resume", "checkpoint file"), ("eval_only", "file")):
         if (path := getattr(args, name)) is not None and not Path(path).is_file():
             return f"{flag(name)} {path}: no such {what}"
@@ -1359,6 +1367,19 @@ def validate(args: Args) -> str | None:
     except EnvError as e:
         return str(e)
     return None
+
+
+def ignored_flags(args: Args) -> list[str]:
+    """Flags a training run with these settings leaves without effect, where a sweep or a copied command may set them
+    on purpose: the run goes on, with one warning line for each."""
+    ignored = []
+    if args.max_inference_batch and args.inference == "actor":
+        ignored.append(f"--max-inference-batch {args.max_inference_batch} has no effect with --inference actor "
+                       "(each actor runs its own copy of the model)")  # fmt: skip
+    for name in ("lstm_size", "lstm_layers"):
+        if not args.use_lstm and getattr(args, name) != getattr(Args, name):
+            ignored.append(f"{flag(name)} {getattr(args, name)} has no effect without --use-lstm")
+    return ignored
 
 
 def env_spaces(args: Args) -> tuple[gym.Space, gym.spaces.Discrete]:

@@ -324,8 +324,17 @@ def test_tensorboard_tags_are_logged_and_finite(tiny_run):
     data = scalars(run_dir)
     assert_finite_tags(data, REQUIRED_TAGS)
     assert any(tag.startswith("hyperparameters") for tag in event_accumulator(run_dir).Tags()["tensors"])
-    assert max(step for step, _ in data["charts/SPS"]) == updates(script) * 4 * TINY[script]["sync_interval"]
-    assert re.search(r"^global_step=\d+ SPS=\d+ mean_return=", stdout, re.M)
+    steps = updates(script) * 4 * TINY[script]["sync_interval"]
+    assert max(step for step, _ in data["charts/SPS"]) == steps
+    # the console: the start line with the plan, a line per report ending at the budget, the summary with its files
+    plan = f"{updates(script)} updates of {steps // updates(script)} agent steps, 4 executors and 2 actors, cpu"
+    assert stdout.startswith(f"run directory: {run_dir}  ({plan})\n"), stdout[:300]
+    lines = re.findall(r"^global_step=\d+ SPS=\d+ mean_return=\S+ done=\S+% left=\S+ update=\d+/\d+$", stdout, re.M)
+    last = f"done=100.0% left=0s update={updates(script)}/{updates(script)}"
+    assert lines and lines[-1].startswith(f"global_step={steps} ") and lines[-1].endswith(last), stdout
+    assert f"\nfinished: {steps:,} of {steps:,} agent steps in " in stdout, stdout
+    assert f"wrote to {run_dir}: args.json, checkpoint.pt, events.out.tfevents." in stdout, stdout
+    assert stdout.rstrip().endswith(f"python {script} --eval-only {run_dir / 'model.pt'}"), stdout[-300:]
     assert (run_dir / "model.pt").is_file() and (run_dir / "checkpoint.pt").is_file()
     checkpoint = torch.load(run_dir / "checkpoint.pt", weights_only=False)
     assert {"model", "optimizer", "global_step", "update", "rng", "args", "meta"} <= set(checkpoint)
@@ -490,7 +499,7 @@ def test_resume_continues_the_run_directory_and_step_count(script, tmp_path, in_
         ({"network": "nature"}, "needs [C, H, W] image observations"),
         ({"network": "resnet"}, "--network must be one of"),  # from Python; tyro refuses it on the command line
         ({"atari_protocol": "openai"}, "--atari-protocol must be one of"),
-        ({"total_timesteps": 3}, "--total-timesteps must be >="),
+        ({"total_timesteps": 3}, "--total-timesteps 3 is below one update"),
         ({"resume": "/nonexistent/checkpoint.pt"}, "no such file"),
         ({"capture_video": True}, "--eval-episodes"),
         ({"gamma": 1.5}, "--gamma must be in [0, 1]"),
@@ -507,6 +516,16 @@ def test_validate_names_the_bad_flag_in_one_line(module, flags, message):
     flags = dict(flags)  # parametrize shares the dict between the two modules
     error = module.validate(module.Args(env_id=flags.pop("env_id", "CartPole-v1"), num_envs=4, **flags))
     assert error is not None and message in error and "\n" not in error, error
+
+
+@pytest.mark.parametrize("module", [hts_a2c, hts_ppo])
+def test_a_budget_below_one_update_is_refused(module):
+    """One update takes --num-envs x --sync-interval agent steps: a budget one step short would learn nothing."""
+    one = 4 * module.Args().sync_interval
+    error = module.validate(module.Args(env_id="CartPole-v1", num_envs=4, total_timesteps=one - 1))
+    assert error == (f"--total-timesteps {one - 1} is below one update, {one} agent steps (--num-envs x "
+                     f"--sync-interval): the run would learn nothing; give at least {one}"), error  # fmt: skip
+    assert module.validate(module.Args(env_id="CartPole-v1", num_envs=4, total_timesteps=one)) is None
 
 
 @pytest.mark.parametrize("module", [hts_a2c, hts_ppo])
@@ -561,17 +580,22 @@ def test_tracking_names_the_run_after_its_directory_resumes_it_and_ends_with_the
     assert module.start_tracking(module.Args(env_id="CartPole-v1"), run_dir) is None and wandb.inits == []
     assert module.start_tracking(module.Args(env_id="CartPole-v1", track=True, wandb_entity="me"), run_dir) is wandb
     resumed = module.Args(env_id="CartPole-v1", track=True, resume=str(run_dir / "checkpoint.pt"))
+    resumed.checkpoint_interval = 0  # close_run's final checkpoint needs a learner: this test has none
     module.start_tracking(resumed, run_dir)
     first, second = wandb.inits
     assert first["name"] == second["name"] == run_dir.name and first["id"] == second["id"]
     assert first["resume"] is None and second["resume"] == "allow" and first["entity"] == "me"
     assert first["sync_tensorboard"] and first["config"]["env_id"] == "CartPole-v1" and first["config"]["track"]
+    learner = types.SimpleNamespace(global_step=96)
     for code, message in [(0, None), (1, "error: executor 0 failed"), (143, "stopped by SIGTERM at global step 96")]:
         with pytest.raises(SystemExit) if code else contextlib.nullcontext():
-            module.close_run(resumed, None, None, wandb, run_dir, {}, code, message)
+            module.close_run(resumed, learner, None, wandb, module.Progress(run_dir, 0, 192, "plan"), {}, code, message)
         assert wandb.finished[-1] == code
     assert wandb.logged == [{"videos": ("video", str(run_dir / "videos" / "rl-video-episode-0.mp4"))}] * 3
-    assert capsys.readouterr().err.splitlines() == ["error: executor 0 failed", "stopped by SIGTERM at global step 96"]
+    out, err = capsys.readouterr()
+    assert err.splitlines() == ["error: executor 0 failed", "stopped by SIGTERM at global step 96"]
+    ends = [line.split(":")[0] for line in out.splitlines() if line.startswith(("finished", "stopped"))]
+    assert ends == ["finished", "stopped (exit status 1)", "stopped (exit status 143)"], out  # every run's summary
 
 
 @pytest.mark.parametrize(
@@ -689,11 +713,12 @@ def test_ctrl_c_stops_everything_and_writes_a_final_checkpoint(tmp_path):
     workers = children_of(proc.pid)
     assert len(workers) >= 4 + 4  # 4 executors and 4 actors (the queue's feeder thread is not a process)
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=60)
+    out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err
     assert "stopped by SIGINT" in err and "Traceback" not in err
     assert not [w for w in workers if alive(w)]
     run_dir = only_run_dir(tmp_path)
+    assert "\nstopped (exit status 130): " in out and f"python hts_ppo.py --resume {run_dir / 'checkpoint.pt'}\n" in out
     assert torch.load(run_dir / "checkpoint.pt", weights_only=False)["global_step"] > 0
     assert scalars(run_dir)["charts/SPS"]
 

@@ -341,8 +341,15 @@ def test_cartpole_end_to_end_batched_one_actor(tmp_path, run_main):
     assert len(logged["eval/episodic_return"]) == 2
     # TorchBeast's inputs by default: 4 observation features, the clipped reward, a one-hot of 2 actions
     assert torch.load(run_dir / "model.pt")["policy.0.weight"].shape == (64, 4 + 1 + 2)
+    # the console: the start line with the plan, the last update's line (always printed), the summary with its files
+    plan = "10 updates of 32 agent steps, 1 actors x 1 envs, batched inference, mlp network, 2 buffers, cpu"
+    assert proc.stdout.startswith(f"run directory: {run_dir}  ({plan})\n"), proc.stdout[:300]
     lines = [line for line in proc.stdout.splitlines() if line.startswith("global_step=")]
-    assert lines and lines[-1].startswith("global_step=320 SPS="), proc.stdout  # the last update always prints
+    assert lines and lines[-1].startswith("global_step=320 SPS="), proc.stdout
+    assert " done=100.0% left=0s update=10/10 policy_lag=" in lines[-1], lines[-1]
+    assert "\nfinished: 320 of 320 agent steps in " in proc.stdout, proc.stdout
+    assert f"wrote to {run_dir}: args.json, checkpoint.pt, events.out.tfevents." in proc.stdout, proc.stdout
+    assert proc.stdout.rstrip().endswith(f"python {SCRIPT} --eval-only {run_dir / 'model.pt'}"), proc.stdout[-300:]
     # --eval-only replays the run's own (greedy) evaluation: same agent, TorchBeast's inputs included, same seed
     proc = run_main(["--eval-only", str(run_dir / "model.pt"), "--eval-episodes", "2"])
     assert proc.returncode == 0, proc.stderr
@@ -455,7 +462,8 @@ class FakeWandb(types.SimpleNamespace):
         self.finished.append(exit_code)
 
 
-def test_tracking_names_the_run_after_its_directory_resumes_it_and_ends_with_the_exit_status(monkeypatch, tmp_path):
+def test_tracking_names_the_run_after_its_directory_resumes_it_and_ends_with_the_exit_status(monkeypatch, tmp_path,
+                                                                                             capsys):  # fmt: skip
     """A --resume run continues the W&B run of its run directory (the same id); recorded videos are uploaded; the
     W&B run ends with the run's exit status."""
     wandb = FakeWandb()
@@ -467,6 +475,7 @@ def test_tracking_names_the_run_after_its_directory_resumes_it_and_ends_with_the
     assert im.start_tracking(im.Args(env_id="CartPole-v1", track=True, wandb_entity="me"), run_dir) is wandb
     resumed = im.Args(env_id="CartPole-v1", track=True, resume=str(run_dir / "checkpoint.pt"))
     im.start_tracking(resumed, run_dir)
+    resumed.checkpoint_interval = 0  # finish's final checkpoint needs a learner: this test has a stand-in
     first, second = wandb.inits
     assert first["name"] == second["name"] == run_dir.name and first["id"] == second["id"]
     assert first["resume"] is None and second["resume"] == "allow" and first["entity"] == "me"
@@ -476,10 +485,13 @@ def test_tracking_names_the_run_after_its_directory_resumes_it_and_ends_with_the
     for failure, signum, code in [(None, 0, 0), ("error: actor 0 died", 0, 1), (None, signal.SIGTERM, 143)]:
         signals = im.StopSignals(threading.Event())
         signals.signum = signum
+        learner.progress = im.Progress(run_dir, 0, 64, "plan")
         with pytest.raises(SystemExit) if code else contextlib.nullcontext():
             im.finish(learner, failure, signals, [], wandb)
         assert wandb.finished[-1] == code
     assert wandb.logged == [{"videos": ("video", str(run_dir / "videos" / "rl-video-episode-0.mp4"))}] * 3
+    ends = [line.split(":")[0] for line in capsys.readouterr().out.splitlines() if line.startswith(("fini", "stop"))]
+    assert ends == ["finished", "stopped (exit status 1)", "stopped (exit status 143)"]  # every run's summary
 
 
 @pytest.mark.parametrize("lstm", [[], ["--use-lstm", "--lstm-size", "32"]])
@@ -524,7 +536,8 @@ def test_bad_flags_one_line_error(tmp_path, capsys):
         (dict(atari_protocol="atari57"), "--atari-protocol must be one of"),
         (dict(learning_rate=-1.0), "--learning-rate must be > 0"),
         (dict(vf_coef=-1.0), "--vf-coef must be >= 0"),
-        (dict(total_timesteps=10), "less than one learner batch"),
+        (dict(total_timesteps=10), "--total-timesteps 10 is below one update, 640 agent steps"),
+        (dict(capture_video=True), "--capture-video records the evaluation episodes; add --eval-episodes N (N >= 1)"),
         (dict(resume="/nonexistent/checkpoint.pt"), "no such checkpoint"),
         (dict(num_envs_per_actor=4, max_inference_batch=2), "--max-inference-batch (2)"),
         (dict(lstm_layers=0), "--lstm-layers must be >= 1"),
@@ -551,6 +564,33 @@ def test_bad_flags_one_line_error(tmp_path, capsys):
             im.parse_args(argv)
         assert e.value.code == 2 and message in capsys.readouterr().err, argv
     assert not any(Path(tmp_path).iterdir())  # nothing was created
+
+
+def test_a_budget_below_one_update_is_refused():
+    """One update takes --unroll-length x --batch-size x --num-envs-per-actor agent steps: one step short would learn
+    nothing."""
+    args = dict(env_id="CartPole-v1", unroll_length=16, batch_size=2, num_envs_per_actor=3, num_actors=1)
+    assert im.validate(im.Args(**args, total_timesteps=96)) is None
+    assert im.validate(im.Args(**args, total_timesteps=95)) == (
+        "--total-timesteps 95 is below one update, 96 agent steps (--unroll-length x --batch-size x "
+        "--num-envs-per-actor): the run would learn nothing; give at least 96"
+    )
+
+
+def test_flags_without_effect_in_a_run_are_named_in_one_warning_line_each(tmp_path, run_main):
+    """Batched inference's batch limit with MonoBeast's acting, and the LSTM's shape without the LSTM: the run goes
+    on, saying so; with the settings that use them, nothing is said."""
+    assert im.ignored_flags(im.Args()) == []
+    assert im.ignored_flags(im.Args(max_inference_batch=4, use_lstm=True, lstm_size=8, lstm_layers=1)) == []
+    assert im.ignored_flags(im.Args(inference="actor", max_inference_batch=4, lstm_size=8, lstm_layers=1)) == [
+        "--max-inference-batch 4 has no effect with --inference actor (each actor runs its own copy of the model)",
+        "--lstm-size 8 has no effect without --use-lstm",
+        "--lstm-layers 1 has no effect without --use-lstm",
+    ]
+    proc = run_main([*TINY_CARTPOLE, "--num-actors", "1", "--num-learner-threads", "1", "--total-timesteps", "32",
+                     "--lstm-layers", "1", "--checkpoint-interval", "0"])  # fmt: skip
+    assert proc.returncode == 0 and proc.stderr == "warning: --lstm-layers 1 has no effect without --use-lstm\n"
+    assert "\nfinished: 32 of 32 agent steps in " in proc.stdout, proc.stdout
 
 
 def test_bad_flag_exits_2_with_one_line(tmp_path):
