@@ -98,8 +98,8 @@ class Args:
     """where run directories go"""
     save_model: bool = False
     """write the final model's state_dict to {run_dir}/model.pt"""
-    checkpoint_interval: float = 0.0
-    """seconds between checkpoints to {run_dir}/checkpoint.pt (0 = off)"""
+    checkpoint_interval: float = 600.0
+    """seconds between checkpoints to {run_dir}/checkpoint.pt, also written at the end and at Ctrl+C (0 = none)"""
     resume: str | None = None
     """a checkpoint.pt to continue: its networks, optimizer, run directory and step count (the replay starts empty)"""
     eval_episodes: int = 0
@@ -880,8 +880,8 @@ class Record:
     """The learner's record: the step count, the actors' games and the evaluator's rounds as TensorBoard points, the
     means of the learner's statistics over the last --log-frequency updates, and the console line."""
 
-    def __init__(self, writer, global_step: int):
-        self.writer = writer
+    def __init__(self, writer, global_step: int, progress: Progress):
+        self.writer, self.progress = writer, progress
         self.global_step = self.start_step = global_step
         self.start_time = time.time()
         self.returns: deque[float] = deque(maxlen=20)  # the console line's mean return
@@ -929,10 +929,10 @@ class Record:
         self.writer.add_scalar("replay/stale_updates", self.stale_updates, step)
         self.writer.add_scalar("timing/replay_wait", self.replay_wait, step)
 
-    def console_line(self, learner: Learner, stats: ReplayStats) -> str:
-        mean_return = f"{np.mean(self.returns):.2f}" if self.returns else "nan"
-        return (f"global_step={self.global_step} SPS={self.sps():.0f} mean_return={mean_return} "
-                f"updates={learner.version} replay={int(stats.sizes.sum())}")  # fmt: skip
+    def console_line(self, learner: Learner, stats: ReplayStats) -> None:
+        mean_return = float(np.mean(self.returns)) if self.returns else math.nan
+        self.progress.line(self.global_step, self.sps(), mean_return,
+                           f"updates={learner.version} replay={int(stats.sizes.sum())}")  # fmt: skip
 
 
 class RateLimiter:
@@ -1030,7 +1030,7 @@ class LearnerRun:
                 self.handle(message)
             self.failure = self.failure or worker_failure(self.procs, self.shared.error_q)
         if now - self.last_print >= self.args.log_interval:
-            print(self.record.console_line(self.learner, self.stats), flush=True)
+            self.record.console_line(self.learner, self.stats)
             self.last_print = now
         if self.args.checkpoint_interval and now - self.last_checkpoint >= self.args.checkpoint_interval:
             write_checkpoint(self)
@@ -1084,14 +1084,14 @@ def start_learner(args: Args, world_size: int, signals: StopSignals) -> LearnerR
         learner.load_state_dict(checkpoint)
         torch.set_rng_state(checkpoint["torch_rng"])
     shared.store.publish(learner.flat_params(), learner.version)
-    print(
-        f"run directory: {run_dir}  ({ALGORITHM}: {num_actors} actors x {args.num_envs_per_actor} envs, replay "
-        f"{args.buffer_size:,} in {num_actors} buffers, learner on {device}"
-        f"{f', {world_size - 1} actor ranks over rpc' if distributed else ''})",
-        flush=True,
-    )
     stop_if_signalled(signals, run_dir, resumed=checkpoint is not None)
     write_run_args(run_dir, args, meta)
+    for warning in start_warnings(args, global_step):
+        print(f"warning: {warning}", file=sys.stderr, flush=True)
+    plan = (f"{ALGORITHM}: {num_actors} actors x {args.num_envs_per_actor} envs, replay {args.buffer_size:,} in "
+            f"{num_actors} buffers, learning from {max(args.learning_starts, 1):,} transitions, learner on {device}"
+            f"{f', {world_size - 1} actor ranks over rpc' if distributed else ''}")  # fmt: skip
+    progress = Progress(run_dir, global_step, args.total_timesteps, plan)
     procs = Processes(ctx)
     start_workers(procs, args, shared, spaces, first_actor=0, num_total=num_actors, evaluator=args.eval_interval > 0)
     try:  # after the forks: no child inherits wandb's threads
@@ -1104,7 +1104,8 @@ def start_learner(args: Args, world_size: int, signals: StopSignals) -> LearnerR
     writer = make_writer(run_dir, args)
     rng = np.random.default_rng([args.seed, 0])
     replay = RemoteReplay(args, world_size) if distributed else LocalReplay(shared.buffers, rng)
-    run = LearnerRun(args, learner, replay, shared, procs, Record(writer, global_step), run_dir, meta, num_actors)
+    record = Record(writer, global_step, progress)
+    run = LearnerRun(args, learner, replay, shared, procs, record, run_dir, meta, num_actors)
     run.tracker = tracker
     return run
 
@@ -1166,6 +1167,28 @@ def stop_if_signalled(signals: StopSignals, run_dir: Path, resumed: bool) -> Non
         raise SystemExit(128 + signals.signum)
 
 
+def start_warnings(args: Args, start_step: int) -> list[str]:
+    """What a run from `start_step` will not do though its flags may suggest it, as `warning:` lines: a --resume of a
+    finished run does nothing; a resumed run too short to refill the replay (empty on --resume) to --learning-starts
+    trains no more; a budget with no multiple of --eval-interval in it has no evaluation round (the combination can
+    be intended: the default --eval-interval on a short run)."""
+    total, interval = args.total_timesteps, args.eval_interval
+    if start_step >= total:
+        return [f"--resume: its run made {start_step} agent steps, all of --total-timesteps {total}: this run does "
+                f"nothing; give a larger --total-timesteps to continue it"]  # fmt: skip
+    warnings = []
+    if start_step and total - start_step <= args.learning_starts:
+        warnings.append(f"--resume: the {total - start_step} agent steps left to --total-timesteps {total} cannot "
+                        f"refill the replay (empty on --resume) to --learning-starts {args.learning_starts}: the "
+                        f"learner will not update again; give a larger --total-timesteps")  # fmt: skip
+    if interval and (total - 1) // interval * interval <= start_step:  # Record.evaluation_due's last boundary
+        after = f" after the resumed step {start_step}" if start_step else ""
+        warnings.append(f"--eval-interval {interval} puts no evaluation round{after} before --total-timesteps {total} "
+                        f"(rounds run at its multiples): the run evaluates nothing during training; give a smaller "
+                        f"--eval-interval, or 0 for no rounds")  # fmt: skip
+    return warnings
+
+
 def write_checkpoint(run: LearnerRun) -> None:
     """{run_dir}/checkpoint.pt: the learner's state (the model's state_dict at "model"), step count, RNG, Args, meta."""
     state = dict(run.learner.state_dict(), global_step=run.record.global_step, args=asdict(run.args),
@@ -1195,7 +1218,7 @@ def close_run(run: LearnerRun, interrupted: bool, signals: StopSignals) -> None:
         run.failure = str(e)
     try:
         record.write(run.learner, run.stats)  # the final step's point, whatever the update count
-        print(record.console_line(run.learner, run.stats), flush=True)
+        record.console_line(run.learner, run.stats)
         if run.failure is None and not interrupted and args.eval_episodes:
             print(f"evaluating the final policy: {args.eval_episodes} episodes", flush=True)
             model = saved_model(args, run.meta, run.learner.model.state_dict())
@@ -1215,7 +1238,8 @@ def close_run(run: LearnerRun, interrupted: bool, signals: StopSignals) -> None:
     code = 1 if run.failure else 128 + signals.signum if interrupted else 0
     finish_tracking(run.tracker, run.run_dir, code)
     if run.failure:
-        print(run.failure, file=sys.stderr)
+        print(run.failure, file=sys.stderr, flush=True)
+    record.progress.summary(record.global_step, code)
     if code:
         raise SystemExit(code)
 
@@ -1657,8 +1681,17 @@ def validate(args: Args, world_size: int = 1) -> str | None:
     actors = args.num_actors * max(1, world_size - 1)
     if args.buffer_size < actors * args.actor_batch:
         return f"--buffer-size {args.buffer_size} must hold at least one --actor-batch ({args.actor_batch}) per actor"
-    if args.learning_starts > args.buffer_size:
-        return f"--learning-starts ({args.learning_starts}) must be <= --buffer-size ({args.buffer_size})"
+    starts, total = args.learning_starts, args.total_timesteps
+    if starts > (capacity := args.buffer_size // actors * actors):  # split evenly, rounded down
+        return (f"--learning-starts ({starts}) must be <= the replay's capacity, {capacity} (--buffer-size "
+                f"{args.buffer_size} in {actors} buffers): the learner would never start")  # fmt: skip
+    if starts >= total:
+        return (f"--learning-starts {starts} is not below --total-timesteps {total}: the learner waits for {starts} "
+                f"transitions in the replay and the run makes one per agent step, so it would learn nothing; give a "
+                f"smaller --learning-starts or a larger --total-timesteps (flags that learn CartPole-v1: python "
+                f"benchmarks/learn.py --suite cartpole --only apex_dqn --dry-run)")  # fmt: skip
+    if args.capture_video and args.eval_episodes == 0:
+        return "--capture-video records the evaluation episodes; add --eval-episodes N (N >= 1)"
     if args.total_timesteps < actors * args.num_envs_per_actor:
         return f"--total-timesteps ({args.total_timesteps}) is less than one step of every env of every actor"
     try:

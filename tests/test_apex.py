@@ -7,9 +7,10 @@ weights by hand, the taint (slot-version) check, n-step transitions and double-Q
 settings; end-to-end DQN on CartPole under torchrun (learner + 2 actor ranks) and on Breakout, DDPG on Pendulum, with
 the exact policy lag of actors that never pull; --track (one offline W&B run for a run of 2 actors, from the learner
 alone), --eval-only of a model.pt and a checkpoint.pt (the end-of-training evaluation replayed) and what it refuses;
-bad flags, unusable checkpoints and run directories; a crashing or killed actor, SIGINT with a stopped process, a
-signal during start-up, a full disk. Both scripts' rpc code is the same text, so DDPG under torchrun runs the code the
-DQN torchrun test checks."""
+the console's start line, lines and summary; bad flags (a budget that never starts the learner among them), the
+warnings of a run that skips what its flags suggest, unusable checkpoints and run directories; a crashing or killed
+actor, SIGINT with a stopped process, a signal during start-up, a full disk. Both scripts' rpc code is the same text,
+so DDPG under torchrun runs the code the DQN torchrun test checks."""
 
 import ast
 import json
@@ -29,6 +30,7 @@ import pytest
 import torch
 import tyro
 from helpers import (
+    CONSOLE_LINE,
     ROOT,
     RecordingEnv,
     alive,
@@ -52,6 +54,9 @@ from torch import nn
 
 import apex_ddpg
 import apex_dqn
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import learn  # benchmarks/learn.py: the suites a refusal points to
 
 SCRIPTS = [apex_dqn, apex_ddpg]
 CTX = multiprocessing.get_context("fork")
@@ -389,6 +394,10 @@ def test_dqn_cartpole_under_torchrun_with_two_actor_ranks(dqn_torchrun_run):
     proc, run_dir, wandb_dir = dqn_torchrun_run
     total = 4000
     assert "2 actor ranks over rpc" in proc.stdout
+    # rank 0 alone speaks: one start line, one summary
+    assert proc.stdout.count("run directory: ") == 1 and proc.stdout.count("finished: ") == 1, proc.stdout
+    assert "finished: 4,000 of 4,000 agent steps in " in proc.stdout, proc.stdout
+    assert "\nwarning: " not in f"\n{proc.stderr}", proc.stderr
     logged = scalars(run_dir)
     assert_finite_tags(logged, [*REQUIRED_TAGS, "charts/episodic_return", "charts/episodic_length",
                                 "eval/episodic_return"])  # fmt: skip
@@ -412,15 +421,30 @@ def test_dqn_cartpole_under_torchrun_with_two_actor_ranks(dqn_torchrun_run):
 
 
 def test_dqn_atari_end_to_end(tmp_path):
+    """Also the default --eval-interval (100,000) on this short run: no evaluation round is due, and one warning line
+    says so; the console's start line, lines and summary."""
     proc = run_script(
         "apex_dqn.py",
         ["--env-id", "ALE/Breakout-v5", *TINY_DQN, *NO_PULLS, "--num-actors", "1", "--total-timesteps", "250",
-         "--buffer-size", "250", "--learning-starts", "50", "--eval-interval", "0", "--batch-size", "16",
-         "--replay-ratio", "1"],
+         "--buffer-size", "250", "--learning-starts", "50", "--batch-size", "16", "--replay-ratio", "1"],
         tmp_path,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
-    logged = scalars(only_run_dir(tmp_path))
+    assert proc.stderr == (
+        "warning: --eval-interval 100000 puts no evaluation round before --total-timesteps 250 (rounds run at its "
+        "multiples): the run evaluates nothing during training; give a smaller --eval-interval, or 0 for no rounds\n"
+    )
+    run_dir = only_run_dir(tmp_path)
+    start, *lines, finished, wrote, tensorboard, eval_only = proc.stdout.splitlines()
+    assert start.startswith(f"run directory: {run_dir}  (Ape-X DQN: 1 actors x 1 envs, replay 250 in 1 buffers, "
+                            "learning from 50 transitions, learner on "), start  # fmt: skip
+    assert lines and all(CONSOLE_LINE.match(line) and " done=" in line and " updates=" in line for line in lines)
+    assert lines[-1].startswith("global_step=250 ") and " done=100.0% " in lines[-1], lines
+    assert finished.startswith("finished: 250 of 250 agent steps in "), finished
+    assert wrote == f"wrote to {run_dir}: args.json, checkpoint.pt, {next(run_dir.glob('events.*')).name}", wrote
+    assert tensorboard == f"next: tensorboard --logdir {run_dir}"  # finished: no --resume line
+    assert eval_only == f"      python apex_dqn.py --eval-only {run_dir / 'checkpoint.pt'}"  # written by default
+    logged = scalars(run_dir)
     assert_finite_tags(logged, REQUIRED_TAGS)  # no game ends this soon, but lives are lost (no final_obs)
     # the rate limiter: about 1 sampled transition per agent step after learning starts (200 steps / 16 per batch)
     assert 5 <= len(logged["losses/total_loss"]) * 5 <= 20, logged["losses/total_loss"]
@@ -445,7 +469,11 @@ def ddpg_run(tmp_path_factory):
 
 def test_ddpg_pendulum_end_to_end(ddpg_run):
     """--track: the main process alone logs to W&B, one run for the learner and its 2 actor processes."""
-    _, run_dir, wandb_dir = ddpg_run
+    proc, run_dir, wandb_dir = ddpg_run
+    assert proc.stdout.startswith(f"run directory: {run_dir}  (Ape-X DDPG: 2 actors x 1 envs, replay 1,200 in 2 "
+                                  "buffers, learning from 200 transitions, learner on "), proc.stdout  # fmt: skip
+    assert "\nfinished: 1,200 of 1,200 agent steps in " in proc.stdout, proc.stdout
+    assert "\nwarning: " not in f"\n{proc.stderr}", proc.stderr
     logged = scalars(run_dir)
     assert_finite_tags(logged, [*REQUIRED_TAGS, "losses/policy_loss", "charts/episodic_return",
                                 "eval/episodic_return"])  # fmt: skip
@@ -662,6 +690,12 @@ def test_a_failing_wandb_init_is_one_error_line_and_stops_the_actors(monkeypatch
         (apex_ddpg, dict(critic_learning_rate=0.0), "--critic-learning-rate must be > 0"),
         (apex_dqn, dict(env_id="CartPole-v1", buffer_size=100), "must hold at least one --actor-batch"),
         (apex_dqn, dict(env_id="CartPole-v1", learning_starts=10**9), "--learning-starts"),
+        (
+            apex_dqn,
+            dict(env_id="CartPole-v1", num_actors=3, buffer_size=1000, learning_starts=1000),
+            "--learning-starts (1000) must be <= the replay's capacity, 999 (--buffer-size 1000 in 3 buffers)",
+        ),
+        (apex_ddpg, dict(capture_video=True), "--capture-video records the evaluation episodes; add --eval-episodes"),
         (apex_dqn, dict(resume="/nonexistent/checkpoint.pt"), "no such checkpoint"),
         (apex_dqn, dict(env_id="CartPole-v1", learning_rate=float("inf")), "--learning-rate must be a finite number"),
         (apex_ddpg, dict(tau=float("nan")), "--tau must be a finite number, got nan"),
@@ -672,6 +706,61 @@ def test_a_failing_wandb_init_is_one_error_line_and_stops_the_actors(monkeypatch
 )
 def test_bad_flags_one_line_error(m, args, message):
     assert message in m.validate(m.Args(**args))
+
+
+@script_ids
+def test_a_budget_that_never_starts_the_learner_is_refused(m, capsys, process_state):
+    """Ape-X's --learning-starts (50,000) and a budget of 50,000 agent steps: the replay, one transition per agent step,
+    never holds enough for the learner, which would end the run with updates=0 and exit 0. One error line names both
+    flags and the command that prints flags that learn the env; those flags pass, and so does one step more."""
+    env_id, suite = ("CartPole-v1", "cartpole") if m is apex_dqn else ("Pendulum-v1", "pendulum")
+    error = refusal(capsys, m, ["--env-id", env_id, "--total-timesteps", "50000"])
+    assert error.startswith("error: --learning-starts 50000 is not below --total-timesteps 50000: "), error
+    hint = f"python benchmarks/learn.py --suite {suite} --only {m.__name__} --dry-run"
+    assert hint in error, error
+    assert m.validate(m.Args(env_id=env_id, total_timesteps=50_001)) is None
+    (entry,) = [e for e in learn.suite(suite) if e.label == m.__name__]
+    args = m.parse_args(learn.command(entry, 1, Path("runs"))[2:])  # the flags after `python SCRIPT`
+    assert m.validate(args) is None and m.start_warnings(args, 0) == [], learn.command(entry, 1, Path("runs"))
+
+
+@script_ids
+@pytest.mark.parametrize(
+    ("flags", "start_step", "warnings"),
+    [
+        (
+            dict(total_timesteps=6000, eval_interval=100_000),
+            0,
+            ["--eval-interval 100000 puts no evaluation round before --total-timesteps 6000 (rounds run at its"],
+        ),
+        (dict(total_timesteps=6000, eval_interval=6000), 0, ["--eval-interval 6000 puts no evaluation round before"]),
+        (dict(total_timesteps=6000, eval_interval=5999), 0, []),
+        (dict(total_timesteps=6000, eval_interval=0), 0, []),
+        (
+            dict(total_timesteps=10_000, eval_interval=1500),
+            9000,
+            ["--eval-interval 1500 puts no evaluation round after the resumed step 9000 before"],
+        ),
+        (dict(total_timesteps=10_000, eval_interval=800), 9000, []),  # a round at 9,600
+        (
+            dict(total_timesteps=10_000, eval_interval=800, learning_starts=1000),
+            9000,
+            ["--resume: the 1000 agent steps left to --total-timesteps 10000 cannot refill the replay"],
+        ),
+        (dict(total_timesteps=10_000, eval_interval=800, learning_starts=999), 9000, []),
+        (
+            dict(total_timesteps=10_000, eval_interval=800),
+            10_000,
+            ["--resume: its run made 10000 agent steps, all of --total-timesteps 10000: this run does nothing"],
+        ),
+    ],
+)
+def test_a_run_that_skips_what_its_flags_suggest_warns(m, flags, start_step, warnings):
+    """start_warnings, printed as `warning:` lines before the start line (the Atari run checks that): no multiple of
+    --eval-interval before the budget's end (the run waits for no round at the end itself), a resumed run that cannot
+    refill the emptied replay to --learning-starts, or one that has nothing left to do."""
+    said = m.start_warnings(m.Args(**{"learning_starts": 200, **flags}), start_step)
+    assert len(said) == len(warnings) and all(s.startswith(w) for s, w in zip(said, warnings, strict=True)), said
 
 
 @pytest.mark.parametrize(
