@@ -1062,8 +1062,21 @@ class Progress:
         print(f"next: tensorboard --logdir {self.run_dir}")
         if checkpoint.exists() and step < self.total:
             print(f"      python {script} --resume {checkpoint}")
-        if model.exists() or checkpoint.exists():
-            print(f"      python {script} --eval-only {model if model.exists() else checkpoint}", flush=True)
+        if saved := [p for p in (model, checkpoint) if p.exists()]:  # the newer: a resumed run may leave an old model
+            print(f"      python {script} --eval-only {max(saved, key=lambda p: p.stat().st_mtime)}", flush=True)
+
+
+def resumed_args(args: Args) -> Args:
+    """--resume: the flags of the run it continues (its args.json beside the checkpoint), changed only where this
+    command line sets a flag away from its default, so that `--resume DIR/checkpoint.pt` alone continues the run as
+    it was. Without a readable args.json, the flags as given (load_checkpoint then names what differs)."""
+    try:
+        saved = json.loads((Path(args.resume).parent / "args.json").read_text())["args"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return args
+    default, given = asdict(Args()), asdict(args)
+    kept = {k: saved[k] for k in given if k in saved and given[k] == default[k] and k not in ("resume", "eval_only")}
+    return replace(args, **{k: tuple(v) if isinstance(default[k], tuple) else v for k, v in kept.items()})
 
 
 def load_checkpoint(path: str, meta: dict, args: Args) -> dict:
@@ -1087,6 +1100,9 @@ def load_checkpoint(path: str, meta: dict, args: Args) -> dict:
         k = fixed[0]
         fail(f"cannot resume from {path} with {flag(k)} {now[k]}: its run has {before[k]} (these stay as they were "
              f"in a resumed run: {', '.join(flag(name) for name in RESUME_FIXED)})")  # fmt: skip
+    if (step := checkpoint.get("global_step", 0)) >= args.total_timesteps:
+        fail(f"cannot resume from {path}: its run already did {step} of --total-timesteps {args.total_timesteps} "
+             f"agent steps; give a larger --total-timesteps to go on")  # fmt: skip
     if not os.access(Path(path).parent, os.W_OK):
         fail(f"cannot write to the run directory {Path(path).parent} of --resume {path}")
     said = ", ".join(f"{flag(k)} {now[k]} (was {before[k]})" for k in changed) or "none"

@@ -748,17 +748,12 @@ def test_a_budget_that_never_starts_the_learner_is_refused(m, capsys, process_st
             ["--resume: the 1000 agent steps left to --total-timesteps 10000 cannot refill the replay"],
         ),
         (dict(total_timesteps=10_000, eval_interval=800, learning_starts=999), 9000, []),
-        (
-            dict(total_timesteps=10_000, eval_interval=800),
-            10_000,
-            ["--resume: its run made 10000 agent steps, all of --total-timesteps 10000: this run does nothing"],
-        ),
     ],
 )
 def test_a_run_that_skips_what_its_flags_suggest_warns(m, flags, start_step, warnings):
     """start_warnings, printed as `warning:` lines before the start line (the Atari run checks that): no multiple of
-    --eval-interval before the budget's end (the run waits for no round at the end itself), a resumed run that cannot
-    refill the emptied replay to --learning-starts, or one that has nothing left to do."""
+    --eval-interval before the budget's end (the run waits for no round at the end itself), or a resumed run that
+    cannot refill the emptied replay to --learning-starts (one with nothing left to do is refused: test_reliability)."""
     said = m.start_warnings(m.Args(**{"learning_starts": 200, **flags}), start_step)
     assert len(said) == len(warnings) and all(s.startswith(w) for s, w in zip(said, warnings, strict=True)), said
 
