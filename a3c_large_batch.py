@@ -90,8 +90,8 @@ class Args:
     """where run directories go"""
     save_model: bool = False
     """write the final model's state_dict to {run_dir}/model.pt"""
-    checkpoint_interval: float = 0.0
-    """seconds between checkpoints to {run_dir}/checkpoint.pt (0 = off)"""
+    checkpoint_interval: float = 600.0
+    """seconds between checkpoints to {run_dir}/checkpoint.pt, also written at the end and at Ctrl+C (0 = none)"""
     resume: str | None = None
     """path of a checkpoint.pt to continue from (same run directory and step count)"""
     eval_episodes: int = 0
@@ -543,13 +543,14 @@ def run_child(who: str, error_q: Queue, body, *body_args) -> None:
 @dataclass
 class RunLog:
     """Main's view of the run, from the messages on `log_q`: the step count, TensorBoard points (episodes as they
-    end; lag, losses and timings averaged over `log_frequency` updates) and the console line."""
+    end; lag, losses and timings averaged over `log_frequency` updates) and the console line (through `progress`)."""
 
     writer: torch.utils.tensorboard.SummaryWriter  # imported after the forks: it runs a thread
     log_frequency: int
     global_step: int
     lr: float
     server_done: bool  # True from the start in hogwild mode
+    progress: Progress
     start_time: float = field(default_factory=time.time)
     steps: int = 0  # agent steps of this process (SPS): a resumed run starts at global_step > 0
     updates: int = 0
@@ -617,12 +618,9 @@ class RunLog:
     def sps(self) -> float:
         return self.steps / max(1e-9, time.time() - self.start_time)
 
-    def console_line(self) -> str:
+    def console_line(self) -> None:
         mean_return = np.mean(self.returns) if self.returns else math.nan
-        return (
-            f"global_step={self.global_step} SPS={self.sps():.0f} mean_return={mean_return:.2f} "
-            f"updates={self.updates} policy_lag={self.lag}"
-        )
+        self.progress.line(self.global_step, self.sps(), mean_return, f"updates={self.updates} policy_lag={self.lag}")
 
 
 # ---- Main ----
@@ -705,7 +703,7 @@ class Run:
             self.log.write()
         except OSError as e:
             failure = failure or write_error(e, f"the TensorBoard events in {self.run_dir}")
-        print(self.log.console_line(), flush=True)
+        self.log.console_line()
         if failure is None and not signals.signum and args.eval_episodes:
             print(f"evaluating the final policy: {args.eval_episodes} episodes", flush=True)
             try:
@@ -747,6 +745,9 @@ def main(args: Args) -> None:
     obs_space, act_space = env_spaces(args)
     meta = checkpoint_meta(args, obs_space, act_space)
     checkpoint = load_checkpoint(args.resume, meta, args) if args.resume else None
+    batch = args.num_envs_per_worker * args.num_steps  # one update: one worker's rollout
+    if checkpoint:  # claim_steps hands out whole rollouts of the budget, to all workers together
+        refuse_finished(args, checkpoint["global_step"] // batch, batch)
     device = "cuda" if args.cuda and torch.cuda.is_available() else "cpu"
     ctx = mp.get_context("spawn" if device == "cuda" else "fork")  # CUDA cannot be used in forked children
     signals = StopSignals(ctx.Event())
@@ -761,14 +762,19 @@ def main(args: Args) -> None:
         model.load_state_dict(checkpoint["model"])
     shared = make_shared(args, ctx, signals.stop, model, checkpoint)
     extra = dict(update=args.update, args=asdict(args), torch_rng=torch.get_rng_state(), meta=meta)
-    print(f"run directory: {run_dir}  ({args.num_workers} workers x {args.num_envs_per_worker} envs, {args.update} "
-          f"updates, {args.num_steps}-step rollouts, {device})", flush=True)  # fmt: skip
     if signals.stop.is_set():  # Ctrl+C while setting up: stop before any process starts, leave nothing behind
         if not checkpoint:
             run_dir.rmdir()
         print("interrupted during start-up", file=sys.stderr)
         raise SystemExit(128 + signals.signum)
     write_run_args(run_dir, args, meta)
+    start_step = checkpoint["global_step"] if checkpoint else 0
+    n_updates, plan = planned_updates(args.total_timesteps, batch)
+    if (left := n_updates - start_step // batch) < (workers := args.num_workers):
+        print(f"warning: {left} update(s) left for {workers} workers: {workers - left} of them will update nothing",
+              file=sys.stderr)  # fmt: skip
+    shape = f"an update is one of {workers} asynchronous workers' {args.num_envs_per_worker} envs x {args.num_steps}"
+    progress = Progress(run_dir, start_step, n_updates * batch, f"{plan}; {shape} steps; {args.update}, {device}")
     processes = start_processes(args, ctx, shared, model, checkpoint, device)
     try:
         tracker = start_tracking(args, run_dir)  # after the forks: no worker inherits wandb's threads and pipes
@@ -776,8 +782,8 @@ def main(args: Args) -> None:
         signals.stop.set()
         processes.stop(grace=0.0)
         raise
-    log = RunLog(make_writer(run_dir, args), args.log_frequency, checkpoint["global_step"] if checkpoint else 0,
-                        args.learning_rate, server_done=args.update == "hogwild")  # fmt: skip
+    log = RunLog(make_writer(run_dir, args), args.log_frequency, start_step, args.learning_rate,
+                 server_done=args.update == "hogwild", progress=progress)  # fmt: skip
     run, failure = Run(args, model, shared, processes, log, signals, run_dir, extra), None
     last_print = last_checkpoint = time.time()
     try:  # log what the workers report, print the console line, write checkpoints and watch the processes
@@ -787,7 +793,7 @@ def main(args: Args) -> None:
                 break
             now = time.time()
             if now - last_print >= args.log_interval:
-                print(log.console_line(), flush=True)
+                log.console_line()
                 last_print = now
             if args.checkpoint_interval and now - last_checkpoint >= args.checkpoint_interval:
                 run.write_checkpoint()
@@ -800,6 +806,7 @@ def main(args: Args) -> None:
         failure = run.shut_down(failure)
     code = run.finish(failure)
     finish_tracking(tracker, run_dir, code)
+    progress.summary(log.global_step, code)
     if code:
         raise SystemExit(code)
 
@@ -1258,8 +1265,14 @@ def validate(args: Args) -> str | None:
         return f"--resume {args.resume}: no such checkpoint file"
     if args.eval_only is not None and not Path(args.eval_only).is_file():
         return f"--eval-only {args.eval_only}: no such file"
-    if args.total_timesteps < (n := args.num_envs_per_worker) * (T := args.num_steps):
-        return f"--total-timesteps ({args.total_timesteps}) is less than one rollout ({n} envs x {T} steps)"
+    if args.total_timesteps < (rollout := args.num_envs_per_worker * args.num_steps):
+        given = args.total_timesteps
+        return (f"--total-timesteps {given} is below one update, {rollout} agent steps (--num-envs-per-worker x "
+                f"--num-steps): the run would learn nothing; give at least {rollout}")  # fmt: skip
+    if args.capture_video and args.eval_episodes == 0 and args.eval_only is None:
+        return "--capture-video records the evaluation episodes; add --eval-episodes N (N >= 1)"
+    if args.resume is not None and args.eval_only is not None:
+        return "--eval-only trains nothing, so --resume would be ignored: give one of them"
     if args.eval_only is not None:  # env, network and model are the saved run's: load_for_eval checks them
         return None
     try:
@@ -1271,6 +1284,15 @@ def validate(args: Args) -> str | None:
     if not isinstance(act_space, gym.spaces.Discrete):
         return f"{args.env_id} has a continuous action space ({act_space}); Discrete only (apex_ddpg.py: continuous)"
     return None
+
+
+def refuse_finished(args: Args, updates_done: int, steps_per_update: int) -> None:
+    """--resume of a run that did `updates_done` updates when --total-timesteps holds no more whole updates: one error
+    line and exit 2, with nothing started or written."""
+    if (updates_done + 1) * steps_per_update > args.total_timesteps:
+        fail(f"cannot resume from {args.resume}: its run did {updates_done} updates of {steps_per_update} agent steps "
+             f"and --total-timesteps {args.total_timesteps} holds {args.total_timesteps // steps_per_update}: the run "
+             f"would learn nothing; give at least {(updates_done + 1) * steps_per_update}")  # fmt: skip
 
 
 def env_spaces(args: Args) -> tuple[gym.Space, gym.Space]:

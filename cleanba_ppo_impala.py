@@ -89,8 +89,8 @@ class Args:
     """where run directories go"""
     save_model: bool = False
     """write the final model's state_dict to {run_dir}/model.pt"""
-    checkpoint_interval: float = 0.0
-    """seconds between checkpoints to {run_dir}/checkpoint.pt (0 = off)"""
+    checkpoint_interval: float = 600.0
+    """seconds between checkpoints to {run_dir}/checkpoint.pt, also written at the end and at Ctrl+C (0 = none)"""
     resume: str | None = None
     """path of a checkpoint.pt to continue from (same run directory and step count)"""
     eval_episodes: int = 0
@@ -600,8 +600,8 @@ class Learner:
 
 
 class UpdateLog:
-    """Rank 0's record of the run: every update's scalars to TensorBoard, the console line every --log-interval
-    seconds (mean_return: the last 20 finished games)."""
+    """Rank 0's record of the run: the start line, every update's scalars to TensorBoard, the console line every
+    --log-interval seconds (mean_return: the last 20 finished games); `progress` prints the end-of-run summary."""
 
     def __init__(self, args: Args, run_dir: Path, world_size: int, learner: Learner, network: str):
         self.writer = make_writer(run_dir, args)
@@ -610,11 +610,11 @@ class UpdateLog:
         self.returns: deque[float] = deque(maxlen=20)
         self.start_time = self.last_print = time.time()
         self.start_step = learner.global_step
-        print(
-            f"run directory: {run_dir}  ({learner.num_updates} updates of {learner.steps_per_update} agent steps, "
-            f"{'sync' if args.sync else 'cleanba'} {args.algo}, {network} network, {world_size} rank(s))",
-            flush=True,
-        )
+        plan = planned_updates(args.total_timesteps, learner.steps_per_update)[1]  # Learner's num_updates, in words
+        shape = f"an update is {world_size} rank(s) x {args.num_envs} envs x {args.num_steps} steps"
+        mode = f"{'sync' if args.sync else 'cleanba'} {args.algo}, {network} network, {learner.device}"
+        self.progress = Progress(run_dir, self.start_step, learner.num_updates * learner.steps_per_update,
+                                 f"{plan}; {shape}; {mode}")  # fmt: skip
 
     def write(self, r: UpdateRecord) -> None:
         step = r.global_step
@@ -636,11 +636,9 @@ class UpdateLog:
             self.writer.add_scalar(tag, value, step)
         if time.time() - self.last_print >= self.interval or r.update == self.num_updates:
             mean_return = np.mean(self.returns) if self.returns else math.nan
-            print(
-                f"global_step={step} SPS={sps:.0f} mean_return={mean_return:.2f} update={r.update}/{self.num_updates} "
-                f"policy_lag={r.policy_lag} rollout_wait={r.rollout_wait:.3f} param_wait={r.param_wait:.3f}",
-                flush=True,
-            )
+            update = f"update={r.update}/{self.num_updates} policy_lag={r.policy_lag}"
+            waits = f"rollout_wait={r.rollout_wait:.3f} param_wait={r.param_wait:.3f}"
+            self.progress.line(step, sps, mean_return, f"{update} {waits}")
             self.last_print = time.time()
 
 
@@ -674,6 +672,8 @@ def main(args: Args) -> None:
     obs_space, act_space = env_spaces(args)
     meta = checkpoint_meta(args, obs_space, act_space)
     checkpoint = load_checkpoint(args.resume, meta, args) if args.resume else None
+    if checkpoint:  # the Learner's arithmetic: whole updates of envs x steps x ranks
+        refuse_finished(args, checkpoint["update"], args.num_envs * args.num_steps * world_size)
     run_dir = tracker = None
     if rank == 0:  # under torchrun the other ranks are stopped by torchrun when this one exits 2
         run_dir = Path(args.resume).parent if args.resume else new_run_dir(args)
@@ -684,9 +684,10 @@ def main(args: Args) -> None:
     model = make_model(obs_space, act_space, meta["network"]).to(device)
     actors = make_actors(args, rank, device, meta["network"], obs_space, act_space, checkpoint)
     learner = Learner(args, model, actors, device, rank, world_size, meta, checkpoint)
+    control = Control()
+    signals, failure = StopSignals(control.stop), None  # before the start line: a signal after it ends in the summary
     log = UpdateLog(args, run_dir, world_size, learner, meta["network"]) if rank == 0 else None
     checkpoints = Checkpoints(args, run_dir, learner)
-    control = Control()
     remaining = learner.num_updates - learner.update
     threads = [
         threading.Thread(
@@ -694,8 +695,6 @@ def main(args: Args) -> None:
         )
         for a in actors
     ]
-    signals = StopSignals(control.stop)
-    failure = None
     try:
         learner.publish(control.stop)  # the parameters of the actors' first rollout
         for thread in threads:
@@ -737,6 +736,8 @@ def main(args: Args) -> None:
         print(failure, file=sys.stderr)
     code = 1 if failure else (128 + signals.signum if signals.signum else 0)
     finish_tracking(tracker, run_dir, code)  # after end_run closed the writer
+    if log is not None:
+        log.progress.summary(learner.global_step, code)
     leave(code, threads, teardown=world_size == 1)
 
 
@@ -1135,11 +1136,14 @@ def validate(args: Args, world_size: int) -> str | None:
         return f"a rollout of {n * args.num_steps} samples cannot fill --num-minibatches {minibatches}"
     if args.algo == "impala" and n < minibatches:
         return f"IMPALA minibatches are whole unrolls: --num-envs ({n}) must be >= --num-minibatches ({minibatches})"
-    if args.total_timesteps < n * args.num_steps * world_size:
-        return (
-            f"--total-timesteps ({args.total_timesteps}) is less than one rollout "
-            f"({n} envs x {args.num_steps} steps x {world_size} ranks)"
-        )
+    if args.total_timesteps < (rollout := n * args.num_steps * world_size):
+        ranks = f" x {world_size} ranks" if world_size > 1 else ""
+        return (f"--total-timesteps {args.total_timesteps} is below one update, {rollout} agent steps (--num-envs x "
+                f"--num-steps{ranks}): the run would learn nothing; give at least {rollout}")  # fmt: skip
+    if args.capture_video and args.eval_episodes == 0 and args.eval_only is None:
+        return "--capture-video records the evaluation episodes; add --eval-episodes N (N >= 1)"
+    if args.resume is not None and args.eval_only is not None:
+        return "--eval-only trains nothing, so --resume would be ignored: give one of them"
     if args.resume is not None and not Path(args.resume).is_file():
         return f"--resume {args.resume}: no such checkpoint file"
     if args.eval_only is not None and world_size > 1:
@@ -1158,6 +1162,15 @@ def validate(args: Args, world_size: int) -> str | None:
             "Discrete one (continuous actions: apex_ddpg.py)"
         )
     return None
+
+
+def refuse_finished(args: Args, updates_done: int, steps_per_update: int) -> None:
+    """--resume of a run that did `updates_done` updates when --total-timesteps holds no more whole updates: one error
+    line and exit 2, with nothing started or written."""
+    if (updates_done + 1) * steps_per_update > args.total_timesteps:
+        fail(f"cannot resume from {args.resume}: its run did {updates_done} updates of {steps_per_update} agent steps "
+             f"and --total-timesteps {args.total_timesteps} holds {args.total_timesteps // steps_per_update}: the run "
+             f"would learn nothing; give at least {(updates_done + 1) * steps_per_update}")  # fmt: skip
 
 
 def env_spaces(args: Args):

@@ -324,6 +324,10 @@ def test_cartpole_hogwild_end_to_end_with_the_predicted_lag(hogwild_run):
     proc, run_dir, wandb_dir = hogwild_run
     total, workers = 2000, 2
     assert re.search(rf"^global_step={total} SPS=", proc.stdout, re.MULTILINE), proc.stdout[-500:]  # every script's
+    start = f"run directory: {run_dir}  (100 updates of 20 agent steps; an update is one of 2 asynchronous workers' 4 "
+    assert f"{start}envs x 5 steps; hogwild, cpu)\n" in proc.stdout, proc.stdout[:500]
+    assert f"\nfinished: {total:,} of {total:,} agent steps in " in proc.stdout, proc.stdout[-800:]
+    assert f"\n      python {SCRIPT} --eval-only {run_dir / 'model.pt'}\n" in proc.stdout  # the summary's last line
     logged = scalars(run_dir)
     check_tags(logged, "hogwild")
     assert max(s for s, _ in logged["charts/SPS"]) == total  # every agent step counted once
@@ -419,7 +423,10 @@ def test_breakout_end_to_end(update, envs, tmp_path, run_main):
         (dict(env_threads=-1), "--env-threads must be >= 0"),
         (dict(learning_rate=-1.0), "--learning-rate must be > 0"),
         (dict(rmsprop_alpha=1.0), "--rmsprop-alpha must be in [0, 1)"),
-        (dict(total_timesteps=10), "less than one rollout"),
+        (dict(total_timesteps=10), "--total-timesteps 10 is below one update, 80 agent steps (--num-envs-per-worker"),
+        (dict(num_steps=3, total_timesteps=47), "x --num-steps): the run would learn nothing; give at least 48"),
+        (dict(env_id="CartPole-v1", capture_video=True), "--capture-video records the evaluation episodes; add"),
+        (dict(resume=__file__, eval_only=__file__), "--eval-only trains nothing, so --resume would be ignored"),
         (dict(resume="/nonexistent/checkpoint.pt"), "no such checkpoint"),
         (dict(env_id="CartPole-v1", learning_rate=math.inf), "--learning-rate must be a finite number, got inf"),
         (dict(env_id="CartPole-v1", max_grad_norm=math.nan), "--max-grad-norm must be a finite number, got nan"),
@@ -537,6 +544,29 @@ def test_resume_refuses_a_checkpoint_it_cannot_continue(case, message, tmp_path,
     assert not (tmp_path / "logs").exists()
 
 
+@pytest.mark.parametrize("total", [2000, 2019])
+def test_resume_of_a_run_that_did_its_budget_is_refused(total, tmp_path, run_main):
+    """Workers claim whole rollouts of 4 envs x 5 steps from the budget: a checkpoint at global step 2000 has no update
+    left in --total-timesteps 2000 or 2019, so the resumed run is refused before anything is written."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    path = run_dir / "checkpoint.pt"
+    torch.save({"meta": META, "global_step": 2000, "version": 100}, path)
+    code, _, err = run_main(**CARTPOLE, total_timesteps=total, resume=str(path), log_dir=str(tmp_path / "logs"))
+    assert code == 2 and err.strip() == (
+        f"error: cannot resume from {path}: its run did 100 updates of 20 agent steps and --total-timesteps {total} "
+        "holds 100: the run would learn nothing; give at least 2020"
+    ), err
+    assert list(run_dir.iterdir()) == [path] and not (tmp_path / "logs").exists()
+
+
+def test_a_budget_of_fewer_updates_than_workers_warns_and_runs(tmp_path, run_main):
+    code, out, err = run_main(env_id="CartPole-v1", num_workers=3, num_envs_per_worker=1, total_timesteps=10,
+                              log_dir=str(tmp_path))  # fmt: skip
+    assert code == 0 and err == "warning: 2 update(s) left for 3 workers: 1 of them will update nothing\n", err
+    assert "\nfinished: 10 of 10 agent steps in " in out, out
+
+
 @pytest.mark.parametrize("log_dir", ["/proc/x", "a_file/runs"])
 def test_unusable_log_dir_is_one_error_line(log_dir, tmp_path, run_main):
     (tmp_path / "a_file").write_text("")
@@ -580,8 +610,9 @@ def test_killed_worker_stops_the_run_naming_it(update, tmp_path):
     proc, workers = start_long_run(tmp_path, ["--update", update])
     assert len(workers) == (2 if update == "hogwild" else 3)  # the workers (and the gradient server, started first)
     os.kill(workers[-1], signal.SIGKILL)  # the last started: worker 1
-    _, err = proc.communicate(timeout=60)
+    out, err = proc.communicate(timeout=60)
     assert proc.returncode == 1 and "error: worker 1 died (killed by signal 9)" in err, err
+    assert "\nstopped (exit status 1): " in out, out  # the summary, also after a dead worker
     wait_for(lambda: not any(alive(pid) for pid in workers), "no worker left (no orphans)")
 
 
@@ -609,7 +640,7 @@ def test_signal_stops_cleanly_with_checkpoint_and_resume_continues(update, sig, 
     proc, workers = start_long_run(tmp_path, ["--update", update, "--checkpoint-interval", "3600"])
     pids = [proc.pid, *workers]
     proc.send_signal(sig)
-    _, err = proc.communicate(timeout=60)
+    out, err = proc.communicate(timeout=60)
     assert proc.returncode == 128 + sig, err
     assert "Traceback" not in err
     wait_for(lambda: not any(alive(pid) for pid in workers), "no worker left (no orphans)")
@@ -619,6 +650,8 @@ def test_signal_stops_cleanly_with_checkpoint_and_resume_continues(update, sig, 
     stopped_at = checkpoint["global_step"]
     assert stopped_at > 0 and stopped_at == max(s for s, _ in scalars(run_dir)["charts/SPS"])  # TensorBoard flushed
     assert checkpoint["version"] == stopped_at // 20
+    assert f"\nstopped (exit status {128 + sig}): {stopped_at:,} of 100,000,000 agent steps in " in out, out
+    assert f"\n      python {SCRIPT} --resume {run_dir / 'checkpoint.pt'}\n" in out, out
 
     code, _, err = run_main(**CARTPOLE, update=update, total_timesteps=stopped_at + 400,
                             resume=str(run_dir / "checkpoint.pt"), log_dir=str(tmp_path))  # fmt: skip

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 import types
+from dataclasses import replace
 from pathlib import Path
 from typing import NamedTuple
 
@@ -58,6 +59,7 @@ from cleanba_ppo_impala import (
     pick_network,
     ppo_loss,
     ppo_update,
+    refuse_finished,
     resolve_defaults,
     start_tracking,
     validate,
@@ -349,6 +351,16 @@ def test_end_to_end_tags_policy_lag_and_console_line(mode, runs):
     lines = [CONSOLE_LINE.match(line) for line in run.stdout.splitlines()]
     assert [int(m.group(1)) for m in lines if m] == [128 * i for i in range(1, UPDATES + 1)]  # --log-interval 0
     assert f"update={UPDATES}/{UPDATES} policy_lag={expected_lags(mode == 'sync')[-1]} " in run.stdout
+    first, *_, summary, wrote, tensorboard, evaluate_line = run.stdout.splitlines()
+    assert first == (f"run directory: {run.run_dir}  ({UPDATES} updates of 128 agent steps; an update is 1 rank(s) x 4 "
+                     f"envs x 32 steps; {'sync' if mode == 'sync' else 'cleanba'} {mode.replace('sync', 'ppo')}, mlp "
+                     "network, cpu)")  # fmt: skip
+    assert summary.startswith(f"finished: {128 * UPDATES:,} of {128 * UPDATES:,} agent steps in "), summary
+    assert wrote.startswith(f"wrote to {run.run_dir}: args.json, checkpoint.pt, events.out.tfevents.") and (
+        wrote.endswith(", model.pt")
+    ), wrote
+    assert tensorboard == f"next: tensorboard --logdir {run.run_dir}"  # finished: no --resume line
+    assert evaluate_line == f"      python {SCRIPT} --eval-only {run.run_dir / 'model.pt'}"
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -507,7 +519,13 @@ def checked(**changes) -> Args:
         (dict(env_id="ALE/Breakot-v5"), "did you mean ALE/Breakout-v5"),
         (dict(num_envs=6, num_actor_threads=4), "multiple of --num-actor-threads"),
         (dict(learning_rate=-1.0), "--learning-rate must be > 0"),
-        (dict(total_timesteps=10), "less than one rollout"),
+        (
+            dict(total_timesteps=10),
+            "--total-timesteps 10 is below one update, 16384 agent steps (--num-envs x "
+            "--num-steps): the run would learn nothing; give at least 16384",
+        ),
+        (dict(capture_video=True), "--capture-video records the evaluation episodes; add --eval-episodes N"),
+        (dict(resume="a/checkpoint.pt", eval_only="b/model.pt"), "--eval-only trains nothing, so --resume would be"),
         (dict(resume="/nonexistent/checkpoint.pt"), "no such checkpoint"),
         (dict(algo="impala", num_envs=2), "whole unrolls"),
         (dict(num_minibatches=0), "--num-minibatches must be >= 1, got 0"),
@@ -521,6 +539,16 @@ def test_validate_names_the_bad_flag(change, message):
     error = validate(checked(**change), 1)
     assert error is not None and message in error and "\n" not in error, error
     assert validate(checked(), 1) is None
+
+
+def test_a_budget_below_one_update_of_every_rank_is_refused():
+    """Under torchrun an update is every rank's envs x steps (Learner.steps_per_update)."""
+    args = checked(num_envs=4, num_steps=32, total_timesteps=255)
+    assert validate(args, 1) is None and validate(replace(args, total_timesteps=256), 2) is None
+    assert validate(args, 2) == (
+        "--total-timesteps 255 is below one update, 256 agent steps (--num-envs x --num-steps x 2 ranks): the run "
+        "would learn nothing; give at least 256"
+    )
 
 
 @pytest.mark.parametrize(("flag", "value"), [("--atari-protocol", "atari57"), ("--network", "resnet")])
@@ -627,6 +655,24 @@ def test_refused_resume_exits_2_and_leaves_nothing_in_the_run_directory(tmp_path
     assert list(run_dir.iterdir()) == [truncated]
 
 
+def test_resume_of_a_run_that_did_its_budget_is_refused(tmp_path, capsys):
+    """A checkpoint at update 8 of 128 agent steps: --total-timesteps 1024 (or 1100, not a whole update more) would
+    learn nothing, so the run is refused before anything is written; under torchrun an update counts every rank."""
+    run_dir = tmp_path / "CartPole-v1__x__1__1700000000"
+    run_dir.mkdir()
+    path = run_dir / "checkpoint.pt"
+    torch.save(dict(model={}, meta=meta_of(), update=8, global_step=1024), path)
+    for total in (1024, 1100):
+        args = checked(num_envs=4, num_steps=32, total_timesteps=total, log_dir=str(tmp_path), resume=str(path))
+        assert refusal(capsys, main, args) == (
+            f"error: cannot resume from {path}: its run did 8 updates of 128 agent steps and --total-timesteps {total} "
+            "holds 8: the run would learn nothing; give at least 1152"
+        )
+        assert list(run_dir.iterdir()) == [path]
+    assert refuse_finished(replace(args, total_timesteps=1152), 8, 128) is None  # one update left
+    assert "holds 4: the run would learn nothing; give at least 1280" in refusal(capsys, refuse_finished, args, 4, 256)
+
+
 # ------------------------------------------------------------------ failures and shutdown
 
 
@@ -637,6 +683,7 @@ def test_crashing_actor_stops_the_run_with_its_traceback(tmp_path):
     proc = run_script(SCRIPT, flags, tmp_path, timeout=120)
     assert proc.returncode == 1
     assert "actor thread 0 died" in proc.stderr and "injected env failure" in proc.stderr
+    assert "\nstopped (exit status 1): " in proc.stdout, proc.stdout  # the summary, also after a dead worker
 
 
 def test_non_finite_loss_stops_and_keeps_last_checkpoint(tmp_path):
@@ -666,21 +713,25 @@ def test_a_non_finite_loss_or_gradient_is_refused_before_the_optimizer_step():
 
 
 def interrupt_training(tmp_path, sig, extra=()):
-    """Start a long run, wait until its first update is done, send `sig`; returns (exit code, stderr). The deadline
-    only catches a hang: the time to stop is measured in RESULTS.md."""
+    """Start a long run, wait until its first update is done, send `sig`; returns (exit code, the rest of stdout,
+    stderr). The deadline only catches a hang: the time to stop is measured in RESULTS.md."""
     proc = start_run(SCRIPT, [*TINY_CARTPOLE, "--total-timesteps", "10000000", *extra], tmp_path)
     proc.send_signal(sig)
-    _, err = proc.communicate(timeout=60)
-    return proc.returncode, err
+    out, err = proc.communicate(timeout=60)
+    return proc.returncode, out, err
 
 
 def test_sigint_stops_cleanly_with_checkpoint_and_resume_continues(tmp_path):
-    code, err = interrupt_training(tmp_path, signal.SIGINT, ["--checkpoint-interval", "3600"])
+    code, out, err = interrupt_training(tmp_path, signal.SIGINT, ["--checkpoint-interval", "3600"])
     assert code == 130 and "Traceback" not in err, err
     run_dir = only_run_dir(tmp_path)
     checkpoint = torch.load(run_dir / "checkpoint.pt", weights_only=False)
     stopped_at = checkpoint["global_step"]
     assert stopped_at > 0 and stopped_at == max(s for s, _ in scalars(run_dir)["charts/SPS"])
+    summary = out.splitlines()[-5:]  # the summary of a stopped run: it can be resumed
+    assert summary[0].startswith(f"stopped (exit status 130): {stopped_at:,} of 10,000,000 agent steps in "), out
+    assert summary[3:] == [f"      python {SCRIPT} --resume {run_dir / 'checkpoint.pt'}",
+                           f"      python {SCRIPT} --eval-only {run_dir / 'checkpoint.pt'}"]  # fmt: skip
 
     flags = [*TINY_CARTPOLE, "--total-timesteps", str(stopped_at + 256), "--resume", str(run_dir / "checkpoint.pt")]
     resumed = run_script(SCRIPT, flags, tmp_path, timeout=240)
@@ -690,9 +741,11 @@ def test_sigint_stops_cleanly_with_checkpoint_and_resume_continues(tmp_path):
     assert [v for s, v in logged["charts/policy_lag"] if s > stopped_at] == expected_lags(False, 2)
 
 
-def test_sigterm_also_stops_cleanly(tmp_path):
-    code, err = interrupt_training(tmp_path, signal.SIGTERM)
+def test_sigterm_also_stops_cleanly_with_the_default_final_checkpoint(tmp_path):
+    code, out, err = interrupt_training(tmp_path, signal.SIGTERM)
     assert code == 143 and "Traceback" not in err, err  # 128 + SIGTERM
+    checkpoint = only_run_dir(tmp_path) / "checkpoint.pt"  # --checkpoint-interval 600 by default: written at a stop
+    assert torch.load(checkpoint, weights_only=False)["global_step"] > 0 and f"--resume {checkpoint}" in out
 
 
 @pytest.fixture
