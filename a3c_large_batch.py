@@ -738,6 +738,7 @@ def start_processes(
 
 
 def main(args: Args) -> None:
+    args = resumed_args(args) if args.resume else args
     if error := validate(args):
         fail(error)
     if args.eval_only:

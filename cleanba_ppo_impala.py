@@ -663,6 +663,7 @@ def init_torch(args: Args, rank: int, world_size: int) -> torch.device:
 
 
 def main(args: Args) -> None:
+    args = resumed_args(args) if args.resume else args
     args = resolve_defaults(args)
     world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     if error := validate(args, world_size):
