@@ -17,10 +17,11 @@ Data flow: `--num-learners` n learner processes (or one per torchrun rank); the 
       so stops and checkpoints happen there and collectives always match; rank 0 writes charts and checkpoints.
     --mode allreduce: the learners all-reduce their gradients before every step (gloo on localhost, NCCL/gloo under
       torchrun), mathematically one A2C over all simulators.
-Policy lag: every update uses the learner's own fresh rollout (on-policy). `charts/policy_lag` is the age of the peer
-  parameters mixed in: this learner's iteration minus the sender's when it published the message (mean over the mixed
-  messages; negative when the sender runs ahead). With --max-staleness 0 every iteration mixes, and on an n-learner
-  1-peer ring started fresh the lag stays in [-(n-1), 0]. `--mode allreduce`: 0 (one synchronous A2C).
+Policy lag: every update uses the learner's own fresh rollout (on-policy). `charts/policy_lag` (the console's peer_lag)
+  is the age of the peer parameters mixed in: this learner's iteration minus the sender's when it published the message
+  (mean over the mixed messages; negative when the sender runs ahead). With --max-staleness 0 every iteration mixes,
+  and on an n-learner 1-peer ring started fresh the lag stays in [-(n-1), 0]. `--mode allreduce`: 0 (one synchronous
+  A2C).
 Determinism: `--mode allreduce` keeps all learners bitwise identical; gossip is asynchronous, so which message a
   learner mixes depends on timing, and runs are not reproducible (one learner is).
 
@@ -97,8 +98,8 @@ class Args:
     """where run directories go"""
     save_model: bool = False
     """write the final model (the average of the learners' parameters) to {run_dir}/model.pt"""
-    checkpoint_interval: float = 0.0
-    """seconds between checkpoints to {run_dir}/checkpoint.pt (0 = off)"""
+    checkpoint_interval: float = 600.0
+    """seconds between checkpoints to {run_dir}/checkpoint.pt, also written at the end and at Ctrl+C (0 = none)"""
     resume: str | None = None
     """path of a checkpoint.pt to continue from (same run directory and step count)"""
     eval_episodes: int = 0
@@ -126,7 +127,8 @@ class Args:
     num_peers: int = 1
     """out-peers (= in-peers) of each learner in the directed ring (Appendix C: 1-peer ring)"""
     time_varying: bool = False
-    """rotate each learner's peers through the ring every iteration (single-machine launch only)"""
+    """rotate each learner's peers through the ring every iteration (gossip on one machine, with fewer peers than the
+    other learners)"""
     max_staleness: int = 10
     """tau: local iterations a learner may run without mixing before it blocks for its in-peers (the paper gives no
     value; GALA's code defaults to 0, always wait, and its README runs 1e8)"""
@@ -872,8 +874,8 @@ class Logger:
     """Turns learner records into TensorBoard scalars and console lines. Global step = agent steps summed over all
     learners (exact on one machine; under torchrun rank 0 writes the exact sum at every sync point)."""
 
-    def __init__(self, writer, n: int, args: Args, global_step: int = 0):  # writer: a TensorBoard SummaryWriter
-        self.writer, self.args = writer, args
+    def __init__(self, writer, n: int, args: Args, global_step: int = 0, progress: Progress | None = None):
+        self.writer, self.args, self.progress = writer, args, progress  # writer: a TensorBoard SummaryWriter
         self.global_step, self.start_step, self.start_time = global_step, global_step, time.time()
         self.recent: deque[float] = deque(maxlen=20)
         self.last_print = time.time()
@@ -901,15 +903,31 @@ class Logger:
         self.learner_sps[i], self.staleness = r.sps, r.scalars.get("gossip/staleness", 0.0)
 
     def maybe_print(self, force: bool = False) -> None:
-        if force or time.time() - self.last_print >= self.args.log_interval:
+        """The console line every --log-interval seconds, where the run has its Progress (the main process, rank 0);
+        the gossip fields are glossed on the start line (start_progress)."""
+        if self.progress is not None and (force or time.time() - self.last_print >= self.args.log_interval):
             mean_return = np.mean(self.recent) if self.recent else math.nan
-            per = "/".join("-" if s is None else f"{s:.0f}" for s in self.learner_sps)
-            print(
-                f"global_step={self.global_step} SPS={self.sps():.0f} mean_return={mean_return:.2f} "
-                f"learner_sps={per} staleness={self.staleness:.2f} policy_lag={self.policy_lag:.2f}",
-                flush=True,
-            )
+            details = "learner_sps=" + "/".join("-" if s is None else f"{s:.0f}" for s in self.learner_sps)
+            if self.args.mode == "gossip":  # allreduce: no messages, both are 0
+                details += f" staleness={self.staleness:.2f} peer_lag={self.policy_lag:.2f}"
+            self.progress.line(self.global_step, self.sps(), mean_return, details)
             self.last_print = time.time()
+
+
+def start_progress(run: Run, device: torch.device) -> Progress:
+    """The run's Progress and its start line: the updates (one update = one iteration of every learner), learners,
+    mode and device and, in gossip mode, what the console's staleness and peer_lag (charts/policy_lag) mean."""
+    args, n, gossip = run.args, run.n, run.args.mode == "gossip"
+    num_updates, plan = planned_updates(args.total_timesteps, n * args.num_envs * args.num_steps)
+    ring = f", {args.num_peers}-peer {'time-varying ' * args.time_varying}ring, tau {args.max_staleness}" * gossip
+    plan += f" ({n} learners x {args.num_envs} envs x {args.num_steps} steps), {args.mode}{ring}, {device}"
+    if gossip:
+        plan += ("; console: staleness = updates since a learner last mixed, peer_lag = its updates minus its "
+                 "in-peer's when that peer sent the parameters it mixed (negative: the in-peer is ahead)")  # fmt: skip
+    # resumed, a gossip learner that is already past the budget does no more updates, and the others catch up
+    done = [s["iteration"] for s in run.checkpoint["learners"]] if run.checkpoint else [0] * n
+    total = sum(max(i, num_updates) for i in done) * args.num_envs * args.num_steps
+    return Progress(run.run_dir, run.checkpoint["global_step"] if run.checkpoint else 0, total, plan)
 
 
 class Monitor:
@@ -990,6 +1008,11 @@ def main(args: Args) -> None:
     obs_space, act_space = env_spaces(args)
     meta = checkpoint_meta(args, obs_space, act_space, n)
     checkpoint = load_checkpoint(args.resume, meta, args) if args.resume else None  # a refused resume leaves no trace
+    num_updates = args.total_timesteps // (n * args.num_envs * args.num_steps)
+    if checkpoint and min(s["iteration"] for s in checkpoint["learners"]) >= num_updates:
+        fail(f"--resume {args.resume}: its learners have run all {num_updates} updates of --total-timesteps "
+             f"{args.total_timesteps} (step {checkpoint['global_step']}): the run would learn nothing; give a larger "
+             "--total-timesteps")  # fmt: skip
     if world_size > 1:
         main_distributed(args, n, checkpoint, obs_space, act_space, meta)
     else:
@@ -1011,10 +1034,7 @@ def main_single_machine(run: Run) -> None:
     port = free_port() if args.mode == "allreduce" else 0
     shared = Shared(log_q=ctx.Queue(), error_q=ctx.Queue(), stop=ctx.Event(), checkpoint_requests=ctx.Value("q", 0),
                     gossip=gossip, port=port)  # fmt: skip
-    ring = f", {args.num_peers}-peer ring, tau {args.max_staleness}" if gossip else ""
-    print(
-        f"run directory: {run.run_dir}  ({n} learners x {args.num_envs} envs, {args.mode}{ring}, {device})", flush=True
-    )
+    progress = start_progress(run, device)
     signals, learners, monitor = StopSignals(shared.stop), Processes(ctx), Monitor(run, shared)
     states = run.checkpoint["learners"] if run.checkpoint else [None] * n
     for i in range(n):
@@ -1023,7 +1043,7 @@ def main_single_machine(run: Run) -> None:
     try:  # whatever fails from here on stops the learners
         tracker = start_tracking(args, run.run_dir)  # after the forks: no learner inherits wandb's threads and pipes
         step = run.checkpoint["global_step"] if run.checkpoint else 0
-        monitor.logger = Logger(make_writer(run.run_dir, args), n, args, step)
+        monitor.logger = Logger(make_writer(run.run_dir, args), n, args, step, progress)
         while len(monitor.finals) < n and not signals.signum and not failure:
             monitor.drain(0.25)
             monitor.logger.maybe_print()
@@ -1045,7 +1065,7 @@ def main_single_machine(run: Run) -> None:
         monitor.drain(0.0)
     finished = failure is None and not signals.signum and len(monitor.finals) == n
     states = monitor.final_states(gossip) if failure is None and args.checkpoint_interval else monitor.latest
-    end_training(run, monitor.logger, states, finished, failure, signals, tracker)
+    end_training(run, monitor.logger, states, finished, failure, signals, tracker, progress)
 
 
 def free_port() -> int:
@@ -1071,7 +1091,8 @@ def main_distributed(args: Args, n: int, checkpoint: dict | None, obs_space, act
     run = Run(args, n, Path(names[0]), obs_space, act_space, meta, checkpoint)
     signals = StopSignals(threading.Event())
     writer = make_writer(run.run_dir if rank == 0 else run.run_dir / f"learner{rank}", args)
-    logger = Logger(writer, n, args, checkpoint["global_step"] if checkpoint else 0)
+    progress = start_progress(run, device) if rank == 0 else None  # rank 0 prints the console
+    logger = Logger(writer, n, args, checkpoint["global_step"] if checkpoint else 0, progress)
     link, gossip, failure, states = RankLink(run, rank, device, signals.stop, logger), None, None, None
     if args.mode == "gossip":
         group = dist.new_group(backend="nccl" if use_cuda else "gloo")  # every rank makes it, in the same order
@@ -1096,7 +1117,7 @@ def main_distributed(args: Args, n: int, checkpoint: dict | None, obs_space, act
         failure = learner_error(rank, e, ranks=n)
     try:  # rank 0: the final checkpoint, --save-model, --eval-episodes; every rank: its writer, its exit status
         finished = rank == 0 and not signals.signum and failure is None
-        end_training(run, logger, states or [], finished, failure or link.write_failure, signals, tracker)
+        end_training(run, logger, states or [], finished, failure or link.write_failure, signals, tracker, progress)
         code = 0
     except SystemExit as e:
         code = e.code
@@ -1569,9 +1590,18 @@ def validate(args: Args, n: int, torchrun: bool = False) -> str | None:
         return f"--resume {args.resume}: no such checkpoint file"
     if args.eval_only is not None and not Path(args.eval_only).is_file():
         return f"--eval-only {args.eval_only}: no such file"
-    if args.total_timesteps < n * args.num_envs * args.num_steps:
-        return (f"--total-timesteps ({args.total_timesteps}) is less than one iteration of all learners "
-                f"({n} learners x {args.num_envs} envs x {args.num_steps} steps)")  # fmt: skip
+    if args.time_varying and args.mode == "allreduce":
+        return "--time-varying rotates the gossip ring, and --mode allreduce has none: drop --time-varying"
+    if args.time_varying and args.num_peers == n - 1:
+        return (f"--time-varying rotates the in-peers through the ring, but with --num-peers {args.num_peers} of {n} "
+                "learners every learner has all the others as peers and nothing rotates: use more learners or fewer "
+                "peers, or drop --time-varying")  # fmt: skip
+    if args.total_timesteps < (update := n * args.num_envs * args.num_steps):
+        learners = f"{n} torchrun ranks" if torchrun else "--num-learners"
+        return (f"--total-timesteps {args.total_timesteps} is below one update, {update} agent steps ({learners} x "
+                f"--num-envs x --num-steps): the run would learn nothing; give at least {update}")  # fmt: skip
+    if args.capture_video and args.eval_episodes == 0 and args.eval_only is None:
+        return "--capture-video records the evaluation episodes; add --eval-episodes N (N >= 1)"
     if args.eval_only is not None:  # env, network and model are the saved run's: load_for_eval checks them
         return None
     try:
@@ -1633,10 +1663,10 @@ def failed_write(e: Exception, run_dir: Path) -> str:
 
 
 def end_training(run: Run, logger: Logger | None, states: list, finished: bool, failure: str | None,
-                 signals: StopSignals, tracker=None) -> None:  # fmt: skip
+                 signals: StopSignals, tracker=None, progress: Progress | None = None) -> None:  # fmt: skip
     """After every learner stopped: the final checkpoint; if the run finished, --save-model and the evaluation of the
-    averaged parameters (a signal ends it at once); the writer and W&B run closed; the exit status. A failed write
-    becomes the run's error line."""
+    averaged parameters (a signal ends it at once); the writer and W&B run closed; the error line and (where the run
+    has its Progress) the summary; the exit status. A failed write becomes the run's error line."""
     args, signum = run.args, signals.signum
     try:
         if failure is None and args.checkpoint_interval and states and None not in states:
@@ -1666,8 +1696,12 @@ def end_training(run: Run, logger: Logger | None, states: list, finished: bool, 
         failure = failure or failed_write(e, run.run_dir)
     code = 1 if failure else 128 + signum if signum else 0
     finish_tracking(tracker, run.run_dir, code)
+    step = logger.global_step if logger else run.checkpoint["global_step"] if run.checkpoint else 0
     if code:
-        print(failure or f"interrupted at step {logger.global_step if logger else 0}: shut down", file=sys.stderr)
+        print(failure or f"interrupted at step {step}: shut down", file=sys.stderr)
+    if progress is not None:
+        progress.summary(step, code)
+    if code:
         raise SystemExit(code)
 
 

@@ -275,10 +275,29 @@ def test_cartpole_gossip_end_to_end_with_the_message_ages_max_staleness_0_predic
     lags = [v for _, v in logged["charts/policy_lag"]]
     assert len(lags) == len(logged["gossip/mix_rate"]) and all(-1 <= v <= 0 for v in lags), lags
     assert re.search(r"^global_step=1200 SPS=\d+ mean_return=\d", proc.stdout, re.MULTILINE), proc.stdout[-500:]
+    assert_console(proc.stdout, run_dir, "finished: 1,200 of 1,200 agent steps", gossip=True)
     tracked = assert_tracked_once(wandb_dir, run_dir)
     assert tracked.config["num_learners"] == 2 and tracked.config["max_staleness"] == 0
     saved = json.loads((run_dir / "args.json").read_text())
     assert saved["script"] == SCRIPT and saved["args"]["env_id"] == "CartPole-v1" and saved["meta"]["network"] == "mlp"
+
+
+def assert_console(stdout, run_dir, ended, gossip):
+    """One start line (the run directory, the plan, and in gossip mode the gloss of staleness and peer_lag), console
+    lines whose gossip fields are the glossed ones, and one summary that names the run directory."""
+    lines = stdout.splitlines()
+    starts = [line for line in lines if line.startswith("run directory:")]
+    assert len(starts) == 1 and starts[0].startswith(f"run directory: {run_dir}  ("), starts
+    gloss = "peer_lag = its updates minus its in-peer's when that peer sent the parameters it mixed (negative: the"
+    assert (gloss in starts[0]) == gossip and "updates of" in starts[0], starts[0]
+    console = [line for line in lines if CONSOLE_LINE.match(line)]
+    assert console and all(" done=" in line and " learner_sps=" in line for line in console), console
+    assert all((" staleness=" in line and " peer_lag=" in line) == gossip for line in console), console
+    assert not any("policy_lag=" in line for line in console), console
+    assert [line for line in lines if line.startswith(("finished:", "stopped ("))] == [
+        next(line for line in lines if line.startswith(ended))
+    ], lines[-6:]
+    assert f"next: tensorboard --logdir {run_dir}" in lines, lines[-6:]
 
 
 def test_eval_only_replays_the_saved_agent_with_the_end_of_training_evaluation(gossip_run, tmp_path, capsys):
@@ -347,6 +366,7 @@ def test_two_allreduce_learners_in_two_torchrun_processes_over_gloo(tmp_path):
     assert [s for s, _ in scalars(run_dir)["charts/SPS"]] == [400, 800, 1200, 1600]  # sync points: both ranks' steps
     assert (run_dir / "model.pt").is_file() and (run_dir / "learner1").is_dir()
     assert "max |parameter difference| across 2 learners: 0" in proc.stdout
+    assert_console(proc.stdout, run_dir, "finished: 1,600 of 1,600 agent steps", gossip=False)  # rank 0's console
 
 
 def test_two_gossip_learners_launched_as_two_nodes_on_loopback(tmp_path):
@@ -369,7 +389,14 @@ def test_two_gossip_learners_launched_as_two_nodes_on_loopback(tmp_path):
         (["--num-learners", "2", "--num-peers", "2"], "--num-peers (2) must be at most"),
         (["--max-staleness", "-1"], "--max-staleness must be >= 0"),
         (["--learning-rate", "0"], "--learning-rate must be > 0"),
-        (["--total-timesteps", "10"], "less than one iteration"),
+        (
+            ["--total-timesteps", "10"],
+            "--total-timesteps 10 is below one update, 320 agent steps (--num-learners x "
+            "--num-envs x --num-steps): the run would learn nothing; give at least 320",
+        ),
+        (["--env-id", "CartPole-v1", "--capture-video"], "--capture-video records the evaluation episodes; add"),
+        (["--mode", "allreduce", "--time-varying"], "--time-varying rotates the gossip ring, and --mode allreduce"),
+        (["--num-learners", "3", "--num-peers", "2", "--time-varying"], "every learner has all the others as peers"),
         (["--resume", "/nonexistent/checkpoint.pt"], "no such checkpoint"),
         (["--env-id", "Pendulum-v1"], "Box action space"),
         (["--env-id", "CartPole-v1", "--learning-rate", "inf"], "--learning-rate must be a finite number"),
@@ -385,6 +412,12 @@ def test_validate_names_what_is_wrong(flags, message):
     assert error is not None and message in error, error
     assert validate(Args(env_id="CartPole-v1"), 2) is None
     assert "--time-varying needs the single-machine launch" in validate(Args(time_varying=True), 4, torchrun=True)
+
+
+def test_validate_counts_torchrun_ranks_and_lets_a_ring_that_rotates_run():
+    error = validate(Args(total_timesteps=10), 2, torchrun=True)
+    assert "below one update, 160 agent steps (2 torchrun ranks x --num-envs x --num-steps)" in error, error
+    assert validate(Args(env_id="CartPole-v1", num_learners=3, time_varying=True), 3) is None  # 1 of 2 peers: rotates
 
 
 def test_track_without_wandb_is_refused_by_validate(monkeypatch):
@@ -455,10 +488,12 @@ LONG_RUN = [*TINY_CARTPOLE, "--total-timesteps", "10000000", "--log-frequency", 
 def test_sigint_stops_everything_with_checkpoint_and_resume_continues(tmp_path):
     proc = start_run(SCRIPT, [*LONG_RUN, "--checkpoint-interval", "3600"], tmp_path)
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=60)
+    out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130 and "Traceback" not in err, err
     wait_for(lambda: not processes_with(str(tmp_path)), "no learner left (no orphans)")
     run_dir = only_run_dir(tmp_path)
+    assert re.search(r"^stopped \(exit status 130\): [\d,]+ of 10,000,000 agent steps in ", out, re.MULTILINE), out
+    assert f"      python {SCRIPT} --resume {run_dir / 'checkpoint.pt'}" in out.splitlines(), out[-600:]
     checkpoint = torch.load(run_dir / "checkpoint.pt", weights_only=False)
     stopped_at = checkpoint["global_step"]
     assert stopped_at > 0 and len(checkpoint["learners"]) == 2
@@ -468,6 +503,18 @@ def test_sigint_stops_everything_with_checkpoint_and_resume_continues(tmp_path):
     assert resumed.returncode == 0, resumed.stderr
     assert only_run_dir(tmp_path) == run_dir
     assert max(s for s, _ in scalars(run_dir)["charts/SPS"]) > stopped_at
+    assert re.search(r"^finished: ([\d,]+) of \1 agent steps", resumed.stdout, re.MULTILINE), resumed.stdout[-600:]
+
+
+def test_progress_of_a_resumed_run_counts_the_steps_of_a_learner_already_past_the_budget(tmp_path, capsys):
+    """Gossip learners stop at different iterations: resumed with a budget of 45 updates, learner 0 (at 50) does
+    nothing and learner 1 runs from 40 to 45, so the run ends at 95 iterations x 20 agent steps."""
+    args = Args(env_id="CartPole-v1", num_learners=2, num_envs=4, total_timesteps=1800)
+    checkpoint = dict(learners=[{"iteration": 50}, {"iteration": 40}], global_step=1800)
+    progress = gala_a2c.start_progress(Run(args, 2, tmp_path, *env_spaces(args), {}, checkpoint), torch.device("cpu"))
+    assert (progress.start_step, progress.total) == (1800, 1900)
+    plan = "(45 updates of 40 agent steps (2 learners x 4 envs x 5 steps), gossip, 1-peer ring, tau 10, cpu; console:"
+    assert capsys.readouterr().out.startswith(f"run directory: {tmp_path}  {plan}")
 
 
 def test_killed_learner_stops_the_run_naming_it(tmp_path):
@@ -575,6 +622,18 @@ def test_resume_refuses_what_it_cannot_use(tmp_path, capsys):
     assert "(env_id Acrobot-v1, obs_shape [6], action_shape_or_n 3)" in refusal(
         capsys, load_checkpoint, str(acrobot), ours, args
     )
+
+
+def test_resume_of_a_run_that_ran_its_budget_is_refused(tmp_path, capsys):
+    """Both learners did 5 updates of 2 x 4 x 5 = 40 agent steps: --total-timesteps 200 holds no more; 240 holds one
+    more, even for a checkpoint whose other learner is further on."""
+    path = tmp_path / "checkpoint.pt"
+    torch.save(dict(learners=[{"iteration": 5}, {"iteration": 5}], global_step=200, meta=checkpoint_meta(
+        Args(env_id="CartPole-v1"), *env_spaces(Args(env_id="CartPole-v1")), 2)), path)  # fmt: skip
+    error = run_main(capsys, [*TINY_CARTPOLE, "--total-timesteps", "200", "--resume", str(path)])
+    assert error == (f"error: --resume {path}: its learners have run all 5 updates of --total-timesteps 200 (step "
+                     "200): the run would learn nothing; give a larger --total-timesteps"), error  # fmt: skip
+    assert list(tmp_path.iterdir()) == [path] and multiprocessing.active_children() == []
 
 
 def test_refused_resume_exits_2_and_leaves_nothing_in_the_run_directory(tmp_path, capsys):
