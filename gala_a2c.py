@@ -996,6 +996,7 @@ class Monitor:
 
 
 def main(args: Args) -> None:
+    args = resumed_args(args) if args.resume else args
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     n = world_size if world_size > 1 else args.num_learners
     if error := validate(args, n, torchrun=world_size > 1):
