@@ -1,9 +1,11 @@
 """benchmarks/report.py: the committed tables of README.md and benchmarks/RESULTS.md are what it writes from
 benchmarks/results/*.json, and its tables hold hand-computed values on a small synthetic set of JSON files."""
 
+import importlib
 import json
 import math
 import re
+import shlex
 import sys
 from pathlib import Path
 
@@ -301,3 +303,20 @@ def test_stop_table_takes_median_and_worst_of_each_kind_with_hand_computed_value
     ]  # fmt: skip
     assert "`cleanba.py`, a killed worker: n/a, its actors are threads." in text
     assert "(2026-11-25, 2 CPUs)" in text
+
+
+def test_every_command_of_the_readme_first_runs_is_accepted_as_it_stands():
+    """The README's 'Learn in minutes' commands (from the measured runs' manifests) still parse and validate with
+    today's scripts, and Ape-X's raise no warning: a new user copying one gets a run, not an error line."""
+    section = (ROOT / "README.md").read_text().split("<!-- report:learn-in-minutes -->")[1].split("<!-- /report")[0]
+    commands = [shlex.split(c)[1:] for c in re.findall(r"`(python \S+\.py [^`]+)`", section)]
+    assert {c[0] for c in commands} == {s.strip("`").split()[0] for s, _, _ in report.SUMMARY_ROWS}, commands
+    for script, *argv in commands:
+        module = importlib.import_module(script.removesuffix(".py"))
+        args = module.parse_args(argv)
+        args = module.resolve_defaults(args) if hasattr(module, "resolve_defaults") else args  # as its main does
+        world = {"cleanba_ppo_impala": 1, "apex_dqn": 1, "apex_ddpg": 1, "gala_a2c": getattr(args, "num_learners", 0)}
+        extra = (world[module.__name__],) if module.__name__ in world else ()  # their validate takes the rank count
+        assert module.validate(args, *extra) is None, (script, argv)
+        if hasattr(module, "start_warnings"):
+            assert module.start_warnings(args, 0) == [], (script, argv)
