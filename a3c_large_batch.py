@@ -707,11 +707,11 @@ class Run:
         if failure is None and not signals.signum and args.eval_episodes:
             print(f"evaluating the final policy: {args.eval_episodes} episodes", flush=True)
             try:
-                signals.interruptible()  # from here a signal raises Stop: the evaluation ends at once
+                signals.interruptible()  # from here a signal raises Interrupted: the evaluation ends at once
                 for i, ret in enumerate(evaluate(self.model, args, self.run_dir / "videos", torch.device("cpu"))):
                     writer.add_scalar("eval/episodic_return", ret, i)
                     print(f"eval episode {i}: return {ret:.1f}")
-            except Stop:
+            except Interrupted:
                 print("interrupted: the final evaluation stopped", file=sys.stderr)
         signals.restore()
         try:
@@ -826,6 +826,11 @@ class Stop(Exception):
     """The run is stopping (a signal, a dead worker, the budget spent): raised to leave a wait or a loop early."""
 
 
+class Interrupted(BaseException):
+    """A signal during the end-of-run evaluation (StopSignals.interruptible): a BaseException, as KeyboardInterrupt
+    is, so that no `except Exception` in the env's or a wrapper's code can swallow it (gymnasium's env checker does)."""
+
+
 class NonFiniteLoss(Exception):
     """A loss or gradient norm that is NaN or infinite: the run stops and the last good checkpoint is kept."""
 
@@ -838,7 +843,8 @@ class StopSignals:
     """Ctrl+C, SIGTERM and SIGHUP (a closed terminal or ssh session) record the first signal's number, for the exit
     status 128 + signum, and set `stop`, the event the run's waits and loops check; the run then stops at its own pace
     and writes its final checkpoint. A second signal changes nothing, so a second Ctrl+C cannot cut the shutdown.
-    After `interruptible()` (the end-of-run evaluation: one thread, no queue or lock in use) a signal raises Stop."""
+    After `interruptible()` (the end-of-run evaluation: one thread, no queue or lock in use) a signal raises
+    Interrupted."""
 
     def __init__(self, stop):
         self.stop, self.signum, self.raise_stop = stop, 0, False
@@ -850,12 +856,12 @@ class StopSignals:
         # thread holds the event's own lock (inside wait or is_set), and a set() here would wait for it forever
         threading.Thread(target=self.stop.set, daemon=True).start()
         if self.raise_stop:
-            raise Stop(f"signal {signum}")
+            raise Interrupted(signum)
 
     def interruptible(self) -> None:
         self.raise_stop = True
         if self.signum:
-            raise Stop(f"signal {self.signum}")
+            raise Interrupted(self.signum)
 
     def restore(self) -> None:
         for signum, handler in self.previous.items():

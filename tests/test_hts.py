@@ -718,7 +718,8 @@ def test_ctrl_c_stops_everything_and_writes_a_final_checkpoint(tmp_path):
     assert "stopped by SIGINT" in err and "Traceback" not in err
     assert not [w for w in workers if alive(w)]
     run_dir = only_run_dir(tmp_path)
-    assert "\nstopped (exit status 130): " in out and f"python hts_ppo.py --resume {run_dir / 'checkpoint.pt'}\n" in out
+    assert re.search(r"^stopped \(exit status 130\): ", out, re.M), out  # start_run read the lines before the stop
+    assert f"python hts_ppo.py --resume {run_dir / 'checkpoint.pt'}\n" in out, out
     assert torch.load(run_dir / "checkpoint.pt", weights_only=False)["global_step"] > 0
     assert scalars(run_dir)["charts/SPS"]
 

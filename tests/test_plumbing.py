@@ -28,10 +28,10 @@ SCRIPT_SPECIFIC = {
 
 # Every script has these, in its plumbing section, as the same text.
 EVERY_SCRIPT = (
-    "Stop", "NonFiniteLoss", "WriteError", "StopSignals", "fail", "flag", "check_flags", "parse_args", "new_run_dir",
-    "write_run_args", "start_tracking", "finish_tracking", "make_writer", "quiet_writer_thread", "write_error",
-    "atomic_save", "duration", "Progress", "unindented", "resumed_args", "load_checkpoint", "load_for_eval",
-    "main_eval_only",
+    "Stop", "Interrupted", "NonFiniteLoss", "WriteError", "StopSignals", "fail", "flag", "check_flags", "parse_args",
+    "new_run_dir", "write_run_args", "start_tracking", "finish_tracking", "make_writer", "quiet_writer_thread",
+    "write_error", "atomic_save", "duration", "Progress", "unindented", "resumed_args", "load_checkpoint",
+    "load_for_eval", "main_eval_only",
 )  # fmt: skip
 
 
