@@ -1330,7 +1330,7 @@ def parse_args(argv: list[str]) -> Args:
     for arg in argv:
         if (name := arg.split("=")[0]) in RENAMED_FLAGS:
             fail(f"{name} {RENAMED_FLAGS[name]}")
-    tyro._strings.remove_single_line_breaks = unindented
+    tyro._strings.remove_single_line_breaks = help_paragraphs
     box = io.StringIO()
     try:
         with contextlib.redirect_stderr(box):
@@ -1346,11 +1346,12 @@ def parse_args(argv: list[str]) -> Args:
         fail(f"{message or 'the command line cannot be parsed'} (see python {Path(__file__).name} --help)")
 
 
-def unindented(text: str, join=tyro._strings.remove_single_line_breaks) -> str:
+def help_paragraphs(text: str, join=tyro._strings.remove_single_line_breaks) -> str:
     """tyro (its private helper, replaced in parse_args) keeps a docstring's line break wherever the next line starts
-    with a space, as every continued flag help here does: without the indent, --help joins each flag's help into
-    whole sentences wrapped at the terminal's width."""
-    return join("\n".join(line.lstrip() for line in text.split("\n")))
+    with a space or another non-letter, as every continued flag help here does: with each paragraph on one line,
+    --help wraps each flag's help as whole sentences at the terminal's width."""
+    paragraphs = "\n".join(line.strip() for line in text.split("\n")).split("\n\n")
+    return join("\n\n".join(paragraph.replace("\n", " ") for paragraph in paragraphs))
 
 
 def new_run_dir(args: Args) -> Path:

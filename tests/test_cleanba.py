@@ -662,12 +662,19 @@ def test_resume_of_a_run_that_did_its_budget_is_refused(tmp_path, capsys):
     run_dir.mkdir()
     path = run_dir / "checkpoint.pt"
     torch.save(dict(model={}, meta=meta_of(), update=8, global_step=1024), path)
-    for total in (1024, 1100):
+    for total, said in (
+        (
+            1024,
+            "its run already did 1024 of --total-timesteps 1024 agent steps; give a larger --total-timesteps to go on",
+        ),
+        (
+            1100,
+            "its run did 8 updates of 128 agent steps and --total-timesteps 1100 holds 8: the run would learn nothing; "
+            "give at least 1152",
+        ),
+    ):  # the plumbing's load_checkpoint refuses a spent budget; refuse_finished one with no whole update left
         args = checked(num_envs=4, num_steps=32, total_timesteps=total, log_dir=str(tmp_path), resume=str(path))
-        assert refusal(capsys, main, args) == (
-            f"error: cannot resume from {path}: its run did 8 updates of 128 agent steps and --total-timesteps {total} "
-            "holds 8: the run would learn nothing; give at least 1152"
-        )
+        assert refusal(capsys, main, args) == f"error: cannot resume from {path}: {said}"
         assert list(run_dir.iterdir()) == [path]
     assert refuse_finished(replace(args, total_timesteps=1152), 8, 128) is None  # one update left
     assert "holds 4: the run would learn nothing; give at least 1280" in refusal(capsys, refuse_finished, args, 4, 256)

@@ -625,14 +625,18 @@ def test_resume_refuses_what_it_cannot_use(tmp_path, capsys):
 
 
 def test_resume_of_a_run_that_ran_its_budget_is_refused(tmp_path, capsys):
-    """Both learners did 5 updates of 2 x 4 x 5 = 40 agent steps: --total-timesteps 200 holds no more; 240 holds one
-    more, even for a checkpoint whose other learner is further on."""
+    """Both learners did 5 updates of 2 x 4 x 5 = 40 agent steps: --total-timesteps 239 holds no more (and 200 is
+    spent, which load_checkpoint refuses); 240 holds one more, even for a checkpoint whose other learner is further
+    on."""
     path = tmp_path / "checkpoint.pt"
     torch.save(dict(learners=[{"iteration": 5}, {"iteration": 5}], global_step=200, meta=checkpoint_meta(
         Args(env_id="CartPole-v1"), *env_spaces(Args(env_id="CartPole-v1")), 2)), path)  # fmt: skip
-    error = run_main(capsys, [*TINY_CARTPOLE, "--total-timesteps", "200", "--resume", str(path)])
-    assert error == (f"error: --resume {path}: its learners have run all 5 updates of --total-timesteps 200 (step "
+    error = run_main(capsys, [*TINY_CARTPOLE, "--total-timesteps", "239", "--resume", str(path)])
+    assert error == (f"error: --resume {path}: its learners have run all 5 updates of --total-timesteps 239 (step "
                      "200): the run would learn nothing; give a larger --total-timesteps"), error  # fmt: skip
+    error = run_main(capsys, [*TINY_CARTPOLE, "--total-timesteps", "200", "--resume", str(path)])  # the plumbing's
+    assert error.endswith("its run already did 200 of --total-timesteps 200 agent steps; give a larger "
+                          "--total-timesteps to go on"), error  # fmt: skip
     assert list(tmp_path.iterdir()) == [path] and multiprocessing.active_children() == []
 
 

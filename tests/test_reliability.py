@@ -201,7 +201,7 @@ def test_help_gives_each_flag_whole_sentences_and_one_default(name, monkeypatch,
     width, rows = len(lines[rule].rstrip()), [line.rstrip() for line in lines[rule + 1 :] if line.strip()]
     entries: list[list[str]] = []  # per flag: its rows, the flag's own first
     for row in rows:
-        if row.lstrip().startswith("-"):
+        if re.match(r" {0,3}-", row):  # a flag at the left margin; its help (which may start with --) is indented
             entries.append([row])
         else:
             entries[-1].append(row)
