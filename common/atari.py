@@ -35,6 +35,7 @@ import contextlib
 import difflib
 import functools
 import importlib
+import os
 import tempfile
 import warnings
 from pathlib import Path
@@ -304,6 +305,8 @@ def make_env(
     if ale_game(env_id) is not None:
         env = _SingleFromVector(make_vector_env(env_id, 1, seed, protocol=protocol, train=False, num_threads=1))
     else:
+        if capture_video:  # frames drawn off-screen: SDL (pygame) needs no display, and would print an `error:` line
+            os.environ.setdefault("SDL_VIDEODRIVER", "dummy")  # of its own on a machine without one
         env = gym.wrappers.RecordEpisodeStatistics(gym.make(env_id, render_mode="rgb_array" if capture_video else None))
         env.action_space.seed(seed)
     if capture_video:

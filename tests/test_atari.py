@@ -170,8 +170,9 @@ def test_eval_env_ends_at_game_over_with_true_return_and_video(tmp_path):
     assert videos and videos[0].stat().st_size > 1000
 
 
-def test_cartpole_eval_env_records_a_video_with_the_video_extra(tmp_path):
-    """CartPole draws its frames with pygame: the `video` extra (which the test extra includes) must bring it."""
+def test_cartpole_eval_env_records_a_video_with_the_video_extra(tmp_path, capfd):
+    """CartPole draws its frames with pygame: the `video` extra (which the test extra includes) must bring it, and
+    SDL must draw them off-screen without printing an `error:` line of its own (no display, no XDG_RUNTIME_DIR)."""
     env = make_env("CartPole-v1", seed=0, capture_video=True, video_dir=str(tmp_path / "videos"))
     env.reset()
     while not any(env.step(env.action_space.sample())[2:4]):
@@ -179,6 +180,7 @@ def test_cartpole_eval_env_records_a_video_with_the_video_extra(tmp_path):
     env.close()
     videos = list((tmp_path / "videos").glob("*.mp4"))
     assert videos and all(v.stat().st_size > 1000 for v in videos), videos
+    assert "error" not in capfd.readouterr().err
 
 
 def test_async_batches_account_every_step_once():
