@@ -1066,7 +1066,7 @@ def start_learner(args: Args, world_size: int, signals: StopSignals) -> LearnerR
     """Rank 0: the run directory, the learner, this machine's processes, the replay (local or over rpc), tracking."""
     spaces, distributed = env_spaces(args), world_size > 1
     meta = checkpoint_meta(args, *spaces)
-    checkpoint = load_checkpoint(args.resume, meta, args) if args.resume else None
+    checkpoint = load_checkpoint(args.resume, meta, args, 1) if args.resume else None
     device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
     run_dir = Path(args.resume).parent if checkpoint else new_run_dir(args)
     global_step = checkpoint["global_step"] if checkpoint else 0
@@ -1509,10 +1509,10 @@ def resumed_args(args: Args) -> Args:
     return replace(args, **{k: tuple(v) if isinstance(default[k], tuple) else v for k, v in kept.items()})
 
 
-def load_checkpoint(path: str, meta: dict, args: Args) -> dict:
-    """The checkpoint at `path` if this run can continue it: its meta (checkpoint_meta) is this run's and no flag in
-    RESUME_FIXED differs from its run's. Otherwise one error line and exit 2, with nothing started. Prints the step it
-    resumes from and every flag that differs from its run's."""
+def load_checkpoint(path: str, meta: dict, args: Args, steps_per_update: int) -> dict:
+    """The checkpoint at `path` if this run can continue it: its meta (checkpoint_meta) is this run's, no flag in
+    RESUME_FIXED differs from its run's, and --total-timesteps holds at least one more whole update. Otherwise one
+    error line and exit 2, with nothing started. Prints the step it resumes from and every flag that differs."""
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as e:  # garbage, truncated, or pickled objects this interpreter cannot rebuild
@@ -1530,9 +1530,11 @@ def load_checkpoint(path: str, meta: dict, args: Args) -> dict:
         k = fixed[0]
         fail(f"cannot resume from {path} with {flag(k)} {now[k]}: its run has {before[k]} (these stay as they were "
              f"in a resumed run: {', '.join(flag(name) for name in RESUME_FIXED)})")  # fmt: skip
-    if (step := checkpoint.get("global_step", 0)) >= args.total_timesteps:
-        fail(f"cannot resume from {path}: its run already did {step} of --total-timesteps {args.total_timesteps} "
-             f"agent steps; give a larger --total-timesteps to go on")  # fmt: skip
+    step = checkpoint.get("global_step", 0)
+    if (needed := (step // steps_per_update + 1) * steps_per_update) > args.total_timesteps:
+        per = f" (whole updates of {steps_per_update})" if steps_per_update > 1 else ""
+        fail(f"cannot resume from {path}: its run did {step} agent steps and --total-timesteps {args.total_timesteps}"
+             f"{per} holds no more: the run would learn nothing; give at least {needed}")  # fmt: skip
     if not os.access(Path(path).parent, os.W_OK):
         fail(f"cannot write to the run directory {Path(path).parent} of --resume {path}")
     said = ", ".join(f"{flag(k)} {now[k]} (was {before[k]})" for k in changed) or "none"

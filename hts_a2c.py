@@ -577,7 +577,8 @@ def main(args: Args) -> None:
         return main_eval_only(args)
     spaces = env_spaces(args)
     meta = checkpoint_meta(args, *spaces)
-    checkpoint = load_checkpoint(args.resume, meta, args) if args.resume else None
+    steps_per_collection = args.num_envs * args.sync_interval
+    checkpoint = load_checkpoint(args.resume, meta, args, steps_per_collection) if args.resume else None
     run_dir = Path(args.resume).resolve().parent if args.resume else new_run_dir(args)
     write_run_args(run_dir, args, meta)
     random.seed(args.seed)
@@ -590,7 +591,6 @@ def main(args: Args) -> None:
 
     learner = Learner.create(args, spaces, device, checkpoint)
     shared = Shared(args, spaces[0], learner.target, learner.update)
-    steps_per_collection = args.num_envs * args.sync_interval
     num_collections, plan = planned_updates(args.total_timesteps, steps_per_collection)
     signals = StopSignals(threading.Event())
     workers = Workers(args, shared, "spawn" if device.type == "cuda" else "fork", num_collections)  # CUDA: no fork
@@ -963,10 +963,10 @@ def resumed_args(args: Args) -> Args:
     return replace(args, **{k: tuple(v) if isinstance(default[k], tuple) else v for k, v in kept.items()})
 
 
-def load_checkpoint(path: str, meta: dict, args: Args) -> dict:
-    """The checkpoint at `path` if this run can continue it: its meta (checkpoint_meta) is this run's and no flag in
-    RESUME_FIXED differs from its run's. Otherwise one error line and exit 2, with nothing started. Prints the step it
-    resumes from and every flag that differs from its run's."""
+def load_checkpoint(path: str, meta: dict, args: Args, steps_per_update: int) -> dict:
+    """The checkpoint at `path` if this run can continue it: its meta (checkpoint_meta) is this run's, no flag in
+    RESUME_FIXED differs from its run's, and --total-timesteps holds at least one more whole update. Otherwise one
+    error line and exit 2, with nothing started. Prints the step it resumes from and every flag that differs."""
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as e:  # garbage, truncated, or pickled objects this interpreter cannot rebuild
@@ -984,9 +984,11 @@ def load_checkpoint(path: str, meta: dict, args: Args) -> dict:
         k = fixed[0]
         fail(f"cannot resume from {path} with {flag(k)} {now[k]}: its run has {before[k]} (these stay as they were "
              f"in a resumed run: {', '.join(flag(name) for name in RESUME_FIXED)})")  # fmt: skip
-    if (step := checkpoint.get("global_step", 0)) >= args.total_timesteps:
-        fail(f"cannot resume from {path}: its run already did {step} of --total-timesteps {args.total_timesteps} "
-             f"agent steps; give a larger --total-timesteps to go on")  # fmt: skip
+    step = checkpoint.get("global_step", 0)
+    if (needed := (step // steps_per_update + 1) * steps_per_update) > args.total_timesteps:
+        per = f" (whole updates of {steps_per_update})" if steps_per_update > 1 else ""
+        fail(f"cannot resume from {path}: its run did {step} agent steps and --total-timesteps {args.total_timesteps}"
+             f"{per} holds no more: the run would learn nothing; give at least {needed}")  # fmt: skip
     if not os.access(Path(path).parent, os.W_OK):
         fail(f"cannot write to the run directory {Path(path).parent} of --resume {path}")
     said = ", ".join(f"{flag(k)} {now[k]} (was {before[k]})" for k in changed) or "none"

@@ -553,11 +553,9 @@ def test_resume_of_a_run_that_did_its_budget_is_refused(total, tmp_path, run_mai
     path = run_dir / "checkpoint.pt"
     torch.save({"meta": META, "global_step": 2000, "version": 100}, path)
     code, _, err = run_main(**CARTPOLE, total_timesteps=total, resume=str(path), log_dir=str(tmp_path / "logs"))
-    said = (  # the plumbing's load_checkpoint refuses a spent budget; refuse_finished one with no whole update left
-        f"its run already did 2000 of --total-timesteps {total} agent steps; give a larger --total-timesteps to go on"
-        if total == 2000
-        else f"its run did 100 updates of 20 agent steps and --total-timesteps {total} holds 100: the run would learn "
-        "nothing; give at least 2020"
+    said = (
+        f"its run did 2000 agent steps and --total-timesteps {total} (whole updates of 20) holds no more: the run "
+        "would learn nothing; give at least 2020"
     )
     assert code == 2 and err.strip() == f"error: cannot resume from {path}: {said}", err
     assert list(run_dir.iterdir()) == [path] and not (tmp_path / "logs").exists()

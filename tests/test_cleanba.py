@@ -59,7 +59,6 @@ from cleanba_ppo_impala import (
     pick_network,
     ppo_loss,
     ppo_update,
-    refuse_finished,
     resolve_defaults,
     start_tracking,
     validate,
@@ -626,21 +625,21 @@ def test_resume_refuses_what_it_cannot_use(tmp_path, capsys):
     ours = meta_of()
     good = tmp_path / "good.pt"
     torch.save(dict(model={}, meta=ours), good)
-    assert load_checkpoint(str(good), ours, checked())["meta"] == ours
+    assert load_checkpoint(str(good), ours, checked(), 1)["meta"] == ours
     garbage, truncated, old = tmp_path / "garbage.pt", tmp_path / "truncated.pt", tmp_path / "old.pt"
     garbage.write_bytes(b"not a checkpoint at all")
     truncated.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
     torch.save(dict(model={}, update=3), old)
     for path in (garbage, truncated, old):
-        error = refusal(capsys, load_checkpoint, str(path), ours, checked())
+        error = refusal(capsys, load_checkpoint, str(path), ours, checked(), 1)
         assert error.startswith(f"error: cannot resume from {path}: not a checkpoint"), error
     gala = tmp_path / "gala.pt"
     torch.save(dict(learners=[], meta={**ours, "script": "gala_a2c.py", "algo": "gossip"}), gala)
-    error = refusal(capsys, load_checkpoint, str(gala), ours, checked())
+    error = refusal(capsys, load_checkpoint, str(gala), ours, checked(), 1)
     assert "it is a gala_a2c.py checkpoint (script gala_a2c.py, algo gossip), this run is script" in error, error
     impala = tmp_path / "impala.pt"
     torch.save(dict(model={}, meta=meta_of(algo="impala")), impala)
-    assert "(algo impala), this run is algo ppo" in refusal(capsys, load_checkpoint, str(impala), ours, checked())
+    assert "(algo impala), this run is algo ppo" in refusal(capsys, load_checkpoint, str(impala), ours, checked(), 1)
 
 
 def test_refused_resume_exits_2_and_leaves_nothing_in_the_run_directory(tmp_path, capsys):
@@ -662,22 +661,16 @@ def test_resume_of_a_run_that_did_its_budget_is_refused(tmp_path, capsys):
     run_dir.mkdir()
     path = run_dir / "checkpoint.pt"
     torch.save(dict(model={}, meta=meta_of(), update=8, global_step=1024), path)
-    for total, said in (
-        (
-            1024,
-            "its run already did 1024 of --total-timesteps 1024 agent steps; give a larger --total-timesteps to go on",
-        ),
-        (
-            1100,
-            "its run did 8 updates of 128 agent steps and --total-timesteps 1100 holds 8: the run would learn nothing; "
-            "give at least 1152",
-        ),
-    ):  # the plumbing's load_checkpoint refuses a spent budget; refuse_finished one with no whole update left
+    for total in (1024, 1100):
         args = checked(num_envs=4, num_steps=32, total_timesteps=total, log_dir=str(tmp_path), resume=str(path))
-        assert refusal(capsys, main, args) == f"error: cannot resume from {path}: {said}"
+        assert refusal(capsys, main, args) == (
+            f"error: cannot resume from {path}: its run did 1024 agent steps and --total-timesteps {total} (whole "
+            "updates of 128) holds no more: the run would learn nothing; give at least 1152"
+        )
         assert list(run_dir.iterdir()) == [path]
-    assert refuse_finished(replace(args, total_timesteps=1152), 8, 128) is None  # one update left
-    assert "holds 4: the run would learn nothing; give at least 1280" in refusal(capsys, refuse_finished, args, 4, 256)
+    assert load_checkpoint(str(path), meta_of(), replace(args, total_timesteps=1152), 128)["update"] == 8  # one left
+    two_ranks = "(whole updates of 256) holds no more: the run would learn nothing; give at least 1280"
+    assert two_ranks in refusal(capsys, load_checkpoint, str(path), meta_of(), replace(args, total_timesteps=1279), 256)
 
 
 # ------------------------------------------------------------------ failures and shutdown

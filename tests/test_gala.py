@@ -602,8 +602,8 @@ def test_resume_refuses_what_it_cannot_use(tmp_path, capsys):
     ours, four = (checkpoint_meta(Args(env_id="CartPole-v1"), *spaces, n) for n in (2, 4))
     good = fake_checkpoint(tmp_path / "good.pt")
     args = Args(env_id="CartPole-v1")
-    assert load_checkpoint(str(good), ours, args)["learners"] == [{}, {}]
-    assert "checkpoint (learners 2), this run is learners 4" in refusal(capsys, load_checkpoint, str(good), four, args)
+    assert load_checkpoint(str(good), ours, args, 1)["learners"] == [{}, {}]
+    assert "checkpoint (learners 2), this run is learners 4" in refusal(capsys, load_checkpoint, str(good), four, args, 1)
     garbage = tmp_path / "garbage.pt"
     garbage.write_bytes(b"not a checkpoint at all")
     truncated = tmp_path / "truncated.pt"
@@ -611,32 +611,29 @@ def test_resume_refuses_what_it_cannot_use(tmp_path, capsys):
     old = tmp_path / "old.pt"
     torch.save(dict(learners=[{}, {}], global_step=0), old)
     for path in (garbage, truncated, old):
-        error = refusal(capsys, load_checkpoint, str(path), ours, args)
+        error = refusal(capsys, load_checkpoint, str(path), ours, args, 1)
         assert error.startswith(f"error: cannot resume from {path}: not a checkpoint"), error
-    assert '"meta"' in refusal(capsys, load_checkpoint, str(old), ours, args)
+    assert '"meta"' in refusal(capsys, load_checkpoint, str(old), ours, args, 1)
     other = fake_checkpoint(tmp_path / "other.pt", script="cleanba_ppo_impala.py", algo="ppo")
-    error = refusal(capsys, load_checkpoint, str(other), ours, args)
+    error = refusal(capsys, load_checkpoint, str(other), ours, args, 1)
     assert "it is a cleanba_ppo_impala.py checkpoint (script cleanba_ppo_impala.py, algo ppo)" in error, error
     assert error.endswith("this run is script gala_a2c.py, algo gossip"), error
     acrobot = fake_checkpoint(tmp_path / "acrobot.pt", env_id="Acrobot-v1", obs_shape=[6], action_shape_or_n=3)
     assert "(env_id Acrobot-v1, obs_shape [6], action_shape_or_n 3)" in refusal(
-        capsys, load_checkpoint, str(acrobot), ours, args
+        capsys, load_checkpoint, str(acrobot), ours, args, 1
     )
 
 
 def test_resume_of_a_run_that_ran_its_budget_is_refused(tmp_path, capsys):
-    """Both learners did 5 updates of 2 x 4 x 5 = 40 agent steps: --total-timesteps 239 holds no more (and 200 is
-    spent, which load_checkpoint refuses); 240 holds one more, even for a checkpoint whose other learner is further
-    on."""
+    """Both learners did 5 updates of 2 x 4 x 5 = 40 agent steps: neither --total-timesteps 200 nor 239 holds another
+    one (global_step counts both learners' updates), so the run is refused before anything is written."""
     path = tmp_path / "checkpoint.pt"
     torch.save(dict(learners=[{"iteration": 5}, {"iteration": 5}], global_step=200, meta=checkpoint_meta(
         Args(env_id="CartPole-v1"), *env_spaces(Args(env_id="CartPole-v1")), 2)), path)  # fmt: skip
-    error = run_main(capsys, [*TINY_CARTPOLE, "--total-timesteps", "239", "--resume", str(path)])
-    assert error == (f"error: --resume {path}: its learners have run all 5 updates of --total-timesteps 239 (step "
-                     "200): the run would learn nothing; give a larger --total-timesteps"), error  # fmt: skip
-    error = run_main(capsys, [*TINY_CARTPOLE, "--total-timesteps", "200", "--resume", str(path)])  # the plumbing's
-    assert error.endswith("its run already did 200 of --total-timesteps 200 agent steps; give a larger "
-                          "--total-timesteps to go on"), error  # fmt: skip
+    for total in (200, 239):
+        error = run_main(capsys, [*TINY_CARTPOLE, "--total-timesteps", str(total), "--resume", str(path)])
+        assert error == (f"error: cannot resume from {path}: its run did 200 agent steps and --total-timesteps {total} "
+                         "(whole updates of 40) holds no more: the run would learn nothing; give at least 240"), error
     assert list(tmp_path.iterdir()) == [path] and multiprocessing.active_children() == []
 
 

@@ -635,6 +635,25 @@ def test_resume_refuses_a_checkpoint_it_cannot_continue(module, case, message, t
     assert list(tmp_path.iterdir()) == [path]  # no run directory, no events file
 
 
+@pytest.mark.parametrize("module", [hts_a2c, hts_ppo])
+def test_resume_with_no_whole_update_left_is_refused(module, tmp_path, capsys):
+    """A checkpoint after 100 updates of num_envs x sync_interval agent steps: a budget one step short of the next
+    update holds no more of them (the run would end at once and call itself finished), one of exactly 101 holds one."""
+    args = module.Args(env_id="CartPole-v1", num_envs=4, log_dir=str(tmp_path / "logs"))
+    meta, per = module.checkpoint_meta(args, *module.env_spaces(args)), 4 * args.sync_interval
+    path = tmp_path / "checkpoint.pt"
+    torch.save(dict(meta=meta, global_step=100 * per), path)
+    with pytest.raises(SystemExit) as exc:
+        module.main(module.Args(**vars(args) | dict(total_timesteps=101 * per - 1, resume=str(path))))
+    assert exc.value.code == 2 and capsys.readouterr().err == (
+        f"error: cannot resume from {path}: its run did {100 * per} agent steps and --total-timesteps {101 * per - 1} "
+        f"(whole updates of {per}) holds no more: the run would learn nothing; give at least {101 * per}\n"
+    )
+    assert list(tmp_path.iterdir()) == [path]
+    args.total_timesteps = 101 * per
+    assert module.load_checkpoint(str(path), meta, args, per)["global_step"] == 100 * per
+
+
 def test_hts_ppo_refuses_an_hts_a2c_checkpoint_before_starting(tmp_path, capsys):
     args = hts_a2c.Args(env_id="CartPole-v1", num_envs=4)
     spaces = hts_a2c.env_spaces(args)

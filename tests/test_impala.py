@@ -627,6 +627,22 @@ def test_resume_refuses_a_checkpoint_it_cannot_continue(case, message, tmp_path,
     assert not (tmp_path / "logs").exists()
 
 
+def test_resume_with_no_whole_update_left_is_refused(tmp_path, capsys):
+    """A checkpoint after 10 updates of unroll_length x batch_size x envs per actor agent steps: a budget one step
+    short of the next update holds no more of them (the run would end at once and call itself finished)."""
+    args = im.Args(env_id="CartPole-v1", log_dir=str(tmp_path / "logs"))
+    per = args.unroll_length * args.batch_size * args.num_envs_per_actor
+    path = tmp_path / "checkpoint.pt"
+    torch.save(dict(meta=META, global_step=10 * per), path)
+    with pytest.raises(SystemExit) as e:
+        im.main(im.Args(**vars(args) | dict(total_timesteps=11 * per - 1, resume=str(path))))
+    assert e.value.code == 2 and capsys.readouterr().err == (
+        f"error: cannot resume from {path}: its run did {10 * per} agent steps and --total-timesteps {11 * per - 1} "
+        f"(whole updates of {per}) holds no more: the run would learn nothing; give at least {11 * per}\n"
+    )
+    assert list(tmp_path.iterdir()) == [path]
+
+
 @pytest.mark.parametrize("log_dir", ["/proc/x", "a_file/runs"])
 def test_unusable_log_dir_is_one_error_line(log_dir, tmp_path, capsys):
     (tmp_path / "a_file").write_text("")

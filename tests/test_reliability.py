@@ -159,7 +159,8 @@ def test_a_resume_says_its_step_and_flags_and_refuses_a_new_shape(name, tmp_path
     assert len(lines) == 1 and lines[0].startswith("error: ") and shape_flag in lines[0], refused.stderr[-1500:]
     done = subprocess.run([sys.executable, script_of(name), "--resume", str(checkpoint_path)], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert done.returncode == 2 and "give a larger --total-timesteps" in done.stderr, done.stderr[-1500:]
+    spent = f"its run did {step} agent steps and --total-timesteps {total}"  # the run's budget, from its args.json
+    assert done.returncode == 2 and spent in done.stderr and "would learn nothing" in done.stderr, done.stderr[-1500:]
     # only what changes is given: the env, the workers and the rest are the run's own (its args.json)
     resumed = subprocess.run([sys.executable, script_of(name), "--resume", str(checkpoint_path), "--total-timesteps",
                               str(2 * total), "--seed", "7"], cwd=ROOT, capture_output=True, text=True,
