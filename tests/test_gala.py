@@ -603,7 +603,9 @@ def test_resume_refuses_what_it_cannot_use(tmp_path, capsys):
     good = fake_checkpoint(tmp_path / "good.pt")
     args = Args(env_id="CartPole-v1")
     assert load_checkpoint(str(good), ours, args, 1)["learners"] == [{}, {}]
-    assert "checkpoint (learners 2), this run is learners 4" in refusal(capsys, load_checkpoint, str(good), four, args, 1)
+    assert "checkpoint (learners 2), this run is learners 4" in refusal(
+        capsys, load_checkpoint, str(good), four, args, 1
+    )
     garbage = tmp_path / "garbage.pt"
     garbage.write_bytes(b"not a checkpoint at all")
     truncated = tmp_path / "truncated.pt"
@@ -632,8 +634,10 @@ def test_resume_of_a_run_that_ran_its_budget_is_refused(tmp_path, capsys):
         Args(env_id="CartPole-v1"), *env_spaces(Args(env_id="CartPole-v1")), 2)), path)  # fmt: skip
     for total in (200, 239):
         error = run_main(capsys, [*TINY_CARTPOLE, "--total-timesteps", str(total), "--resume", str(path)])
-        assert error == (f"error: cannot resume from {path}: its run did 200 agent steps and --total-timesteps {total} "
-                         "(whole updates of 40) holds no more: the run would learn nothing; give at least 240"), error
+        assert error == (
+            f"error: cannot resume from {path}: its run did 200 agent steps and --total-timesteps {total} "
+            "(whole updates of 40) holds no more: the run would learn nothing; give at least 240"
+        ), error
     assert list(tmp_path.iterdir()) == [path] and multiprocessing.active_children() == []
 
 
