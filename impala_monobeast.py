@@ -317,13 +317,6 @@ class Buffers(Rollouts):
             raise RuntimeError(f"buffer {index} should be with owner {owner} but the ledger says owner {found}")
         self.ledger[index] = new_owner
 
-    def row(self, index: int, t: int) -> dict[str, torch.Tensor]:
-        return {k: getattr(self, k)[index, t].clone() for k in ROW_KEYS}
-
-    def set_row(self, index: int, t: int, row: dict[str, torch.Tensor]) -> None:
-        for k in ROW_KEYS:
-            getattr(self, k)[index, t].copy_(row[k])
-
     def stack(self, indices: list[int]) -> Rollouts:
         """The rollouts at `indices` as one learner batch (a copy), time-major: [B, T + 1, N, ...] -> [T + 1, B * N,
         ...], and [B, L, N, H] LSTM states -> [L, B * N, H]."""
@@ -332,32 +325,6 @@ class Buffers(Rollouts):
             **{k: getattr(self, k)[idx].transpose(0, 1).flatten(1, 2) for k in (*ROW_KEYS, "initial_h", "initial_c")},
             **{k: getattr(self, k)[idx] for k in ROLLOUT_KEYS},
         )
-
-
-@dataclass
-class InferenceSlots:
-    """Per-actor shared-memory slots for batched inference: the actor writes the inputs, the inference thread the
-    outputs (and the LSTM state it carries for that actor's envs)."""
-
-    obs: torch.Tensor  # [M, N, *obs_shape]
-    done: torch.Tensor  # [M, N] bool
-    last_action: torch.Tensor  # [M, N] int64
-    reward: torch.Tensor  # [M, N] raw
-    action: torch.Tensor  # [M, N]
-    logits: torch.Tensor  # [M, N, A]
-    baseline: torch.Tensor  # [M, N]
-    version: torch.Tensor  # [M]
-    h: torch.Tensor  # [M, L, N, H]
-    c: torch.Tensor  # [M, L, N, H]
-
-    @staticmethod
-    def allocate(
-        M: int, N: int, obs_shape: tuple[int, ...], obs_dtype: torch.dtype, num_actions: int, lstm: tuple[int, int]
-    ) -> InferenceSlots:
-        shapes = dict(obs=(M, N, *obs_shape), logits=(M, N, num_actions), version=(M,), h=(M, lstm[0], N, lstm[1]))
-        shapes |= {k: (M, N) for k in ("done", "last_action", "reward", "action", "baseline")} | {"c": shapes["h"]}
-        dtypes = dict(obs=obs_dtype, done=torch.bool, last_action=torch.int64, action=torch.int64, version=torch.int64)
-        return InferenceSlots(**{k: torch.zeros(s, dtype=dtypes.get(k)).share_memory_() for k, s in shapes.items()})
 
 
 class RequestPipe:
@@ -476,18 +443,18 @@ class CopyPolicy:
 class BatchedPolicy:
     """PolyBeast's acting: write the inputs to this actor's slot, request, wait for the inference thread."""
 
-    def __init__(self, actor_id: int, slots: InferenceSlots, requests: RequestPipe, sem: Semaphore, use_lstm: bool):
+    def __init__(self, actor_id: int, slots: Buffers, requests: RequestPipe, sem: Semaphore, use_lstm: bool):
         self.actor_id, self.slots, self.requests, self.sem, self.use_lstm = actor_id, slots, requests, sem, use_lstm
         self.wait = 0.0  # seconds spent waiting on the inference thread
 
     def lstm_state(self) -> LSTMState | None:
         i = self.actor_id
-        return (self.slots.h[i].clone(), self.slots.c[i].clone()) if self.use_lstm else None
+        return (self.slots.initial_h[i].clone(), self.slots.initial_c[i].clone()) if self.use_lstm else None
 
     def act(self, b: Buffers, index: int, t: int, stop: Event) -> None:
         i, slots = self.actor_id, self.slots
         for k in ("obs", "done", "last_action", "reward"):
-            getattr(slots, k)[i] = getattr(b, k)[index, t]
+            getattr(slots, k)[i, 0] = getattr(b, k)[index, t]
         start = time.perf_counter()
         self.requests.put(i)
         while not self.sem.acquire(timeout=1.0):
@@ -495,7 +462,7 @@ class BatchedPolicy:
                 raise Stop
         self.wait += time.perf_counter() - start
         for k in ("action", "logits", "baseline", "version"):
-            getattr(b, k)[index, t] = getattr(slots, k)[i]
+            getattr(b, k)[index, t] = getattr(slots, k)[i, 0]
 
 
 def actor_process(
@@ -510,7 +477,11 @@ def actor_process(
                            num_threads=1, clip_rewards=False)  # fmt: skip
     T, stop = args.unroll_length, queues.stop
     obs, _ = envs.reset()
-    carried = None  # (row T of the previous rollout, the LSTM state before it): row 0 of the next
+    # row 0 of the first rollout: x_0 starts an episode, reward and last action 0 (TorchBeast's `Environment.initial`);
+    # of every later one: the previous rollout's row T, with the LSTM state before it
+    row = {k: torch.zeros_like(getattr(b, k)[0, 0]) for k in ROW_KEYS} | {"obs": torch.from_numpy(obs)}
+    row["done"].fill_(True)
+    state = policy.lstm_state()
     try:
         for rollout in itertools.count(1):
             start = time.perf_counter()
@@ -518,18 +489,13 @@ def actor_process(
             free_wait = time.perf_counter() - start
             b.move(index, FREE_QUEUE, actor_id)
             policy.wait = 0.0
-            if carried is None:  # x_0 starts an episode, reward and last action 0 (TorchBeast's `Environment.initial`)
-                b.set_row(index, 0, {k: torch.zeros_like(getattr(b, k)[index, 0]) for k in ROW_KEYS})
-                b.obs[index, 0].copy_(torch.from_numpy(obs))
-                b.done[index, 0] = True
-                state = policy.lstm_state()
-                policy.act(b, index, 0, stop)
-            else:
-                row, state = carried
-                b.set_row(index, 0, row)
+            for k in ROW_KEYS:
+                getattr(b, k)[index, 0].copy_(row[k])
             if state is not None:
                 b.initial_h[index].copy_(state[0])
                 b.initial_c[index].copy_(state[1])
+            if rollout == 1:
+                policy.act(b, index, 0, stop)
             for t in range(1, T + 1):
                 if stop.is_set():
                     raise Stop
@@ -544,7 +510,7 @@ def actor_process(
                 if t == T:  # the next rollout starts from this forward pass
                     state = policy.lstm_state()
                 policy.act(b, index, t, stop)
-            carried = (b.row(index, T), state)
+            row = {k: getattr(b, k)[index, T].clone() for k in ROW_KEYS}
             b.actor_id[index], b.rollout[index] = actor_id, rollout
             b.free_wait[index], b.inference_wait[index] = free_wait, policy.wait
             b.move(index, actor_id, FULL_QUEUE)
@@ -589,7 +555,7 @@ class InferenceServer:
     `max_actors` actors), one forward pass, write the outputs to the actors' slots, release each actor."""
 
     acting: ActingModel
-    slots: InferenceSlots
+    slots: Buffers  # one single-row buffer per actor (Learner.__init__)
     requests: RequestPipe
     sems: list[Semaphore]
     max_actors: int
@@ -614,24 +580,23 @@ class InferenceServer:
         return BatchedPolicy(actor_id, self.slots, self.requests, self.sems[actor_id], use_lstm)
 
     def serve(self, ids: list[int]) -> None:
-        slots, device, k, idx = self.slots, self.device, len(ids), torch.tensor(ids)
-        N = slots.obs.shape[1]
-        obs = slots.obs[idx].reshape(k * N, *slots.obs.shape[2:]).to(device, non_blocking=True)
-        done, last_action, reward = (x[idx].flatten().to(device) for x in (slots.done, slots.last_action, slots.reward))
+        s, device, k, idx = self.slots, self.device, len(ids), torch.tensor(ids)
+        N = s.obs.shape[2]
+        obs = s.obs[idx, 0].flatten(0, 1).to(device, non_blocking=True)
+        done, last_action, reward = (x[idx, 0].flatten().to(device) for x in (s.done, s.last_action, s.reward))
         state = None
         if self.acting.model.core is not None:  # [k, L, N, H] -> [L, k * N, H]
-            state = tuple(s[idx].transpose(0, 1).reshape(s.shape[1], -1, s.shape[3]).to(device)
-                          for s in (slots.h, slots.c))  # fmt: skip
+            state = tuple(x[idx].transpose(0, 1).flatten(1, 2).to(device) for x in (s.initial_h, s.initial_c))
         with self.acting.lock, torch.inference_mode():
             version = int(self.acting.version.item())
             action, logits, baseline, state = policy_step(self.acting.model, obs, done, last_action, reward, state)
-        slots.action[idx] = action.view(k, N).cpu()
-        slots.logits[idx] = logits.view(k, N, -1).float().cpu()
-        slots.baseline[idx] = baseline.view(k, N).float().cpu()
-        slots.version[idx] = version
+        s.action[idx, 0] = action.view(k, N).cpu()
+        s.logits[idx, 0] = logits.view(k, N, -1).float().cpu()
+        s.baseline[idx, 0] = baseline.view(k, N).float().cpu()
+        s.version[idx, 0] = version
         if state is not None:
-            for s, out in zip((slots.h, slots.c), state, strict=True):
-                s[idx] = out.reshape(out.shape[0], k, N, -1).transpose(0, 1).cpu()
+            for x, out in zip((s.initial_h, s.initial_c), state, strict=True):
+                x[idx] = out.unflatten(1, (k, N)).transpose(0, 1).cpu()
         self.batches += 1
         self.envs += k * N
         for i in ids:
@@ -695,7 +660,9 @@ class Learner:
         if args.inference == "actor":
             copy.share_memory()
         else:
-            slots = InferenceSlots.allocate(M, N, obs_space.shape, obs_dtype, A, lstm)
+            # the inference slots: a single-row buffer (T = 0) per actor; the actor writes the row's inputs, the
+            # inference thread its outputs and, in initial_h / initial_c, the LSTM state of the actor's next step
+            slots = Buffers.allocate(M, 0, N, obs_space.shape, obs_dtype, A, lstm)
             sems = [ctx.Semaphore(0) for _ in range(M)]
             max_actors = M if not args.max_inference_batch else max(1, args.max_inference_batch // N)
             self.inference = InferenceServer(
@@ -899,17 +866,13 @@ def finish(learner: Learner, failure: str | None, signals: StopSignals, threads:
     leave(code, threads)
 
 
-def leave(code: int, threads: list[threading.Thread], teardown: bool = True) -> None:
+def leave(code: int, threads: list[threading.Thread]) -> None:
     """Exit with `code`. A thread still inside torch when the interpreter tears down makes C++ static destructors
     abort the process ("terminate called without an active exception", SIGABRT), so if a worker thread outlived its
-    join, skip the teardown: TensorBoard is closed and checkpoints are written by now. `teardown=False` skips it too,
-    for torchrun ranks: gloo's transport threads outlive destroy_process_group (or the group lost a rank and was never
-    destroyed), and the teardown can abort the same way."""
-    alive = [t.name for t in threads if t.is_alive()]
-    if alive:
+    join, skip the teardown: TensorBoard is closed and checkpoints are written by now."""
+    if alive := [t.name for t in threads if t.is_alive()]:
         print(f"warning: {', '.join(alive)} still running at exit; leaving without interpreter teardown",
               file=sys.stderr, flush=True)  # fmt: skip
-    if alive or not teardown:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

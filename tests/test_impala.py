@@ -144,7 +144,7 @@ def test_buffer_protocol_with_real_actors(inference):
         acting.model.share_memory()
         policies = [im.CopyPolicy(acting, 1) for i in range(M)]
     else:
-        slots = im.InferenceSlots.allocate(M, 1, (4,), torch.float32, 2, (1, 1))
+        slots = im.Buffers.allocate(M, 0, 1, (4,), torch.float32, 2, (1, 1))
         requests, sems = im.RequestPipe(), [ctx.Semaphore(0) for _ in range(M)]
         policies = [im.BatchedPolicy(i, slots, requests, sems[i], use_lstm=False) for i in range(M)]
         server = im.InferenceServer(acting, slots, requests, sems, M, torch.device("cpu"), queues.stop, failures)
