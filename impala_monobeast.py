@@ -318,8 +318,7 @@ class Buffers(Rollouts):
         self.ledger[index] = new_owner
 
     def stack(self, indices: list[int]) -> Rollouts:
-        """The rollouts at `indices` as one learner batch (a copy), time-major: [B, T + 1, N, ...] -> [T + 1, B * N,
-        ...], and [B, L, N, H] LSTM states -> [L, B * N, H]."""
+        """The rollouts at `indices` as one time-major learner batch, a copy (shapes: Rollouts)."""
         idx = torch.tensor(indices)
         return Rollouts(
             **{k: getattr(self, k)[idx].transpose(0, 1).flatten(1, 2) for k in (*ROW_KEYS, "initial_h", "initial_c")},
@@ -468,9 +467,8 @@ class BatchedPolicy:
 def actor_process(
     actor_id: int, args: Args, env_seed: int, b: Buffers, queues: Queues, policy: CopyPolicy | BatchedPolicy
 ) -> None:
-    """An actor process, MonoBeast's `act()`: take a free index, write a rollout (row 0 = the previous rollout's row T)
-    and hand it to the learners, until stopped. Its envs hand over raw rewards (the loss clips them, or not). An
-    exception ends it with its traceback on stderr; the main process then names it and stops the run."""
+    """An actor process, MonoBeast's `act()`: take a free index, write a rollout and hand it to the learners, until
+    stopped. Its envs hand over raw rewards (the loss clips them, or not)."""
     torch.set_num_threads(1)
     torch.manual_seed(env_seed)
     envs = make_vector_env(args.env_id, args.num_envs_per_actor, env_seed, protocol=args.atari_protocol,
@@ -747,7 +745,6 @@ class Learner:
             self.last_checkpoint = now
 
     def save_checkpoint(self) -> None:
-        """Model, optimizer, counters, RNG state, args and meta, written atomically to {run_dir}/checkpoint.pt."""
         state = dict(model=self.model.state_dict(), optimizer=self.optimizer.state_dict(), update=self.updates,
                      global_step=self.global_step, torch_rng=torch.get_rng_state(), args=asdict(self.args),
                      meta=self.meta)  # fmt: skip
