@@ -7,7 +7,7 @@ Data flow (`--num-workers` W worker processes, no synchronisation between them):
     worker w (x W): pull shared params -> N = --num-steps steps of --num-envs-per-worker envs (batched forward)
                     -> n-step returns, A2C gradient clipped to --max-grad-norm -> push -> repeat
       --update hogwild: push = lock-free RMSprop step on the shared-memory params and statistics (Recht et al. 2011)
-      --update server:  push = gradient into one of the worker's 2 shared slots, Gradient -> grad_q -> server
+      --update server:  push = gradient into one of the worker's 2 shared slots, Update -> grad_q -> server
     gradient server:    applies gradients in arrival order, publishes the flat params + version (+1 per gradient)
                         under a lock; owns the model and optimizer (on the GPU when there is one)
     workers (hogwild) / server --Update--> log_q --> main: TensorBoard, console, checkpoints, watches every process
@@ -135,9 +135,8 @@ class Args:
     rmsprop_alpha: float = 0.99
     """RMSprop smoothing constant (Table 2: 0.99, momentum 0)"""
     rmsprop_eps: float = 1e-3
-    """RMSprop epsilon, added outside the square root as in PyTorch; 1e-3 is neither GALA's Table 2 (0.01) nor GALA's
-    code (1e-5), but the value of the A3C eps study in benchmarks/RESULTS.md, where 1e-5 lets the first, stale hogwild
-    steps of 4 workers kill the ReLUs"""
+    """RMSprop epsilon, outside the square root as in PyTorch: not Table 2's 0.01 nor GALA's code's 1e-5 but the A3C eps
+    study's 1e-3 (benchmarks/RESULTS.md), as 1e-5 lets the first, stale hogwild steps of 4 workers kill the ReLUs"""
     max_grad_norm: float = 0.5
     """clip each pushed gradient to this global norm"""
     ent_coef: float = 0.01
@@ -257,7 +256,8 @@ def copy_flat_into(tensors: list[torch.Tensor], flat: torch.Tensor) -> None:
 
 
 class Update(NamedTuple):
-    """worker (hogwild) or gradient server -> main, on `log_q`: one gradient applied to the shared model."""
+    """One gradient: worker -> gradient server, on `grad_q` (server mode: the gradient waits in `grad_slots[worker,
+    slot]`); once applied to the shared model, worker (hogwild) or gradient server -> main, on `log_q`."""
 
     worker: int
     steps: int  # agent steps of the rollout behind the gradient
@@ -267,11 +267,7 @@ class Update(NamedTuple):
     losses: dict[str, float]  # policy_loss, value_loss, entropy, total_loss, grad_norm
     episodes: list[tuple[float, int]]  # (return, length) of the games that ended in the rollout
     timing: dict[str, float]  # seconds per phase: pull, rollout, train, then push (hogwild) or server_apply
-
-    @property
-    def lag(self) -> int:
-        """Updates applied to the shared model between this rollout's pull and this gradient."""
-        return self.version - 1 - self.pulled
+    slot: int = 0  # server mode: the worker's gradient slot that holds it
 
 
 class WorkerDone(NamedTuple):
@@ -283,29 +279,14 @@ class WorkerDone(NamedTuple):
 class ServerDone(NamedTuple):
     """gradient server -> main, on `log_q`: every queued gradient is applied (and the final checkpoint written)."""
 
-    version: int
-
-
-class Gradient(NamedTuple):
-    """worker -> gradient server, on `grad_q`: a gradient waits in `grad_slots[update.worker, slot]`."""
-
-    slot: int
-    update: Update  # version 0: not applied yet
-
 
 class SaveCheckpoint(NamedTuple):
-    """main -> gradient server, on `grad_q`: write the model and optimizer it owns, with `extra`, to `path`."""
-
-    path: str
-    extra: dict  # args, meta, RNG state: what main adds to every checkpoint
-
-
-class Finish(NamedTuple):
-    """main -> gradient server, on `grad_q`, once the workers are done or stopped, so behind all their gradients: write
-    the final checkpoint to `path` unless it is None, send ServerDone and return."""
+    """main -> gradient server, on `grad_q`: write the model and optimizer it owns, with `extra`, to `path` (None: no
+    file); after the `final` one, sent behind the stopped workers' gradients, send ServerDone and return."""
 
     path: str | None
-    extra: dict
+    extra: dict  # args, meta, RNG state: what main adds to every checkpoint
+    final: bool = False
 
 
 @dataclass
@@ -316,28 +297,25 @@ class Shared:
     log_q: Queue  # -> main: Update, WorkerDone, ServerDone
     error_q: Queue  # -> main: the error line of a process that fails (run_child)
     steps_claimed: Synchronized  # int64: agent steps handed out to rollouts (the budget counter)
-    # hogwild
-    params: list[torch.Tensor] | None = None  # shared-memory parameters of the model
-    optimizer: SharedRMSprop | None = None
-    updates: Synchronized | None = None  # int64: gradients applied so far (the parameters' version)
+    version: Synchronized  # int64: gradients applied so far (the parameters' version); server: under param_lock
+    optimizer: SharedRMSprop | None = None  # hogwild: steps the shared model's parameters, `optimizer.params`
     # server
-    grad_q: Queue | None = None  # workers -> server: Gradient, WorkerDone; main -> server: SaveCheckpoint, Finish
+    grad_q: Queue | None = None  # workers -> server: Update, WorkerDone; main -> server: SaveCheckpoint
     grad_slots: torch.Tensor | None = None  # [W, 2, P] shared gradient slots
     free_slots: list[Queue] | None = None  # per worker: its free slot indices (0, 1)
     published: torch.Tensor | None = None  # [P] latest parameters
-    version: ctypes.c_int64 | None = None  # version of `published` = gradients applied
     param_lock: Lock | None = None  # guards (published, version) so a pull never mixes two versions
 
 
 def make_shared(args: Args, ctx, stop: Event, model: nn.Module, checkpoint: dict | None) -> Shared:
-    """The shared state of `--update`, resumed from `checkpoint` if given; hogwild moves `model` to shared memory."""
-    version = checkpoint["version"] if checkpoint else 0
-    steps = ctx.Value("q", checkpoint["global_step"] if checkpoint else 0)
-    shared = Shared(stop=stop, log_q=ctx.Queue(), error_q=ctx.Queue(), steps_claimed=steps)
+    """The shared state of `--update`; `model` resumed from `checkpoint` if given, in shared memory for hogwild."""
+    if checkpoint:
+        model.load_state_dict(checkpoint["model"])
+    steps, version = (checkpoint["global_step"], checkpoint["version"]) if checkpoint else (0, 0)
+    shared = Shared(stop, ctx.Queue(), ctx.Queue(), ctx.Value("q", steps), ctx.Value("q", version))
     params = list(model.parameters())
     if args.update == "hogwild":
         model.share_memory()
-        shared.params, shared.updates = params, ctx.Value("q", version)
         shared.optimizer = make_optimizer(params, args).share_memory()
         if checkpoint:
             shared.optimizer.load_state_dict(checkpoint["optimizer"])
@@ -348,8 +326,7 @@ def make_shared(args: Args, ctx, stop: Event, model: nn.Module, checkpoint: dict
     for q in shared.free_slots:
         q.put(0)
         q.put(1)
-    shared.published = flatten(params).share_memory_()
-    shared.version, shared.param_lock = ctx.Value("q", version, lock=False), ctx.Lock()
+    shared.published, shared.param_lock = flatten(params).share_memory_(), ctx.Lock()
     return shared
 
 
@@ -377,8 +354,8 @@ def claim_steps(shared: Shared, batch: int, total: int) -> int:
 def pull(shared: Shared, params: list[torch.Tensor]) -> int:
     """Copy the latest shared parameters into `params`; returns their version (gradients applied so far)."""
     if shared.grad_q is None:  # hogwild: whatever is in shared memory now (other workers may be mid-write)
-        version = shared.updates.value
-        for local, p in zip(params, shared.params, strict=True):
+        version = shared.version.value
+        for local, p in zip(params, shared.optimizer.params, strict=True):
             local.copy_(p, non_blocking=True)
         return version
     with shared.param_lock:
@@ -387,19 +364,20 @@ def pull(shared: Shared, params: list[torch.Tensor]) -> int:
     return version
 
 
-def push_hogwild(shared: Shared, grads: list[torch.Tensor], lr: float) -> int:
-    """Apply a gradient to the shared parameters, lock-free; returns the version this update made."""
-    shared.optimizer.step(grads, lr)
-    with shared.updates.get_lock():  # the counter only, not the parameters
-        shared.updates.value += 1
-        return shared.updates.value
-
-
-def push_server(shared: Shared, grads: list[torch.Tensor], update: Update) -> None:
-    """Write a gradient into a free slot of its worker and queue it for the server (returns before it is applied)."""
-    slot = blocking_get(shared.free_slots[update.worker], shared)  # free: the server copied this slot's last gradient
-    copy_into_flat(shared.grad_slots[update.worker, slot], grads)
-    shared.grad_q.put(Gradient(slot, update))
+def push(shared: Shared, grads: list[torch.Tensor], update: Update) -> None:
+    """Hogwild: apply a gradient to the shared parameters, lock-free, and report it to main. Server: write it into a
+    free slot of its worker and queue it for the server (which reports it once applied)."""
+    if shared.grad_q is not None:
+        slot = blocking_get(shared.free_slots[update.worker], shared)  # free: the server copied its last gradient
+        copy_into_flat(shared.grad_slots[update.worker, slot], grads)
+        shared.grad_q.put(update._replace(slot=slot))
+        return
+    t0 = time.perf_counter()
+    shared.optimizer.step(grads, update.lr)
+    with shared.version.get_lock():  # the counter only, not the parameters
+        shared.version.value += 1
+        version = shared.version.value
+    shared.log_q.put(update._replace(version=version, timing={**update.timing, "push": time.perf_counter() - t0}))
 
 
 # ---- Workers ----
@@ -458,48 +436,39 @@ def worker_loop(worker: int, args: Args, shared: Shared, device: torch.device) -
                 logits[: T * n], values[:T].reshape(-1), actions.reshape(-1), returns.reshape(-1), args.ent_coef,
                 args.vf_coef,
             )  # fmt: skip
-            if not torch.isfinite(losses["total_loss"]):
-                raise NonFiniteLoss(f"non-finite loss {losses['total_loss'].item()} at global step {global_step}")
             model.zero_grad(set_to_none=False)
             losses["total_loss"].backward()
             losses["grad_norm"] = nn.utils.clip_grad_norm_(params, args.max_grad_norm)
-            if not torch.isfinite(losses["grad_norm"]):
-                raise NonFiniteLoss(f"non-finite gradient norm at global step {global_step}")
             stats = dict(zip(losses, torch.stack([v.detach() for v in losses.values()]).tolist(), strict=True))
+            if not all(map(math.isfinite, stats.values())):  # checked before the push: the shared model stays finite
+                raise NonFiniteLoss(f"non-finite loss at global step {global_step}: {stats}")
             lr = args.learning_rate * (1.0 - (global_step - batch) / args.total_timesteps if args.anneal_lr else 1.0)
             obs_buf[0].copy_(obs_buf[T])
             t3 = time.perf_counter()
             timing = dict(pull=t1 - t0, rollout=t2 - t1, train=t3 - t2)
-            update = Update(worker, batch, pulled, 0, lr, stats, episodes, timing)
-            grads = [p.grad for p in params]
-            if shared.grad_q is None:
-                version = push_hogwild(shared, grads, lr)
-                shared.log_q.put(update._replace(version=version, timing={**timing, "push": time.perf_counter() - t3}))
-            else:
-                push_server(shared, grads, update)
-        # server mode: through the server, behind this worker's gradients, so that main's Finish cannot overtake them
+            push(shared, [p.grad for p in params], Update(worker, batch, pulled, 0, lr, stats, episodes, timing))
+        # server mode: through the server, behind this worker's gradients, which main's final SaveCheckpoint follows
         (shared.log_q if shared.grad_q is None else shared.grad_q).put(WorkerDone(worker))
     finally:
         envs.close()
 
 
-def gradient_server(model: nn.Module, args: Args, shared: Shared, device: torch.device, state: dict | None) -> None:
+def gradient_server(model: nn.Module, args: Args, shared: Shared, device: torch.device, resumed: dict | None) -> None:
     """The push-pull gradient server: apply gradients in arrival order, publish versioned parameters."""
     torch.set_num_threads(threads(args.torch_threads, args.num_workers))
-    state = state or {}
     model = model.to(device)
     params = list(model.parameters())
     optimizer = make_optimizer(params, args)
-    if "optimizer" in state:
-        optimizer.load_state_dict(state["optimizer"])
+    if resumed:  # the checkpoint of a --resume
+        optimizer.load_state_dict(resumed["optimizer"])
     grads = [torch.zeros_like(p) for p in params]
-    global_step = state.get("global_step", 0)
-    while True:  # until main's Finish, sent after the workers stopped (child_main ends it if main dies)
+    global_step = resumed["global_step"] if resumed else 0
+    while True:  # until main's final SaveCheckpoint, sent after the workers stopped (child_main ends it if main dies)
         message = shared.grad_q.get()
-        if isinstance(message, Gradient):
-            update, t0 = message.update, time.perf_counter()
-            copy_flat_into(grads, shared.grad_slots[update.worker, message.slot])
-            shared.free_slots[update.worker].put(message.slot)  # copied out: the worker may write this slot again
+        if isinstance(message, Update):
+            update, t0 = message, time.perf_counter()
+            copy_flat_into(grads, shared.grad_slots[update.worker, update.slot])
+            shared.free_slots[update.worker].put(update.slot)  # copied out: the worker may write this slot again
             optimizer.step(grads, update.lr)
             flat = flatten(params).cpu()
             with shared.param_lock:
@@ -511,13 +480,13 @@ def gradient_server(model: nn.Module, args: Args, shared: Shared, device: torch.
             shared.log_q.put(update._replace(version=version, timing=timing))
         elif isinstance(message, WorkerDone):
             shared.log_q.put(message)
-        elif isinstance(message, (SaveCheckpoint, Finish)):
+        elif isinstance(message, SaveCheckpoint):
             if message.path is not None:
                 own = dict(model={k: v.cpu() for k, v in model.state_dict().items()}, optimizer=optimizer.state_dict())
                 checkpoint = {**own, "global_step": global_step, "version": shared.version.value, **message.extra}
                 atomic_save(checkpoint, Path(message.path))
-            if isinstance(message, Finish):
-                shared.log_q.put(ServerDone(shared.version.value))
+            if message.final:
+                shared.log_q.put(ServerDone())
                 return
 
 
@@ -537,25 +506,32 @@ def run_child(who: str, error_q: Queue, body, *body_args) -> None:
         raise SystemExit(1) from None
 
 
-# ---- The run's record ----
+# ---- Main ----
 
 
 @dataclass
-class RunLog:
-    """Main's view of the run, from the messages on `log_q`: the step count, TensorBoard points (episodes as they
-    end; lag, losses and timings averaged over `log_frequency` updates) and the console line (through `progress`)."""
+class Run:
+    """Main's side of the run once the processes run: the record of what they report on `log_q` (the step count;
+    TensorBoard points: episodes as they end, lag, losses and timings averaged over --log-frequency updates; the console
+    line), checkpoints (written by main in hogwild mode; in server mode by the gradient server, which owns the model and
+    optimizer: main sends it SaveCheckpoint), the watch over the processes and their shutdown."""
 
+    args: Args
+    model: nn.Module  # hogwild: the shared model; server: main's view of it
+    shared: Shared
+    processes: Processes
+    signals: StopSignals
+    extra: dict  # what main adds to every checkpoint: the Args, meta and its RNG state
     writer: torch.utils.tensorboard.SummaryWriter  # imported after the forks: it runs a thread
-    log_frequency: int
+    progress: Progress  # the console lines; its run_dir is the run's
     global_step: int
-    lr: float
-    server_done: bool  # True from the start in hogwild mode
-    progress: Progress
     start_time: float = field(default_factory=time.time)
     steps: int = 0  # agent steps of this process (SPS): a resumed run starts at global_step > 0
     updates: int = 0
+    lr: float = 0.0  # of the latest update
     lag: int = 0  # of the latest update
     workers_done: set[int] = field(default_factory=set)
+    server_done: bool = False
     returns: deque[float] = field(default_factory=lambda: deque(maxlen=20))
     sums: dict[str, float] = field(default_factory=dict)  # over the updates since the last TensorBoard point
     count: int = 0
@@ -571,18 +547,19 @@ class RunLog:
         self.global_step += update.steps
         self.steps += update.steps
         self.updates += 1
-        self.lag, self.lr = update.lag, update.lr
+        # the policy lag: updates applied to the shared model between this rollout's pull and this gradient
+        self.lag, self.lr = update.version - 1 - update.pulled, update.lr
         for ret, length in update.episodes:
             self.writer.add_scalar("charts/episodic_return", ret, self.global_step)
             self.writer.add_scalar("charts/episodic_length", length, self.global_step)
             self.returns.append(ret)
-        values = {"charts/policy_lag": update.lag, **{f"losses/{k}": v for k, v in update.losses.items()}}
+        values = {"charts/policy_lag": self.lag, **{f"losses/{k}": v for k, v in update.losses.items()}}
         values.update({f"timing/{k}": v for k, v in update.timing.items()})
         for k, v in values.items():
             self.sums[k] = self.sums.get(k, 0.0) + v
         self.count += 1
-        self.lag_max = max(self.lag_max, update.lag)
-        if self.count >= self.log_frequency:
+        self.lag_max = max(self.lag_max, self.lag)
+        if self.count >= self.args.log_frequency:
             self.write()
 
     def write(self) -> None:
@@ -596,22 +573,20 @@ class RunLog:
         self.writer.add_scalar("charts/learning_rate", self.lr, self.global_step)
         self.sums, self.count, self.lag_max = {}, 0, 0
 
-    def drain(self, log_q: Queue, timeout: float) -> None:
+    def drain(self, timeout: float) -> None:
         """Handle every message on `log_q`, waiting up to `timeout` seconds for the first."""
-        try:
-            self.handle(log_q.get(timeout=timeout) if timeout else log_q.get_nowait())
+        with contextlib.suppress(queue.Empty):
+            self.handle(self.shared.log_q.get(timeout=timeout))
             while True:
-                self.handle(log_q.get_nowait())
-        except queue.Empty:
-            pass
+                self.handle(self.shared.log_q.get_nowait())
 
-    def drain_while(self, log_q: Queue, busy, seconds: float) -> None:
+    def drain_while(self, busy, seconds: float) -> None:
         """Handle the messages on `log_q` while `busy()` holds, for at most `seconds` (a process that stops exits only
         once its queued messages are in the pipe). The events file's errors are the caller's to report."""
         deadline = time.monotonic() + seconds
         while busy() and time.monotonic() < deadline:
             try:
-                self.drain(log_q, 0.2)
+                self.drain(0.2)
             except OSError:
                 time.sleep(0.2)
 
@@ -622,32 +597,13 @@ class RunLog:
         mean_return = np.mean(self.returns) if self.returns else math.nan
         self.progress.line(self.global_step, self.sps(), mean_return, f"updates={self.updates} policy_lag={self.lag}")
 
-
-# ---- Main ----
-
-
-@dataclass
-class Run:
-    """What main's loop and its last steps (shut_down, finish) work with once the processes run. Checkpoints go to
-    {run_dir}/checkpoint.pt, written by main in hogwild mode and, in server mode, by the gradient server, which owns
-    the model and the optimizer (main sends it SaveCheckpoint, then Finish)."""
-
-    args: Args
-    model: nn.Module  # hogwild: the shared model; server: main's view of it
-    shared: Shared
-    processes: Processes
-    log: RunLog
-    signals: StopSignals
-    run_dir: Path
-    extra: dict  # what main adds to every checkpoint: the Args, meta and its RNG state
-
     def write_checkpoint(self) -> None:
-        path, shared = self.run_dir / "checkpoint.pt", self.shared
+        path, shared = self.progress.run_dir / "checkpoint.pt", self.shared
         if shared.grad_q is not None:
             shared.grad_q.put(SaveCheckpoint(str(path), self.extra))
             return
-        own = dict(model=self.model.state_dict(), optimizer=shared.optimizer.state_dict(), version=shared.updates.value)
-        atomic_save({**own, "global_step": self.log.global_step, **self.extra}, path)
+        own = dict(model=self.model.state_dict(), optimizer=shared.optimizer.state_dict(), version=shared.version.value)
+        atomic_save({**own, "global_step": self.global_step, **self.extra}, path)
 
     def failure_line(self) -> str | None:
         """The error line of the first child that failed: the one it sent (run_child), else how it died (a kill)."""
@@ -661,26 +617,26 @@ class Run:
     def shut_down(self, failure: str | None) -> str | None:
         """Stop the workers, let the gradient server apply what is queued and write the final checkpoint, then end
         every process (SIGKILL for one that does not stop in time); returns the run's error line, if any."""
-        shared, log, interrupted = self.shared, self.log, bool(self.signals.signum)
+        shared, interrupted = self.shared, bool(self.signals.signum)
         if interrupted:
             print("interrupted: shutting down", file=sys.stderr, flush=True)
         shared.stop.set()
         workers = [p for name, p in self.processes.procs.items() if name.startswith("worker")]
         # after a death the wait is short: a process killed while writing to a queue leaves its lock held, and the
         # others' exits would hang on it
-        log.drain_while(shared.log_q, lambda: any(p.is_alive() for p in workers), 4.0 if failure is None else 1.0)
+        self.drain_while(lambda: any(p.is_alive() for p in workers), 4.0 if failure is None else 1.0)
         failure = failure or self.failure_line()
         server = self.processes.procs.get("gradient server")
         if server is not None and failure is None:
-            final = str(self.run_dir / "checkpoint.pt") if self.args.checkpoint_interval else None
-            shared.grad_q.put(Finish(final, self.extra))  # behind every gradient of the workers, which have stopped
+            path = str(self.progress.run_dir / "checkpoint.pt") if self.args.checkpoint_interval else None
+            shared.grad_q.put(SaveCheckpoint(path, self.extra, final=True))  # behind the stopped workers' gradients
             wait = 5.0 if interrupted else 60.0  # the final checkpoint of a finished run may take a while to write
-            log.drain_while(shared.log_q, lambda: not log.server_done and server.is_alive(), wait)
-            if not log.server_done:
+            self.drain_while(lambda: not self.server_done and server.is_alive(), wait)
+            if not self.server_done:
                 failure = self.failure_line() or "error: the gradient server did not finish; stopping"
         killed = self.processes.stop(grace=1.0)
         with contextlib.suppress(OSError):  # the events file's error, if any, is reported by finish
-            log.drain(shared.log_q, 0.0)
+            self.drain(0.0)
         if interrupted and killed:  # e.g. Ctrl+C while a worker was still starting up: not a crash
             print(f"{', '.join(killed)} did not stop in time after the interrupt: killed", file=sys.stderr)
         return failure
@@ -688,7 +644,7 @@ class Run:
     def finish(self, failure: str | None) -> int:
         """After the processes stopped: the final checkpoint (hogwild), model.pt, the last TensorBoard point and console
         line, the evaluation of the final policy (a signal ends it), the error line. Returns the exit status."""
-        args, signals, writer = self.args, self.signals, self.log.writer
+        args, signals, run_dir = self.args, self.signals, self.progress.run_dir
         if self.shared.grad_q is not None:  # main's view of the shared model: the latest published version
             with torch.no_grad():
                 copy_flat_into(list(self.model.parameters()), self.shared.published)
@@ -696,45 +652,31 @@ class Run:
             if failure is None and args.checkpoint_interval and self.shared.grad_q is None:
                 self.write_checkpoint()
             if failure is None and not signals.signum and args.save_model:
-                atomic_save(self.model.state_dict(), self.run_dir / "model.pt")
+                atomic_save(self.model.state_dict(), run_dir / "model.pt")
         except WriteError as e:
             failure = f"{e}; stopping (the last good checkpoint is kept)"
         try:
-            self.log.write()
+            self.write()
         except OSError as e:
-            failure = failure or write_error(e, f"the TensorBoard events in {self.run_dir}")
-        self.log.console_line()
+            failure = failure or write_error(e, f"the TensorBoard events in {run_dir}")
+        self.console_line()
         if failure is None and not signals.signum and args.eval_episodes:
             print(f"evaluating the final policy: {args.eval_episodes} episodes", flush=True)
             try:
                 signals.interruptible()  # from here a signal raises Interrupted: the evaluation ends at once
-                for i, ret in enumerate(evaluate(self.model, args, self.run_dir / "videos", torch.device("cpu"))):
-                    writer.add_scalar("eval/episodic_return", ret, i)
+                for i, ret in enumerate(evaluate(self.model, args, run_dir / "videos", torch.device("cpu"))):
+                    self.writer.add_scalar("eval/episodic_return", ret, i)
                     print(f"eval episode {i}: return {ret:.1f}")
             except Interrupted:
                 print("interrupted: the final evaluation stopped", file=sys.stderr)
         signals.restore()
         try:
-            writer.close()
+            self.writer.close()
         except OSError as e:
-            failure = failure or write_error(e, f"the TensorBoard events in {self.run_dir}")
+            failure = failure or write_error(e, f"the TensorBoard events in {run_dir}")
         if failure:
             print(failure, file=sys.stderr)
         return 1 if failure else 128 + signals.signum if signals.signum else 0
-
-
-def start_processes(
-    args: Args, ctx, shared: Shared, model: nn.Module, checkpoint: dict | None, device: str
-) -> Processes:
-    """Server mode: the gradient server first, with its own copy of the model and the optimizer; then the workers."""
-    processes, device = Processes(ctx), torch.device(device)
-    if shared.grad_q is not None:
-        state = dict(global_step=checkpoint["global_step"], optimizer=checkpoint["optimizer"]) if checkpoint else None
-        body = (gradient_server, copy.deepcopy(model), args, shared, device, state)
-        processes.start("gradient server", run_child, "gradient server", shared.error_q, *body)
-    for w in range(args.num_workers):
-        processes.start(f"worker {w}", run_child, f"worker {w}", shared.error_q, worker_loop, w, args, shared, device)
-    return processes
 
 
 def main(args: Args) -> None:
@@ -745,11 +687,10 @@ def main(args: Args) -> None:
         return main_eval_only(args)
     obs_space, act_space = env_spaces(args)
     meta = checkpoint_meta(args, obs_space, act_space)
-    batch = args.num_envs_per_worker * args.num_steps  # one update: one worker's rollout
-    # claim_steps hands out whole rollouts of the budget, to all workers together
+    batch = args.num_envs_per_worker * args.num_steps  # one update: a worker's rollout, claimed whole from the budget
     checkpoint = load_checkpoint(args.resume, meta, args, batch) if args.resume else None
-    device = "cuda" if args.cuda and torch.cuda.is_available() else "cpu"
-    ctx = mp.get_context("spawn" if device == "cuda" else "fork")  # CUDA cannot be used in forked children
+    device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
+    ctx = mp.get_context("spawn" if device.type == "cuda" else "fork")  # CUDA cannot be used in forked children
     signals = StopSignals(ctx.Event())
     torch.set_num_threads(threads(args.torch_threads, args.num_workers))
     torch.manual_seed(args.seed)
@@ -758,8 +699,6 @@ def main(args: Args) -> None:
     run_dir = Path(args.resume).parent if checkpoint else new_run_dir(args)
 
     model = make_model(obs_space, act_space, args.network)  # hogwild: the shared model; server: main's view of it
-    if checkpoint:
-        model.load_state_dict(checkpoint["model"])
     shared = make_shared(args, ctx, signals.stop, model, checkpoint)
     extra = dict(update=args.update, args=asdict(args), torch_rng=torch.get_rng_state(), meta=meta)
     if signals.stop.is_set():  # Ctrl+C while setting up: stop before any process starts, leave nothing behind
@@ -768,32 +707,35 @@ def main(args: Args) -> None:
         print("interrupted during start-up", file=sys.stderr)
         raise SystemExit(128 + signals.signum)
     write_run_args(run_dir, args, meta)
-    start_step = checkpoint["global_step"] if checkpoint else 0
+    start_step = shared.steps_claimed.value
     n_updates, plan = planned_updates(args.total_timesteps, batch)
     if (left := n_updates - start_step // batch) < (workers := args.num_workers):
         print(f"warning: {left} update(s) left for {workers} workers: {workers - left} of them will update nothing",
               file=sys.stderr)  # fmt: skip
     shape = f"an update is one of {workers} asynchronous workers' {args.num_envs_per_worker} envs x {args.num_steps}"
     progress = Progress(run_dir, start_step, n_updates * batch, f"{plan}; {shape} steps; {args.update}, {device}")
-    processes = start_processes(args, ctx, shared, model, checkpoint, device)
+    processes = Processes(ctx)
+    if shared.grad_q is not None:  # the gradient server first, with its own copy of the model and the optimizer
+        body = (gradient_server, copy.deepcopy(model), args, shared, device, checkpoint)
+        processes.start("gradient server", run_child, "gradient server", shared.error_q, *body)
+    for w in range(workers):
+        processes.start(f"worker {w}", run_child, f"worker {w}", shared.error_q, worker_loop, w, args, shared, device)
     try:
         tracker = start_tracking(args, run_dir)  # after the forks: no worker inherits wandb's threads and pipes
     except SystemExit:  # wandb.init failed (its error line is printed)
         signals.stop.set()
         processes.stop(grace=0.0)
         raise
-    log = RunLog(make_writer(run_dir, args), args.log_frequency, start_step, args.learning_rate,
-                 server_done=args.update == "hogwild", progress=progress)  # fmt: skip
-    run, failure = Run(args, model, shared, processes, log, signals, run_dir, extra), None
-    last_print = last_checkpoint = time.time()
+    run = Run(args, model, shared, processes, signals, extra, make_writer(run_dir, args), progress, start_step)
+    failure, last_print, last_checkpoint = None, time.time(), time.time()
     try:  # log what the workers report, print the console line, write checkpoints and watch the processes
-        while len(log.workers_done) < args.num_workers and not signals.stop.is_set():
-            log.drain(shared.log_q, 0.5)
+        while len(run.workers_done) < workers and not signals.stop.is_set():
+            run.drain(0.5)
             if failure := run.failure_line():
                 break
             now = time.time()
             if now - last_print >= args.log_interval:
-                log.console_line()
+                run.console_line()
                 last_print = now
             if args.checkpoint_interval and now - last_checkpoint >= args.checkpoint_interval:
                 run.write_checkpoint()
@@ -806,7 +748,7 @@ def main(args: Args) -> None:
         failure = run.shut_down(failure)
     code = run.finish(failure)
     finish_tracking(tracker, run_dir, code)
-    progress.summary(log.global_step, code)
+    progress.summary(run.global_step, code)
     if code:
         raise SystemExit(code)
 

@@ -50,7 +50,7 @@ from torch import nn
 import a3c_large_batch as a3c
 from a3c_large_batch import (
     Args,
-    Finish,
+    SaveCheckpoint,
     ServerDone,
     Shared,
     SharedRMSprop,
@@ -61,8 +61,7 @@ from a3c_large_batch import (
     gradient_server,
     main,
     n_step_returns,
-    push_hogwild,
-    push_server,
+    push,
     start_tracking,
     validate,
 )
@@ -170,7 +169,8 @@ def test_evaluation_takes_argmax_actions_by_default_and_samples_with_no_eval_gre
 
 def shared_for_test(**kw) -> Shared:
     return Shared(
-        stop=CTX.Event(), log_q=CTX.Queue(), error_q=CTX.Queue(), steps_claimed=CTX.Value("q", 0), **kw
+        stop=CTX.Event(), log_q=CTX.Queue(), error_q=CTX.Queue(), steps_claimed=CTX.Value("q", 0),
+        version=CTX.Value("q", 0), **kw
     )  # fmt: skip
 
 
@@ -182,23 +182,26 @@ def known_grads(worker: int, k: int) -> list[torch.Tensor]:
 def hogwild_pusher(worker: int, shared: Shared, lock, pushes: int) -> None:
     for k in range(pushes):
         with lock:  # the check serialises writes: lock-free Hogwild may lose an update when two collide
-            push_hogwild(shared, known_grads(worker, k), 0.5)
+            push(shared, known_grads(worker, k), Update(worker, 1, -1, 0, 0.5, {}, [], {}))
 
 
 def test_hogwild_two_workers_change_shared_parameters_by_their_sum():
     params = [torch.zeros(3, 2).share_memory_(), torch.ones(2).share_memory_()]
-    shared = shared_for_test(params=params, optimizer=SharedRMSprop(params, "sgd"), updates=CTX.Value("q", 0))
+    shared = shared_for_test(optimizer=SharedRMSprop(params, "sgd"))
     lock, pushes = CTX.Lock(), 5
     procs = [CTX.Process(target=hogwild_pusher, args=(w, shared, lock, pushes)) for w in range(2)]
     for p in procs:
         p.start()
+    reported = [shared.log_q.get(timeout=30) for _ in range(2 * pushes)]  # each push reports its update to main
+    assert sorted(r.version for r in reported) == list(range(1, 2 * pushes + 1))
+    assert all(set(r.timing) == {"push"} for r in reported)
     for p in procs:
         p.join(timeout=30)
         assert p.exitcode == 0
     total = [sum(known_grads(w, k)[i] for w in range(2) for k in range(pushes)) for i in range(2)]
     torch.testing.assert_close(params[0], torch.zeros(3, 2) - 0.5 * total[0], rtol=0, atol=0)
     torch.testing.assert_close(params[1], torch.ones(2) - 0.5 * total[1], rtol=0, atol=0)
-    assert shared.updates.value == 2 * pushes
+    assert shared.version.value == 2 * pushes
 
 
 class Tiny(nn.Module):
@@ -211,7 +214,7 @@ class Tiny(nn.Module):
 def server_pusher(worker: int, shared: Shared, pushes: int) -> None:
     for k in range(pushes):  # pulled version -1: only the arrival order matters here; (worker, k) marks the gradient
         update = Update(worker, 1, -1, 0, 0.5, dict(worker=worker, push=k), [], {})
-        push_server(shared, known_grads(worker, k), update)
+        push(shared, known_grads(worker, k), update)
 
 
 def test_server_applies_every_gradient_exactly_once_and_versions_count_them():
@@ -222,7 +225,6 @@ def test_server_applies_every_gradient_exactly_once_and_versions_count_them():
         grad_slots=torch.zeros((2, 2, num_params)).share_memory_(),
         free_slots=[CTX.Queue() for _ in range(2)],
         published=flatten(list(model.parameters())).share_memory_(),
-        version=CTX.Value("q", 0, lock=False),
         param_lock=CTX.Lock(),
     )
     for q in shared.free_slots:
@@ -237,14 +239,13 @@ def test_server_applies_every_gradient_exactly_once_and_versions_count_them():
     for p in workers:
         p.join(timeout=30)
         assert p.exitcode == 0
-    shared.grad_q.put(Finish(None, {}))
+    shared.grad_q.put(SaveCheckpoint(None, {}, final=True))
     records = []
     while not isinstance(message := shared.log_q.get(timeout=30), ServerDone):
         records.append(message)
     server.join(timeout=30)
     assert server.exitcode == 0
     assert [r.version for r in records] == list(range(1, 2 * pushes + 1))  # version + 1 per applied gradient
-    assert [r.lag for r in records] == [r.version for r in records]  # pulled -1: every earlier update counts
     applied = sorted((r.losses["worker"], r.losses["push"]) for r in records)
     assert applied == [(w, k) for w in range(2) for k in range(pushes)]  # each exactly once
     for w in range(2):  # a worker's own gradients arrive in the order it pushed them
