@@ -927,7 +927,7 @@ def start_progress(run: Run, device: torch.device) -> Progress:
     # resumed, a gossip learner that is already past the budget does no more updates, and the others catch up
     done = [s["iteration"] for s in run.checkpoint["learners"]] if run.checkpoint else [0] * n
     total = sum(max(i, num_updates) for i in done) * args.num_envs * args.num_steps
-    return Progress(run.run_dir, run.checkpoint["global_step"] if run.checkpoint else 0, total, plan)
+    return Progress(run.run_dir, total, plan)
 
 
 class Monitor:
@@ -1365,17 +1365,15 @@ class Progress:
     long is left at the rate since it started (every console line), and at its end, also after a signal or an
     error, what it did, the files it left and the commands that go on from them."""
 
-    def __init__(self, run_dir: Path, start_step: int, total_steps: int, plan: str) -> None:
-        self.run_dir, self.start_step, self.total, self.start = run_dir, start_step, total_steps, time.time()
-        self.step, self.mean_return = start_step, math.nan
+    def __init__(self, run_dir: Path, total_steps: int, plan: str) -> None:
+        self.run_dir, self.total, self.start, self.mean_return = run_dir, total_steps, time.time(), math.nan
         print(f"run directory: {run_dir}  ({plan})", flush=True)
 
     def line(self, step: int, sps: float, mean_return: float, details: str = "") -> None:
-        """`global_step=N SPS=R mean_return=M` (the prefix tools and tests read), the share of the budget done, the
-        time left at the run's mean rate, then the script's own `details`."""
-        self.step, self.mean_return = step, mean_return
-        rate = (step - self.start_step) / max(time.time() - self.start, 1e-9)
-        left = duration((self.total - step) / rate) if rate > 0 else "?"
+        """`global_step=N SPS=R mean_return=M` (the prefix tools and tests read; SPS: the run's mean rate since it
+        started), the share of the budget done, the time left at that rate, then the script's own `details`."""
+        self.mean_return = mean_return
+        left = duration((self.total - step) / sps) if sps > 0 else "?"
         print(f"global_step={step} SPS={sps:.0f} mean_return={mean_return:.2f} done={100 * step / self.total:.1f}% "
               f"left={left} {details}".rstrip(), flush=True)  # fmt: skip
 

@@ -589,7 +589,7 @@ def test_tracking_names_the_run_after_its_directory_resumes_it_and_ends_with_the
     learner = types.SimpleNamespace(global_step=96)
     for code, message in [(0, None), (1, "error: executor 0 failed"), (143, "stopped by SIGTERM at global step 96")]:
         with pytest.raises(SystemExit) if code else contextlib.nullcontext():
-            module.close_run(resumed, learner, None, wandb, module.Progress(run_dir, 0, 192, "plan"), {}, code, message)
+            module.close_run(resumed, learner, None, wandb, module.Progress(run_dir, 192, "plan"), {}, code, message)
         assert wandb.finished[-1] == code
     assert wandb.logged == [{"videos": ("video", str(run_dir / "videos" / "rl-video-episode-0.mp4"))}] * 3
     out, err = capsys.readouterr()

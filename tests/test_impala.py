@@ -485,7 +485,7 @@ def test_tracking_names_the_run_after_its_directory_resumes_it_and_ends_with_the
     for failure, signum, code in [(None, 0, 0), ("error: actor 0 died", 0, 1), (None, signal.SIGTERM, 143)]:
         signals = im.StopSignals(threading.Event())
         signals.signum = signum
-        learner.progress = im.Progress(run_dir, 0, 64, "plan")
+        learner.progress = im.Progress(run_dir, 64, "plan")
         with pytest.raises(SystemExit) if code else contextlib.nullcontext():
             im.finish(learner, failure, signals, [], wandb)
         assert wandb.finished[-1] == code
