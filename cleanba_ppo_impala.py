@@ -53,7 +53,7 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Annotated, Literal, NamedTuple, NoReturn
+from typing import Annotated, ClassVar, Literal, NamedTuple, NoReturn
 
 import gymnasium as gym
 import numpy as np
@@ -168,11 +168,9 @@ class Args:
 
 
 def gae(rewards, values, dones, next_value, gamma: float, lam: float) -> torch.Tensor:
-    """Generalized advantage estimation (Schulman et al. 2016, Eq. 11-16).
-
-    rewards, values, dones: [T, B], where dones[t] says the episode ended with transition t (no bootstrap past it);
-    next_value: [B], the value of the observation after the last step. Returns advantages [T, B].
-    """
+    """Generalized advantage estimation (Schulman et al. 2016, Eq. 11-16). rewards, values, dones: [T, B], where
+    dones[t] says the episode ended with transition t (no bootstrap past it); next_value: [B], the value of the
+    observation after the last step. Returns advantages [T, B]."""
     T = rewards.shape[0]
     advantages = torch.zeros_like(rewards)
     not_done = 1.0 - dones.to(rewards.dtype)
@@ -188,11 +186,9 @@ def gae(rewards, values, dones, next_value, gamma: float, lam: float) -> torch.T
 def vtrace(
     behaviour_logprob, target_logprob, rewards, values, dones, next_value, gamma, rho_bar, c_bar, pg_rho_bar
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """V-trace targets v_s and policy-gradient advantages (Espeholt et al. 2018, Eq. 1 and Section 4.2).
-
-    All inputs [T, B] except next_value [B]; the discount is gamma * (1 - dones[t]), so no trace crosses an episode
-    end. Returns (vs [T, B], pg_advantages [T, B]), both without gradient.
-    """
+    """V-trace targets v_s and policy-gradient advantages (Espeholt et al. 2018, Eq. 1 and Section 4.2). All inputs
+    [T, B] except next_value [B]; the discount is gamma * (1 - dones[t]), so no trace crosses an episode end. Returns
+    (vs [T, B], pg_advantages [T, B]), both without gradient."""
     with torch.no_grad():
         ratio = torch.exp(target_logprob - behaviour_logprob)
         rho = ratio.clamp(max=rho_bar)
@@ -257,8 +253,7 @@ def logprob_entropy(logits: torch.Tensor, actions: torch.Tensor) -> tuple[torch.
     return logp.gather(-1, actions[..., None]).squeeze(-1), -(logp.exp() * logp).sum(-1)
 
 
-# the flags whose default depends on --algo (None until resolve_defaults): Cleanba's cleanba_ppo.py and
-# cleanba_impala.py Args
+# the flags whose default depends on --algo (None until resolve_defaults): Cleanba's cleanba_ppo.py, cleanba_impala.py
 ALGO_DEFAULTS = {
     "ppo": {"num_steps": 128, "learning_rate": 2.5e-4, "max_grad_norm": 0.5},
     "impala": {"num_steps": 20, "learning_rate": 6e-4, "max_grad_norm": 40.0},
@@ -266,15 +261,7 @@ ALGO_DEFAULTS = {
 
 
 def resolve_defaults(args: Args) -> Args:
-    """Fill the flags left at None from ALGO_DEFAULTS[--algo]."""
     return replace(args, **{k: v for k, v in ALGO_DEFAULTS[args.algo].items() if getattr(args, k) is None})
-
-
-def pick_network(args: Args, obs_shape: tuple[int, ...]) -> str:
-    """`auto`: Cleanba's IMPALA ResNet for image observations, with either algorithm; an MLP for flat ones."""
-    if args.network != "auto":
-        return args.network
-    return "impala" if len(obs_shape) == 3 else "mlp"
 
 
 def make_optimizer(args: Args, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
@@ -326,14 +313,12 @@ def impala_update(model: nn.Module, data: Rollout, args: Args, generator) -> Ite
 # ---- Storage and messages ----
 
 
-ROLLOUT_TENSORS = ("obs", "actions", "logprobs", "values", "rewards", "dones", "next_obs")
-
-
 @dataclass
 class Rollout:
     """T steps of N envs. Each actor thread owns two, preallocated and reused, and puts the one it filled in place on
     its rollout_Q (actor -> learner); the learner concatenates the threads' rollouts into one on its device."""
 
+    TENSORS: ClassVar = ("obs", "actions", "logprobs", "values", "rewards", "dones", "next_obs")
     obs: torch.Tensor  # [T, N, *obs_shape], the observation each action was taken in
     actions: torch.Tensor  # [T, N]
     logprobs: torch.Tensor  # [T, N], log mu(a|s) of the behaviour policy
@@ -347,46 +332,30 @@ class Rollout:
 
     @staticmethod
     def allocate(T: int, N: int, obs_shape: tuple[int, ...], obs_dtype: torch.dtype) -> Rollout:
+        floats = {k: torch.zeros((T, N)) for k in ("logprobs", "values", "rewards", "dones")}
         return Rollout(
             obs=torch.zeros((T, N, *obs_shape), dtype=obs_dtype),
             actions=torch.zeros((T, N), dtype=torch.long),
-            logprobs=torch.zeros((T, N)),
-            values=torch.zeros((T, N)),
-            rewards=torch.zeros((T, N)),
-            dones=torch.zeros((T, N)),
             next_obs=torch.zeros((N, *obs_shape), dtype=obs_dtype),
+            **floats,
         )
 
 
 class Params(NamedTuple):
-    """learner -> actor on param_Q: the parameters after update `version`, one flat copy (the learner trains on while
-    the actors load it)."""
+    """learner -> actor on param_Q: the parameters after update `version`, copied flat so the learner can train on."""
 
     version: int
     flat: torch.Tensor
 
 
 class UpdateRecord(NamedTuple):
-    """What one learner update reports to the log."""
+    """What one learner update reports to the log, beside the Learner's update count and global step."""
 
-    update: int
-    global_step: int
     policy_lag: int  # (update - 1) - the version of the parameters that collected its rollouts
     learning_rate: float
     losses: dict[str, float]  # means over the update's minibatches
-    rollout_wait: float  # seconds the learner blocked on rollout_Q.get
-    param_wait: float  # the longest an actor blocked on param_Q.get before these rollouts
-    train_time: float
+    timing: dict[str, float]  # seconds: rollout_queue_get, param_queue_get (the slowest actor's), train (the update)
     episodes: list[tuple[float, int]]  # (return, length) of the games that ended in these rollouts
-
-
-@dataclass
-class Control:
-    """Shared by the learner and the actor threads: `stop` ends every thread's loop within a second; a thread that
-    dies appends its error line and traceback to `errors` and sets `stop`."""
-
-    stop: threading.Event = field(default_factory=threading.Event)
-    errors: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -400,6 +369,7 @@ class Actor:
     buffers: tuple[Rollout, Rollout]
     param_q: queue.Queue[Params] = field(default_factory=lambda: queue.Queue(maxsize=1))
     rollout_q: queue.Queue[Rollout] = field(default_factory=lambda: queue.Queue(maxsize=1))
+    error: str | None = None  # the error line and traceback of the thread, if it died
 
 
 def blocking(method, stop: threading.Event, *item):
@@ -427,7 +397,7 @@ def copy_flat_into(tensors: Iterable[torch.Tensor], flat: torch.Tensor) -> None:
 
 def stack_rollouts(rollouts: list[Rollout], device: torch.device) -> Rollout:
     """The actor threads' rollouts concatenated along the env axis (no copy for one thread), on the learner device."""
-    tensors = {k: [getattr(r, k) for r in rollouts] for k in ROLLOUT_TENSORS}
+    tensors = {k: [getattr(r, k) for r in rollouts] for k in Rollout.TENSORS}
     if len(rollouts) > 1:
         tensors = {k: [torch.cat(v, dim=0 if k == "next_obs" else 1)] for k, v in tensors.items()}
     return Rollout(**{k: v[0].to(device, non_blocking=True) for k, v in tensors.items()})
@@ -444,7 +414,7 @@ def sample_actions(logits: torch.Tensor, generator: torch.Generator) -> tuple[to
     return actions, logprob
 
 
-def actor_thread(actor: Actor, device: torch.device, iterations: int, sync: bool, control: Control) -> None:
+def actor_thread(actor: Actor, device: torch.device, iterations: int, sync: bool, stop: threading.Event) -> None:
     """Figure 1 (right), `actor()`: get params (not at iteration 2), roll out, put the rollout."""
     # one intra-op thread for this actor's small inference batches (the setting is per thread): a second OpenMP team
     # would spin beside the learner's and slow it down
@@ -452,11 +422,10 @@ def actor_thread(actor: Actor, device: torch.device, iterations: int, sync: bool
     params = [p.data for p in actor.model.parameters()]
     try:
         next_obs, _ = actor.envs.reset()
-        version = -1
         for iteration in range(1, iterations + 1):
             start = time.perf_counter()
             if sync or iteration != 2:  # skipping the 2nd get is what lets rollout and learning overlap
-                version, flat = blocking(actor.param_q.get, control.stop)
+                version, flat = blocking(actor.param_q.get, stop)
                 copy_flat_into(params, flat)
             buf = actor.buffers[iteration % 2]  # the learner finished the other buffer before publishing `version`
             buf.param_wait = time.perf_counter() - start
@@ -476,12 +445,12 @@ def actor_thread(actor: Actor, device: torch.device, iterations: int, sync: bool
                 buf.dones[t].copy_(torch.from_numpy(terminated | truncated))
                 buf.episodes += finished_episodes(info)
             buf.next_obs.copy_(torch.from_numpy(next_obs))
-            blocking(actor.rollout_q.put, control.stop, buf)
+            blocking(actor.rollout_q.put, stop, buf)
     except Stop:
         pass
     except BaseException:
-        control.errors.append(f"actor thread {actor.index} died:\n{traceback.format_exc()}")
-        control.stop.set()
+        actor.error = f"actor thread {actor.index} died:\n{traceback.format_exc()}"
+        stop.set()
     finally:
         actor.envs.close()
 
@@ -527,9 +496,6 @@ class Learner:
             self.optimizer.load_state_dict(checkpoint["optimizer"])
             self.update, self.global_step = checkpoint["update"], checkpoint["global_step"]
             self.generator.set_state(checkpoint["learner_rng"])
-        if world_size > 1:  # identical initial parameters on every rank
-            for p in model.parameters():
-                dist.broadcast(p.data, src=0)
 
     def publish(self, stop: threading.Event) -> None:
         params = Params(self.update, flatten(self.model.parameters()))
@@ -543,9 +509,7 @@ class Learner:
         rollouts = [blocking(actor.rollout_q.get, stop) for actor in self.actors]
         rollout_wait = time.perf_counter() - start
         self.update += 1
-        lr = self.args.learning_rate
-        if self.args.anneal_lr:
-            lr *= 1.0 - (self.update - 1) / self.num_updates
+        lr = self.args.learning_rate * (1.0 - (self.update - 1) / self.num_updates if self.args.anneal_lr else 1.0)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         start = time.perf_counter()
@@ -556,19 +520,16 @@ class Learner:
             if stop.is_set():  # an actor died or Ctrl+C: end here (the snapshot is of the last whole update)
                 raise Stop
         losses = {k: torch.stack([m[k] for m in metrics]).mean().item() for k in metrics[0]}
-        train_time = time.perf_counter() - start
+        param_wait = max(r.param_wait for r in rollouts)
+        timing = dict(rollout_queue_get=rollout_wait, param_queue_get=param_wait, train=time.perf_counter() - start)
         self.global_step += self.steps_per_update
         lag = (self.update - 1) - rollouts[0].version
-        param_wait = max(r.param_wait for r in rollouts)
         episodes = [episode for r in rollouts for episode in r.episodes]
-        return UpdateRecord(
-            self.update, self.global_step, lag, lr, losses, rollout_wait, param_wait, train_time, episodes
-        )
+        return UpdateRecord(lag, lr, losses, timing, episodes)
 
     def step(self, losses: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Backward, gradients averaged over ranks (one flat all-reduce), the global norm clipped, an optimizer step.
-        Returns the detached losses and the gradient norm. The finiteness check comes after the all-reduce: a NaN on
-        one rank reaches every rank's gradient norm there, so all ranks stop together instead of one waiting alone."""
+        """One optimizer step; returns the detached losses and the gradient norm. Finiteness is checked after the
+        all-reduce: a NaN on one rank reaches every rank's gradient norm there, so all ranks stop, none waits alone."""
         loss = losses["total_loss"]
         self.optimizer.zero_grad(set_to_none=False)
         loss.backward()
@@ -585,68 +546,60 @@ class Learner:
 
     def snapshot(self) -> dict:
         """A copy of everything a checkpoint holds, taken between updates (a stop may cut the next update half way)."""
-        state = dict(
-            model=self.model.state_dict(),
-            optimizer=self.optimizer.state_dict(),
-            update=self.update,
-            global_step=self.global_step,
-            learner_rng=self.generator.get_state(),
-            actor_rngs=[actor.generator.get_state() for actor in self.actors],
-            torch_rng=torch.get_rng_state(),
-            args=asdict(self.args),
-            meta=self.meta,
-        )
+        state = dict(model=self.model.state_dict(), optimizer=self.optimizer.state_dict(), args=asdict(self.args))
+        state.update(update=self.update, global_step=self.global_step, meta=self.meta)
+        state.update(learner_rng=self.generator.get_state(), actor_rngs=[a.generator.get_state() for a in self.actors])
         return copy.deepcopy(state)
 
 
 class UpdateLog:
     """Rank 0's record of the run: the start line, every update's scalars to TensorBoard, the console line every
-    --log-interval seconds (mean_return: the last 20 finished games); `progress` prints the end-of-run summary."""
+    --log-interval seconds (mean_return: the last 20 finished games), and with --checkpoint-interval a snapshot after
+    every update (`last`), written atomically every interval and once more by end_run unless the run failed (the last
+    good checkpoint then stays as it is); `progress` prints the end-of-run summary."""
 
     def __init__(self, args: Args, run_dir: Path, world_size: int, learner: Learner, network: str):
         self.writer = make_writer(run_dir, args)
         self.writer.add_text("world_size", str(world_size))  # the ranks' envs all count in the global step
-        self.interval, self.num_updates = args.log_interval, learner.num_updates
+        self.args, self.start_step = args, learner.global_step
         self.returns: deque[float] = deque(maxlen=20)
-        self.start_time = self.last_print = time.time()
-        self.start_step = learner.global_step
+        self.start_time = self.last_print = self.written_at = time.time()
+        self.checkpoint = run_dir / "checkpoint.pt" if args.checkpoint_interval else None
+        self.last = learner.snapshot() if self.checkpoint else None
         plan = planned_updates(args.total_timesteps, learner.steps_per_update)[1]  # Learner's num_updates, in words
         shape = f"an update is {world_size} rank(s) x {args.num_envs} envs x {args.num_steps} steps"
         mode = f"{'sync' if args.sync else 'cleanba'} {args.algo}, {network} network, {learner.device}"
         self.progress = Progress(run_dir, learner.num_updates * learner.steps_per_update,
                                  f"{plan}; {shape}; {mode}")  # fmt: skip
 
-    def write(self, r: UpdateRecord) -> None:
-        step = r.global_step
+    def write(self, r: UpdateRecord, learner: Learner) -> None:
+        step = learner.global_step
         sps = (step - self.start_step) / (time.time() - self.start_time)
         for ret, length in r.episodes:
             self.writer.add_scalar("charts/episodic_return", ret, step)
             self.writer.add_scalar("charts/episodic_length", length, step)
             self.returns.append(ret)
-        scalars = {
-            "charts/policy_lag": r.policy_lag,
-            "charts/SPS": sps,
-            "charts/learning_rate": r.learning_rate,
-            **{f"losses/{k}": v for k, v in r.losses.items()},
-            "timing/rollout_queue_get": r.rollout_wait,
-            "timing/param_queue_get": r.param_wait,
-            "timing/train": r.train_time,
-        }
+        scalars = {"charts/policy_lag": r.policy_lag, "charts/SPS": sps, "charts/learning_rate": r.learning_rate}
+        scalars |= {f"losses/{k}": v for k, v in r.losses.items()} | {f"timing/{k}": v for k, v in r.timing.items()}
         for tag, value in scalars.items():
             self.writer.add_scalar(tag, value, step)
-        if time.time() - self.last_print >= self.interval or r.update == self.num_updates:
+        if time.time() - self.last_print >= self.args.log_interval or learner.update == learner.num_updates:
             mean_return = np.mean(self.returns) if self.returns else math.nan
-            update = f"update={r.update}/{self.num_updates} policy_lag={r.policy_lag}"
-            waits = f"rollout_wait={r.rollout_wait:.3f} param_wait={r.param_wait:.3f}"
+            update = f"update={learner.update}/{learner.num_updates} policy_lag={r.policy_lag}"
+            waits = f"rollout_wait={r.timing['rollout_queue_get']:.3f} param_wait={r.timing['param_queue_get']:.3f}"
             self.progress.line(step, sps, mean_return, f"{update} {waits}")
             self.last_print = time.time()
+        if self.checkpoint is not None:
+            self.last = learner.snapshot()
+            if time.time() - self.written_at >= self.args.checkpoint_interval:
+                atomic_save(self.last, self.checkpoint)
+                self.written_at = time.time()
 
 
 # ---- Main ----
 
 
 def init_torch(args: Args, rank: int, world_size: int) -> torch.device:
-    """The device, the process group (gloo on CPU, NCCL on GPU), learner threads, seed and determinism settings."""
     use_cuda = args.cuda and torch.cuda.is_available()
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if use_cuda else "cpu")
     if world_size > 1:
@@ -663,8 +616,7 @@ def init_torch(args: Args, rank: int, world_size: int) -> torch.device:
 
 
 def main(args: Args) -> None:
-    args = resumed_args(args) if args.resume else args
-    args = resolve_defaults(args)
+    args = resolve_defaults(resumed_args(args) if args.resume else args)
     world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     if error := validate(args, world_size):
         fail(error)
@@ -684,30 +636,28 @@ def main(args: Args) -> None:
     model = make_model(obs_space, act_space, meta["network"]).to(device)
     actors = make_actors(args, rank, device, meta["network"], obs_space, act_space, checkpoint)
     learner = Learner(args, model, actors, device, rank, world_size, meta, checkpoint)
-    control = Control()
-    signals, failure = StopSignals(control.stop), None  # before the start line: a signal after it ends in the summary
+    stop = threading.Event()  # ends the learner's and every actor thread's loop
+    signals, failure = StopSignals(stop), None  # before the start line: a signal after it ends in the summary
     log = UpdateLog(args, run_dir, world_size, learner, meta["network"]) if rank == 0 else None
-    checkpoints = Checkpoints(args, run_dir, learner)
     remaining = learner.num_updates - learner.update
     threads = [
         threading.Thread(
-            target=actor_thread, name=f"actor-{a.index}", daemon=True, args=(a, device, remaining, args.sync, control)
+            target=actor_thread, name=f"actor-{a.index}", daemon=True, args=(a, device, remaining, args.sync, stop)
         )
         for a in actors
     ]
     try:
-        learner.publish(control.stop)  # the parameters of the actors' first rollout
+        learner.publish(stop)  # the parameters of the actors' first rollout
         for thread in threads:
             thread.start()
         for j in range(1, remaining + 1):
-            record = learner.train(control.stop)
+            record = learner.train(stop)
             if log is not None:
-                log.write(record)
-            checkpoints.after_update(learner)
-            if control.stop.is_set():
+                log.write(record, learner)
+            if stop.is_set():
                 break
             if j <= remaining - (1 if args.sync else 2):  # only parameters an actor will read (it skips its 2nd get)
-                learner.publish(control.stop)
+                learner.publish(stop)
     except Stop:
         pass
     except NonFiniteLoss as e:
@@ -717,20 +667,19 @@ def main(args: Args) -> None:
     except Exception as e:
         failure = run_error(e, rank, world_size)
     finally:
-        control.stop.set()
+        stop.set()
         deadline = time.time() + 8.0  # every wait wakes within a second; a rollout or minibatch ends within seconds
         for thread in threads:
             thread.join(timeout=max(0.0, deadline - time.time()))
 
-    failure = failure or (control.errors[0] if control.errors else None)
+    failure = failure or next((a.error for a in actors if a.error), None)
     if signals.signum:
         print(f"interrupted at step {learner.global_step}: shutting down", file=sys.stderr)
     finished = failure is None and not signals.signum
     if finished and world_size > 1:
         failure = ranks_agree(model, rank, world_size)
     if log is not None:  # a signal from here on still sets the exit status; one in the evaluation ends it
-        final_state = checkpoints.last if failure is None else None
-        failure = failure or end_run(args, run_dir, log, model, final_state, finished, signals, device)
+        failure = failure or end_run(args, run_dir, log, model, finished, signals, device)
     signals.restore()
     if failure:
         print(failure, file=sys.stderr)
@@ -1164,24 +1113,21 @@ def validate(args: Args, world_size: int) -> str | None:
     except EnvError as e:
         return str(e)
     if not isinstance(space, gym.spaces.Discrete):  # the policy is categorical
-        return (
-            f"{args.env_id} has a {type(space).__name__} action space {space}; cleanba_ppo_impala.py needs a "
-            "Discrete one (continuous actions: apex_ddpg.py)"
-        )
+        has = f"{args.env_id} has a {type(space).__name__} action space {space}"
+        return f"{has}; cleanba_ppo_impala.py needs a Discrete one (continuous actions: apex_ddpg.py)"
     return None
 
 
 def env_spaces(args: Args):
-    """(observation space, action space) of one env of the training vector env."""
     probe = make_vector_env(args.env_id, 1, args.seed, protocol=args.atari_protocol, num_threads=1)
-    spaces = probe.single_observation_space, probe.single_action_space
-    probe.close()
-    return spaces
+    probe.close()  # its spaces outlive it
+    return probe.single_observation_space, probe.single_action_space
 
 
 def checkpoint_meta(args: Args, obs_space, act_space) -> dict:
-    """What a checkpoint was trained on: --resume refuses one whose script, algo, env, network or shapes differ."""
-    network = pick_network(args, obs_space.shape)
+    """What a checkpoint was trained on, `auto` resolved (Cleanba's IMPALA ResNet on images with either algorithm, an
+    MLP on flat observations): --resume refuses one whose script, algo, env, network or shapes differ."""
+    network = args.network if args.network != "auto" else ("impala" if len(obs_space.shape) == 3 else "mlp")
     return dict(script=Path(__file__).name, algo=args.algo, env_id=args.env_id, network=network,
                 obs_shape=list(obs_space.shape), action_shape_or_n=int(act_space.n))  # fmt: skip
 
@@ -1216,33 +1162,14 @@ def evaluate(model: nn.Module, args: Args, video_dir: Path, device: torch.device
     return returns
 
 
-class Checkpoints:
-    """--checkpoint-interval on rank 0: a snapshot after every update, written atomically every interval; `last` is
-    written once more at the end of the run, unless it failed (then the last good checkpoint stays as it is)."""
-
-    def __init__(self, args: Args, run_dir: Path | None, learner: Learner):
-        self.interval = args.checkpoint_interval
-        self.path = run_dir / "checkpoint.pt" if run_dir is not None and self.interval else None
-        self.last = learner.snapshot() if self.path else None
-        self.written_at = time.time()
-
-    def after_update(self, learner: Learner) -> None:
-        if self.path is None:
-            return
-        self.last = learner.snapshot()
-        if time.time() - self.written_at >= self.interval:
-            atomic_save(self.last, self.path)
-            self.written_at = time.time()
-
-
-def end_run(args: Args, run_dir: Path, log: UpdateLog, model, final_state, finished: bool, signals, device):
+def end_run(args: Args, run_dir: Path, log: UpdateLog, model, finished: bool, signals, device):
     """Rank 0 after training: the final checkpoint, --save-model, --eval-episodes (a signal ends the evaluation: the
     run exits with its status), the writer closed. Returns the error line of a write that failed (a full disk); never
     raises, so the shutdown always completes."""
     failure = None
     try:
-        if final_state is not None:
-            atomic_save(final_state, run_dir / "checkpoint.pt")
+        if log.last is not None:
+            atomic_save(log.last, log.checkpoint)
         if finished and args.save_model:
             atomic_save(model.state_dict(), run_dir / "model.pt")
         if finished and args.eval_episodes:

@@ -56,7 +56,6 @@ from cleanba_ppo_impala import (
     load_checkpoint,
     main,
     new_run_dir,
-    pick_network,
     ppo_loss,
     ppo_update,
     resolve_defaults,
@@ -488,7 +487,9 @@ def test_defaults_are_cleanbas(algo):
     num_steps, learning_rate and max_grad_norm per algorithm."""
     args = resolve_defaults(Args(algo=algo))
     assert (args.num_envs, args.num_actor_threads, args.total_timesteps) == (64 * 2, 2, 50_000_000)
-    assert pick_network(args, (4, 84, 84)) == "impala" and pick_network(args, (4,)) == "mlp"
+    image, flat = gym.spaces.Box(0, 255, (4, 84, 84), np.uint8), gym.spaces.Box(-1, 1, (4,))
+    networks = [checkpoint_meta(args, space, gym.spaces.Discrete(4))["network"] for space in (image, flat)]
+    assert networks == ["impala", "mlp"], networks
     expected = dict(ppo=(128, 2.5e-4, 0.5), impala=(20, 6e-4, 40.0))[algo]
     assert (args.num_steps, args.learning_rate, args.max_grad_norm) == expected
     model = make_model(gym.spaces.Box(0, 255, (4, 84, 84), np.uint8), gym.spaces.Discrete(4), "impala")
