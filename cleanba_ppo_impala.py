@@ -679,7 +679,7 @@ def main(args: Args) -> None:
     if finished and world_size > 1:
         failure = ranks_agree(model, rank, world_size)
     if log is not None:  # a signal from here on still sets the exit status; one in the evaluation ends it
-        failure = failure or end_run(args, run_dir, log, model, finished, signals, device)
+        failure = end_run(args, run_dir, log, model, failure, finished, signals, device)
     signals.restore()
     if failure:
         print(failure, file=sys.stderr)
@@ -1162,13 +1162,13 @@ def evaluate(model: nn.Module, args: Args, video_dir: Path, device: torch.device
     return returns
 
 
-def end_run(args: Args, run_dir: Path, log: UpdateLog, model, finished: bool, signals, device):
-    """Rank 0 after training: the final checkpoint, --save-model, --eval-episodes (a signal ends the evaluation: the
-    run exits with its status), the writer closed. Returns the error line of a write that failed (a full disk); never
-    raises, so the shutdown always completes."""
-    failure = None
+def end_run(args: Args, run_dir: Path, log: UpdateLog, model, failure: str | None, finished: bool, signals, device):
+    """Rank 0 after training: unless the run failed (`failure`, its error line), the final checkpoint; if it finished,
+    --save-model and --eval-episodes (a signal ends the evaluation: the run exits with its status); the writer closed
+    in any case, so the events up to the last update are on disk. Returns the run's error line, `failure` or that of
+    a write that failed (a full disk); never raises, so the shutdown always completes."""
     try:
-        if log.last is not None:
+        if failure is None and log.last is not None:
             atomic_save(log.last, log.checkpoint)
         if finished and args.save_model:
             atomic_save(model.state_dict(), run_dir / "model.pt")

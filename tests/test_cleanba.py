@@ -49,6 +49,7 @@ from cleanba_ppo_impala import (
     NonFiniteLoss,
     Rollout,
     checkpoint_meta,
+    end_run,
     env_spaces,
     evaluate,
     gae,
@@ -697,6 +698,19 @@ def test_non_finite_loss_stops_and_keeps_last_checkpoint(tmp_path):
     assert "non-finite loss" in proc.stderr
     checkpoint = torch.load(only_run_dir(tmp_path) / "checkpoint.pt", weights_only=False)
     assert 0 < checkpoint["update"] and all(torch.isfinite(v).all() for v in checkpoint["model"].values())
+    assert len(scalars(only_run_dir(tmp_path))["charts/SPS"]) == checkpoint["update"]  # every update's scalars
+
+
+def test_end_run_after_a_failure_keeps_the_last_checkpoint_and_closes_the_writer(tmp_path):
+    """A torchrun rank leaves with os._exit (leave), so the writer must be closed explicitly, also after a failure;
+    the checkpoint of the last good update is left as it is."""
+    closed = []
+    log = types.SimpleNamespace(last={"update": 9}, checkpoint=tmp_path / "checkpoint.pt",
+                                writer=types.SimpleNamespace(close=lambda: closed.append(True)))  # fmt: skip
+    assert end_run(checked(), tmp_path, log, nn.Linear(1, 1), "error: boom", False, None, "cpu") == "error: boom"
+    assert closed == [True] and not log.checkpoint.exists()
+    assert end_run(checked(), tmp_path, log, nn.Linear(1, 1), None, False, None, "cpu") is None  # a signal's stop
+    assert closed == [True, True] and torch.load(log.checkpoint)["update"] == 9
 
 
 def test_a_non_finite_loss_or_gradient_is_refused_before_the_optimizer_step():
