@@ -222,14 +222,10 @@ def apex_epsilons(num_actors: int, epsilon: float = 0.4, alpha: float = 7.0) -> 
     return [epsilon ** (1 + i * alpha / max(1, num_actors - 1)) for i in range(num_actors)]
 
 
-def frame_skip(env_id: str) -> int:
-    """Emulator frames per agent step: ALE ids run with common.atari's frame skip, other envs step once."""
-    return FRAME_SKIP if ale_game(env_id) is not None else 1
-
-
-def pull_interval_steps(frames: int, skip: int) -> int:
-    """Agent steps between an actor's parameter pulls for an interval in frames (Ape-X: 400 frames), at least 1."""
-    return max(1, frames // skip)
+def pull_interval_steps(frames: int, env_id: str) -> int:
+    """Agent steps between an actor's parameter pulls for an interval in frames (Ape-X: 400 frames), at least 1: an
+    ALE agent step is common.atari's frame skip of frames, any other env's step one."""
+    return max(1, frames // (FRAME_SKIP if ale_game(env_id) is not None else 1))
 
 
 def importance_exponent(beta: float, anneal: bool, progress: float) -> float:
@@ -266,13 +262,6 @@ def tree_find_prefix(tree: np.ndarray, prefix: np.ndarray) -> np.ndarray:
         prefix -= np.where(right, left, 0.0)
         nodes = 2 * nodes + right
     return nodes - P
-
-
-def split_counts(totals: np.ndarray, batch_size: int, rng: np.random.Generator) -> np.ndarray:
-    """How many of a batch each buffer gives: multinomial in the buffers' priority sums [K] -> counts [K]. Drawing
-    the buffer by its sum, then a slot by its priority within it, is exactly P(i) = p_i / sum_all p."""
-    totals = np.asarray(totals, dtype=np.float64)
-    return rng.multinomial(batch_size, totals / totals.sum())
 
 
 def importance_weights(priorities: np.ndarray, min_priority: float, beta: float) -> np.ndarray:
@@ -492,10 +481,12 @@ class LocalReplay:
 
 
 def sample_batch(replay, batch_size: int, beta: float, rng: np.random.Generator, stats: ReplayStats | None = None):
-    """Sample across buffers: split by priority sums, proportional inside each, IS weights normalised by the global
-    maximum weight (from the smallest priority of all buffers). `stats`: `replay.stats()`, if just read."""
+    """Sample across buffers: how many each gives is multinomial in their priority sums, then each samples by priority
+    (drawing the buffer by its sum, then a slot by its priority within it, is exactly P(i) = p_i / sum_all p); IS
+    weights normalised by the global maximum weight (from the smallest priority of all buffers). `stats`:
+    `replay.stats()`, if just read."""
     stats = replay.stats() if stats is None else stats
-    counts = split_counts(stats.priority_sums, batch_size, rng)
+    counts = rng.multinomial(batch_size, stats.priority_sums / stats.priority_sums.sum())  # [K]
     parts = [p for p in replay.sample(counts) if p is not None]
     priorities = torch.cat([p.priorities for p in parts]).numpy()
     min_priority = min(stats.min_priorities[stats.sizes > 0].min(), priorities.min())  # appends since stats()
@@ -658,7 +649,7 @@ def actor_loop(actor: int, global_id: int, num_total: int, args: Args, shared: S
         params, rng = list(model.parameters()), np.random.default_rng([args.seed, global_id, start])
         epsilon = apex_epsilons(num_total, args.epsilon, args.epsilon_alpha)[global_id]
         buffer, builder = shared.buffers[actor], NStepBuilder(n, args.n_step, args.gamma)
-        pull_every = pull_interval_steps(args.actor_update_interval, frame_skip(args.env_id))  # agent steps
+        pull_every = pull_interval_steps(args.actor_update_interval, args.env_id)  # agent steps
         # unreported steps of all actors stay below this slack, so the learner is never blocked by it
         slack = 2 * len(shared.buffers) * n * (args.actor_batch + args.n_step)
         sleep_until(shared, lambda: shared.store.version.value >= 0, 0.05)  # the learner's first parameters
@@ -935,44 +926,18 @@ class Record:
                            f"updates={learner.version} replay={int(stats.sizes.sum())}")  # fmt: skip
 
 
-class RateLimiter:
-    """--replay-ratio, the learner's side (the actors' side is wait_for_learner), like Reverb's SampleToInsertRatio:
-    from the first update on, the learner samples at most --replay-ratio transitions per agent step."""
-
-    def __init__(self, args: Args):
-        self.args, self.start_step, self.start_version = args, -1, 0  # the origin: step and version at the 1st update
-
-    def allows(self, replay_size: int, global_step: int, version: int) -> bool:
-        """Enough transitions in the replay, and the learner is not ahead of the actors."""
-        args = self.args
-        if replay_size < max(args.learning_starts, 1):
-            return False
-        sampled = (version - self.start_version) * args.batch_size
-        steps = global_step - self.start_step
-        return not args.replay_ratio or self.start_step < 0 or sampled < args.replay_ratio * steps
-
-    def start(self, shared: Shared, global_step: int, version: int) -> None:
-        """At the first update: the origin of both sides (the actors' in shared memory)."""
-        if self.start_step >= 0:
-            return
-        self.start_step, self.start_version = global_step, version
-        if self.args.replay_ratio:  # steps_claimed read without its lock (actors hold it)
-            claimed = shared.steps_claimed.get_obj().value
-            shared.learn_start.value = claimed - version * self.args.batch_size / self.args.replay_ratio
-
-
 class LearnerRun:
     """The learner's loop state and one iteration: take messages, train if allowed, log, check workers, checkpoint."""
 
     def __init__(self, args: Args, learner: Learner, replay, shared: Shared, procs: Processes, record: Record,
-                 run_dir: Path, meta: dict, num_actors: int):  # fmt: skip
+                 run_dir: Path, meta: dict, num_actors: int, tracker):  # fmt: skip
         self.args, self.learner, self.replay, self.shared, self.procs = args, learner, replay, shared, procs
         self.record, self.run_dir, self.meta, self.num_actors = record, run_dir, meta, num_actors
+        self.tracker = tracker  # the wandb module of --track, or None
         self.last_print = self.last_checkpoint = self.last_check = time.time()
         self.actors_done: set[int] = set()
         self.failure: str | None = None
-        self.tracker = None  # the wandb module of --track
-        self.limiter = RateLimiter(args)
+        self.start_step, self.start_version = -1, 0  # the rate limiter's origin: step and version at the 1st update
         self.stats = ReplayStats(np.zeros(1), np.ones(1), np.zeros(1, dtype=np.int64))  # until the loop reads it
         self.rng = np.random.default_rng([args.seed, 1])
 
@@ -999,12 +964,24 @@ class LearnerRun:
             self.housekeeping()
 
     def can_learn(self) -> bool:
-        return self.limiter.allows(int(self.stats.sizes.sum()), self.record.global_step, self.learner.version)
+        """Enough transitions in the replay, and the learner is not ahead of the actors: --replay-ratio's learner side
+        (the actors' side is wait_for_learner), like Reverb's SampleToInsertRatio, samples at most --replay-ratio
+        transitions per agent step from the first update on."""
+        args = self.args
+        if self.stats.sizes.sum() < max(args.learning_starts, 1):
+            return False
+        sampled = (self.learner.version - self.start_version) * args.batch_size
+        steps = self.record.global_step - self.start_step
+        return not args.replay_ratio or self.start_step < 0 or sampled < args.replay_ratio * steps
 
     def learn(self) -> None:
         """One update: sample across the buffers, train, write the new priorities back, publish the parameters."""
         args, learner, record = self.args, self.learner, self.record
-        self.limiter.start(self.shared, record.global_step, learner.version)
+        if self.start_step < 0:  # the first update: the rate limiter's origin, the actors' side in shared memory
+            self.start_step, self.start_version = record.global_step, learner.version
+            if args.replay_ratio:  # steps_claimed read without its lock (actors hold it)
+                claimed = self.shared.steps_claimed.get_obj().value
+                self.shared.learn_start.value = claimed - learner.version * args.batch_size / args.replay_ratio
         drain_into(self.shared.log_q, self.handle, 0.0)
         beta = importance_exponent(args.priority_beta, args.anneal_beta, record.global_step / args.total_timesteps)
         batch = sample_batch(self.replay, args.batch_size, beta, self.rng, self.stats)
@@ -1105,9 +1082,7 @@ def start_learner(args: Args, world_size: int, signals: StopSignals) -> LearnerR
     rng = np.random.default_rng([args.seed, 0])
     replay = RemoteReplay(args, world_size) if distributed else LocalReplay(shared.buffers, rng)
     record = Record(writer, global_step, progress)
-    run = LearnerRun(args, learner, replay, shared, procs, record, run_dir, meta, num_actors)
-    run.tracker = tracker
-    return run
+    return LearnerRun(args, learner, replay, shared, procs, record, run_dir, meta, num_actors, tracker)
 
 
 def main(args: Args) -> None:
