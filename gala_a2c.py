@@ -1010,7 +1010,7 @@ def main(args: Args) -> None:
     steps_per_update = n * args.num_envs * args.num_steps
     checkpoint = load_checkpoint(args.resume, meta, args, steps_per_update) if args.resume else None
     run_dir = None  # torchrun: rank 0 names it before the rendezvous (torchrun stops the other ranks if it exits 2)
-    if int(os.environ.get("RANK", "0")) == 0:
+    if world_size == 1 or os.environ["RANK"] == "0":
         run_dir = Path(args.resume).parent if args.resume else new_run_dir(args)  # --resume: the same run directory
         write_run_args(run_dir, args, meta)
     run = Run(args, n, run_dir, obs_space, act_space, meta, checkpoint)
