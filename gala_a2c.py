@@ -343,8 +343,8 @@ class GossipEndpoint:
         return [(self.learner - s) % self.n for s in peer_offsets(self.n, self.num_peers, iteration, self.time_varying)]
 
     def step(self, x: torch.Tensor, iteration: int, stop: Event | threading.Event, at_sync: bool = False) -> Mix:
-        """Gossip after local update `iteration` on the flat parameters `x` (mixed in place); `at_sync`: this learner
-        meets the other ranks (torchrun) right after."""
+        """Gossip after local update `iteration` on the flat parameters `x` (mixed in place); `at_sync`: a sync point
+        follows (where torchrun ranks meet)."""
         self.publish(x, iteration, at_sync)
         peers = self.in_peers(iteration)
         waited = 0.0
@@ -708,7 +708,7 @@ class Learner:
         """Run to this learner's share of --total-timesteps (or until the run stops); returns its final state."""
         while self.iteration < self.num_iterations:
             at_sync = (self.iteration + 1) % self.args.sync_interval == 0 or self.iteration + 1 == self.num_iterations
-            mix = self.iterate(gossip, link.stop, at_sync and link.torchrun)
+            mix = self.iterate(gossip, link.stop, at_sync)
             if gossip is not None and at_sync:  # ||x_i - x_bar||: how far gossip keeps this learner from it (Prop. 2)
                 x = self.flat_params()
                 self.stats.consensus = torch.linalg.vector_norm(x.double() - gossip.average(x).double()).item()
@@ -758,8 +758,6 @@ class LocalLink:
     checkpoint requests come from it. Allreduce learners agree on both with an all-reduce every iteration, so all of
     them stop, and save, at the same iteration; gossip learners act on them on their own."""
 
-    torchrun = False
-
     def __init__(self, args: Args, shared: Shared):
         self.args, self.shared, self.stop = args, shared, shared.stop
         self.last_request = 0
@@ -784,8 +782,6 @@ class RankLink:
     """One torchrun rank's side of the run: every --sync-interval iterations (and at its last) all ranks meet in the
     same collectives: the stop and checkpoint flags (rank 0's clock decides when a checkpoint is due), the exact global
     step, and rank 0 gathers the states to save."""
-
-    torchrun = True
 
     def __init__(self, run: Run, rank: int, device: torch.device, stop: threading.Event, logger: Logger):
         self.run, self.rank, self.device, self.stop, self.logger = run, rank, device, stop, logger
@@ -852,7 +848,7 @@ class Run:
 
     args: Args
     n: int  # learners
-    run_dir: Path
+    run_dir: Path  # torchrun: None on ranks other than 0 until rank 0 broadcasts it
     obs_space: gym.Space
     act_space: gym.spaces.Discrete
     meta: dict  # what a checkpoint of this run must match (checkpoint_meta)
@@ -874,12 +870,13 @@ class Logger:
     """Turns learner records into TensorBoard scalars and console lines. Global step = agent steps summed over all
     learners (exact on one machine; under torchrun rank 0 writes the exact sum at every sync point)."""
 
-    def __init__(self, writer, n: int, args: Args, global_step: int = 0, progress: Progress | None = None):
-        self.writer, self.args, self.progress = writer, args, progress  # writer: a TensorBoard SummaryWriter
-        self.global_step, self.start_step, self.start_time = global_step, global_step, time.time()
+    def __init__(self, writer, run: Run, progress: Progress | None = None):
+        self.writer, self.args, self.progress = writer, run.args, progress  # writer: a TensorBoard SummaryWriter
+        self.global_step = self.start_step = run.checkpoint["global_step"] if run.checkpoint else 0
+        self.start_time = time.time()
         self.recent: deque[float] = deque(maxlen=20)
         self.last_print = time.time()
-        self.learner_sps: list[float | None] = [None] * n  # under torchrun a rank sees only its own records
+        self.learner_sps: list[float | None] = [None] * run.n  # under torchrun a rank sees only its own records
         self.staleness, self.policy_lag = 0.0, math.nan
 
     def sps(self) -> float:
@@ -1012,11 +1009,15 @@ def main(args: Args) -> None:
     # budget's last whole update: a step below its last whole update of all learners leaves one of them an update
     steps_per_update = n * args.num_envs * args.num_steps
     checkpoint = load_checkpoint(args.resume, meta, args, steps_per_update) if args.resume else None
-    if world_size > 1:
-        main_distributed(args, n, checkpoint, obs_space, act_space, meta)
-    else:
+    run_dir = None  # torchrun: rank 0 names it before the rendezvous (torchrun stops the other ranks if it exits 2)
+    if world_size == 1 or os.environ["RANK"] == "0":
         run_dir = Path(args.resume).parent if args.resume else new_run_dir(args)  # --resume: the same run directory
-        main_single_machine(Run(args, n, run_dir, obs_space, act_space, meta, checkpoint))
+        write_run_args(run_dir, args, meta)
+    run = Run(args, n, run_dir, obs_space, act_space, meta, checkpoint)
+    if world_size > 1:
+        main_distributed(run)
+    else:
+        main_single_machine(run)
 
 
 STOP_GRACE = 5.0  # seconds the learners get to stop after the stop request before they are killed
@@ -1026,7 +1027,6 @@ def main_single_machine(run: Run) -> None:
     """Learner processes plus this main process: it logs, asks for checkpoints, and stops the run on a signal, a dead
     learner or a failed write."""
     args, n = run.args, run.n
-    write_run_args(run.run_dir, args, run.meta)
     device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
     ctx = mp.get_context("spawn" if device.type == "cuda" else "fork")  # CUDA cannot be used in forked children
     gossip = SharedMemoryGossip(ctx, n, run.num_params(), device) if args.mode == "gossip" else None
@@ -1041,8 +1041,7 @@ def main_single_machine(run: Run) -> None:
     tracker, failure, last_checkpoint = None, None, time.time()
     try:  # whatever fails from here on stops the learners
         tracker = start_tracking(args, run.run_dir)  # after the forks: no learner inherits wandb's threads and pipes
-        step = run.checkpoint["global_step"] if run.checkpoint else 0
-        monitor.logger = Logger(make_writer(run.run_dir, args), n, args, step, progress)
+        monitor.logger = Logger(make_writer(run.run_dir, args), run, progress)
         while len(monitor.finals) < n and not signals.signum and not failure:
             monitor.drain(0.25)
             monitor.logger.maybe_print()
@@ -1074,24 +1073,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def main_distributed(args: Args, n: int, checkpoint: dict | None, obs_space, act_space, meta: dict) -> None:
+def main_distributed(run: Run) -> None:
     """One torchrun rank = one learner; rank 0 also writes the run's charts and checkpoints."""
+    args, n, checkpoint = run.args, run.n, run.checkpoint
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
     use_cuda = args.cuda and torch.cuda.is_available()
     device = torch.device(f"cuda:{local_rank % torch.cuda.device_count()}" if use_cuda else "cpu")
-    # rank 0 makes the run directory and W&B run before the rendezvous: torchrun stops the other ranks if it exits 2
-    names, tracker = [""], None
-    if rank == 0:
-        run_dir = Path(args.resume).parent if args.resume else new_run_dir(args)
-        write_run_args(run_dir, args, meta)
-        names, tracker = [str(run_dir)], start_tracking(args, run_dir)
+    tracker = start_tracking(args, run.run_dir) if rank == 0 else None  # before the rendezvous, as main's run directory
     dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=n)
+    names = [str(run.run_dir)]
     dist.broadcast_object_list(names, src=0)  # one run directory, named by rank 0
-    run = Run(args, n, Path(names[0]), obs_space, act_space, meta, checkpoint)
+    run.run_dir = Path(names[0])
     signals = StopSignals(threading.Event())
     writer = make_writer(run.run_dir if rank == 0 else run.run_dir / f"learner{rank}", args)
     progress = start_progress(run, device) if rank == 0 else None  # rank 0 prints the console
-    logger = Logger(writer, n, args, checkpoint["global_step"] if checkpoint else 0, progress)
+    logger = Logger(writer, run, progress)
     link, gossip, failure, states = RankLink(run, rank, device, signals.stop, logger), None, None, None
     if args.mode == "gossip":
         group = dist.new_group(backend="nccl" if use_cuda else "gloo")  # every rank makes it, in the same order

@@ -511,8 +511,9 @@ def test_progress_of_a_resumed_run_counts_the_steps_of_a_learner_already_past_th
     nothing and learner 1 runs from 40 to 45, so the run ends at 95 iterations x 20 agent steps."""
     args = Args(env_id="CartPole-v1", num_learners=2, num_envs=4, total_timesteps=1800)
     checkpoint = dict(learners=[{"iteration": 50}, {"iteration": 40}], global_step=1800)
-    progress = gala_a2c.start_progress(Run(args, 2, tmp_path, *env_spaces(args), {}, checkpoint), torch.device("cpu"))
-    assert (progress.start_step, progress.total) == (1800, 1900)
+    run = Run(args, 2, tmp_path, *env_spaces(args), {}, checkpoint)
+    progress = gala_a2c.start_progress(run, torch.device("cpu"))
+    assert (gala_a2c.Logger(None, run, progress).start_step, progress.total) == (1800, 1900)
     plan = "(45 updates of 40 agent steps (2 learners x 4 envs x 5 steps), gossip, 1-peer ring, tau 10, cpu; console:"
     assert capsys.readouterr().out.startswith(f"run directory: {tmp_path}  {plan}")
 
