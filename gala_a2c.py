@@ -1005,8 +1005,8 @@ def main(args: Args) -> None:
         return
     obs_space, act_space = env_spaces(args)
     meta = checkpoint_meta(args, obs_space, act_space, n)
-    # a refused resume leaves no trace; global_step counts every learner's updates, and each learner stops at the
-    # budget's last whole update: a step below its last whole update of all learners leaves one of them an update
+    # global_step counts every learner's updates and each learner stops at the budget's last whole one, so a whole
+    # update here is one of every learner (a refused resume leaves no trace)
     steps_per_update = n * args.num_envs * args.num_steps
     checkpoint = load_checkpoint(args.resume, meta, args, steps_per_update) if args.resume else None
     run_dir = None  # torchrun: rank 0 names it before the rendezvous (torchrun stops the other ranks if it exits 2)
