@@ -742,22 +742,20 @@ def close_run(args: Args, learner: Learner, writer, tracker, progress: Progress,
 
 
 # ---- run plumbing ------------------------------------------------------------------------------------------------
-# Validation, the run directory, tracking, checkpoints, evaluation of a saved agent, signals, supervision and error
-# lines: nothing here is needed to read or change the algorithm above. A function here that several scripts have is
-# the same text in all of them (tests/test_plumbing.py names the script and function that drift): change it in every
-# script. What differs between scripts lives in the few script-specific functions at the end of this section.
+# Validation, run directory, tracking, checkpoints, --eval-only, signals, supervision and error lines: nothing here is
+# needed to read or change the algorithm above. A function that several scripts have here is the same text in all of
+# them (tests/test_plumbing.py names any that drift): change it in every script. Script-specific functions come last.
 
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # Ctrl+C, kill, a closed terminal
 
 
 class Stop(Exception):
-    """The run is stopping (a signal, a dead worker, the budget spent): raised to leave a wait or a loop early."""
+    """The run is stopping (a signal, a dead worker, the budget spent): leaves a wait or a loop early."""
 
 
 class Interrupted(BaseException):
-    """A signal during the end-of-run evaluation (StopSignals.interruptible): a BaseException, as KeyboardInterrupt
-    is, so that no `except Exception` in the env's or a wrapper's code can swallow it (gymnasium's env checker does)."""
+    """A signal during the end-of-run evaluation: a BaseException, so no `except Exception` in an env can swallow it."""
 
 
 class NonFiniteLoss(Exception):
@@ -769,11 +767,9 @@ class WriteError(Exception):
 
 
 class StopSignals:
-    """Ctrl+C, SIGTERM and SIGHUP (a closed terminal or ssh session) record the first signal's number, for the exit
-    status 128 + signum, and set `stop`, the event the run's waits and loops check; the run then stops at its own pace
-    and writes its final checkpoint. A second signal changes nothing, so a second Ctrl+C cannot cut the shutdown.
-    After `interruptible()` (the end-of-run evaluation: one thread, no queue or lock in use) a signal raises
-    Interrupted."""
+    """Ctrl+C, SIGTERM and SIGHUP (a closed terminal) set `stop`, the event the run's waits and loops check, and keep
+    the first signal for the exit status 128 + signum; the run stops at its own pace and writes its final checkpoint,
+    and a second signal cannot cut that short. After `interruptible()` (the final evaluation) they raise Interrupted."""
 
     def __init__(self, stop):
         self.stop, self.signum, self.raise_stop = stop, 0, False
@@ -808,8 +804,8 @@ def flag(name: str) -> str:
 
 
 def check_flags(args: Args) -> str | None:
-    """The error line of the first float flag that is not a finite number, of the first flag that breaks its rule in
-    FLAG_RULES (flags left at None are filled in later and skipped), or of a --track whose wandb does not import."""
+    """The error line of the first float flag that is not finite, the first that breaks its FLAG_RULES rule (None:
+    filled in later), or a --track whose wandb does not import."""
     for f in fields(args):
         value = getattr(args, f.name)
         if isinstance(value, float) and not math.isfinite(value):
@@ -829,8 +825,8 @@ def check_flags(args: Args) -> str | None:
 
 
 def parse_args(argv: list[str]) -> Args:
-    """tyro's parse of the command line, with a renamed flag (RENAMED_FLAGS) and tyro's own boxed message (an unknown
-    flag, a value of the wrong type) turned into the one error line and exit 2 of any other bad input."""
+    """tyro's parse, with a renamed flag (RENAMED_FLAGS) and tyro's boxed message (an unknown flag, a wrong type)
+    turned into the one error line and exit 2 of any other bad input."""
     for arg in argv:
         if (name := arg.split("=")[0]) in RENAMED_FLAGS:
             fail(f"{name} {RENAMED_FLAGS[name]}")
@@ -842,8 +838,7 @@ def parse_args(argv: list[str]) -> Args:
     except SystemExit as e:
         if e.code in (0, None):
             raise
-        # the box: a title, its message (wrapped over lines), then a rule before the help; drawn with box characters
-        # on a terminal, with dashes (and a rule under the title) elsewhere
+        # the box: a title, its message over lines, a rule before the help (box characters, or dashes off a terminal)
         lines = [line.strip("\u2502\u256d\u2570\u256e\u256f ") for line in box.getvalue().splitlines()][1:]
         body = itertools.dropwhile(lambda line: not line.strip("\u2500-"), lines)
         message = " ".join(itertools.takewhile(lambda line: line.strip("\u2500-"), body))
@@ -851,16 +846,15 @@ def parse_args(argv: list[str]) -> Args:
 
 
 def help_paragraphs(text: str, join=tyro._strings.remove_single_line_breaks) -> str:
-    """tyro (its private helper, replaced in parse_args) keeps a docstring's line break wherever the next line starts
-    with a space or another non-letter, as every continued flag help here does: with each paragraph on one line,
-    --help wraps each flag's help as whole sentences at the terminal's width."""
+    """tyro's private helper (replaced in parse_args) keeps a flag help's line break before a non-letter; with each
+    paragraph on one line, --help wraps the help as whole sentences at the terminal's width."""
     paragraphs = "\n".join(line.strip() for line in text.split("\n")).split("\n\n")
     return join("\n\n".join(paragraph.replace("\n", " ") for paragraph in paragraphs))
 
 
 def new_run_dir(args: Args) -> Path:
-    """Create this run's directory, never one that exists: a run started in the same second with the same name gets
-    the suffix -2, -3, ... (mkdir is atomic, so two runs cannot both take one name). Exit 2 if it cannot be made."""
+    """Make this run's directory, never one that exists: a run of the same name and second gets -2, -3, ... (mkdir is
+    atomic, so two runs cannot take one name). Exit 2 if it cannot be made."""
     base = Path(args.log_dir) / f"{args.env_id.replace('/', '_')}__{args.exp_name}__{args.seed}__{int(time.time())}"
     for n in itertools.count(1):
         run_dir = base if n == 1 else base.with_name(f"{base.name}-{n}")
@@ -876,8 +870,7 @@ def new_run_dir(args: Args) -> Path:
 
 
 def write_run_args(run_dir: Path, args: Args, meta: dict) -> None:
-    """{run_dir}/args.json: the script, Args and checkpoint meta, so that --eval-only can rebuild the env and the model
-    of a model.pt lying beside it. Exit 2 if it cannot be written."""
+    """{run_dir}/args.json (script, Args, meta): --eval-only rebuilds from it the env and model of a model.pt."""
     try:
         (run_dir / "args.json").write_text(json.dumps(dict(script=meta["script"], args=asdict(args), meta=meta)))
     except OSError as e:
@@ -885,10 +878,8 @@ def write_run_args(run_dir: Path, args: Args, meta: dict) -> None:
 
 
 def start_tracking(args: Args, run_dir: Path):
-    """--track: a Weights & Biases run named like the run directory, with the Args as config and the TensorBoard
-    scalars synced; returns the wandb module (None without --track). Call it before the SummaryWriter is made: wandb
-    patches TensorBoard at init. The id is derived from the run directory's name, so that a --resume run continues
-    the same W&B run."""
+    """--track: a W&B run named like the run directory (the id too, so --resume continues it), Args as config,
+    TensorBoard synced; the wandb module, or None. Call it before making the SummaryWriter, which wandb patches."""
     if not args.track:
         return None
     import wandb  # optional: pip install -e ".[track]"
@@ -903,8 +894,7 @@ def start_tracking(args: Args, run_dir: Path):
 
 
 def finish_tracking(tracker, run_dir: Path, exit_code: int) -> None:
-    """--track (`tracker` from start_tracking): upload the final evaluation's videos, then end the W&B run with the
-    run's exit status. Call it after the SummaryWriter is closed: wandb has synced the events written up to then."""
+    """--track: upload the evaluation's videos and end the W&B run with the exit status (after the writer closed)."""
     if tracker is None:
         return
     for video in sorted((run_dir / "videos").glob("*.mp4")):
@@ -924,8 +914,8 @@ def make_writer(run_dir: Path, args: Args):
 
 
 def quiet_writer_thread(hook) -> None:
-    """threading.excepthook: TensorBoard's writer thread dies of a write error (a full disk) that the next write or
-    close raises again in the main thread, which reports it in one line; that thread's own traceback is noise."""
+    """threading.excepthook: a write error (a full disk) that kills TensorBoard's writer thread is raised again, and
+    reported in one line, by the main thread's next write or close; that thread's traceback is noise."""
     frames = traceback.extract_tb(hook.exc_traceback)
     if not (issubclass(hook.exc_type, OSError) and any("tensorboard" in f.filename for f in frames)):
         threading.__excepthook__(hook)
@@ -939,8 +929,7 @@ def write_error(e: OSError, what) -> str:
 
 
 def atomic_save(obj, path: Path) -> None:
-    """torch.save to a temporary file beside `path`, then a rename over `path`, so a crash or a full disk leaves the
-    previous file intact. Raises WriteError with the error line."""
+    """torch.save to a temporary file, renamed over `path`: a crash or a full disk leaves the previous file intact."""
     buffer = io.BytesIO()
     torch.save(obj, buffer)  # serialised in memory first: a full disk then shows as ENOSPC, not a zip-writer error
     tmp = path.with_suffix(".tmp")
@@ -957,8 +946,7 @@ def atomic_save(obj, path: Path) -> None:
 
 
 def planned_updates(total_timesteps: int, steps_per_update: int) -> tuple[int, str]:
-    """The number of updates a budget holds, and the start line's words for it: a budget that is not a whole number
-    of updates says the agent steps it runs instead."""
+    """The updates a budget holds, and the start line's words for them (and for a budget that is not whole updates)."""
     n = total_timesteps // steps_per_update
     plan = f"{n:,} updates of {steps_per_update:,} agent steps"
     if n * steps_per_update != total_timesteps:
@@ -973,25 +961,23 @@ def duration(seconds: float) -> str:
 
 
 class Progress:
-    """What the console says about a run: where it goes and what it plans (the first line), how far it is and how
-    long is left at the rate since it started (every console line), and at its end, also after a signal or an
-    error, what it did, the files it left and the commands that go on from them."""
+    """The console: where the run goes and what it plans, how far it is and the time left, and at its end (after a
+    signal or an error too) what it did, the files it left and the commands that go on from them."""
 
     def __init__(self, run_dir: Path, total_steps: int, plan: str) -> None:
         self.run_dir, self.total, self.start, self.mean_return = run_dir, total_steps, time.time(), math.nan
         print(f"run directory: {run_dir}  ({plan})", flush=True)
 
     def line(self, step: int, sps: float, mean_return: float, details: str = "") -> None:
-        """`global_step=N SPS=R mean_return=M` (the prefix tools and tests read; SPS: the run's mean rate since it
-        started), the share of the budget done, the time left at that rate, then the script's own `details`."""
+        """`global_step=N SPS=R mean_return=M` (read by tools and tests; SPS: the mean rate since the run started),
+        the share done, the time left at that rate, then the script's `details`."""
         self.mean_return = mean_return
         left = duration((self.total - step) / sps) if sps > 0 else "?"
         print(f"global_step={step} SPS={sps:.0f} mean_return={mean_return:.2f} done={100 * step / self.total:.1f}% "
               f"left={left} {details}".rstrip(), flush=True)  # fmt: skip
 
     def summary(self, step: int, exit_code: int) -> None:
-        """The run's last lines (after its error line, if any): steps and time, the last mean return, the files in
-        the run directory, and the commands that show, continue or evaluate the run."""
+        """After the error line, if any: steps, time, last mean return, the files written, and the next commands."""
         ended = "finished" if exit_code == 0 else f"stopped (exit status {exit_code})"
         print(f"{ended}: {step:,} of {self.total:,} agent steps in {duration(time.time() - self.start)}, last mean "
               f"return {self.mean_return:.2f}", flush=True)  # fmt: skip
@@ -1009,9 +995,8 @@ class Progress:
 
 
 def resumed_args(args: Args) -> Args:
-    """--resume: the flags of the run it continues (its args.json beside the checkpoint), changed only where this
-    command line sets a flag away from its default, so that `--resume DIR/checkpoint.pt` alone continues the run as
-    it was. Without a readable args.json, the flags as given (load_checkpoint then names what differs)."""
+    """--resume: the flags of the run it continues (its args.json), changed only where this command line sets a flag
+    away from its default: `--resume DIR/checkpoint.pt` alone continues the run as it was."""
     try:
         saved = json.loads((Path(args.resume).parent / "args.json").read_text())["args"]
     except (OSError, ValueError, KeyError, TypeError):
@@ -1022,9 +1007,8 @@ def resumed_args(args: Args) -> Args:
 
 
 def load_checkpoint(path: str, meta: dict, args: Args, steps_per_update: int) -> dict:
-    """The checkpoint at `path` if this run can continue it: its meta (checkpoint_meta) is this run's, no flag in
-    RESUME_FIXED differs from its run's, and --total-timesteps holds at least one more whole update. Otherwise one
-    error line and exit 2, with nothing started. Prints the step it resumes from and every flag that differs."""
+    """The checkpoint at `path` if this run can continue it (the same checkpoint_meta, no RESUME_FIXED flag changed,
+    a whole update left), else one error line and exit 2. Prints its step and every flag that differs."""
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as e:  # garbage, truncated, or pickled objects this interpreter cannot rebuild
@@ -1054,11 +1038,11 @@ def load_checkpoint(path: str, meta: dict, args: Args, steps_per_update: int) ->
     return checkpoint
 
 
-def load_for_eval(args: Args) -> tuple[Args, nn.Module, dict]:
-    """--eval-only: the saved agent (a model.pt with its run's args.json beside it, or a checkpoint.pt), the Args to
-    evaluate it with (the RUN_SETTINGS flags from the saved run; seed, evaluation flags and the rest from this command
-    line) and the settings taken from the run. Anything this script cannot evaluate is one error line and exit 2."""
-    path, this = Path(args.eval_only), Path(__file__).name
+def main_eval_only(args: Args) -> None:
+    """--eval-only: the saved agent (a model.pt beside its run's args.json, or a checkpoint.pt) played as the final
+    evaluation plays it, with RUN_SETTINGS from its run and the rest from this command line; the game returns to
+    {model dir}/eval-{unix time}.json. Nothing trains. What this script cannot evaluate: an error line, exit 2."""
+    path, this, stamp = Path(args.eval_only), Path(__file__).name, int(time.time())
     try:
         saved = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as e:  # garbage, truncated, or pickled objects this interpreter cannot rebuild
@@ -1086,15 +1070,7 @@ def load_for_eval(args: Args) -> tuple[Args, nn.Module, dict]:
         fail(f"--eval-only {path}: {e}")
     except Exception as e:  # not a state_dict, or one of another network
         fail(f"--eval-only {path}: not parameters of its run's network ({type(e).__name__})")
-    return eval_args, model, settings
-
-
-def main_eval_only(args: Args) -> None:
-    """--eval-only: play the saved agent with the end-of-training evaluation, print the true game returns and write
-    them to {model dir}/eval-{unix time}.json. Nothing trains, no run directory is made."""
-    eval_args, model, settings = load_for_eval(args)
     device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
-    path, stamp = Path(args.eval_only), int(time.time())
     taken = " ".join(f"{k}={v}" for k, v in settings.items())
     how = "greedy" if eval_args.eval_greedy else "sampled"
     print(f"evaluating {path} ({eval_args.eval_episodes} episodes, {how} actions); from its run: {taken}", flush=True)
@@ -1118,9 +1094,8 @@ def main_eval_only(args: Args) -> None:
 
 
 def child_main(parent_pid: int, target, args: tuple) -> None:
-    """A child process's first call: Linux's kernel kills it when the main process dies, even by kill -9, so nothing
-    outlives the run (a main process already gone before prctl ran: exit at once). Signals are the main process's to
-    handle (it stops the children through the run's stop event): ignored here, then unblocked (Processes.start)."""
+    """A child's first call: the kernel kills it when the main process dies, even by kill -9 (already gone: exit at
+    once). Signals are the main process's, which stops children through the stop event: ignored here, then unblocked."""
     try:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):  # no prctl (not Linux)
@@ -1134,8 +1109,7 @@ def child_main(parent_pid: int, target, args: tuple) -> None:
 
 
 class Processes:
-    """The run's child processes by name: started through child_main, watched through their sentinels, stopped with a
-    grace period before SIGKILL."""
+    """The run's child processes by name: started through child_main, watched by sentinel, SIGKILLed after a grace."""
 
     def __init__(self, ctx):
         self.ctx, self.procs = ctx, {}

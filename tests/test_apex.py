@@ -112,7 +112,7 @@ def test_shared_code_is_the_same_in_both_scripts():
     dqn, ddpg = definitions(apex_dqn), definitions(apex_ddpg)
     shared = sorted(set(dqn) & set(ddpg) - DIFFERENT)
     assert {"PrioritizedBuffer", "RemoteReplay", "ActorHost", "new_shared", "LearnerRun", "main"} <= set(shared)
-    assert {"start_tracking", "finish_tracking", "write_run_args", "load_for_eval", "main_eval_only"} <= set(shared)
+    assert {"start_tracking", "finish_tracking", "write_run_args", "main_eval_only"} <= set(shared)
     assert [name for name in shared if dqn[name] != ddpg[name]] == []
     assert DIFFERENT <= set(dqn) & set(ddpg)  # no stale entry hides a difference
 
@@ -524,7 +524,7 @@ def test_eval_only_replays_the_saved_agent_with_the_end_of_training_evaluation(s
 def test_eval_only_refuses_what_it_cannot_evaluate(dqn_torchrun_run, tmp_path, capsys, process_state):
     """Another script's model (the helper's made-up one, and apex_dqn.py's given to apex_ddpg.py), a contradicting
     --env-id or --network, a garbage file, a model.pt without its args.json, a missing file, and torchrun: one error
-    line each, exit 2. The two scripts' load_for_eval is the same text."""
+    line each, exit 2. The two scripts' main_eval_only is the same text."""
     _, run_dir, _ = dqn_torchrun_run
     model = run_dir / "model.pt"
     assert_eval_only_refusals("apex_dqn.py", model, tmp_path)  # other script, --env-id Acrobot-v1, garbage
