@@ -55,8 +55,6 @@ import time
 import traceback
 from collections import deque
 from dataclasses import asdict, dataclass, fields, replace
-from multiprocessing.queues import Queue
-from multiprocessing.sharedctypes import Synchronized
 from pathlib import Path
 from typing import Literal, NamedTuple, NoReturn
 
@@ -255,12 +253,6 @@ def importance_weights(priorities: np.ndarray, min_priority: float, beta: float)
     return (np.asarray(priorities, dtype=np.float64) / min_priority) ** -beta
 
 
-def n_step_window(rewards: list[float], gamma: float, terminated: bool) -> tuple[float, float]:
-    """R = sum_k gamma^k r_k over the window and the bootstrap discount: gamma^len, or 0 after a terminal state."""
-    ret = sum(gamma**k * r for k, r in enumerate(rewards))
-    return ret, 0.0 if terminated else gamma ** len(rewards)
-
-
 class NStepTransition(NamedTuple):
     obs: np.ndarray  # s_t
     action: np.ndarray  # a_t
@@ -284,7 +276,8 @@ class NStepBuilder:
             window.append((obs[e], actions[e], float(rewards[e])))
             done = bool(terminated[e] or truncated[e])
             while window and (done or len(window) == self.n):
-                ret, discount = n_step_window([r for _, _, r in window], self.gamma, bool(terminated[e]))
+                ret = sum(self.gamma**k * r for k, (_, _, r) in enumerate(window))  # R = sum_k gamma^k r_k
+                discount = 0.0 if terminated[e] else self.gamma ** len(window)  # to bootstrap with
                 out.append(NStepTransition(window[0][0], window[0][1], ret, discount, next_obs[e]))
                 window.popleft()
                 if not done:
@@ -389,11 +382,8 @@ class PrioritizedBuffer:
         self.min_tree = torch.full((2 * P,), math.inf, dtype=torch.float64)
         self.next_slot = torch.zeros((), dtype=torch.int64)
         self.size = torch.zeros((), dtype=torch.int64)
-
-    def share_memory_(self) -> PrioritizedBuffer:
         for t in (*self.data, self.slot_version, self.sum_tree, self.min_tree, self.next_slot, self.size):
             t.share_memory_()
-        return self
 
     def append(self, data: Transitions, priorities: np.ndarray) -> None:
         """Write k transitions with their priorities p^alpha [k]."""
@@ -439,9 +429,7 @@ class PrioritizedBuffer:
 
 def new_buffer(capacity: int, obs_space, act_space, lock) -> PrioritizedBuffer:
     """A buffer in shared memory for this env's transitions: float observations and actions."""
-    return PrioritizedBuffer(
-        capacity, obs_space.shape, torch.float32, act_space.shape, torch.float32, lock
-    ).share_memory_()
+    return PrioritizedBuffer(capacity, obs_space.shape, torch.float32, act_space.shape, torch.float32, lock)
 
 
 class LocalReplay:
@@ -515,23 +503,26 @@ class ParamStore:
             return self.version.value
 
 
-@dataclass
 class Shared:
-    """Everything the processes of one machine share (tensors and locks in shared memory)."""
+    """Everything the processes of one machine share (tensors and locks in shared memory): a buffer per local actor,
+    the parameter store, the queues and counters."""
 
-    # the run is shutting down: one byte, set by the main process only, polled by the others. Not an mp.Event: its
-    # set() waits until every process sleeping in wait() wakes, forever if one is stopped (SIGSTOP), and Ctrl+C could
-    # then not stop the run
-    stop: ctypes.c_byte
-    log_q: Queue  # -> main: ActorReport, EvalReport
-    error_q: Queue  # -> main: "error: <who> died:\n<traceback>"
-    steps_claimed: Synchronized  # int64 under its lock: agent steps handed out (this machine's budget counter)
-    steps_limit: int  # this machine's share of --total-timesteps
-    global_step: ctypes.c_int64  # agent steps the learner has counted (the evaluator's clock); main writes it
-    learn_start: ctypes.c_double  # the rate limiter's origin, steps_claimed - updates * B / ratio (nan before)
-    store: ParamStore
-    buffers: list[PrioritizedBuffer]  # this machine's actors' buffers
-    parent_pid: int
+    def __init__(self, args: Args, ctx, spaces, *, num_buffers: int, num_total: int, steps_limit: int,
+                 start_step: int = 0):  # fmt: skip
+        # the run is shutting down: one byte, set by the main process only, polled by the others. Not an mp.Event:
+        # its set() waits until every process sleeping in wait() wakes, forever if one is stopped (SIGSTOP), and
+        # Ctrl+C could then not stop the run
+        self.stop = ctx.Value("b", 0, lock=False)
+        self.log_q = ctx.Queue()  # -> main: ActorReport, EvalReport
+        self.error_q = ctx.Queue()  # -> main: "error: <who> died:\n<traceback>"
+        self.steps_claimed = ctx.Value("q", start_step)  # under its lock: agent steps handed out (this machine's)
+        self.steps_limit = steps_limit  # this machine's share of --total-timesteps
+        # no locks where main is the only writer: a child stopped or killed holding one would block main forever
+        self.global_step = ctx.Value("q", start_step, lock=False)  # agent steps the learner counted (evaluator's clock)
+        self.learn_start = ctx.Value("d", math.nan, lock=False)  # rate limiter's origin: claimed - updates * B / ratio
+        self.store = ParamStore(sum(p.numel() for p in build_model(args, *spaces).parameters()), ctx)
+        self.buffers = [new_buffer(args.buffer_size // num_total, *spaces, ctx.Lock()) for _ in range(num_buffers)]
+        self.parent_pid = os.getpid()
 
 
 def drain_into(q, handle, timeout: float) -> None:
@@ -718,8 +709,8 @@ class ActorHost(LocalReplay):
     def __init__(self, args: Args, rank: int, world_size: int):
         hosts, total, spaces, ctx = world_size - 1, args.total_timesteps, env_spaces(args), mp.get_context("fork")
         self.rank, self.procs = rank, Processes(ctx)
-        self.shared = new_shared(args, ctx, spaces, num_buffers=args.num_actors, num_total=hosts * args.num_actors,
-                                 steps_limit=total // hosts + (total % hosts if rank == 1 else 0))  # fmt: skip
+        self.shared = Shared(args, ctx, spaces, num_buffers=args.num_actors, num_total=hosts * args.num_actors,
+                             steps_limit=total // hosts + (total % hosts if rank == 1 else 0))  # fmt: skip
         super().__init__(self.shared.buffers, np.random.default_rng([args.seed, rank]))
         start_workers(self.procs, args, self.shared, spaces, first_actor=(rank - 1) * args.num_actors,
                       num_total=hosts * args.num_actors, evaluator=False)  # fmt: skip
@@ -866,77 +857,25 @@ class Learner:
         self.version = state["version"]
 
 
-class Record:
-    """The learner's record: the step count, the actors' games and the evaluator's rounds as TensorBoard points, the
-    means of the learner's statistics over the last --log-frequency updates, and the console line."""
+class LearnerRun:
+    """The learner's loop state and one iteration (take messages, train if allowed, log, check workers, checkpoint),
+    with its record: the step count, the actors' games and the evaluator's rounds as TensorBoard points, the means of
+    the learner's statistics over the last --log-frequency updates, and the console line."""
 
-    def __init__(self, writer, global_step: int, progress: Progress):
-        self.writer, self.progress = writer, progress
+    def __init__(self, args: Args, learner: Learner, replay, shared: Shared, procs: Processes, writer,
+                 progress: Progress, global_step: int, meta: dict, num_actors: int, tracker):  # fmt: skip
+        self.args, self.learner, self.replay, self.shared, self.procs = args, learner, replay, shared, procs
+        self.writer, self.progress, self.run_dir, self.meta = writer, progress, progress.run_dir, meta
+        self.num_actors, self.tracker = num_actors, tracker  # tracker: the wandb module of --track, or None
         self.global_step = self.start_step = global_step
-        self.start_time = time.time()
+        self.start_time = self.last_print = self.last_checkpoint = self.last_check = time.time()
         self.returns: deque[float] = deque(maxlen=20)  # the console line's mean return
         self.last_eval_step = -1  # the step of the newest evaluator round reported
-        self.sums: dict[str, float] = {}
-        self.count, self.stale_updates, self.replay_wait = 0, 0, 0.0
-
-    def games(self, report: ActorReport) -> None:
-        self.global_step += report.steps
-        for ret, length in report.episodes:
-            self.writer.add_scalar("charts/episodic_return", ret, self.global_step)
-            self.writer.add_scalar("charts/episodic_length", length, self.global_step)
-            self.returns.append(ret)
-
-    def evaluation(self, report: EvalReport) -> None:
-        for ret in report.returns:
-            self.writer.add_scalar("eval/episodic_return", ret, report.step)
-        self.last_eval_step = max(self.last_eval_step, report.step)
-
-    def evaluation_due(self, interval: int) -> bool:
-        """The budget is spent, but no evaluator round has yet reported from at or after the last --eval-interval
-        boundary the run crossed. The evaluator is triggered by the step count, so a slow machine delays a round (it
-        plays the newest parameters when it gets there) but the run waits for it rather than dropping it."""
-        boundary = (self.global_step - 1) // interval * interval if interval else -1  # the last one before the end
-        return boundary > self.start_step and self.last_eval_step < boundary
-
-    def add(self, values: dict[str, float]) -> None:
-        for k, v in values.items():
-            self.sums[k] = self.sums.get(k, 0.0) + v
-        self.count += 1
-
-    def sps(self) -> float:
-        return (self.global_step - self.start_step) / max(1e-9, time.time() - self.start_time)
-
-    def write(self, learner: Learner, stats: ReplayStats) -> None:
-        """A point of every learner scalar: the means since the last point, the speed and the replay's statistics."""
-        step, size = self.global_step, stats.sizes.sum()
-        for k, v in self.sums.items():
-            self.writer.add_scalar(f"charts/{k}" if k == "policy_lag" else f"losses/{k}", v / self.count, step)
-        self.sums, self.count = {}, 0
-        self.writer.add_scalar("charts/SPS", self.sps(), step)
-        self.writer.add_scalar("charts/learning_rate", learner.learning_rate, step)
-        self.writer.add_scalar("replay/size", size, step)
-        self.writer.add_scalar("replay/priority_mean", stats.priority_sums.sum() / max(1.0, size), step)
-        self.writer.add_scalar("replay/stale_updates", self.stale_updates, step)
-        self.writer.add_scalar("timing/replay_wait", self.replay_wait, step)
-
-    def console_line(self, learner: Learner, stats: ReplayStats) -> None:
-        mean_return = float(np.mean(self.returns)) if self.returns else math.nan
-        self.progress.line(self.global_step, self.sps(), mean_return,
-                           f"updates={learner.version} replay={int(stats.sizes.sum())}")  # fmt: skip
-
-
-class LearnerRun:
-    """The learner's loop state and one iteration: take messages, train if allowed, log, check workers, checkpoint."""
-
-    def __init__(self, args: Args, learner: Learner, replay, shared: Shared, procs: Processes, record: Record,
-                 run_dir: Path, meta: dict, num_actors: int, tracker):  # fmt: skip
-        self.args, self.learner, self.replay, self.shared, self.procs = args, learner, replay, shared, procs
-        self.record, self.run_dir, self.meta, self.num_actors = record, run_dir, meta, num_actors
-        self.tracker = tracker  # the wandb module of --track, or None
-        self.last_print = self.last_checkpoint = self.last_check = time.time()
+        self.points: list[dict[str, float]] = []  # the learner's statistics since the last TensorBoard point
+        self.stale_updates, self.replay_wait = 0, 0.0
         self.actors_done: set[int] = set()
         self.failure: str | None = None
-        self.start_step, self.start_version = -1, 0  # the rate limiter's origin: step and version at the 1st update
+        self.learn_step, self.learn_version = -1, 0  # the rate limiter's origin: step and version at the 1st update
         self.stats = ReplayStats(np.zeros(1), np.ones(1), np.zeros(1, dtype=np.int64))  # until the loop reads it
         self.rng = np.random.default_rng([args.seed, 1])
 
@@ -945,18 +884,29 @@ class LearnerRun:
 
     def handle(self, message: ActorReport | EvalReport | WorkerFailed) -> None:
         if isinstance(message, ActorReport):
-            self.record.games(message)
-            self.shared.global_step.value = self.record.global_step
+            self.global_step += message.steps
+            self.shared.global_step.value = self.global_step
+            for ret, length in message.episodes:
+                self.writer.add_scalar("charts/episodic_return", ret, self.global_step)
+                self.writer.add_scalar("charts/episodic_length", length, self.global_step)
+                self.returns.append(ret)
             if message.done:
                 self.actors_done.add(message.actor)
         elif isinstance(message, EvalReport):
-            self.record.evaluation(message)
+            for ret in message.returns:
+                self.writer.add_scalar("eval/episodic_return", ret, message.step)
+            self.last_eval_step = max(self.last_eval_step, message.step)
         else:
             self.failure = self.failure or message.error
 
     def wait_for_evaluation(self, stop: threading.Event) -> None:
-        """The budget is spent: take messages and check on the processes until no evaluator round is due."""
-        while self.failure is None and self.record.evaluation_due(self.args.eval_interval):
+        """The budget is spent: take messages and check on the processes until no evaluator round is due, that is
+        until one has reported from at or after the last --eval-interval boundary the run crossed. The evaluator is
+        triggered by the step count, so a slow machine delays a round (it plays the newest parameters when it gets
+        there) but the run waits for it rather than dropping it."""
+        interval = self.args.eval_interval
+        boundary = (self.global_step - 1) // interval * interval if interval else -1  # the last one before the end
+        while self.failure is None and boundary > self.start_step and self.last_eval_step < boundary:
             if stop.is_set():
                 raise Stop
             drain_into(self.shared.log_q, self.handle, RPC_PERIOD)
@@ -969,33 +919,33 @@ class LearnerRun:
         args = self.args
         if self.stats.sizes.sum() < max(args.learning_starts, 1):
             return False
-        sampled = (self.learner.version - self.start_version) * args.batch_size
-        steps = self.record.global_step - self.start_step
-        return not args.replay_ratio or self.start_step < 0 or sampled < args.replay_ratio * steps
+        sampled = (self.learner.version - self.learn_version) * args.batch_size
+        steps = self.global_step - self.learn_step
+        return not args.replay_ratio or self.learn_step < 0 or sampled < args.replay_ratio * steps
 
     def learn(self) -> None:
         """One update: sample across the buffers, train, write the new priorities back, publish the parameters."""
-        args, learner, record = self.args, self.learner, self.record
-        if self.start_step < 0:  # the first update: the rate limiter's origin, the actors' side in shared memory
-            self.start_step, self.start_version = record.global_step, learner.version
+        args, learner = self.args, self.learner
+        if self.learn_step < 0:  # the first update: the rate limiter's origin, the actors' side in shared memory
+            self.learn_step, self.learn_version = self.global_step, learner.version
             if args.replay_ratio:  # steps_claimed read without its lock (actors hold it)
                 claimed = self.shared.steps_claimed.get_obj().value
                 self.shared.learn_start.value = claimed - learner.version * args.batch_size / args.replay_ratio
         drain_into(self.shared.log_q, self.handle, 0.0)
-        beta = importance_exponent(args.priority_beta, args.anneal_beta, record.global_step / args.total_timesteps)
+        beta = importance_exponent(args.priority_beta, args.anneal_beta, self.global_step / args.total_timesteps)
         batch = sample_batch(self.replay, args.batch_size, beta, self.rng, self.stats)
         priorities, values = learner.update(batch.data, batch.weights)
-        record.stale_updates += self.replay.update(split_updates(batch, priorities, len(self.stats.sizes)))
+        self.stale_updates += self.replay.update(split_updates(batch, priorities, len(self.stats.sizes)))
         self.shared.store.publish(learner.flat_params(), learner.version)
-        record.add(values)
-        if record.count >= args.log_frequency:
-            record.write(learner, self.stats)
+        self.points.append(values)
+        if len(self.points) >= args.log_frequency:
+            self.write()
 
     def wait_for_data(self) -> None:
         """Too little data (or the rate limiter): block on the actors' reports."""
         t0 = time.perf_counter()
         drain_into(self.shared.log_q, self.handle, RPC_PERIOD)
-        self.record.replay_wait += time.perf_counter() - t0
+        self.replay_wait += time.perf_counter() - t0
 
     def housekeeping(self) -> None:
         """Exchange with the actor hosts and check on the processes every RPC_PERIOD; console line; checkpoint."""
@@ -1006,31 +956,42 @@ class LearnerRun:
                 self.handle(message)
             self.failure = self.failure or worker_failure(self.procs, self.shared.error_q)
         if now - self.last_print >= self.args.log_interval:
-            self.record.console_line(self.learner, self.stats)
+            self.console_line()
             self.last_print = now
         if self.args.checkpoint_interval and now - self.last_checkpoint >= self.args.checkpoint_interval:
-            write_checkpoint(self)
+            self.write_checkpoint()
             self.last_checkpoint = now
+
+    def sps(self) -> float:
+        return (self.global_step - self.start_step) / max(1e-9, time.time() - self.start_time)
+
+    def write(self) -> None:
+        """A point of every learner scalar: the means since the last point, the speed and the replay's statistics."""
+        step, size, stats = self.global_step, self.stats.sizes.sum(), self.stats
+        for k in self.points[0] if self.points else ():
+            mean = sum(p[k] for p in self.points) / len(self.points)
+            self.writer.add_scalar(f"charts/{k}" if k == "policy_lag" else f"losses/{k}", mean, step)
+        self.points = []
+        self.writer.add_scalar("charts/SPS", self.sps(), step)
+        self.writer.add_scalar("charts/learning_rate", self.learner.learning_rate, step)
+        self.writer.add_scalar("replay/size", size, step)
+        self.writer.add_scalar("replay/priority_mean", stats.priority_sums.sum() / max(1.0, size), step)
+        self.writer.add_scalar("replay/stale_updates", self.stale_updates, step)
+        self.writer.add_scalar("timing/replay_wait", self.replay_wait, step)
+
+    def console_line(self) -> None:
+        mean_return = float(np.mean(self.returns)) if self.returns else math.nan
+        self.progress.line(self.global_step, self.sps(), mean_return,
+                           f"updates={self.learner.version} replay={int(self.stats.sizes.sum())}")  # fmt: skip
+
+    def write_checkpoint(self) -> None:
+        """{run_dir}/checkpoint.pt: the learner's state (the model's state_dict at "model"), step, RNG, Args, meta."""
+        state = dict(self.learner.state_dict(), global_step=self.global_step, args=asdict(self.args),
+                     torch_rng=torch.get_rng_state(), meta=self.meta)  # fmt: skip
+        atomic_save(state, self.run_dir / "checkpoint.pt")
 
 
 # ---- Main ----
-
-
-def new_shared(args: Args, ctx, spaces, *, num_buffers: int, num_total: int, steps_limit: int, start_step: int = 0):
-    """What this machine's processes share: a buffer per local actor, the parameter store, the queues and counters."""
-    return Shared(
-        stop=ctx.Value("b", 0, lock=False),
-        log_q=ctx.Queue(),
-        error_q=ctx.Queue(),
-        steps_claimed=ctx.Value("q", start_step),
-        steps_limit=steps_limit,
-        # no locks where main is the only writer: a child stopped or killed holding one would block main forever
-        global_step=ctx.Value("q", start_step, lock=False),
-        learn_start=ctx.Value("d", math.nan, lock=False),
-        store=ParamStore(sum(p.numel() for p in build_model(args, *spaces).parameters()), ctx),
-        buffers=[new_buffer(args.buffer_size // num_total, *spaces, ctx.Lock()) for _ in range(num_buffers)],
-        parent_pid=os.getpid(),
-    )
 
 
 def start_workers(procs: Processes, args: Args, shared: Shared, spaces, *, first_actor: int, num_total: int,
@@ -1053,8 +1014,8 @@ def start_learner(args: Args, world_size: int, signals: StopSignals) -> LearnerR
     global_step = checkpoint["global_step"] if checkpoint else 0
     num_actors = args.num_actors * (world_size - 1 if distributed else 1)
     ctx = mp.get_context("spawn" if device.type == "cuda" else "fork")  # CUDA cannot be used in forked children
-    shared = new_shared(args, ctx, spaces, num_buffers=0 if distributed else args.num_actors, num_total=num_actors,
-                        steps_limit=args.total_timesteps, start_step=global_step)  # fmt: skip
+    shared = Shared(args, ctx, spaces, num_buffers=0 if distributed else args.num_actors, num_total=num_actors,
+                    steps_limit=args.total_timesteps, start_step=global_step)  # fmt: skip
     learner = Learner(args, *spaces, device)
     if checkpoint:
         learner.load_state_dict(checkpoint)
@@ -1080,8 +1041,7 @@ def start_learner(args: Args, world_size: int, signals: StopSignals) -> LearnerR
     writer = make_writer(run_dir, args)
     rng = np.random.default_rng([args.seed, 0])
     replay = RemoteReplay(args, world_size) if distributed else LocalReplay(shared.buffers, rng)
-    record = Record(writer, global_step, progress)
-    return LearnerRun(args, learner, replay, shared, procs, record, run_dir, meta, num_actors, tracker)
+    return LearnerRun(args, learner, replay, shared, procs, writer, progress, global_step, meta, num_actors, tracker)
 
 
 def main(args: Args) -> None:
@@ -1126,8 +1086,11 @@ def main(args: Args) -> None:
             run.failure = str(e)
         except OSError as e:  # the TensorBoard events file
             run.failure = write_error(e, f"the TensorBoard events in {run.run_dir}")
-        finally:
-            stop_workers(run)
+        finally:  # the processes and actor hosts; an error a process sent before the stop is the failure, if none yet
+            stop_processes(run.procs, run.shared, run.handle, grace=4.0 if run.failure is None else 1.0)
+            run.replay.close()
+            with contextlib.suppress(queue.Empty):
+                run.failure = run.failure or run.shared.error_q.get_nowait()
         close_run(run, interrupted, signals)
     finally:
         signals.restore()
@@ -1153,7 +1116,7 @@ def start_warnings(args: Args, start_step: int) -> list[str]:
         warnings.append(f"--resume: the {total - start_step} agent steps left to --total-timesteps {total} cannot "
                         f"refill the replay (empty on --resume) to --learning-starts {args.learning_starts}: the "
                         f"learner will not update again; give a larger --total-timesteps")  # fmt: skip
-    if interval and (total - 1) // interval * interval <= start_step:  # Record.evaluation_due's last boundary
+    if interval and (total - 1) // interval * interval <= start_step:  # LearnerRun.wait_for_evaluation's last boundary
         after = f" after the resumed step {start_step}" if start_step else ""
         warnings.append(f"--eval-interval {interval} puts no evaluation round{after} before --total-timesteps {total} "
                         f"(rounds run at its multiples): the run evaluates nothing during training; give a smaller "
@@ -1161,36 +1124,21 @@ def start_warnings(args: Args, start_step: int) -> list[str]:
     return warnings
 
 
-def write_checkpoint(run: LearnerRun) -> None:
-    """{run_dir}/checkpoint.pt: the learner's state (the model's state_dict at "model"), step count, RNG, Args, meta."""
-    state = dict(run.learner.state_dict(), global_step=run.record.global_step, args=asdict(run.args),
-                 torch_rng=torch.get_rng_state(), meta=run.meta)  # fmt: skip
-    atomic_save(state, run.run_dir / "checkpoint.pt")
-
-
-def stop_workers(run: LearnerRun) -> None:
-    """Stop the processes and actor hosts; an error a process sent before the stop is the run's failure, if none yet."""
-    stop_processes(run.procs, run.shared, run.handle, grace=4.0 if run.failure is None else 1.0)
-    run.replay.close()
-    with contextlib.suppress(queue.Empty):
-        run.failure = run.failure or run.shared.error_q.get_nowait()
-
-
 def close_run(run: LearnerRun, interrupted: bool, signals: StopSignals) -> None:
     """With the workers stopped: the final checkpoint, model.pt, TensorBoard point, console line and evaluation (as
     far as the run got; a signal ends the evaluation at once), W&B's end and the error line; exit 1 if the run
     failed, 128 + signum if a signal stopped it."""
-    args, record = run.args, run.record
+    args = run.args
     try:
         if run.failure is None and args.checkpoint_interval:
-            write_checkpoint(run)
+            run.write_checkpoint()
         if run.failure is None and not interrupted and args.save_model:
             atomic_save(run.learner.model.state_dict(), run.run_dir / "model.pt")
     except WriteError as e:
         run.failure = str(e)
     try:
-        record.write(run.learner, run.stats)  # the final step's point, whatever the update count
-        record.console_line(run.learner, run.stats)
+        run.write()  # the final step's point, whatever the update count
+        run.console_line()
         if run.failure is None and not interrupted and args.eval_episodes:
             print(f"evaluating the final policy: {args.eval_episodes} episodes", flush=True)
             model = saved_model(args, run.meta, run.learner.model.state_dict())
@@ -1202,16 +1150,16 @@ def close_run(run: LearnerRun, interrupted: bool, signals: StopSignals) -> None:
                 print("interrupted: shutting down", file=sys.stderr, flush=True)
             signals.raise_stop = False  # a second signal must not cut the writes below
             for i, ret in enumerate(returns):
-                record.writer.add_scalar("eval/episodic_return", ret, record.global_step)
+                run.writer.add_scalar("eval/episodic_return", ret, run.global_step)
                 print(f"eval episode {i}: return {ret:.1f}")
-        record.writer.close()
+        run.writer.close()
     except OSError as e:  # the TensorBoard events file
         run.failure = run.failure or write_error(e, f"the TensorBoard events in {run.run_dir}")
     code = 1 if run.failure else 128 + signals.signum if interrupted else 0
     finish_tracking(run.tracker, run.run_dir, code)
     if run.failure:
         print(run.failure, file=sys.stderr, flush=True)
-    record.progress.summary(record.global_step, code)
+    run.progress.summary(run.global_step, code)
     if code:
         raise SystemExit(code)
 

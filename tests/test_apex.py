@@ -111,7 +111,7 @@ def test_shared_code_is_the_same_in_both_scripts():
 
     dqn, ddpg = definitions(apex_dqn), definitions(apex_ddpg)
     shared = sorted(set(dqn) & set(ddpg) - DIFFERENT)
-    assert {"PrioritizedBuffer", "RemoteReplay", "ActorHost", "new_shared", "LearnerRun", "main"} <= set(shared)
+    assert {"PrioritizedBuffer", "RemoteReplay", "ActorHost", "Shared", "LearnerRun", "main"} <= set(shared)
     assert {"start_tracking", "finish_tracking", "write_run_args", "main_eval_only"} <= set(shared)
     assert [name for name in shared if dqn[name] != ddpg[name]] == []
     assert DIFFERENT <= set(dqn) & set(ddpg)  # no stale entry hides a difference
@@ -185,7 +185,7 @@ def test_min_and_sum_trees_correct_after_updates(m):
 
 
 def make_buffer(m, capacity: int):
-    return m.PrioritizedBuffer(capacity, (2,), torch.float32, (), torch.int64, CTX.Lock()).share_memory_()
+    return m.PrioritizedBuffer(capacity, (2,), torch.float32, (), torch.int64, CTX.Lock())
 
 
 def transitions(m, k: int, tag: float):
@@ -323,7 +323,7 @@ def test_actor_pulls_parameters_every_100_agent_steps_on_atari(monkeypatch):
     m = apex_dqn
     args = m.Args(env_id="ALE/Breakout-v5", num_actors=1, buffer_size=200, actor_batch=50, total_timesteps=200)
     spaces = m.env_spaces(args)
-    shared = m.new_shared(args, CTX, spaces, num_buffers=1, num_total=1, steps_limit=200)
+    shared = m.Shared(args, CTX, spaces, num_buffers=1, num_total=1, steps_limit=200)
     shared.parent_pid = os.getppid()  # the actor runs here: its "main process" is this one's parent
     shared.store.publish(shared.store.flat.clone(), 0)  # all-zero parameters: greedy action 0, finite priorities
     pulled_at, pull = [], shared.store.pull
