@@ -61,7 +61,6 @@ import numpy as np
 import torch
 import tyro
 from torch import nn
-from torch.utils.tensorboard import SummaryWriter
 
 from common.atari import EnvError, check_env_args, check_video, make_env, make_vector_env
 from common.models import LSTMState, make_model
@@ -94,8 +93,8 @@ class Args:
     eval_episodes: int = 0
     """episodes to evaluate the final policy on (logged as eval/episodic_return; --eval-only: 0 plays 10)"""
     eval_greedy: bool = True
-    """evaluate with argmax actions (TorchBeast's test mode); `--no-eval-greedy` samples. An evaluation episode is a
-    full game; TorchBeast's test() ends one at each lost life"""
+    """evaluate with argmax actions (TorchBeast's test mode; `--no-eval-greedy` samples) over full games, where
+    TorchBeast's test() ends an episode at each lost life"""
     eval_only: str | None = None
     """evaluate a saved agent instead of training: a model.pt or checkpoint.pt of a run of this script; env, protocol,
     network and model options (TorchBeast's inputs, the LSTM) come from the run's args.json / checkpoint"""
@@ -442,8 +441,9 @@ class CopyPolicy:
 class BatchedPolicy:
     """PolyBeast's acting: write the inputs to this actor's slot, request, wait for the inference thread."""
 
-    def __init__(self, actor_id: int, slots: Buffers, requests: RequestPipe, sem: Semaphore, use_lstm: bool):
-        self.actor_id, self.slots, self.requests, self.sem, self.use_lstm = actor_id, slots, requests, sem, use_lstm
+    def __init__(self, actor_id: int, server: InferenceServer):
+        self.actor_id, self.server, self.slots = actor_id, server, server.slots
+        self.use_lstm = server.acting.model.core is not None
         self.wait = 0.0  # seconds spent waiting on the inference thread
 
     def lstm_state(self) -> LSTMState | None:
@@ -455,8 +455,8 @@ class BatchedPolicy:
         for k in ("obs", "done", "last_action", "reward"):
             getattr(slots, k)[i, 0] = getattr(b, k)[index, t]
         start = time.perf_counter()
-        self.requests.put(i)
-        while not self.sem.acquire(timeout=1.0):
+        self.server.requests.put(i)
+        while not self.server.sems[i].acquire(timeout=1.0):
             if stop.is_set():
                 raise Stop
         self.wait += time.perf_counter() - start
@@ -467,8 +467,7 @@ class BatchedPolicy:
 def actor_process(
     actor_id: int, args: Args, env_seed: int, b: Buffers, queues: Queues, policy: CopyPolicy | BatchedPolicy
 ) -> None:
-    """An actor process, MonoBeast's `act()`: take a free index, write a rollout and hand it to the learners, until
-    stopped. Its envs hand over raw rewards (the loss clips them, or not)."""
+    """MonoBeast's `act()`: take a free index, write a rollout, hand it to the learners, until stopped; raw rewards."""
     torch.set_num_threads(1)
     torch.manual_seed(env_seed)
     envs = make_vector_env(args.env_id, args.num_envs_per_actor, env_seed, protocol=args.atari_protocol,
@@ -520,8 +519,7 @@ def actor_process(
 
 
 def evaluate(model: nn.Module, args: Args, video_dir: Path, device: torch.device) -> list[float]:
-    """Play `eval_episodes` full games with the final (or --eval-only's saved) policy, true returns; argmax actions
-    with `--eval-greedy` (TorchBeast's test mode), sampled ones otherwise; videos to `video_dir` (--capture-video)."""
+    """The true returns of `eval_episodes` full games, with argmax actions under --eval-greedy (TorchBeast's test)."""
     env = make_env(args.env_id, args.seed + 1_000_003, protocol=args.atari_protocol, capture_video=args.capture_video,
                    video_dir=str(video_dir))  # fmt: skip
     torch.manual_seed(args.seed + 1_000_003)
@@ -549,8 +547,7 @@ def evaluate(model: nn.Module, args: Args, video_dir: Path, device: torch.device
 
 @dataclass
 class InferenceServer:
-    """PolyBeast's dynamic batching in one thread: block for one request, take whatever else is waiting (up to
-    `max_actors` actors), one forward pass, write the outputs to the actors' slots, release each actor."""
+    """PolyBeast's dynamic batching in one thread: every request waiting (up to `max_actors`) in one forward pass."""
 
     acting: ActingModel
     slots: Buffers  # one single-row buffer per actor (Learner.__init__)
@@ -572,10 +569,6 @@ class InferenceServer:
         except BaseException:
             self.failures.append(f"error: inference thread died:\n{traceback.format_exc()}")
             self.stop.set()
-
-    def policy(self, actor_id: int, use_lstm: bool) -> BatchedPolicy:
-        """Actor `actor_id`'s side of the batching: its slot, the request pipe and its semaphore."""
-        return BatchedPolicy(actor_id, self.slots, self.requests, self.sems[actor_id], use_lstm)
 
     def serve(self, ids: list[int]) -> None:
         s, device, k, idx = self.slots, self.device, len(ids), torch.tensor(ids)
@@ -602,9 +595,8 @@ class InferenceServer:
 
 
 def get_batch(buffers: Buffers, queues: Queues, batch_size: int, lock: threading.Lock) -> tuple[Rollouts, list[int]]:
-    """Dequeue `batch_size` indices (under a lock, so two learners never deadlock on half batches), stack the
-    rollouts, and put the indices back on the free queue. Returns (batch, indices)."""
-    with lock:
+    """`batch_size` full rollouts stacked into one batch (a copy), their indices back on the free queue."""
+    with lock:  # two learners never deadlock on half batches
         indices = []
         for _ in range(batch_size):
             index = get_or_stop(queues.full, queues.stop)
@@ -627,16 +619,18 @@ class Learner:
     acting copy of the model and, with batched inference, the inference server's slots, pipe and semaphores."""
 
     def __init__(
-        self, args: Args, spaces: tuple, meta: dict, checkpoint: dict | None, device: torch.device, ctx, run_dir: Path
+        self, args: Args, spaces: tuple, meta: dict, checkpoint: dict | None, steps_per_update: int, run_dir: Path
     ):
         (obs_space, act_space), network = spaces, meta["network"]
         M, N, A = args.num_actors, args.num_envs_per_actor, int(act_space.n)
+        device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
+        ctx = mp.get_context("fork")  # main's Processes too: the actors inherit the buffers, queues and model copy
         self.args, self.meta, self.device, self.run_dir = args, meta, device, run_dir
         self.model = make_model(obs_space, act_space, network, **model_options(args)).to(device)
         self.optimizer = torch.optim.RMSprop(self.model.parameters(), lr=args.learning_rate, alpha=args.rmsprop_alpha,
                                              eps=args.rmsprop_eps, momentum=args.rmsprop_momentum)  # fmt: skip
-        self.steps_per_update = args.unroll_length * args.batch_size * N
-        self.num_updates, self.plan = planned_updates(args.total_timesteps, self.steps_per_update)  # plan: start line
+        self.steps_per_update = steps_per_update
+        self.num_updates, self.plan = planned_updates(args.total_timesteps, steps_per_update)  # plan: start line
         # updates done, and those a learner thread has claimed (each claims one before it batches): under the learn lock
         self.updates, self.global_step = (checkpoint["update"], checkpoint["global_step"]) if checkpoint else (0, 0)
         self.claimed = self.updates
@@ -666,7 +660,7 @@ class Learner:
             self.inference = InferenceServer(
                 self.acting, slots, RequestPipe(), sems, max_actors, device, self.queues.stop, self.failures
             )
-        self.writer: SummaryWriter | None = None  # made once the actors run (its thread is not forked)
+        self.writer = None  # a SummaryWriter, made once the actors run (its thread is not forked)
         self.progress: Progress | None = None  # made with the writer: the start line, console lines and summary
         self.learn_lock, self.batch_lock = threading.Lock(), threading.Lock()
         self.recent_returns: deque[float] = deque(maxlen=50)
@@ -721,8 +715,7 @@ class Learner:
         return True
 
     def log(self, batch: Rollouts, lr: float, lag: float, metrics: dict[str, float], timing: dict[str, float]) -> None:
-        """TensorBoard for this update, the games that ended in its batch included; the console line and a checkpoint
-        when they are due."""
+        """TensorBoard for this update and the games that ended in its batch; the console line and checkpoint if due."""
         step, now, writer = self.global_step, time.time(), self.writer
         sps = (step - self.start[1]) / (now - self.start[0])
         ends = batch.episode_end[1:]  # row 0 repeats the previous rollout's last row
@@ -777,24 +770,22 @@ def main(args: Args) -> None:
         fail(str(e))
     args = replace(args, num_buffers=num_buffers_of(args))
     meta = checkpoint_meta(args, obs_space, act_space)
-    steps_per_update = args.unroll_length * args.batch_size * args.num_envs_per_actor  # the Learner's arithmetic
+    steps_per_update = args.unroll_length * args.batch_size * args.num_envs_per_actor  # validate's arithmetic too
     checkpoint = load_checkpoint(args.resume, meta, args, steps_per_update) if args.resume else None
     run_dir = Path(args.resume).parent if checkpoint else new_run_dir(args)
     write_run_args(run_dir, args, meta)
-    device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
     torch.set_num_threads(args.torch_threads or max(1, (os.cpu_count() or 1) - args.num_actors))
     sys.setswitchinterval(0.0005)  # the inference thread gets the GIL as a request arrives, not after a 5 ms slice
     torch.manual_seed(args.seed)
     torch.backends.cudnn.deterministic = args.torch_deterministic
     torch.use_deterministic_algorithms(args.torch_deterministic, warn_only=True)
 
-    ctx = mp.get_context("fork")
-    learner = Learner(args, (obs_space, act_space), meta, checkpoint, device, ctx, run_dir)
+    learner = Learner(args, (obs_space, act_space), meta, checkpoint, steps_per_update, run_dir)
     queues, inference, N = learner.queues, learner.inference, args.num_envs_per_actor
-    signals, actors, threads = StopSignals(queues.stop), Processes(ctx), []
+    signals, actors, threads = StopSignals(queues.stop), Processes(mp.get_context("fork")), []
     env_seed = args.seed + (1_000_003 * learner.updates if checkpoint else 0)  # shifted on resume: new episodes
     for i in range(args.num_actors):  # env e of actor i is seeded env_seed + N i + e
-        policy = inference.policy(i, args.use_lstm) if inference else CopyPolicy(learner.acting, N)
+        policy = BatchedPolicy(i, inference) if inference else CopyPolicy(learner.acting, N)
         actors.start(f"actor-{i}", actor_process, i, args, env_seed + N * i, learner.buffers, queues, policy)
     try:
         tracker = start_tracking(args, run_dir)  # after the fork: no actor inherits wandb's threads and pipes
@@ -802,7 +793,7 @@ def main(args: Args) -> None:
         learner.progress = Progress(
             run_dir, learner.num_updates * learner.steps_per_update,
             f"{learner.plan}, {args.num_actors} actors x {N} envs, {args.inference} inference, {meta['network']} "
-            f"network{' + LSTM' if args.use_lstm else ''}, {args.num_buffers} buffers, {device}",
+            f"network{' + LSTM' if args.use_lstm else ''}, {args.num_buffers} buffers, {learner.device}",
         )  # fmt: skip
         threads += [threading.Thread(target=learner.run, args=(j,), name=f"learner-{j}", daemon=True)
                     for j in range(args.num_learner_threads)]  # fmt: skip
@@ -829,8 +820,7 @@ def main(args: Args) -> None:
 
 
 def finish(learner: Learner, failure: str | None, signals: StopSignals, threads: list[threading.Thread], tracker=None):
-    """After the workers stopped: final checkpoint and model, the evaluation (a signal ends it), TensorBoard closed,
-    W&B finished, the error line and the run's summary, exit with the run's status."""
+    """After the workers stopped: final checkpoint, model and evaluation (a signal ends it), writers closed, exit."""
     args, signum = learner.args, signals.signum
     if signum:
         print(f"interrupted at step {learner.global_step}: shutting down", file=sys.stderr)

@@ -146,8 +146,8 @@ def test_buffer_protocol_with_real_actors(inference):
     else:
         slots = im.Buffers.allocate(M, 0, 1, (4,), torch.float32, 2, (1, 1))
         requests, sems = im.RequestPipe(), [ctx.Semaphore(0) for _ in range(M)]
-        policies = [im.BatchedPolicy(i, slots, requests, sems[i], use_lstm=False) for i in range(M)]
         server = im.InferenceServer(acting, slots, requests, sems, M, torch.device("cpu"), queues.stop, failures)
+        policies = [im.BatchedPolicy(i, server) for i in range(M)]
         threads.append(threading.Thread(target=server.run, daemon=True))
     actors = [ctx.Process(target=im.actor_process, args=(i, args, 10 + i, buffers, queues, policies[i]), daemon=True)
               for i in range(M)]  # fmt: skip
