@@ -168,9 +168,8 @@ class Args:
 
 
 def gae(rewards, values, dones, next_value, gamma: float, lam: float) -> torch.Tensor:
-    """Generalized advantage estimation (Schulman et al. 2016, Eq. 11-16). rewards, values, dones: [T, B], where
-    dones[t] says the episode ended with transition t (no bootstrap past it); next_value: [B], the value of the
-    observation after the last step. Returns advantages [T, B]."""
+    """Generalized advantage estimation (Schulman et al. 2016, Eq. 11-16), all [T, B]: dones[t] says the episode ended
+    with transition t (no bootstrap past it); next_value [B] is the value of the observation after the last step."""
     T = rewards.shape[0]
     advantages = torch.zeros_like(rewards)
     not_done = 1.0 - dones.to(rewards.dtype)
@@ -186,9 +185,8 @@ def gae(rewards, values, dones, next_value, gamma: float, lam: float) -> torch.T
 def vtrace(
     behaviour_logprob, target_logprob, rewards, values, dones, next_value, gamma, rho_bar, c_bar, pg_rho_bar
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """V-trace targets v_s and policy-gradient advantages (Espeholt et al. 2018, Eq. 1 and Section 4.2). All inputs
-    [T, B] except next_value [B]; the discount is gamma * (1 - dones[t]), so no trace crosses an episode end. Returns
-    (vs [T, B], pg_advantages [T, B]), both without gradient."""
+    """V-trace targets v_s and policy-gradient advantages (Espeholt et al. 2018, Eq. 1, Section 4.2), [T, B] without
+    gradient, as all inputs but next_value [B]. The discount gamma * (1 - dones[t]) stops traces at episode ends."""
     with torch.no_grad():
         ratio = torch.exp(target_logprob - behaviour_logprob)
         rho = ratio.clamp(max=rho_bar)
@@ -272,9 +270,8 @@ def make_optimizer(args: Args, params: Iterable[nn.Parameter]) -> torch.optim.Op
 
 
 def ppo_update(model: nn.Module, data: Rollout, args: Args, generator) -> Iterator[dict[str, torch.Tensor]]:
-    """Cleanba's PPO learner (cleanba_ppo.py `compute_gae`): GAE on the values the actor stored with the rollout and
-    a bootstrap value recomputed with the current parameters, then epochs x shuffled minibatches. Yields each
-    minibatch's losses; the learner takes its gradient step (Learner.step) before the next minibatch is computed."""
+    """Cleanba's PPO learner (cleanba_ppo.py `compute_gae`): GAE on the values the actor stored and a bootstrap value
+    of the current parameters, then epochs x shuffled minibatches, each one's losses yielded for Learner.step."""
     with torch.no_grad():
         _, next_value = model(data.next_obs)
         advantages = gae(data.rewards, data.values, data.dones, next_value, args.gamma, args.gae_lambda)
@@ -293,8 +290,8 @@ def ppo_update(model: nn.Module, data: Rollout, args: Args, generator) -> Iterat
 
 
 def impala_update(model: nn.Module, data: Rollout, args: Args, generator) -> Iterator[dict[str, torch.Tensor]]:
-    """One pass over minibatches of whole unrolls (envs split in `num_minibatches`), V-trace at the current policy.
-    Yields each minibatch's losses; the learner steps on them before the next minibatch is computed."""
+    """One pass over minibatches of whole unrolls (envs split in `num_minibatches`), V-trace at the current policy,
+    each one's losses yielded for Learner.step."""
     T, N = data.rewards.shape
     envs_per_mb = N // args.num_minibatches
     order = torch.randperm(N, generator=generator).to(data.rewards.device)
@@ -493,8 +490,7 @@ class Learner:
             blocking(actor.param_q.put, stop, params)
 
     def train(self, stop: threading.Event) -> tuple[dict[str, float], list[tuple[float, int]]]:
-        """One update; returns its TensorBoard scalars (losses: means over the minibatches; timing: seconds) and the
-        (return, length) of the games that ended in its rollouts."""
+        """One update; returns its TensorBoard scalars and the (return, length) of the games its rollouts ended."""
         if self.args.learner_delay:
             time.sleep(self.args.learner_delay)
         start = time.perf_counter()
@@ -1210,11 +1206,10 @@ def run_error(e: Exception, rank: int, world_size: int) -> str:
 
 
 def leave(code: int, threads: list[threading.Thread], teardown: bool = True) -> None:
-    """Exit with `code`. A thread still inside torch when the interpreter tears down makes C++ static destructors
-    abort the process ("terminate called without an active exception", SIGABRT), so if a worker thread outlived its
-    join, skip the teardown: TensorBoard is closed and checkpoints are written by now. `teardown=False` skips it too,
-    for torchrun ranks: gloo's transport threads outlive destroy_process_group (or the group lost a rank and was never
-    destroyed), and the teardown can abort the same way."""
+    """Exit with `code`, without the interpreter's teardown (TensorBoard is closed and checkpoints written by now) if
+    a worker thread outlived its join or `teardown` is False (torchrun ranks: gloo's transport threads outlive
+    destroy_process_group, or a group that lost a rank): a thread inside torch during the teardown makes C++ static
+    destructors abort the process ("terminate called without an active exception", SIGABRT)."""
     alive = [t.name for t in threads if t.is_alive()]
     if alive:
         print(f"warning: {', '.join(alive)} still running at exit; leaving without interpreter teardown",
