@@ -168,9 +168,8 @@ class Args:
 
 
 def gae(rewards, values, dones, next_value, gamma: float, lam: float) -> torch.Tensor:
-    """Generalized advantage estimation (Schulman et al. 2016, Eq. 11-16). rewards, values, dones: [T, B], where
-    dones[t] says the episode ended with transition t (no bootstrap past it); next_value: [B], the value of the
-    observation after the last step. Returns advantages [T, B]."""
+    """Generalized advantage estimation (Schulman et al. 2016, Eq. 11-16), all [T, B]: dones[t] says the episode ended
+    with transition t (no bootstrap past it); next_value [B] is the value of the observation after the last step."""
     T = rewards.shape[0]
     advantages = torch.zeros_like(rewards)
     not_done = 1.0 - dones.to(rewards.dtype)
@@ -186,9 +185,8 @@ def gae(rewards, values, dones, next_value, gamma: float, lam: float) -> torch.T
 def vtrace(
     behaviour_logprob, target_logprob, rewards, values, dones, next_value, gamma, rho_bar, c_bar, pg_rho_bar
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """V-trace targets v_s and policy-gradient advantages (Espeholt et al. 2018, Eq. 1 and Section 4.2). All inputs
-    [T, B] except next_value [B]; the discount is gamma * (1 - dones[t]), so no trace crosses an episode end. Returns
-    (vs [T, B], pg_advantages [T, B]), both without gradient."""
+    """V-trace targets v_s and policy-gradient advantages (Espeholt et al. 2018, Eq. 1, Section 4.2), [T, B] without
+    gradient, as all inputs but next_value [B]. The discount gamma * (1 - dones[t]) stops traces at episode ends."""
     with torch.no_grad():
         ratio = torch.exp(target_logprob - behaviour_logprob)
         rho = ratio.clamp(max=rho_bar)
@@ -272,9 +270,8 @@ def make_optimizer(args: Args, params: Iterable[nn.Parameter]) -> torch.optim.Op
 
 
 def ppo_update(model: nn.Module, data: Rollout, args: Args, generator) -> Iterator[dict[str, torch.Tensor]]:
-    """Cleanba's PPO learner (cleanba_ppo.py `compute_gae`): GAE on the values the actor stored with the rollout and
-    a bootstrap value recomputed with the current parameters, then epochs x shuffled minibatches. Yields each
-    minibatch's losses; the learner takes its gradient step (Learner.step) before the next minibatch is computed."""
+    """Cleanba's PPO learner (cleanba_ppo.py `compute_gae`): GAE on the values the actor stored and a bootstrap value
+    of the current parameters, then epochs x shuffled minibatches, each one's losses yielded for Learner.step."""
     with torch.no_grad():
         _, next_value = model(data.next_obs)
         advantages = gae(data.rewards, data.values, data.dones, next_value, args.gamma, args.gae_lambda)
@@ -293,8 +290,8 @@ def ppo_update(model: nn.Module, data: Rollout, args: Args, generator) -> Iterat
 
 
 def impala_update(model: nn.Module, data: Rollout, args: Args, generator) -> Iterator[dict[str, torch.Tensor]]:
-    """One pass over minibatches of whole unrolls (envs split in `num_minibatches`), V-trace at the current policy.
-    Yields each minibatch's losses; the learner steps on them before the next minibatch is computed."""
+    """One pass over minibatches of whole unrolls (envs split in `num_minibatches`), V-trace at the current policy,
+    each one's losses yielded for Learner.step."""
     T, N = data.rewards.shape
     envs_per_mb = N // args.num_minibatches
     order = torch.randperm(N, generator=generator).to(data.rewards.device)
@@ -346,16 +343,6 @@ class Params(NamedTuple):
 
     version: int
     flat: torch.Tensor
-
-
-class UpdateRecord(NamedTuple):
-    """What one learner update reports to the log, beside the Learner's update count and global step."""
-
-    policy_lag: int  # (update - 1) - the version of the parameters that collected its rollouts
-    learning_rate: float
-    losses: dict[str, float]  # means over the update's minibatches
-    timing: dict[str, float]  # seconds: rollout_queue_get, param_queue_get (the slowest actor's), train (the update)
-    episodes: list[tuple[float, int]]  # (return, length) of the games that ended in these rollouts
 
 
 @dataclass
@@ -489,7 +476,7 @@ class Learner:
         self.update_rule = ppo_update if args.algo == "ppo" else impala_update
         self.generator = torch.Generator().manual_seed(args.seed * 7919 + rank)
         self.steps_per_update = args.num_envs * args.num_steps * world_size
-        self.num_updates = args.total_timesteps // self.steps_per_update
+        self.num_updates, self.plan = planned_updates(args.total_timesteps, self.steps_per_update)  # plan: in words
         self.update, self.global_step = 0, 0
         if checkpoint:
             model.load_state_dict(checkpoint["model"])
@@ -502,7 +489,8 @@ class Learner:
         for actor in self.actors:
             blocking(actor.param_q.put, stop, params)
 
-    def train(self, stop: threading.Event) -> UpdateRecord:
+    def train(self, stop: threading.Event) -> tuple[dict[str, float], list[tuple[float, int]]]:
+        """One update; returns its TensorBoard scalars and the (return, length) of the games its rollouts ended."""
         if self.args.learner_delay:
             time.sleep(self.args.learner_delay)
         start = time.perf_counter()
@@ -519,13 +507,12 @@ class Learner:
             metrics.append(self.step(losses))
             if stop.is_set():  # an actor died or Ctrl+C: end here (the snapshot is of the last whole update)
                 raise Stop
-        losses = {k: torch.stack([m[k] for m in metrics]).mean().item() for k in metrics[0]}
-        param_wait = max(r.param_wait for r in rollouts)
-        timing = dict(rollout_queue_get=rollout_wait, param_queue_get=param_wait, train=time.perf_counter() - start)
+        scalars = {"charts/policy_lag": (self.update - 1) - rollouts[0].version, "charts/learning_rate": lr}
+        scalars |= {f"losses/{k}": torch.stack([m[k] for m in metrics]).mean().item() for k in metrics[0]}
+        scalars |= {"timing/rollout_queue_get": rollout_wait, "timing/train": time.perf_counter() - start}
+        scalars["timing/param_queue_get"] = max(r.param_wait for r in rollouts)  # the slowest actor's
         self.global_step += self.steps_per_update
-        lag = (self.update - 1) - rollouts[0].version
-        episodes = [episode for r in rollouts for episode in r.episodes]
-        return UpdateRecord(lag, lr, losses, timing, episodes)
+        return scalars, [episode for r in rollouts for episode in r.episodes]
 
     def step(self, losses: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """One optimizer step; returns the detached losses and the gradient norm. Finiteness is checked after the
@@ -555,8 +542,7 @@ class Learner:
 class UpdateLog:
     """Rank 0's record of the run: the start line, every update's scalars to TensorBoard, the console line every
     --log-interval seconds (mean_return: the last 20 finished games), and with --checkpoint-interval a snapshot after
-    every update (`last`), written atomically every interval and once more by end_run unless the run failed (the last
-    good checkpoint then stays as it is); `progress` prints the end-of-run summary."""
+    every update (`last`), written atomically every interval and by `close`; `progress` prints the run's summary."""
 
     def __init__(self, args: Args, run_dir: Path, world_size: int, learner: Learner, network: str):
         self.writer = make_writer(run_dir, args)
@@ -566,34 +552,62 @@ class UpdateLog:
         self.start_time = self.last_print = self.written_at = time.time()
         self.checkpoint = run_dir / "checkpoint.pt" if args.checkpoint_interval else None
         self.last = learner.snapshot() if self.checkpoint else None
-        plan = planned_updates(args.total_timesteps, learner.steps_per_update)[1]  # Learner's num_updates, in words
-        shape = f"an update is {world_size} rank(s) x {args.num_envs} envs x {args.num_steps} steps"
+        plan = f"{learner.plan}; an update is {world_size} rank(s) x {args.num_envs} envs x {args.num_steps} steps"
         mode = f"{'sync' if args.sync else 'cleanba'} {args.algo}, {network} network, {learner.device}"
-        self.progress = Progress(run_dir, learner.num_updates * learner.steps_per_update,
-                                 f"{plan}; {shape}; {mode}")  # fmt: skip
+        self.progress = Progress(run_dir, learner.num_updates * learner.steps_per_update, f"{plan}; {mode}")
 
-    def write(self, r: UpdateRecord, learner: Learner) -> None:
+    def write(self, scalars: dict[str, float], episodes: list[tuple[float, int]], learner: Learner) -> None:
         step = learner.global_step
         sps = (step - self.start_step) / (time.time() - self.start_time)
-        for ret, length in r.episodes:
+        for ret, length in episodes:
             self.writer.add_scalar("charts/episodic_return", ret, step)
             self.writer.add_scalar("charts/episodic_length", length, step)
             self.returns.append(ret)
-        scalars = {"charts/policy_lag": r.policy_lag, "charts/SPS": sps, "charts/learning_rate": r.learning_rate}
-        scalars |= {f"losses/{k}": v for k, v in r.losses.items()} | {f"timing/{k}": v for k, v in r.timing.items()}
-        for tag, value in scalars.items():
+        for tag, value in (scalars | {"charts/SPS": sps}).items():
             self.writer.add_scalar(tag, value, step)
         if time.time() - self.last_print >= self.args.log_interval or learner.update == learner.num_updates:
             mean_return = np.mean(self.returns) if self.returns else math.nan
-            update = f"update={learner.update}/{learner.num_updates} policy_lag={r.policy_lag}"
-            waits = f"rollout_wait={r.timing['rollout_queue_get']:.3f} param_wait={r.timing['param_queue_get']:.3f}"
-            self.progress.line(step, sps, mean_return, f"{update} {waits}")
+            update = f"update={learner.update}/{learner.num_updates} policy_lag={scalars['charts/policy_lag']}"
+            rollout_wait, param_wait = scalars["timing/rollout_queue_get"], scalars["timing/param_queue_get"]
+            self.progress.line(step, sps, mean_return, f"{update} {rollout_wait=:.3f} {param_wait=:.3f}")
             self.last_print = time.time()
         if self.checkpoint is not None:
             self.last = learner.snapshot()
             if time.time() - self.written_at >= self.args.checkpoint_interval:
                 atomic_save(self.last, self.checkpoint)
                 self.written_at = time.time()
+
+    def close(self, model: nn.Module, failure: str | None, finished: bool, signals: StopSignals, device) -> str | None:
+        """After training: the final checkpoint unless the run failed (`failure`, its error line: the last good one
+        stays); if it finished, --save-model and --eval-episodes (a signal ends the evaluation); the writer closed in
+        any case (a torchrun rank leaves with os._exit). Returns `failure` or a failed write's line; never raises."""
+        run_dir = self.progress.run_dir
+        try:
+            if failure is None and self.last is not None:
+                atomic_save(self.last, self.checkpoint)
+            if finished and self.args.save_model:
+                atomic_save(model.state_dict(), run_dir / "model.pt")
+            if finished and self.args.eval_episodes:
+                print(f"evaluating the final policy: {self.args.eval_episodes} episodes", flush=True)
+                try:
+                    signals.interruptible()
+                    returns = evaluate(model, self.args, run_dir / "videos", device)
+                except Interrupted:
+                    print("interrupted during the final evaluation", file=sys.stderr)
+                    returns = []
+                signals.raise_stop = False
+                for i, ret in enumerate(returns):
+                    self.writer.add_scalar("eval/episodic_return", ret, i)
+                    print(f"eval episode {i}: return {ret:.1f}")
+        except WriteError as e:
+            failure = str(e)
+        except OSError as e:
+            failure = write_error(e, f"the TensorBoard events in {run_dir}")
+        try:
+            self.writer.close()
+        except OSError as e:
+            failure = failure or write_error(e, f"the TensorBoard events in {run_dir}")
+        return failure
 
 
 # ---- Main ----
@@ -640,20 +654,18 @@ def main(args: Args) -> None:
     signals, failure = StopSignals(stop), None  # before the start line: a signal after it ends in the summary
     log = UpdateLog(args, run_dir, world_size, learner, meta["network"]) if rank == 0 else None
     remaining = learner.num_updates - learner.update
+    work = (device, remaining, args.sync, stop)  # actor_thread's arguments after its Actor
     threads = [
-        threading.Thread(
-            target=actor_thread, name=f"actor-{a.index}", daemon=True, args=(a, device, remaining, args.sync, stop)
-        )
-        for a in actors
+        threading.Thread(target=actor_thread, args=(a, *work), name=f"actor-{a.index}", daemon=True) for a in actors
     ]
     try:
         learner.publish(stop)  # the parameters of the actors' first rollout
         for thread in threads:
             thread.start()
         for j in range(1, remaining + 1):
-            record = learner.train(stop)
+            scalars, episodes = learner.train(stop)
             if log is not None:
-                log.write(record, learner)
+                log.write(scalars, episodes, learner)
             if stop.is_set():
                 break
             if j <= remaining - (1 if args.sync else 2):  # only parameters an actor will read (it skips its 2nd get)
@@ -679,12 +691,12 @@ def main(args: Args) -> None:
     if finished and world_size > 1:
         failure = ranks_agree(model, rank, world_size)
     if log is not None:  # a signal from here on still sets the exit status; one in the evaluation ends it
-        failure = end_run(args, run_dir, log, model, failure, finished, signals, device)
+        failure = log.close(model, failure, finished, signals, device)
     signals.restore()
     if failure:
         print(failure, file=sys.stderr)
     code = 1 if failure else (128 + signals.signum if signals.signum else 0)
-    finish_tracking(tracker, run_dir, code)  # after end_run closed the writer
+    finish_tracking(tracker, run_dir, code)  # after log.close closed the writer
     if log is not None:
         log.progress.summary(learner.global_step, code)
     leave(code, threads, teardown=world_size == 1)
@@ -1138,39 +1150,6 @@ def evaluate(model: nn.Module, args: Args, video_dir: Path, device: torch.device
     return returns
 
 
-def end_run(args: Args, run_dir: Path, log: UpdateLog, model, failure: str | None, finished: bool, signals, device):
-    """Rank 0 after training: unless the run failed (`failure`, its error line), the final checkpoint; if it finished,
-    --save-model and --eval-episodes (a signal ends the evaluation: the run exits with its status); the writer closed
-    in any case, so the events up to the last update are on disk. Returns the run's error line, `failure` or that of
-    a write that failed (a full disk); never raises, so the shutdown always completes."""
-    try:
-        if failure is None and log.last is not None:
-            atomic_save(log.last, log.checkpoint)
-        if finished and args.save_model:
-            atomic_save(model.state_dict(), run_dir / "model.pt")
-        if finished and args.eval_episodes:
-            print(f"evaluating the final policy: {args.eval_episodes} episodes", flush=True)
-            try:
-                signals.interruptible()
-                returns = evaluate(model, args, run_dir / "videos", device)
-            except Interrupted:
-                print("interrupted during the final evaluation", file=sys.stderr)
-                returns = []
-            signals.raise_stop = False
-            for i, ret in enumerate(returns):
-                log.writer.add_scalar("eval/episodic_return", ret, i)
-                print(f"eval episode {i}: return {ret:.1f}")
-    except WriteError as e:
-        failure = str(e)
-    except OSError as e:
-        failure = write_error(e, f"the TensorBoard events in {run_dir}")
-    try:
-        log.writer.close()
-    except OSError as e:
-        failure = failure or write_error(e, f"the TensorBoard events in {run_dir}")
-    return failure
-
-
 def ranks_agree(model: nn.Module, rank: int, world_size: int) -> str | None:
     """After a finished multi-rank run every rank must hold rank 0's parameters (identical averaged gradients).
     Returns the error line if they diverged; leaves the process group."""
@@ -1203,11 +1182,10 @@ def run_error(e: Exception, rank: int, world_size: int) -> str:
 
 
 def leave(code: int, threads: list[threading.Thread], teardown: bool = True) -> None:
-    """Exit with `code`. A thread still inside torch when the interpreter tears down makes C++ static destructors
-    abort the process ("terminate called without an active exception", SIGABRT), so if a worker thread outlived its
-    join, skip the teardown: TensorBoard is closed and checkpoints are written by now. `teardown=False` skips it too,
-    for torchrun ranks: gloo's transport threads outlive destroy_process_group (or the group lost a rank and was never
-    destroyed), and the teardown can abort the same way."""
+    """Exit with `code`, without the interpreter's teardown (TensorBoard is closed and checkpoints written by now) if
+    a worker thread outlived its join or `teardown` is False (torchrun ranks: gloo's transport threads outlive
+    destroy_process_group, or a group that lost a rank): a thread inside torch during the teardown makes C++ static
+    destructors abort the process ("terminate called without an active exception", SIGABRT)."""
     alive = [t.name for t in threads if t.is_alive()]
     if alive:
         print(f"warning: {', '.join(alive)} still running at exit; leaving without interpreter teardown",

@@ -48,8 +48,8 @@ from cleanba_ppo_impala import (
     Learner,
     NonFiniteLoss,
     Rollout,
+    UpdateLog,
     checkpoint_meta,
-    end_run,
     env_spaces,
     evaluate,
     gae,
@@ -701,15 +701,16 @@ def test_non_finite_loss_stops_and_keeps_last_checkpoint(tmp_path):
     assert len(scalars(only_run_dir(tmp_path))["charts/SPS"]) == checkpoint["update"]  # every update's scalars
 
 
-def test_end_run_after_a_failure_keeps_the_last_checkpoint_and_closes_the_writer(tmp_path):
+def test_closing_the_log_after_a_failure_keeps_the_last_checkpoint_and_closes_the_writer(tmp_path):
     """A torchrun rank leaves with os._exit (leave), so the writer must be closed explicitly, also after a failure;
     the checkpoint of the last good update is left as it is."""
     closed = []
-    log = types.SimpleNamespace(last={"update": 9}, checkpoint=tmp_path / "checkpoint.pt",
+    log = types.SimpleNamespace(args=checked(), progress=types.SimpleNamespace(run_dir=tmp_path), last={"update": 9},
+                                checkpoint=tmp_path / "checkpoint.pt",
                                 writer=types.SimpleNamespace(close=lambda: closed.append(True)))  # fmt: skip
-    assert end_run(checked(), tmp_path, log, nn.Linear(1, 1), "error: boom", False, None, "cpu") == "error: boom"
+    assert UpdateLog.close(log, nn.Linear(1, 1), "error: boom", False, None, "cpu") == "error: boom"
     assert closed == [True] and not log.checkpoint.exists()
-    assert end_run(checked(), tmp_path, log, nn.Linear(1, 1), None, False, None, "cpu") is None  # a signal's stop
+    assert UpdateLog.close(log, nn.Linear(1, 1), None, False, None, "cpu") is None  # a signal's stop
     assert closed == [True, True] and torch.load(log.checkpoint)["update"] == 9
 
 
