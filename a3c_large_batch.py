@@ -191,10 +191,9 @@ def a2c_loss(
 
 
 class SharedRMSprop:
-    """RMSprop without momentum (Table 2), or plain SGD, over a list of parameter tensors, with its statistics in
-    tensors that `share_memory()` moves to shared memory. Hogwild workers call `step` on the shared parameters
-    concurrently and lock-free (Mnih et al. 2016, Section 4: "RMSProp with shared statistics"); the gradient server
-    calls it on its own model. Update: v = alpha v + (1 - alpha) g^2; p -= lr g / (sqrt(v) + eps), the eps *outside*
+    """RMSprop without momentum (Table 2), or plain SGD, with its statistics in tensors that `share_memory()` moves to
+    shared memory: hogwild workers step the shared parameters concurrently and lock-free (Mnih et al. 2016, Section 4:
+    "RMSProp with shared statistics"). v = alpha v + (1 - alpha) g^2; p -= lr g / (sqrt(v) + eps), the eps *outside*
     the square root like torch.optim.RMSprop (GALA is a PyTorch implementation; TensorFlow and baselines put it
     inside, sqrt(v + eps), which with eps = 0.01 damps steps far more)."""
 
@@ -621,8 +620,7 @@ class Run:
         line, the evaluation of the final policy (a signal ends it), the error line. Returns the exit status."""
         args, signals, run_dir = self.args, self.signals, self.progress.run_dir
         if self.shared.grad_q is not None:  # main's view of the shared model: the latest published version
-            with torch.no_grad():
-                copy_flat_into(list(self.model.parameters()), self.shared.published)
+            pull(self.shared, list(self.model.parameters()))
         try:
             if failure is None and args.checkpoint_interval and self.shared.grad_q is None:
                 self.write_checkpoint()
