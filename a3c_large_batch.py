@@ -191,10 +191,9 @@ def a2c_loss(
 
 
 class SharedRMSprop:
-    """RMSprop without momentum (Table 2), or plain SGD, over a list of parameter tensors, with its statistics in
-    tensors that `share_memory()` moves to shared memory. Hogwild workers call `step` on the shared parameters
-    concurrently and lock-free (Mnih et al. 2016, Section 4: "RMSProp with shared statistics"); the gradient server
-    calls it on its own model. Update: v = alpha v + (1 - alpha) g^2; p -= lr g / (sqrt(v) + eps), the eps *outside*
+    """RMSprop without momentum (Table 2), or plain SGD, with its statistics in tensors that `share_memory()` moves to
+    shared memory: hogwild workers step the shared parameters concurrently and lock-free (Mnih et al. 2016, Section 4:
+    "RMSProp with shared statistics"). v = alpha v + (1 - alpha) g^2; p -= lr g / (sqrt(v) + eps), the eps *outside*
     the square root like torch.optim.RMSprop (GALA is a PyTorch implementation; TensorFlow and baselines put it
     inside, sqrt(v + eps), which with eps = 0.01 damps steps far more)."""
 
@@ -270,19 +269,9 @@ class Update(NamedTuple):
     slot: int = 0  # server mode: the worker's gradient slot that holds it
 
 
-class WorkerDone(NamedTuple):
-    """worker -> main, on `log_q` (server mode: through the server, after its last gradient): the budget is spent."""
-
-    worker: int
-
-
-class ServerDone(NamedTuple):
-    """gradient server -> main, on `log_q`: every queued gradient is applied (and the final checkpoint written)."""
-
-
 class SaveCheckpoint(NamedTuple):
     """main -> gradient server, on `grad_q`: write the model and optimizer it owns, with `extra`, to `path` (None: no
-    file); after the `final` one, sent behind the stopped workers' gradients, send ServerDone and return."""
+    file); after the `final` one, sent once the workers exited (behind their last gradients), return."""
 
     path: str | None
     extra: dict  # args, meta, RNG state: what main adds to every checkpoint
@@ -294,13 +283,13 @@ class Shared:
     """Everything the processes share (handed over at process start; tensors and locks live in shared memory)."""
 
     stop: Event  # the run is shutting down
-    log_q: Queue  # -> main: Update, WorkerDone, ServerDone
+    log_q: Queue  # -> main: the applied Updates
     error_q: Queue  # -> main: the error line of a process that fails (run_child)
     steps_claimed: Synchronized  # int64: agent steps handed out to rollouts (the budget counter)
     version: Synchronized  # int64: gradients applied so far (the parameters' version); server: under param_lock
     optimizer: SharedRMSprop | None = None  # hogwild: steps the shared model's parameters, `optimizer.params`
     # server
-    grad_q: Queue | None = None  # workers -> server: Update, WorkerDone; main -> server: SaveCheckpoint
+    grad_q: Queue | None = None  # workers -> server: Update; main -> server: SaveCheckpoint
     grad_slots: torch.Tensor | None = None  # [W, 2, P] shared gradient slots
     free_slots: list[Queue] | None = None  # per worker: its free slot indices (0, 1)
     published: torch.Tensor | None = None  # [P] latest parameters
@@ -447,8 +436,6 @@ def worker_loop(worker: int, args: Args, shared: Shared, device: torch.device) -
             t3 = time.perf_counter()
             timing = dict(pull=t1 - t0, rollout=t2 - t1, train=t3 - t2)
             push(shared, [p.grad for p in params], Update(worker, batch, pulled, 0, lr, stats, episodes, timing))
-        # server mode: through the server, behind this worker's gradients, which main's final SaveCheckpoint follows
-        (shared.log_q if shared.grad_q is None else shared.grad_q).put(WorkerDone(worker))
     finally:
         envs.close()
 
@@ -478,15 +465,12 @@ def gradient_server(model: nn.Module, args: Args, shared: Shared, device: torch.
             global_step += update.steps
             timing = {**update.timing, "server_apply": time.perf_counter() - t0}
             shared.log_q.put(update._replace(version=version, timing=timing))
-        elif isinstance(message, WorkerDone):
-            shared.log_q.put(message)
-        elif isinstance(message, SaveCheckpoint):
+        else:  # SaveCheckpoint
             if message.path is not None:
                 own = dict(model={k: v.cpu() for k, v in model.state_dict().items()}, optimizer=optimizer.state_dict())
                 checkpoint = {**own, "global_step": global_step, "version": shared.version.value, **message.extra}
                 atomic_save(checkpoint, Path(message.path))
-            if message.final:
-                shared.log_q.put(ServerDone())
+            if message.final:  # exit 0 tells main that every gradient is applied and the checkpoint written
                 return
 
 
@@ -511,10 +495,10 @@ def run_child(who: str, error_q: Queue, body, *body_args) -> None:
 
 @dataclass
 class Run:
-    """Main's side of the run once the processes run: the record of what they report on `log_q` (the step count;
-    TensorBoard points: episodes as they end, lag, losses and timings averaged over --log-frequency updates; the console
-    line), checkpoints (written by main in hogwild mode; in server mode by the gradient server, which owns the model and
-    optimizer: main sends it SaveCheckpoint), the watch over the processes and their shutdown."""
+    """Main's side of the run once the processes run: the record of what they report on `log_q` (TensorBoard:
+    episodes as they end; lag, losses and timings averaged over --log-frequency updates; the console line),
+    checkpoints (in server mode written by the gradient server, which owns the model and optimizer: main sends it
+    SaveCheckpoint), the watch over the processes and their shutdown."""
 
     args: Args
     model: nn.Module  # hogwild: the shared model; server: main's view of it
@@ -530,20 +514,10 @@ class Run:
     updates: int = 0
     lr: float = 0.0  # of the latest update
     lag: int = 0  # of the latest update
-    workers_done: set[int] = field(default_factory=set)
-    server_done: bool = False
     returns: deque[float] = field(default_factory=lambda: deque(maxlen=20))
-    sums: dict[str, float] = field(default_factory=dict)  # over the updates since the last TensorBoard point
-    count: int = 0
-    lag_max: int = 0
+    pending: list[dict[str, float]] = field(default_factory=list)  # the updates since the last TensorBoard point
 
-    def handle(self, update: Update | WorkerDone | ServerDone) -> None:
-        if isinstance(update, WorkerDone):
-            self.workers_done.add(update.worker)
-            return
-        if isinstance(update, ServerDone):
-            self.server_done = True
-            return
+    def handle(self, update: Update) -> None:
         self.global_step += update.steps
         self.steps += update.steps
         self.updates += 1
@@ -554,24 +528,21 @@ class Run:
             self.writer.add_scalar("charts/episodic_length", length, self.global_step)
             self.returns.append(ret)
         values = {"charts/policy_lag": self.lag, **{f"losses/{k}": v for k, v in update.losses.items()}}
-        values.update({f"timing/{k}": v for k, v in update.timing.items()})
-        for k, v in values.items():
-            self.sums[k] = self.sums.get(k, 0.0) + v
-        self.count += 1
-        self.lag_max = max(self.lag_max, self.lag)
-        if self.count >= self.args.log_frequency:
+        self.pending.append(values | {f"timing/{k}": v for k, v in update.timing.items()})
+        if len(self.pending) >= self.args.log_frequency:
             self.write()
 
     def write(self) -> None:
         """One TensorBoard point of the averages (and SPS, learning rate) if any update came since the last one."""
-        if not self.count:
+        if not self.pending:
             return
-        for k, v in self.sums.items():
-            self.writer.add_scalar(k, v / self.count, self.global_step)
-        self.writer.add_scalar("charts/policy_lag_max", self.lag_max, self.global_step)
-        self.writer.add_scalar("charts/SPS", self.sps(), self.global_step)
-        self.writer.add_scalar("charts/learning_rate", self.lr, self.global_step)
-        self.sums, self.count, self.lag_max = {}, 0, 0
+        step, n = self.global_step, len(self.pending)
+        for k in self.pending[0]:
+            self.writer.add_scalar(k, sum(p[k] for p in self.pending) / n, step)
+        self.writer.add_scalar("charts/policy_lag_max", max(p["charts/policy_lag"] for p in self.pending), step)
+        self.writer.add_scalar("charts/SPS", self.sps(), step)
+        self.writer.add_scalar("charts/learning_rate", self.lr, step)
+        self.pending = []
 
     def drain(self, timeout: float) -> None:
         """Handle every message on `log_q`, waiting up to `timeout` seconds for the first."""
@@ -589,6 +560,10 @@ class Run:
                 self.drain(0.2)
             except OSError:
                 time.sleep(0.2)
+
+    def workers_running(self) -> bool:
+        """A worker exits once its budget is spent and what it queued is in the pipe (or once the run stops)."""
+        return any(p.is_alive() for name, p in self.processes.procs.items() if name.startswith("worker"))
 
     def sps(self) -> float:
         return self.steps / max(1e-9, time.time() - self.start_time)
@@ -621,18 +596,17 @@ class Run:
         if interrupted:
             print("interrupted: shutting down", file=sys.stderr, flush=True)
         shared.stop.set()
-        workers = [p for name, p in self.processes.procs.items() if name.startswith("worker")]
         # after a death the wait is short: a process killed while writing to a queue leaves its lock held, and the
         # others' exits would hang on it
-        self.drain_while(lambda: any(p.is_alive() for p in workers), 4.0 if failure is None else 1.0)
+        self.drain_while(self.workers_running, 4.0 if failure is None else 1.0)
         failure = failure or self.failure_line()
         server = self.processes.procs.get("gradient server")
         if server is not None and failure is None:
             path = str(self.progress.run_dir / "checkpoint.pt") if self.args.checkpoint_interval else None
-            shared.grad_q.put(SaveCheckpoint(path, self.extra, final=True))  # behind the stopped workers' gradients
+            shared.grad_q.put(SaveCheckpoint(path, self.extra, final=True))  # behind the exited workers' gradients
             wait = 5.0 if interrupted else 60.0  # the final checkpoint of a finished run may take a while to write
-            self.drain_while(lambda: not self.server_done and server.is_alive(), wait)
-            if not self.server_done:
+            self.drain_while(server.is_alive, wait)
+            if server.exitcode != 0:  # 0: every gradient applied, the final checkpoint written
                 failure = self.failure_line() or "error: the gradient server did not finish; stopping"
         killed = self.processes.stop(grace=1.0)
         with contextlib.suppress(OSError):  # the events file's error, if any, is reported by finish
@@ -646,8 +620,7 @@ class Run:
         line, the evaluation of the final policy (a signal ends it), the error line. Returns the exit status."""
         args, signals, run_dir = self.args, self.signals, self.progress.run_dir
         if self.shared.grad_q is not None:  # main's view of the shared model: the latest published version
-            with torch.no_grad():
-                copy_flat_into(list(self.model.parameters()), self.shared.published)
+            pull(self.shared, list(self.model.parameters()))
         try:
             if failure is None and args.checkpoint_interval and self.shared.grad_q is None:
                 self.write_checkpoint()
@@ -729,7 +702,7 @@ def main(args: Args) -> None:
     run = Run(args, model, shared, processes, signals, extra, make_writer(run_dir, args), progress, start_step)
     failure, last_print, last_checkpoint = None, time.time(), time.time()
     try:  # log what the workers report, print the console line, write checkpoints and watch the processes
-        while len(run.workers_done) < workers and not signals.stop.is_set():
+        while run.workers_running() and not signals.stop.is_set():
             run.drain(0.5)
             if failure := run.failure_line():
                 break

@@ -51,7 +51,6 @@ import a3c_large_batch as a3c
 from a3c_large_batch import (
     Args,
     SaveCheckpoint,
-    ServerDone,
     Shared,
     SharedRMSprop,
     Update,
@@ -239,12 +238,10 @@ def test_server_applies_every_gradient_exactly_once_and_versions_count_them():
     for p in workers:
         p.join(timeout=30)
         assert p.exitcode == 0
-    shared.grad_q.put(SaveCheckpoint(None, {}, final=True))
-    records = []
-    while not isinstance(message := shared.log_q.get(timeout=30), ServerDone):
-        records.append(message)
+    shared.grad_q.put(SaveCheckpoint(None, {}, final=True))  # the server returns once it applied all before it
+    records = [shared.log_q.get(timeout=30) for _ in range(2 * pushes)]
     server.join(timeout=30)
-    assert server.exitcode == 0
+    assert server.exitcode == 0 and shared.log_q.empty()  # it reported each gradient once, and nothing else
     assert [r.version for r in records] == list(range(1, 2 * pushes + 1))  # version + 1 per applied gradient
     applied = sorted((r.losses["worker"], r.losses["push"]) for r in records)
     assert applied == [(w, k) for w in range(2) for k in range(pushes)]  # each exactly once
