@@ -1169,7 +1169,7 @@ def validate(args: Args) -> str | None:
         return "--capture-video records the evaluation episodes; add --eval-episodes N (N >= 1)"
     if args.resume is not None and args.eval_only is not None:
         return "--eval-only trains nothing, so --resume would be ignored: give one of them"
-    if args.eval_only is not None:  # env, network and model are the saved run's: load_for_eval checks them
+    if args.eval_only is not None:  # env, network and model are the saved run's: main_eval_only checks them
         return None
     try:
         act_space = env_spaces(args)[1]  # an unknown env id: an EnvError that suggests close matches

@@ -1589,7 +1589,7 @@ def validate(args: Args, world_size: int = 1) -> str | None:
         return error
     if not args.hidden_sizes or min(args.hidden_sizes) < 1:
         return f"--hidden-sizes must be one or more positive widths, got {args.hidden_sizes}"
-    if args.eval_only is not None:  # env and network come from the saved run: load_for_eval checks them
+    if args.eval_only is not None:  # env and network come from the saved run: main_eval_only checks them
         if world_size > 1:
             return f"--eval-only runs in one process: python {Path(__file__).name} --eval-only PATH, without torchrun"
         return None if Path(args.eval_only).is_file() else f"--eval-only {args.eval_only}: no such file"

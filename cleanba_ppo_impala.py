@@ -1092,7 +1092,7 @@ def validate(args: Args, world_size: int) -> str | None:
         return f"--resume {args.resume}: no such checkpoint file"
     if args.eval_only is not None and world_size > 1:
         return "--eval-only runs in one process: python cleanba_ppo_impala.py --eval-only PATH, without torchrun"
-    if args.eval_only is not None:  # the env and the network are the saved run's: load_for_eval checks them
+    if args.eval_only is not None:  # the env and the network are the saved run's: main_eval_only checks them
         return None if Path(args.eval_only).is_file() else f"--eval-only {args.eval_only}: no such file"
     try:
         space = env_spaces(args)[1]  # an unknown env id: make_vector_env's error line suggests close matches
