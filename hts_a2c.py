@@ -866,12 +866,6 @@ def atomic_save(obj, path: Path) -> None:
         raise WriteError(write_error(e, path)) from None
 
 
-def duration(seconds: float) -> str:
-    """A console time: 2h05m, 3m07s or 42s."""
-    s = round(seconds)
-    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
-
-
 def planned_updates(total_timesteps: int, steps_per_update: int) -> tuple[int, str]:
     """The number of updates a budget holds, and the start line's words for it: a budget that is not a whole number
     of updates says the agent steps it runs instead."""
@@ -880,6 +874,12 @@ def planned_updates(total_timesteps: int, steps_per_update: int) -> tuple[int, s
     if n * steps_per_update != total_timesteps:
         plan += f" = {n * steps_per_update:,} agent steps: --total-timesteps {total_timesteps:,} is not whole updates"
     return n, plan
+
+
+def duration(seconds: float) -> str:
+    """A console time: 2h05m, 3m07s or 42s."""
+    s = round(seconds)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
 
 
 class Progress:
