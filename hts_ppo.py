@@ -6,9 +6,9 @@ Who runs where (Fig. 1e, Fig. 2d): the learner (main process), E executors and A
   actor (whichever is free): e <- `requests`, forwards the published policy on e's obs, samples with e's uniforms
       (inverse CDF) -> action buffer + policy version, wakes pipe e
   executor e: steps its envs, (obs, action, reward, done, version) -> storage j % 2; after alpha = sync_interval
-      steps CollectionDone(j) -> `results` queue, then waits for Command(j + 1) on `commands[e]`
+      steps CollectionDone(j) -> `results` queue, then waits for j + 1 on `commands[e]`
   learner: waits for every executor's CollectionDone(j) (batch synchronization), publishes theta_j, sends
-      Command(j + 1) (into storage (j + 1) % 2) and learns from storage j % 2 meanwhile.
+      j + 1 (collect into storage (j + 1) % 2) and learns from storage j % 2 meanwhile.
 
 Delayed update (Eq. 6 for PPO): theta_{j+1} = theta_j + Delta(theta_{j-1}, D^{theta_{j-1}}): PPO's epochs of clipped-
 surrogate minibatch steps (Adam) run on a copy of the behavior parameters theta_{j-1} that collected the data (so
@@ -24,7 +24,6 @@ seed, num_envs, num_executors, sync_interval and --sync, whatever num_actors and
     python hts_ppo.py --env-id ALE/Breakout-v5
     python hts_ppo.py --env-id CartPole-v1 --num-envs 8 --num-executors 8 --num-actors 2 --total-timesteps 200000
     python hts_ppo.py --env-id ALE/Breakout-v5 --sync  # the synchronous PPO baseline
-    python hts_ppo.py --env-id ALE/Breakout-v5 --save-model --track  # logged to Weights & Biases
     python hts_ppo.py --eval-only runs/<run>/model.pt --eval-episodes 10 --capture-video
 """
 
@@ -48,7 +47,6 @@ import math
 import multiprocessing.connection
 import os
 import queue
-import random
 import threading
 import time
 import traceback
@@ -187,12 +185,9 @@ def gae(rewards: torch.Tensor, dones: torch.Tensor, values: torch.Tensor, gamma:
 def ppo_loss(logits: torch.Tensor, values: torch.Tensor, actions: torch.Tensor, old_log_probs: torch.Tensor,
              advantages: torch.Tensor, returns: torch.Tensor, clip_coef: float, vf_coef: float, ent_coef: float,
              old_values: torch.Tensor | None = None) -> dict[str, torch.Tensor]:  # fmt: skip
-    """PPO clipped surrogate (Schulman et al. 2017, Eq. 7) on a minibatch: logits [M, A], the rest [M].
-
-    Advantages are normalized per minibatch (as in CleanRL's ppo_atari). The value loss is 0.5 (R - V)^2, or, given
-    the behavior policy's values `old_values` [M], the clipped 0.5 max((V - R)^2, (V_old + clip(V - V_old, -eps, eps)
-    - R)^2) with eps = clip_coef, as in Kostrikov's PPO (use_clipped_value_loss) on which HTS-RL's code builds.
-    """
+    """PPO clipped surrogate (Schulman et al. 2017, Eq. 7) on a minibatch: logits [M, A], the rest [M]. Advantages
+    are normalized per minibatch (CleanRL's ppo_atari); given the behavior policy's values `old_values`, the value loss
+    is clipped around them (--clip-vloss: Kostrikov's PPO, use_clipped_value_loss, on which HTS-RL's code builds)."""
     log_probs = torch.log_softmax(logits, dim=-1)  # [M, A]
     new_log_probs = log_probs.gather(1, actions.long().unsqueeze(1)).squeeze(1)  # [M]
     log_ratio = new_log_probs - old_log_probs
@@ -293,14 +288,6 @@ class Rollout(NamedTuple):
     dones: torch.Tensor  # dones[t]: the episode ended with transition t
 
 
-class Command(NamedTuple):
-    """Learner -> executor (its `commands` queue): collect rollout `collection` into storage `storage`."""
-
-    collection: int  # j: the update that learns from it
-    storage: int  # j % 2
-    base_step: int  # global step at its start
-
-
 class Episode(NamedTuple):
     step: int  # global step at which it ended
     episodic_return: float
@@ -381,7 +368,7 @@ def run_worker(results: Queue, body: Callable, *body_args) -> None:
 
 def executor(eid: int, args: Args, shared: Shared, commands: SimpleQueue, requests: SimpleQueue,
              action_conn: Connection, lockstep: Barrier | None, results: Queue) -> None:  # fmt: skip
-    """Step this executor's envs for `sync_interval` steps per Command, writing transitions into the storage it names.
+    """Step this executor's envs for `sync_interval` steps per collection j from `commands`, into storage j % 2.
     `lockstep` (a barrier of all executors, `--sync` only) makes every env step wait for the slowest one (alpha = 1)."""
     k = args.num_envs // args.num_executors
     lo, hi = eid * k, (eid + 1) * k
@@ -391,11 +378,11 @@ def executor(eid: int, args: Args, shared: Shared, commands: SimpleQueue, reques
     rngs = None
     while True:
         start = time.perf_counter()
-        command = commands.get()  # the batch-synchronization point: wait for the learner's go
+        j = commands.get()  # the batch-synchronization point: wait for the learner's go
         wait_learner = time.perf_counter() - start
-        if command is None:
+        if j is None:
             break
-        j, s = command.collection, command.storage
+        s = j % 2
         if rngs is None:  # per-env generators: sampling does not depend on how envs are split among executors
             rngs = [np.random.default_rng([args.seed, i, j]) for i in range(lo, hi)]
         episodes, wait_actors, wait_lockstep = [], 0.0, 0.0
@@ -415,7 +402,7 @@ def executor(eid: int, args: Args, shared: Shared, commands: SimpleQueue, reques
             shared.storage_collections[s, t, lo:hi] = j
             shared.storage_rewards[s, t, lo:hi] = torch.from_numpy(reward)
             shared.storage_dones[s, t, lo:hi] = torch.from_numpy((terminated | truncated).astype(np.float32))
-            step = command.base_step + (t + 1) * args.num_envs
+            step = (j * args.sync_interval + t + 1) * args.num_envs  # every update is one collection of all envs
             episodes += [Episode(step, r, n) for r, n in finished_episodes(info)]
             if lockstep is not None:
                 start = time.perf_counter()
@@ -459,7 +446,7 @@ class Workers:
         E, self.num_actors, self.num_collections = args.num_executors, args.num_actors, num_collections
         self.results: Queue = ctx.Queue()  # CollectionDone and WorkerFailed messages
         self.requests: SimpleQueue = ctx.SimpleQueue()  # ids of executors waiting for actions; None stops an actor
-        self.commands: list[SimpleQueue] = [ctx.SimpleQueue() for _ in range(E)]  # Commands; None stops an executor
+        self.commands: list[SimpleQueue] = [ctx.SimpleQueue() for _ in range(E)]  # collections j; None stops
         # kept for the run, not only passed on: a spawned child rebuilds the barrier's semaphore from its name, which
         # is gone once the parent drops it
         self.pipes = [ctx.Pipe(duplex=False) for _ in range(E)]  # (executor end, actor end): "your actions are ready"
@@ -473,11 +460,11 @@ class Workers:
             self.processes.start(f"actor {a}", run_worker, self.results, actor, a, args, shared, self.requests,
                                  action_conns)  # fmt: skip
 
-    def start_collection(self, j: int, base_step: int) -> None:
+    def start_collection(self, j: int) -> None:
         """Start collection j into storage j % 2, if the run has one."""
         if j < self.num_collections:
             for q in self.commands:
-                q.put(Command(j, j % 2, base_step))
+                q.put(j)
 
     def wait_collection(self, j: int, stop: threading.Event) -> tuple[list[Episode], dict[str, float]]:
         """Block until every executor finished collection j (the batch synchronization): its episodes in step order (not
@@ -486,10 +473,9 @@ class Workers:
         while len(done) < E:
             if stop.is_set():
                 raise Stop
-            try:
+            message = None
+            with contextlib.suppress(queue.Empty):
                 message = self.results.get(timeout=0.5)
-            except queue.Empty:
-                message = None
             if isinstance(message, WorkerFailed):
                 raise Stop(f"{message.worker} failed:\n{message.traceback}")
             if died := self.processes.failed():  # a killed actor leaves the others running: check every time
@@ -516,48 +502,33 @@ class Workers:
 # ---- Learner ---------------------------------------------------------------------------------------------------------
 
 
-@dataclass
 class Learner:
-    """The main process's parameters, optimizer and counters: what a checkpoint holds besides args and RNG states."""
+    """The main process's parameters, optimizer and counters: what a checkpoint holds besides args and RNG state."""
 
-    target: nn.Module  # theta_j: the policy updated and published
-    behavior: nn.Module  # theta_{j-1}, which collected the data being learned: the optimizer steps here
-    optimizer: torch.optim.Optimizer
-    global_step: int = 0
-    update: int = 0  # updates applied = version of `target` = the collection learned from next
-
-    @classmethod
-    def create(cls, args: Args, spaces: tuple[gym.Space, gym.Space], device: torch.device,
-               checkpoint: dict | None) -> Learner:  # fmt: skip
-        target = make_model(*spaces, args.network).to(device)
-        behavior = copy.deepcopy(target)
-        learner = cls(target, behavior, make_optimizer(behavior, args))
+    def __init__(self, args: Args, spaces: tuple[gym.Space, gym.Space], device: torch.device, checkpoint: dict | None):
+        self.target = make_model(*spaces, args.network).to(device)  # theta_j: the policy updated and published
+        self.behavior = copy.deepcopy(self.target)  # theta_{j-1}, which collected the data: the optimizer steps here
+        self.optimizer = make_optimizer(self.behavior, args)
+        self.global_step, self.update = 0, 0  # update: updates applied = version of `target` = next collection
         if checkpoint is not None:
-            target.load_state_dict(checkpoint["model"])
-            behavior.load_state_dict(checkpoint["model"])
-            learner.optimizer.load_state_dict(checkpoint["optimizer"])
-            learner.global_step, learner.update = checkpoint["global_step"], checkpoint["update"]
+            self.target.load_state_dict(checkpoint["model"])
+            self.behavior.load_state_dict(checkpoint["model"])
+            self.optimizer.load_state_dict(checkpoint["optimizer"])
+            self.global_step, self.update = checkpoint["global_step"], checkpoint["update"]
             torch.set_rng_state(checkpoint["rng"]["torch"])
-            random.setstate(checkpoint["rng"]["python"])
-        return learner
 
     def step(self, batch: Rollout, lr: float, args: Args) -> dict[str, float]:
-        """Learn from `batch`, collected by the parameters in `behavior`: a delayed update of `target` (Eq. 6), or with
-        --sync (behavior == target) a plain update of the current parameters."""
+        """Learn from `batch`, collected by the parameters in `behavior`: a delayed update of `target` (Eq. 6). With
+        --sync, behavior == target, so this is a plain update of the current parameters (up to rounding)."""
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        if not args.sync:
-            return delayed_update(self.target, self.behavior, lambda: learn(self.behavior, self.optimizer, batch, args))
-        stats = learn(self.behavior, self.optimizer, batch, args)
-        self.target.load_state_dict(self.behavior.state_dict())
-        return stats
+        return delayed_update(self.target, self.behavior, lambda: learn(self.behavior, self.optimizer, batch, args))
 
     def save(self, path: Path, args: Args, meta: dict) -> None:
         """Write everything needed to continue the run (atomically); executors reseed per collection."""
-        rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
         atomic_save({"model": self.target.state_dict(), "optimizer": self.optimizer.state_dict(),
-                     "global_step": self.global_step, "update": self.update, "rng": rng, "args": asdict(args),
-                     "meta": meta}, path)  # fmt: skip
+                     "global_step": self.global_step, "update": self.update,
+                     "rng": {"torch": torch.get_rng_state()}, "args": asdict(args), "meta": meta}, path)  # fmt: skip
 
 
 class Record:
@@ -619,11 +590,8 @@ def fixed_mmap_threshold(nbytes: int = 4 << 20) -> None:
     """Serve allocations >= nbytes with mmap, returned to the OS when freed. glibc's default threshold grows up to 32
     MiB after such frees, and the learner's float frames and activations would then pile up in the heap: its RSS
     would creep up over a long run."""
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL("libc.so.6").mallopt(-3, nbytes)  # M_MMAP_THRESHOLD; also turns off the dynamic threshold
-        except (OSError, AttributeError):  # not glibc
-            pass
+    with contextlib.suppress(OSError, AttributeError):  # not Linux's glibc
+        ctypes.CDLL("libc.so.6").mallopt(-3, nbytes)  # M_MMAP_THRESHOLD; also turns off the dynamic threshold
 
 
 # ---- Main ------------------------------------------------------------------------------------------------------------
@@ -641,7 +609,6 @@ def main(args: Args) -> None:
     checkpoint = load_checkpoint(args.resume, meta, args, steps_per_collection) if args.resume else None
     run_dir = Path(args.resume).resolve().parent if args.resume else new_run_dir(args)
     write_run_args(run_dir, args, meta)
-    random.seed(args.seed)
     torch.manual_seed(args.seed)
     torch.backends.cudnn.deterministic = args.torch_deterministic
     device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
@@ -649,7 +616,7 @@ def main(args: Args) -> None:
     torch.set_num_threads(args.torch_threads or max(1, (os.cpu_count() or 1) - args.num_executors - args.num_actors))
     fixed_mmap_threshold()  # inherited by the workers
 
-    learner = Learner.create(args, spaces, device, checkpoint)
+    learner = Learner(args, spaces, device, checkpoint)
     shared = Shared(args, spaces[0], learner.target, learner.update)
     num_collections, plan = planned_updates(args.total_timesteps, steps_per_collection)
     signals = StopSignals(threading.Event())
@@ -662,7 +629,7 @@ def main(args: Args) -> None:
         tracker = start_tracking(args, run_dir)  # after the forks: no worker inherits wandb's threads and pipes
         writer = make_writer(run_dir, args)
         record, last_checkpoint = Record(writer, args, learner.global_step, num_collections, progress), time.time()
-        workers.start_collection(learner.update, learner.global_step)
+        workers.start_collection(learner.update)
         while learner.update < num_collections:
             j = learner.update
             episodes, timing = workers.wait_collection(j, signals.stop)
@@ -672,7 +639,7 @@ def main(args: Args) -> None:
             learner.behavior.load_state_dict(shared.policy.state_dict())
             if not args.sync:  # HTS-RL: publish theta_j, executors fill the other storage while we learn from this one
                 shared.publish(learner.target, learner.update)
-                workers.start_collection(j + 1, learner.global_step + steps_per_collection)
+                workers.start_collection(j + 1)
             lr = args.learning_rate * (1.0 - j / num_collections if args.anneal_lr else 1.0)
             learn_start = time.perf_counter()
             losses = learner.step(batch, lr, args)
@@ -683,7 +650,7 @@ def main(args: Args) -> None:
             learner.global_step += steps_per_collection
             if args.sync:  # the executors waited for the new parameters
                 shared.publish(learner.target, learner.update)
-                workers.start_collection(j + 1, learner.global_step)
+                workers.start_collection(j + 1)
             record.update(learner, losses, charts, timing | {"actor_wait_requests": shared.actor_wait.mean().item()})
             if args.checkpoint_interval > 0 and time.time() - last_checkpoint >= args.checkpoint_interval:
                 learner.save(checkpoint_path, args, meta)

@@ -657,8 +657,8 @@ def test_resume_with_no_whole_update_left_is_refused(module, tmp_path, capsys):
 def test_hts_ppo_refuses_an_hts_a2c_checkpoint_before_starting(tmp_path, capsys):
     args = hts_a2c.Args(env_id="CartPole-v1", num_envs=4)
     spaces = hts_a2c.env_spaces(args)
-    model = make_model(*spaces, "auto")
-    learner = hts_a2c.Learner(model, model, hts_a2c.make_optimizer(model, args), global_step=4096, update=32)
+    learner = hts_a2c.Learner(args, spaces, torch.device("cpu"), None)
+    learner.global_step, learner.update = 4096, 32
     path = tmp_path / "checkpoint.pt"
     learner.save(path, args, hts_a2c.checkpoint_meta(args, *spaces))
     before = path.read_bytes()
