@@ -461,11 +461,15 @@ class Learner:
             torch.set_rng_state(checkpoint["rng"]["torch"])
 
     def step(self, batch: Rollout, lr: float, args: Args) -> dict[str, float]:
-        """Learn from `batch`, collected by the parameters in `behavior`: a delayed update of `target` (Eq. 6). With
-        --sync, behavior == target, so this is a plain update of the current parameters (up to rounding)."""
+        """Learn from `batch`, collected by the parameters in `behavior`: a delayed update of `target` (Eq. 6), or with
+        --sync (behavior == target) a plain update of the current parameters."""
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        return delayed_update(self.target, self.behavior, lambda: learn(self.behavior, self.optimizer, batch, args))
+        if not args.sync:
+            return delayed_update(self.target, self.behavior, lambda: learn(self.behavior, self.optimizer, batch, args))
+        stats = learn(self.behavior, self.optimizer, batch, args)
+        self.target.load_state_dict(self.behavior.state_dict())
+        return stats
 
     def save(self, path: Path, args: Args, meta: dict) -> None:
         """Write everything needed to continue the run (atomically); executors reseed per collection."""
