@@ -193,14 +193,13 @@ def sample_actions(logits: torch.Tensor, generator: torch.Generator) -> torch.Te
 
 
 class Losses(NamedTuple):
-    """What an A2C update minimises, and its gradient norm (the losses/ tags): tensors in the update, floats (means
-    over iterations) in a Record."""
+    """The losses/ tags of one update (tensors), with the gradient norm once the backward pass has run."""
 
-    total_loss: torch.Tensor | float
-    policy_loss: torch.Tensor | float
-    value_loss: torch.Tensor | float
-    entropy: torch.Tensor | float
-    grad_norm: torch.Tensor | float | None = None  # known after the backward pass
+    total_loss: torch.Tensor
+    policy_loss: torch.Tensor
+    value_loss: torch.Tensor
+    entropy: torch.Tensor
+    grad_norm: torch.Tensor | None = None
 
 
 def a2c_loss(logits, values, actions, returns, ent_coef: float, vf_coef: float) -> Losses:
@@ -292,8 +291,7 @@ def unflatten_into(tensors: list[torch.Tensor], flat: torch.Tensor) -> None:
 
 
 class Record(NamedTuple):
-    """A learner's summary of its iterations since its previous record (learner -> main process, or to rank 0's
-    charts under torchrun)."""
+    """A learner's summary of its iterations since its previous record (-> the main process, or rank 0's charts)."""
 
     learner: int
     steps: int  # agent steps of these iterations (under torchrun: summed over the ranks before logging)
@@ -328,7 +326,6 @@ class Mix(NamedTuple):
     mixed: bool
     waited: float
     lags: tuple[int, ...] = ()
-    stopped: bool = False  # the run stopped while this learner waited for its in-peers
 
 
 class GossipEndpoint:
@@ -444,10 +441,7 @@ class SharedMemoryEndpoint(GossipEndpoint):
 # A torchrun gossip message is [P + 2]: the parameters, then a flag and the sender's iteration (exact in float32 below
 # 2^24 iterations). Flags: 0 an ordinary message, SENT_AT_SYNC sent right before a sync point (where the sender now
 # waits for the other ranks), SENT_LAST the sender's last message (it finished its run).
-FLAG = 0  # offsets after the parameters
-STAMP = 1
-SENT_AT_SYNC = 1.0
-SENT_LAST = 2.0
+SENT_AT_SYNC, SENT_LAST = 1.0, 2.0
 
 
 class DistributedEndpoint(GossipEndpoint):
@@ -466,55 +460,51 @@ class DistributedEndpoint(GossipEndpoint):
         self.stamps = [0] * num_peers
         self.fresh, self.done = [False] * num_peers, [False] * num_peers
         self.parked = [False] * num_peers  # the in-peer's newest message came from a sync point, where it now waits
-        self.snapshot = torch.zeros(numel + 2, device=device)
-        self.pending = False
-        self.errors: list[str] = []
-        self.threads = [threading.Thread(target=self._send_loop, name="gossip-send", daemon=True)]
-        self.threads += [
-            threading.Thread(target=self._recv_loop, args=(k, j), name=f"gossip-recv-{j}", daemon=True)
-            for k, j in enumerate(self.in_peers(0))
-        ]
+        self.snapshot, self.pending = torch.zeros(numel + 2, device=device), False
+        self.errors: list[str] = []  # tracebacks of the threads, raised in the learner's thread (check)
+        loops = {"gossip-send": (self._send_loop,)}
+        loops |= {f"gossip-recv-{j}": (self._recv_loop, k, j) for k, j in enumerate(self.in_peers(0))}
+        self.threads = [threading.Thread(target=self._guarded, args=a, name=n, daemon=True) for n, a in loops.items()]
         for t in self.threads:
             t.start()
 
-    def _send_loop(self) -> None:
-        out = torch.zeros(self.numel + 2, device=self.device)
+    def _guarded(self, loop, *args) -> None:
         try:
-            while True:
-                with self.cond:
-                    while not self.pending:
-                        self.cond.wait()
-                    out.copy_(self.snapshot)
-                    self.pending = False
-                for dst in ((self.learner + s) % self.n for s in peer_offsets(self.n, self.num_peers)):
-                    dist.send(out, dst=dst, group=self.group)
-                if out[self.numel + FLAG].item() == SENT_LAST:
-                    return
+            loop(*args)
         except BaseException:
             self.errors.append(traceback.format_exc())
 
+    def check(self) -> None:
+        if self.errors:
+            raise RuntimeError(f"gossip thread died:\n{self.errors[0]}")
+
+    def _send_loop(self) -> None:
+        out = torch.zeros(self.numel + 2, device=self.device)
+        while out[self.numel].item() != SENT_LAST:
+            with self.cond:
+                while not self.pending:
+                    self.cond.wait()
+                out.copy_(self.snapshot)
+                self.pending = False
+            for dst in ((self.learner + s) % self.n for s in peer_offsets(self.n, self.num_peers)):
+                dist.send(out, dst=dst, group=self.group)
+
     def _recv_loop(self, k: int, src: int) -> None:
         buf = torch.zeros(self.numel + 2, device=self.device)
-        try:
-            while True:
-                dist.recv(buf, src=src, group=self.group)
-                tail = buf[self.numel :].tolist()
-                flag, stamp = tail[FLAG], tail[STAMP]
-                with self.cond:
-                    self.latest[k].copy_(buf[: self.numel])
-                    self.fresh[k], self.stamps[k] = True, int(stamp)
-                    self.done[k], self.parked[k] = flag == SENT_LAST, flag == SENT_AT_SYNC
-                    self.cond.notify_all()
-                if self.done[k]:
-                    return
-        except BaseException:
-            self.errors.append(traceback.format_exc())
+        while not self.done[k]:
+            dist.recv(buf, src=src, group=self.group)
+            flag, stamp = buf[self.numel :].tolist()
+            with self.cond:
+                self.latest[k].copy_(buf[: self.numel])
+                self.fresh[k], self.stamps[k] = True, int(stamp)
+                self.done[k], self.parked[k] = flag == SENT_LAST, flag == SENT_AT_SYNC
+                self.cond.notify_all()
 
     def publish(self, x: torch.Tensor, iteration: int, at_sync: bool = False, last: bool = False) -> None:
         with self.cond:
             self.snapshot[: self.numel].copy_(x)
-            self.snapshot[self.numel + FLAG] = SENT_LAST if last else SENT_AT_SYNC if at_sync else 0.0
-            self.snapshot[self.numel + STAMP] = iteration
+            self.snapshot[self.numel] = SENT_LAST if last else SENT_AT_SYNC if at_sync else 0.0
+            self.snapshot[self.numel + 1] = iteration
             self.pending = True
             self.cond.notify_all()
 
@@ -529,8 +519,7 @@ class DistributedEndpoint(GossipEndpoint):
     def wait_ready(self, peers: list[int], stop: Event | threading.Event) -> None:
         with self.cond:
             while not self.ready(peers) and not self.any_silent(peers):
-                if self.errors:
-                    raise RuntimeError(f"gossip thread died:\n{self.errors[0]}")
+                self.check()
                 self.cond.wait(timeout=1.0)  # no Stop here: ranks stop together at sync points
 
     def take(self, peers: list[int]) -> tuple[list[torch.Tensor], list[int]]:
@@ -549,8 +538,7 @@ class DistributedEndpoint(GossipEndpoint):
         self.publish(x, iteration, last=True)
         for t in self.threads:
             t.join()
-        if self.errors:
-            raise RuntimeError(f"gossip thread died:\n{self.errors[0]}")
+        self.check()
 
 
 @dataclass
@@ -666,7 +654,7 @@ class Learner:
     def flat_params(self) -> torch.Tensor:
         return flatten_into(self.x, self.params)
 
-    def iterate(self, gossip: GossipEndpoint | None, stop: Event | threading.Event, at_sync: bool) -> Mix:
+    def iterate(self, gossip: GossipEndpoint | None, stop: Event | threading.Event, at_sync: bool) -> None:
         """Algorithm 1, one iteration: a rollout, an update, and (gossip) lines 5-8; its numbers go to `stats`."""
         t0 = time.perf_counter()
         self.rollout()
@@ -682,8 +670,8 @@ class Learner:
         if gossip is not None:
             try:
                 mix = gossip.step(self.flat_params(), self.iteration, stop, at_sync)
-            except Stop:  # stopped while blocked for in-peers: this iteration's update stands
-                mix = Mix(False, 0.0, stopped=True)
+            except Stop:  # stopped while blocked for in-peers: this iteration's update stands, the link says stop
+                mix = Mix(False, 0.0)
             if mix.mixed:
                 unflatten_into(self.params, self.x)
         t5 = time.perf_counter()
@@ -702,20 +690,16 @@ class Learner:
         for tag, value in values.items():
             self.stats.scalars.setdefault(tag, []).append(value)
         self.stats.lags += mix.lags
-        return mix
 
     def train(self, gossip: GossipEndpoint | None, link: LocalLink | RankLink) -> dict:
         """Run to this learner's share of --total-timesteps (or until the run stops); returns its final state."""
         while self.iteration < self.num_iterations:
             at_sync = (self.iteration + 1) % self.args.sync_interval == 0 or self.iteration + 1 == self.num_iterations
-            mix = self.iterate(gossip, link.stop, at_sync)
+            self.iterate(gossip, link.stop, at_sync)
             if gossip is not None and at_sync:  # ||x_i - x_bar||: how far gossip keeps this learner from it (Prop. 2)
                 x = self.flat_params()
                 self.stats.consensus = torch.linalg.vector_norm(x.double() - gossip.average(x).double()).item()
-            turn = link.agree(at_sync, self.stats)
-            if turn.report:
-                link.report(self.record(), self.state() if turn.checkpoint else None)
-            if turn.stop or mix.stopped:
+            if link.after_iteration(self, at_sync):
                 break
         if self.stats.iterations:  # iterations not reported yet (under torchrun the loop ends at a sync point: none)
             link.report(self.record(), None)
@@ -745,14 +729,6 @@ class Learner:
         )
 
 
-class Turn(NamedTuple):
-    """What a learner does after an iteration, agreed with the other learners where they must act together."""
-
-    report: bool  # send a Record of the iterations since the last one
-    checkpoint: bool  # and, with it, this learner's state for a checkpoint
-    stop: bool  # leave the loop: the run is stopping
-
-
 class LocalLink:
     """A learner's link to the main process of the single-machine launch: records and states go on `log_q`; stop and
     checkpoint requests come from it. Allreduce learners agree on both with an all-reduce every iteration, so all of
@@ -762,15 +738,18 @@ class LocalLink:
         self.args, self.shared, self.stop = args, shared, shared.stop
         self.last_request = 0
 
-    def agree(self, at_sync: bool, stats: Stats) -> Turn:
+    def after_iteration(self, learner: Learner, at_sync: bool) -> bool:
+        """Report every --log-frequency iterations and after a consensus measurement, with the learner's state at a
+        new checkpoint request; True: the run stops."""
         stop, request = self.stop.is_set(), self.shared.checkpoint_requests.value
         if self.args.mode == "allreduce":
             agreed = torch.tensor([float(stop), float(request)])
             dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
             stop, request = agreed[0].item() > 0, int(agreed[1].item())
         checkpoint, self.last_request = request > self.last_request, request
-        report = checkpoint or stats.iterations >= self.args.log_frequency or stats.consensus is not None
-        return Turn(report=report, checkpoint=checkpoint, stop=stop)
+        if checkpoint or learner.stats.iterations >= self.args.log_frequency or learner.stats.consensus is not None:
+            self.report(learner.record(), learner.state() if checkpoint else None)
+        return stop
 
     def report(self, record: Record, state: dict | None) -> None:
         self.shared.log_q.put(record)
@@ -788,14 +767,17 @@ class RankLink:
         self.last_checkpoint = time.time()
         self.write_failure: str | None = None
 
-    def agree(self, at_sync: bool, stats: Stats) -> Turn:
+    def after_iteration(self, learner: Learner, at_sync: bool) -> bool:
+        """At a sync point only (ranks stop together): report, with the learner's state if a checkpoint is due; True:
+        the run stops."""
         if not at_sync:
-            return Turn(report=False, checkpoint=False, stop=False)  # ranks stop together, at a sync point
+            return False
         interval = self.run.args.checkpoint_interval
         due = self.rank == 0 and interval > 0 and time.time() - self.last_checkpoint >= interval
         flags = torch.tensor([float(self.stop.is_set()), float(due)], device=self.device)
         dist.all_reduce(flags)
-        return Turn(report=True, checkpoint=flags[1].item() > 0, stop=flags[0].item() > 0)
+        self.report(learner.record(), learner.state() if flags[1].item() > 0 else None)
+        return flags[0].item() > 0
 
     def report(self, record: Record, state: dict | None) -> None:
         """Every rank calls this at the same sync points (collectives)."""
@@ -873,9 +855,8 @@ class Logger:
     def __init__(self, writer, run: Run, progress: Progress | None = None):
         self.writer, self.args, self.progress = writer, run.args, progress  # writer: a TensorBoard SummaryWriter
         self.global_step = self.start_step = run.checkpoint["global_step"] if run.checkpoint else 0
-        self.start_time = time.time()
+        self.start_time = self.last_print = time.time()
         self.recent: deque[float] = deque(maxlen=20)
-        self.last_print = time.time()
         self.learner_sps: list[float | None] = [None] * run.n  # under torchrun a rank sees only its own records
         self.staleness, self.policy_lag = 0.0, math.nan
 
@@ -1030,9 +1011,8 @@ def main_single_machine(run: Run) -> None:
     device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
     ctx = mp.get_context("spawn" if device.type == "cuda" else "fork")  # CUDA cannot be used in forked children
     gossip = SharedMemoryGossip(ctx, n, run.num_params(), device) if args.mode == "gossip" else None
-    port = free_port() if args.mode == "allreduce" else 0
     shared = Shared(log_q=ctx.Queue(), error_q=ctx.Queue(), stop=ctx.Event(), checkpoint_requests=ctx.Value("q", 0),
-                    gossip=gossip, port=port)  # fmt: skip
+                    gossip=gossip, port=free_port() if args.mode == "allreduce" else 0)  # fmt: skip
     progress = start_progress(run, device)
     signals, learners, monitor = StopSignals(shared.stop), Processes(ctx), Monitor(run, shared)
     states = run.checkpoint["learners"] if run.checkpoint else [None] * n
