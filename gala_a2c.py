@@ -332,33 +332,37 @@ class GossipEndpoint:
     """Algorithm 1, lines 5-8, for one learner: publish without blocking, mix once every in-peer has a new message,
     block only when more than tau iterations passed without mixing. Subclasses move the messages."""
 
-    def __init__(self, learner: int, n: int, num_peers: int, time_varying: bool, tau: int):
+    def __init__(self, learner: int, n: int, num_peers: int, time_varying: bool, tau: int, cond):
         self.learner, self.n, self.num_peers, self.time_varying, self.tau = learner, n, num_peers, time_varying, tau
         self.staleness = 0  # local iterations since the last mix
+        self.cond = cond  # notified whenever a message arrives: a blocked learner waits on it, without polling
 
     def in_peers(self, iteration: int) -> list[int]:
         return [(self.learner - s) % self.n for s in peer_offsets(self.n, self.num_peers, iteration, self.time_varying)]
 
-    def step(self, x: torch.Tensor, iteration: int, stop: Event | threading.Event, at_sync: bool = False) -> Mix:
+    def step(self, x: torch.Tensor, iteration: int, at_sync: bool = False) -> Mix:
         """Gossip after local update `iteration` on the flat parameters `x` (mixed in place); `at_sync`: a sync point
         follows (where torchrun ranks meet)."""
         self.publish(x, iteration, at_sync)
         peers = self.in_peers(iteration)
         waited = 0.0
-        if not self.ready(peers):
-            if self.staleness < self.tau or self.any_silent(peers):
-                self.staleness += 1
-                return Mix(False, 0.0)
+        if not self.ready(peers) and self.staleness >= self.tau and not self.any_silent(peers):
             start = time.perf_counter()
-            self.wait_ready(peers, stop)  # raises Stop if the run stops meanwhile
+            self.wait_ready(peers)
             waited = time.perf_counter() - start
-            if not self.ready(peers):  # an in-peer finished its run: no message will come
-                self.staleness += 1
-                return Mix(False, waited)
+        if not self.ready(peers):  # fewer than tau iterations without mixing, or an in-peer will send nothing new
+            self.staleness += 1
+            return Mix(False, waited)
         messages, stamps = self.take(peers)
         gossip_mix_(x, messages)
         self.staleness = 0
         return Mix(True, waited, tuple(iteration - s for s in stamps))
+
+    def wait_ready(self, peers: list[int]) -> None:
+        with self.cond:
+            while not self.ready(peers) and not self.any_silent(peers):
+                self.check()
+                self.cond.wait(timeout=1.0)
 
 
 class SharedMemoryGossip:
@@ -378,9 +382,9 @@ class SharedMemoryGossip:
 
 
 class SharedMemoryEndpoint(GossipEndpoint):
-    def __init__(self, shared: SharedMemoryGossip, learner: int, num_peers: int, time_varying: bool, tau: int):
-        super().__init__(learner, shared.n, num_peers, time_varying, tau)
-        self.shared = shared
+    def __init__(self, shared: SharedMemoryGossip, learner: int, num_peers: int, time_varying: bool, tau: int, stop):
+        super().__init__(learner, shared.n, num_peers, time_varying, tau, shared.arrived)
+        self.shared, self.stop = shared, stop  # stop: the run's stop event
         self.last_read = [0] * shared.n  # version of each learner's message this learner mixed last
         self.inbox = torch.zeros(num_peers, shared.numel, device=shared.device)  # allocated once
 
@@ -395,8 +399,8 @@ class SharedMemoryEndpoint(GossipEndpoint):
             self._sync()
             s.stamps[i] = iteration
             s.versions[i] += 1
-        with s.arrived:
-            s.arrived.notify_all()
+        with self.cond:
+            self.cond.notify_all()
 
     def ready(self, peers: list[int]) -> bool:
         return all(self.shared.versions[j] > self.last_read[j] for j in peers)
@@ -405,12 +409,9 @@ class SharedMemoryEndpoint(GossipEndpoint):
         """An in-peer will send nothing new: it finished its run."""
         return any(self.shared.finished[j] for j in peers)
 
-    def wait_ready(self, peers: list[int], stop: Event | threading.Event) -> None:
-        with self.shared.arrived:
-            while not self.ready(peers) and not self.any_silent(peers):
-                if stop.is_set():
-                    raise Stop
-                self.shared.arrived.wait(timeout=1.0)
+    def check(self) -> None:
+        if self.stop.is_set():  # the run stops while this learner waits for its in-peers
+            raise Stop
 
     def take(self, peers: list[int]) -> tuple[list[torch.Tensor], list[int]]:
         s, stamps = self.shared, []
@@ -434,14 +435,15 @@ class SharedMemoryEndpoint(GossipEndpoint):
     def finish(self, x: torch.Tensor, iteration: int) -> None:
         self.publish(x, iteration)
         self.shared.finished[self.learner] = 1
-        with self.shared.arrived:
-            self.shared.arrived.notify_all()
+        with self.cond:
+            self.cond.notify_all()
 
 
 # A torchrun gossip message is [P + 2]: the parameters, then a flag and the sender's iteration (exact in float32 below
 # 2^24 iterations). Flags: 0 an ordinary message, SENT_AT_SYNC sent right before a sync point (where the sender now
 # waits for the other ranks), SENT_LAST the sender's last message (it finished its run).
-SENT_AT_SYNC, SENT_LAST = 1.0, 2.0
+SENT_AT_SYNC = 1.0
+SENT_LAST = 2.0
 
 
 class DistributedEndpoint(GossipEndpoint):
@@ -453,9 +455,8 @@ class DistributedEndpoint(GossipEndpoint):
     and gloo expect one thread's order of operations per communicator)."""
 
     def __init__(self, learner: int, n: int, num_peers: int, tau: int, numel: int, device: torch.device, group):
-        super().__init__(learner, n, num_peers, False, tau)
+        super().__init__(learner, n, num_peers, False, tau, threading.Condition())
         self.numel, self.device, self.group = numel, device, group
-        self.cond = threading.Condition()
         self.latest = torch.zeros(num_peers, numel, device=device)  # newest message per in-peer, allocated once
         self.stamps = [0] * num_peers
         self.fresh, self.done = [False] * num_peers, [False] * num_peers
@@ -475,6 +476,7 @@ class DistributedEndpoint(GossipEndpoint):
             self.errors.append(traceback.format_exc())
 
     def check(self) -> None:
+        """No Stop here: ranks stop together, at sync points; a gossip thread's exception is raised here."""
         if self.errors:
             raise RuntimeError(f"gossip thread died:\n{self.errors[0]}")
 
@@ -515,12 +517,6 @@ class DistributedEndpoint(GossipEndpoint):
         """An in-peer will send nothing new before this learner moves on, and its newest message is read: it finished,
         or it waits at the next sync point for this learner (waiting for it here would deadlock the ranks)."""
         return any((d or p) and not f for d, p, f in zip(self.done, self.parked, self.fresh, strict=True))
-
-    def wait_ready(self, peers: list[int], stop: Event | threading.Event) -> None:
-        with self.cond:
-            while not self.ready(peers) and not self.any_silent(peers):
-                self.check()
-                self.cond.wait(timeout=1.0)  # no Stop here: ranks stop together at sync points
 
     def take(self, peers: list[int]) -> tuple[list[torch.Tensor], list[int]]:
         with self.cond:
@@ -654,7 +650,7 @@ class Learner:
     def flat_params(self) -> torch.Tensor:
         return flatten_into(self.x, self.params)
 
-    def iterate(self, gossip: GossipEndpoint | None, stop: Event | threading.Event, at_sync: bool) -> None:
+    def iterate(self, gossip: GossipEndpoint | None, at_sync: bool) -> None:
         """Algorithm 1, one iteration: a rollout, an update, and (gossip) lines 5-8; its numbers go to `stats`."""
         t0 = time.perf_counter()
         self.rollout()
@@ -669,7 +665,7 @@ class Learner:
         mix = Mix(False, 0.0, lags=(0,))  # allreduce: every update is of the policy that acted
         if gossip is not None:
             try:
-                mix = gossip.step(self.flat_params(), self.iteration, stop, at_sync)
+                mix = gossip.step(self.flat_params(), self.iteration, at_sync)
             except Stop:  # stopped while blocked for in-peers: this iteration's update stands, the link says stop
                 mix = Mix(False, 0.0)
             if mix.mixed:
@@ -695,7 +691,7 @@ class Learner:
         """Run to this learner's share of --total-timesteps (or until the run stops); returns its final state."""
         while self.iteration < self.num_iterations:
             at_sync = (self.iteration + 1) % self.args.sync_interval == 0 or self.iteration + 1 == self.num_iterations
-            self.iterate(gossip, link.stop, at_sync)
+            self.iterate(gossip, at_sync)
             if gossip is not None and at_sync:  # ||x_i - x_bar||: how far gossip keeps this learner from it (Prop. 2)
                 x = self.flat_params()
                 self.stats.consensus = torch.linalg.vector_norm(x.double() - gossip.average(x).double()).item()
@@ -735,13 +731,12 @@ class LocalLink:
     them stop, and save, at the same iteration; gossip learners act on them on their own."""
 
     def __init__(self, args: Args, shared: Shared):
-        self.args, self.shared, self.stop = args, shared, shared.stop
-        self.last_request = 0
+        self.args, self.shared, self.last_request = args, shared, 0
 
     def after_iteration(self, learner: Learner, at_sync: bool) -> bool:
         """Report every --log-frequency iterations and after a consensus measurement, with the learner's state at a
         new checkpoint request; True: the run stops."""
-        stop, request = self.stop.is_set(), self.shared.checkpoint_requests.value
+        stop, request = self.shared.stop.is_set(), self.shared.checkpoint_requests.value
         if self.args.mode == "allreduce":
             agreed = torch.tensor([float(stop), float(request)])
             dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
@@ -807,7 +802,8 @@ def learner_process(index: int, n: int, args: Args, device_name: str, shared: Sh
         if args.mode == "allreduce":
             dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{shared.port}", rank=index, world_size=n)
         else:
-            gossip = SharedMemoryEndpoint(shared.gossip, index, args.num_peers, args.time_varying, args.max_staleness)
+            ring = (args.num_peers, args.time_varying, args.max_staleness)
+            gossip = SharedMemoryEndpoint(shared.gossip, index, *ring, shared.stop)
         learner = Learner(index, n, args, torch.device(device_name), state)
         final = learner.train(gossip, LocalLink(args, shared))
         shared.log_q.put(State(index, 0, state_to_bytes(final)))
