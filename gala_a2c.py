@@ -295,12 +295,11 @@ class Record(NamedTuple):
 
     learner: int
     steps: int  # agent steps of these iterations (under torchrun: summed over the ranks before logging)
-    lr: float
     sps: float  # this learner's agent steps per second since it started
     episodes: list[tuple[float, int]]  # (true return, length) of each episode finished
-    scalars: dict[str, float]  # the losses/, timing/ and gossip/ tags (Learner.iterate): means over the iterations
-    policy_lag: float | None  # mean age of the messages mixed in (iterations); None: none mixed
-    consensus: float | None  # ||x_i - x_bar|| measured at a sync point, if one was among these iterations
+    # tag -> its mean over the iterations: losses/, timing/, gossip/ (Learner.iterate), charts/learning_rate (now),
+    # charts/policy_lag (over the messages mixed in, if any), gossip/consensus_distance (if measured)
+    scalars: dict[str, float]
 
 
 class State(NamedTuple):
@@ -555,9 +554,7 @@ class Stats:
 
     iterations: int = 0
     scalars: dict[str, list[float]] = field(default_factory=dict)  # tag -> its value at each iteration
-    lags: list[int] = field(default_factory=list)  # ages of the messages mixed in
     episodes: list[tuple[float, int]] = field(default_factory=list)
-    consensus: float | None = None
 
 
 # ---- Workers -------------------------------------------------------------------------------------------------------
@@ -685,7 +682,8 @@ class Learner:
         self.stats.iterations += 1
         for tag, value in values.items():
             self.stats.scalars.setdefault(tag, []).append(value)
-        self.stats.lags += mix.lags
+        if mix.lags:  # the age of each message mixed in
+            self.stats.scalars.setdefault("charts/policy_lag", []).extend(mix.lags)
 
     def train(self, gossip: GossipEndpoint | None, link: LocalLink | RankLink) -> dict:
         """Run to this learner's share of --total-timesteps (or until the run stops); returns its final state."""
@@ -694,7 +692,8 @@ class Learner:
             self.iterate(gossip, at_sync)
             if gossip is not None and at_sync:  # ||x_i - x_bar||: how far gossip keeps this learner from it (Prop. 2)
                 x = self.flat_params()
-                self.stats.consensus = torch.linalg.vector_norm(x.double() - gossip.average(x).double()).item()
+                distance = torch.linalg.vector_norm(x.double() - gossip.average(x).double()).item()
+                self.stats.scalars["gossip/consensus_distance"] = [distance]
             if link.after_iteration(self, at_sync):
                 break
         if self.stats.iterations:  # iterations not reported yet (under torchrun the loop ends at a sync point: none)
@@ -707,14 +706,11 @@ class Learner:
         """The Record of the iterations since the previous one; the stats start over."""
         s, self.stats = self.stats, Stats()
         E, T = self.args.num_envs, self.args.num_steps
-        scalars = {tag: float(np.mean(values)) for tag, values in s.scalars.items()}
+        scalars = {tag: float(np.mean(values)) for tag, values in s.scalars.items()} | {"charts/learning_rate": self.lr}
         if "gossip/staleness" in scalars:
             scalars["gossip/share_of_iteration"] = scalars["timing/gossip"] / max(1e-12, scalars["timing/iteration"])
-        return Record(
-            learner=self.index, steps=s.iterations * E * T, lr=self.lr, episodes=s.episodes, scalars=scalars,
-            sps=(self.iteration - self.start_iteration) * E * T / max(1e-9, time.time() - self.start_time),
-            policy_lag=float(np.mean(s.lags)) if s.lags else None, consensus=s.consensus,
-        )  # fmt: skip
+        sps = (self.iteration - self.start_iteration) * E * T / max(1e-9, time.time() - self.start_time)
+        return Record(learner=self.index, steps=s.iterations * E * T, sps=sps, episodes=s.episodes, scalars=scalars)
 
     def state(self) -> dict:
         return dict(
@@ -734,15 +730,15 @@ class LocalLink:
         self.args, self.shared, self.last_request = args, shared, 0
 
     def after_iteration(self, learner: Learner, at_sync: bool) -> bool:
-        """Report every --log-frequency iterations and after a consensus measurement, with the learner's state at a
-        new checkpoint request; True: the run stops."""
+        """Report every --log-frequency iterations, at a consensus measurement or checkpoint request; True: stop."""
         stop, request = self.shared.stop.is_set(), self.shared.checkpoint_requests.value
         if self.args.mode == "allreduce":
             agreed = torch.tensor([float(stop), float(request)])
             dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
             stop, request = agreed[0].item() > 0, int(agreed[1].item())
         checkpoint, self.last_request = request > self.last_request, request
-        if checkpoint or learner.stats.iterations >= self.args.log_frequency or learner.stats.consensus is not None:
+        stats = learner.stats
+        if checkpoint or stats.iterations >= self.args.log_frequency or "gossip/consensus_distance" in stats.scalars:
             self.report(learner.record(), learner.state() if checkpoint else None)
         return stop
 
@@ -763,8 +759,7 @@ class RankLink:
         self.write_failure: str | None = None
 
     def after_iteration(self, learner: Learner, at_sync: bool) -> bool:
-        """At a sync point only (ranks stop together): report, with the learner's state if a checkpoint is due; True:
-        the run stops."""
+        """At sync points only (ranks stop together): report, with the state if a checkpoint is due; True: stop."""
         if not at_sync:
             return False
         interval = self.run.args.checkpoint_interval
@@ -867,14 +862,13 @@ class Logger:
             for tag, value in (("charts/episodic_return", ret), ("charts/episodic_length", length),
                                (f"per_learner/episodic_return_{i}", ret)):  # fmt: skip
                 self.writer.add_scalar(tag, value, self.global_step)
-        scalars = r.scalars | {"charts/learning_rate": r.lr, "charts/SPS": self.sps(), f"per_learner/SPS_{i}": r.sps}
-        if r.policy_lag is not None:
-            scalars["charts/policy_lag"] = self.policy_lag = r.policy_lag
-        if r.consensus is not None:
-            scalars |= {"gossip/consensus_distance": r.consensus, f"per_learner/consensus_distance_{i}": r.consensus}
+        scalars = r.scalars | {"charts/SPS": self.sps(), f"per_learner/SPS_{i}": r.sps}
+        if "gossip/consensus_distance" in scalars:
+            scalars[f"per_learner/consensus_distance_{i}"] = scalars["gossip/consensus_distance"]
         for tag, value in scalars.items():
             self.writer.add_scalar(tag, value, self.global_step)
         self.learner_sps[i], self.staleness = r.sps, r.scalars.get("gossip/staleness", 0.0)
+        self.policy_lag = r.scalars.get("charts/policy_lag", self.policy_lag)
 
     def maybe_print(self, force: bool = False) -> None:
         """The console line every --log-interval seconds, where the run has its Progress (the main process, rank 0);
