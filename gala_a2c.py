@@ -193,14 +193,13 @@ def sample_actions(logits: torch.Tensor, generator: torch.Generator) -> torch.Te
 
 
 class Losses(NamedTuple):
-    """What an A2C update minimises, and its gradient norm (the losses/ tags): tensors in the update, floats (means
-    over iterations) in a Record."""
+    """The losses/ tags of one update (tensors), with the gradient norm once the backward pass has run."""
 
-    total_loss: torch.Tensor | float
-    policy_loss: torch.Tensor | float
-    value_loss: torch.Tensor | float
-    entropy: torch.Tensor | float
-    grad_norm: torch.Tensor | float | None = None  # known after the backward pass
+    total_loss: torch.Tensor
+    policy_loss: torch.Tensor
+    value_loss: torch.Tensor
+    entropy: torch.Tensor
+    grad_norm: torch.Tensor | None = None
 
 
 def a2c_loss(logits, values, actions, returns, ent_coef: float, vf_coef: float) -> Losses:
@@ -292,17 +291,15 @@ def unflatten_into(tensors: list[torch.Tensor], flat: torch.Tensor) -> None:
 
 
 class Record(NamedTuple):
-    """A learner's summary of its iterations since its previous record (learner -> main process, or to rank 0's
-    charts under torchrun)."""
+    """A learner's summary of its iterations since its previous record (-> the main process, or rank 0's charts)."""
 
     learner: int
     steps: int  # agent steps of these iterations (under torchrun: summed over the ranks before logging)
-    lr: float
     sps: float  # this learner's agent steps per second since it started
     episodes: list[tuple[float, int]]  # (true return, length) of each episode finished
-    scalars: dict[str, float]  # the losses/, timing/ and gossip/ tags (Learner.iterate): means over the iterations
-    policy_lag: float | None  # mean age of the messages mixed in (iterations); None: none mixed
-    consensus: float | None  # ||x_i - x_bar|| measured at a sync point, if one was among these iterations
+    # tag -> its mean over the iterations: losses/, timing/, gossip/ (Learner.iterate), charts/learning_rate (now),
+    # charts/policy_lag (over the messages mixed in, if any), gossip/consensus_distance (if measured)
+    scalars: dict[str, float]
 
 
 class State(NamedTuple):
@@ -328,40 +325,43 @@ class Mix(NamedTuple):
     mixed: bool
     waited: float
     lags: tuple[int, ...] = ()
-    stopped: bool = False  # the run stopped while this learner waited for its in-peers
 
 
 class GossipEndpoint:
     """Algorithm 1, lines 5-8, for one learner: publish without blocking, mix once every in-peer has a new message,
     block only when more than tau iterations passed without mixing. Subclasses move the messages."""
 
-    def __init__(self, learner: int, n: int, num_peers: int, time_varying: bool, tau: int):
+    def __init__(self, learner: int, n: int, num_peers: int, time_varying: bool, tau: int, cond):
         self.learner, self.n, self.num_peers, self.time_varying, self.tau = learner, n, num_peers, time_varying, tau
         self.staleness = 0  # local iterations since the last mix
+        self.cond = cond  # notified whenever a message arrives: a blocked learner waits on it, without polling
 
     def in_peers(self, iteration: int) -> list[int]:
         return [(self.learner - s) % self.n for s in peer_offsets(self.n, self.num_peers, iteration, self.time_varying)]
 
-    def step(self, x: torch.Tensor, iteration: int, stop: Event | threading.Event, at_sync: bool = False) -> Mix:
+    def step(self, x: torch.Tensor, iteration: int, at_sync: bool = False) -> Mix:
         """Gossip after local update `iteration` on the flat parameters `x` (mixed in place); `at_sync`: a sync point
         follows (where torchrun ranks meet)."""
         self.publish(x, iteration, at_sync)
         peers = self.in_peers(iteration)
         waited = 0.0
-        if not self.ready(peers):
-            if self.staleness < self.tau or self.any_silent(peers):
-                self.staleness += 1
-                return Mix(False, 0.0)
+        if not self.ready(peers) and self.staleness >= self.tau and not self.any_silent(peers):
             start = time.perf_counter()
-            self.wait_ready(peers, stop)  # raises Stop if the run stops meanwhile
+            self.wait_ready(peers)
             waited = time.perf_counter() - start
-            if not self.ready(peers):  # an in-peer finished its run: no message will come
-                self.staleness += 1
-                return Mix(False, waited)
+        if not self.ready(peers):  # fewer than tau iterations without mixing, or an in-peer will send nothing new
+            self.staleness += 1
+            return Mix(False, waited)
         messages, stamps = self.take(peers)
         gossip_mix_(x, messages)
         self.staleness = 0
         return Mix(True, waited, tuple(iteration - s for s in stamps))
+
+    def wait_ready(self, peers: list[int]) -> None:
+        with self.cond:
+            while not self.ready(peers) and not self.any_silent(peers):
+                self.check()
+                self.cond.wait(timeout=1.0)
 
 
 class SharedMemoryGossip:
@@ -381,9 +381,9 @@ class SharedMemoryGossip:
 
 
 class SharedMemoryEndpoint(GossipEndpoint):
-    def __init__(self, shared: SharedMemoryGossip, learner: int, num_peers: int, time_varying: bool, tau: int):
-        super().__init__(learner, shared.n, num_peers, time_varying, tau)
-        self.shared = shared
+    def __init__(self, shared: SharedMemoryGossip, learner: int, num_peers: int, time_varying: bool, tau: int, stop):
+        super().__init__(learner, shared.n, num_peers, time_varying, tau, shared.arrived)
+        self.shared, self.stop = shared, stop  # stop: the run's stop event
         self.last_read = [0] * shared.n  # version of each learner's message this learner mixed last
         self.inbox = torch.zeros(num_peers, shared.numel, device=shared.device)  # allocated once
 
@@ -398,8 +398,8 @@ class SharedMemoryEndpoint(GossipEndpoint):
             self._sync()
             s.stamps[i] = iteration
             s.versions[i] += 1
-        with s.arrived:
-            s.arrived.notify_all()
+        with self.cond:
+            self.cond.notify_all()
 
     def ready(self, peers: list[int]) -> bool:
         return all(self.shared.versions[j] > self.last_read[j] for j in peers)
@@ -408,12 +408,9 @@ class SharedMemoryEndpoint(GossipEndpoint):
         """An in-peer will send nothing new: it finished its run."""
         return any(self.shared.finished[j] for j in peers)
 
-    def wait_ready(self, peers: list[int], stop: Event | threading.Event) -> None:
-        with self.shared.arrived:
-            while not self.ready(peers) and not self.any_silent(peers):
-                if stop.is_set():
-                    raise Stop
-                self.shared.arrived.wait(timeout=1.0)
+    def check(self) -> None:
+        if self.stop.is_set():  # the run stops while this learner waits for its in-peers
+            raise Stop
 
     def take(self, peers: list[int]) -> tuple[list[torch.Tensor], list[int]]:
         s, stamps = self.shared, []
@@ -437,15 +434,13 @@ class SharedMemoryEndpoint(GossipEndpoint):
     def finish(self, x: torch.Tensor, iteration: int) -> None:
         self.publish(x, iteration)
         self.shared.finished[self.learner] = 1
-        with self.shared.arrived:
-            self.shared.arrived.notify_all()
+        with self.cond:
+            self.cond.notify_all()
 
 
 # A torchrun gossip message is [P + 2]: the parameters, then a flag and the sender's iteration (exact in float32 below
 # 2^24 iterations). Flags: 0 an ordinary message, SENT_AT_SYNC sent right before a sync point (where the sender now
 # waits for the other ranks), SENT_LAST the sender's last message (it finished its run).
-FLAG = 0  # offsets after the parameters
-STAMP = 1
 SENT_AT_SYNC = 1.0
 SENT_LAST = 2.0
 
@@ -459,62 +454,58 @@ class DistributedEndpoint(GossipEndpoint):
     and gloo expect one thread's order of operations per communicator)."""
 
     def __init__(self, learner: int, n: int, num_peers: int, tau: int, numel: int, device: torch.device, group):
-        super().__init__(learner, n, num_peers, False, tau)
+        super().__init__(learner, n, num_peers, False, tau, threading.Condition())
         self.numel, self.device, self.group = numel, device, group
-        self.cond = threading.Condition()
         self.latest = torch.zeros(num_peers, numel, device=device)  # newest message per in-peer, allocated once
         self.stamps = [0] * num_peers
         self.fresh, self.done = [False] * num_peers, [False] * num_peers
         self.parked = [False] * num_peers  # the in-peer's newest message came from a sync point, where it now waits
-        self.snapshot = torch.zeros(numel + 2, device=device)
-        self.pending = False
-        self.errors: list[str] = []
-        self.threads = [threading.Thread(target=self._send_loop, name="gossip-send", daemon=True)]
-        self.threads += [
-            threading.Thread(target=self._recv_loop, args=(k, j), name=f"gossip-recv-{j}", daemon=True)
-            for k, j in enumerate(self.in_peers(0))
-        ]
+        self.snapshot, self.pending = torch.zeros(numel + 2, device=device), False
+        self.errors: list[str] = []  # tracebacks of the threads, raised in the learner's thread (check)
+        loops = {"gossip-send": (self._send_loop,)}
+        loops |= {f"gossip-recv-{j}": (self._recv_loop, k, j) for k, j in enumerate(self.in_peers(0))}
+        self.threads = [threading.Thread(target=self._guarded, args=a, name=n, daemon=True) for n, a in loops.items()]
         for t in self.threads:
             t.start()
 
-    def _send_loop(self) -> None:
-        out = torch.zeros(self.numel + 2, device=self.device)
+    def _guarded(self, loop, *args) -> None:
         try:
-            while True:
-                with self.cond:
-                    while not self.pending:
-                        self.cond.wait()
-                    out.copy_(self.snapshot)
-                    self.pending = False
-                for dst in ((self.learner + s) % self.n for s in peer_offsets(self.n, self.num_peers)):
-                    dist.send(out, dst=dst, group=self.group)
-                if out[self.numel + FLAG].item() == SENT_LAST:
-                    return
+            loop(*args)
         except BaseException:
             self.errors.append(traceback.format_exc())
 
+    def check(self) -> None:
+        """No Stop here: ranks stop together, at sync points; a gossip thread's exception is raised here."""
+        if self.errors:
+            raise RuntimeError(f"gossip thread died:\n{self.errors[0]}")
+
+    def _send_loop(self) -> None:
+        out = torch.zeros(self.numel + 2, device=self.device)
+        while out[self.numel].item() != SENT_LAST:
+            with self.cond:
+                while not self.pending:
+                    self.cond.wait()
+                out.copy_(self.snapshot)
+                self.pending = False
+            for dst in ((self.learner + s) % self.n for s in peer_offsets(self.n, self.num_peers)):
+                dist.send(out, dst=dst, group=self.group)
+
     def _recv_loop(self, k: int, src: int) -> None:
         buf = torch.zeros(self.numel + 2, device=self.device)
-        try:
-            while True:
-                dist.recv(buf, src=src, group=self.group)
-                tail = buf[self.numel :].tolist()
-                flag, stamp = tail[FLAG], tail[STAMP]
-                with self.cond:
-                    self.latest[k].copy_(buf[: self.numel])
-                    self.fresh[k], self.stamps[k] = True, int(stamp)
-                    self.done[k], self.parked[k] = flag == SENT_LAST, flag == SENT_AT_SYNC
-                    self.cond.notify_all()
-                if self.done[k]:
-                    return
-        except BaseException:
-            self.errors.append(traceback.format_exc())
+        while not self.done[k]:
+            dist.recv(buf, src=src, group=self.group)
+            flag, stamp = buf[self.numel :].tolist()
+            with self.cond:
+                self.latest[k].copy_(buf[: self.numel])
+                self.fresh[k], self.stamps[k] = True, int(stamp)
+                self.done[k], self.parked[k] = flag == SENT_LAST, flag == SENT_AT_SYNC
+                self.cond.notify_all()
 
     def publish(self, x: torch.Tensor, iteration: int, at_sync: bool = False, last: bool = False) -> None:
         with self.cond:
             self.snapshot[: self.numel].copy_(x)
-            self.snapshot[self.numel + FLAG] = SENT_LAST if last else SENT_AT_SYNC if at_sync else 0.0
-            self.snapshot[self.numel + STAMP] = iteration
+            self.snapshot[self.numel] = SENT_LAST if last else SENT_AT_SYNC if at_sync else 0.0
+            self.snapshot[self.numel + 1] = iteration
             self.pending = True
             self.cond.notify_all()
 
@@ -525,13 +516,6 @@ class DistributedEndpoint(GossipEndpoint):
         """An in-peer will send nothing new before this learner moves on, and its newest message is read: it finished,
         or it waits at the next sync point for this learner (waiting for it here would deadlock the ranks)."""
         return any((d or p) and not f for d, p, f in zip(self.done, self.parked, self.fresh, strict=True))
-
-    def wait_ready(self, peers: list[int], stop: Event | threading.Event) -> None:
-        with self.cond:
-            while not self.ready(peers) and not self.any_silent(peers):
-                if self.errors:
-                    raise RuntimeError(f"gossip thread died:\n{self.errors[0]}")
-                self.cond.wait(timeout=1.0)  # no Stop here: ranks stop together at sync points
 
     def take(self, peers: list[int]) -> tuple[list[torch.Tensor], list[int]]:
         with self.cond:
@@ -549,8 +533,7 @@ class DistributedEndpoint(GossipEndpoint):
         self.publish(x, iteration, last=True)
         for t in self.threads:
             t.join()
-        if self.errors:
-            raise RuntimeError(f"gossip thread died:\n{self.errors[0]}")
+        self.check()
 
 
 @dataclass
@@ -571,9 +554,7 @@ class Stats:
 
     iterations: int = 0
     scalars: dict[str, list[float]] = field(default_factory=dict)  # tag -> its value at each iteration
-    lags: list[int] = field(default_factory=list)  # ages of the messages mixed in
     episodes: list[tuple[float, int]] = field(default_factory=list)
-    consensus: float | None = None
 
 
 # ---- Workers -------------------------------------------------------------------------------------------------------
@@ -666,7 +647,7 @@ class Learner:
     def flat_params(self) -> torch.Tensor:
         return flatten_into(self.x, self.params)
 
-    def iterate(self, gossip: GossipEndpoint | None, stop: Event | threading.Event, at_sync: bool) -> Mix:
+    def iterate(self, gossip: GossipEndpoint | None, at_sync: bool) -> None:
         """Algorithm 1, one iteration: a rollout, an update, and (gossip) lines 5-8; its numbers go to `stats`."""
         t0 = time.perf_counter()
         self.rollout()
@@ -681,9 +662,9 @@ class Learner:
         mix = Mix(False, 0.0, lags=(0,))  # allreduce: every update is of the policy that acted
         if gossip is not None:
             try:
-                mix = gossip.step(self.flat_params(), self.iteration, stop, at_sync)
-            except Stop:  # stopped while blocked for in-peers: this iteration's update stands
-                mix = Mix(False, 0.0, stopped=True)
+                mix = gossip.step(self.flat_params(), self.iteration, at_sync)
+            except Stop:  # stopped while blocked for in-peers: this iteration's update stands, the link says stop
+                mix = Mix(False, 0.0)
             if mix.mixed:
                 unflatten_into(self.params, self.x)
         t5 = time.perf_counter()
@@ -701,21 +682,19 @@ class Learner:
         self.stats.iterations += 1
         for tag, value in values.items():
             self.stats.scalars.setdefault(tag, []).append(value)
-        self.stats.lags += mix.lags
-        return mix
+        if mix.lags:  # the age of each message mixed in
+            self.stats.scalars.setdefault("charts/policy_lag", []).extend(mix.lags)
 
     def train(self, gossip: GossipEndpoint | None, link: LocalLink | RankLink) -> dict:
         """Run to this learner's share of --total-timesteps (or until the run stops); returns its final state."""
         while self.iteration < self.num_iterations:
             at_sync = (self.iteration + 1) % self.args.sync_interval == 0 or self.iteration + 1 == self.num_iterations
-            mix = self.iterate(gossip, link.stop, at_sync)
+            self.iterate(gossip, at_sync)
             if gossip is not None and at_sync:  # ||x_i - x_bar||: how far gossip keeps this learner from it (Prop. 2)
                 x = self.flat_params()
-                self.stats.consensus = torch.linalg.vector_norm(x.double() - gossip.average(x).double()).item()
-            turn = link.agree(at_sync, self.stats)
-            if turn.report:
-                link.report(self.record(), self.state() if turn.checkpoint else None)
-            if turn.stop or mix.stopped:
+                distance = torch.linalg.vector_norm(x.double() - gossip.average(x).double()).item()
+                self.stats.scalars["gossip/consensus_distance"] = [distance]
+            if link.after_iteration(self, at_sync):
                 break
         if self.stats.iterations:  # iterations not reported yet (under torchrun the loop ends at a sync point: none)
             link.report(self.record(), None)
@@ -727,14 +706,11 @@ class Learner:
         """The Record of the iterations since the previous one; the stats start over."""
         s, self.stats = self.stats, Stats()
         E, T = self.args.num_envs, self.args.num_steps
-        scalars = {tag: float(np.mean(values)) for tag, values in s.scalars.items()}
+        scalars = {tag: float(np.mean(values)) for tag, values in s.scalars.items()} | {"charts/learning_rate": self.lr}
         if "gossip/staleness" in scalars:
             scalars["gossip/share_of_iteration"] = scalars["timing/gossip"] / max(1e-12, scalars["timing/iteration"])
-        return Record(
-            learner=self.index, steps=s.iterations * E * T, lr=self.lr, episodes=s.episodes, scalars=scalars,
-            sps=(self.iteration - self.start_iteration) * E * T / max(1e-9, time.time() - self.start_time),
-            policy_lag=float(np.mean(s.lags)) if s.lags else None, consensus=s.consensus,
-        )  # fmt: skip
+        sps = (self.iteration - self.start_iteration) * E * T / max(1e-9, time.time() - self.start_time)
+        return Record(learner=self.index, steps=s.iterations * E * T, sps=sps, episodes=s.episodes, scalars=scalars)
 
     def state(self) -> dict:
         return dict(
@@ -745,32 +721,26 @@ class Learner:
         )
 
 
-class Turn(NamedTuple):
-    """What a learner does after an iteration, agreed with the other learners where they must act together."""
-
-    report: bool  # send a Record of the iterations since the last one
-    checkpoint: bool  # and, with it, this learner's state for a checkpoint
-    stop: bool  # leave the loop: the run is stopping
-
-
 class LocalLink:
     """A learner's link to the main process of the single-machine launch: records and states go on `log_q`; stop and
     checkpoint requests come from it. Allreduce learners agree on both with an all-reduce every iteration, so all of
     them stop, and save, at the same iteration; gossip learners act on them on their own."""
 
     def __init__(self, args: Args, shared: Shared):
-        self.args, self.shared, self.stop = args, shared, shared.stop
-        self.last_request = 0
+        self.args, self.shared, self.last_request = args, shared, 0
 
-    def agree(self, at_sync: bool, stats: Stats) -> Turn:
-        stop, request = self.stop.is_set(), self.shared.checkpoint_requests.value
+    def after_iteration(self, learner: Learner, at_sync: bool) -> bool:
+        """Report every --log-frequency iterations, at a consensus measurement or checkpoint request; True: stop."""
+        stop, request = self.shared.stop.is_set(), self.shared.checkpoint_requests.value
         if self.args.mode == "allreduce":
             agreed = torch.tensor([float(stop), float(request)])
             dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
             stop, request = agreed[0].item() > 0, int(agreed[1].item())
         checkpoint, self.last_request = request > self.last_request, request
-        report = checkpoint or stats.iterations >= self.args.log_frequency or stats.consensus is not None
-        return Turn(report=report, checkpoint=checkpoint, stop=stop)
+        stats = learner.stats
+        if checkpoint or stats.iterations >= self.args.log_frequency or "gossip/consensus_distance" in stats.scalars:
+            self.report(learner.record(), learner.state() if checkpoint else None)
+        return stop
 
     def report(self, record: Record, state: dict | None) -> None:
         self.shared.log_q.put(record)
@@ -788,14 +758,16 @@ class RankLink:
         self.last_checkpoint = time.time()
         self.write_failure: str | None = None
 
-    def agree(self, at_sync: bool, stats: Stats) -> Turn:
+    def after_iteration(self, learner: Learner, at_sync: bool) -> bool:
+        """At sync points only (ranks stop together): report, with the state if a checkpoint is due; True: stop."""
         if not at_sync:
-            return Turn(report=False, checkpoint=False, stop=False)  # ranks stop together, at a sync point
+            return False
         interval = self.run.args.checkpoint_interval
         due = self.rank == 0 and interval > 0 and time.time() - self.last_checkpoint >= interval
         flags = torch.tensor([float(self.stop.is_set()), float(due)], device=self.device)
         dist.all_reduce(flags)
-        return Turn(report=True, checkpoint=flags[1].item() > 0, stop=flags[0].item() > 0)
+        self.report(learner.record(), learner.state() if flags[1].item() > 0 else None)
+        return flags[0].item() > 0
 
     def report(self, record: Record, state: dict | None) -> None:
         """Every rank calls this at the same sync points (collectives)."""
@@ -825,7 +797,8 @@ def learner_process(index: int, n: int, args: Args, device_name: str, shared: Sh
         if args.mode == "allreduce":
             dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{shared.port}", rank=index, world_size=n)
         else:
-            gossip = SharedMemoryEndpoint(shared.gossip, index, args.num_peers, args.time_varying, args.max_staleness)
+            ring = (args.num_peers, args.time_varying, args.max_staleness)
+            gossip = SharedMemoryEndpoint(shared.gossip, index, *ring, shared.stop)
         learner = Learner(index, n, args, torch.device(device_name), state)
         final = learner.train(gossip, LocalLink(args, shared))
         shared.log_q.put(State(index, 0, state_to_bytes(final)))
@@ -873,9 +846,8 @@ class Logger:
     def __init__(self, writer, run: Run, progress: Progress | None = None):
         self.writer, self.args, self.progress = writer, run.args, progress  # writer: a TensorBoard SummaryWriter
         self.global_step = self.start_step = run.checkpoint["global_step"] if run.checkpoint else 0
-        self.start_time = time.time()
+        self.start_time = self.last_print = time.time()
         self.recent: deque[float] = deque(maxlen=20)
-        self.last_print = time.time()
         self.learner_sps: list[float | None] = [None] * run.n  # under torchrun a rank sees only its own records
         self.staleness, self.policy_lag = 0.0, math.nan
 
@@ -890,14 +862,13 @@ class Logger:
             for tag, value in (("charts/episodic_return", ret), ("charts/episodic_length", length),
                                (f"per_learner/episodic_return_{i}", ret)):  # fmt: skip
                 self.writer.add_scalar(tag, value, self.global_step)
-        scalars = r.scalars | {"charts/learning_rate": r.lr, "charts/SPS": self.sps(), f"per_learner/SPS_{i}": r.sps}
-        if r.policy_lag is not None:
-            scalars["charts/policy_lag"] = self.policy_lag = r.policy_lag
-        if r.consensus is not None:
-            scalars |= {"gossip/consensus_distance": r.consensus, f"per_learner/consensus_distance_{i}": r.consensus}
+        scalars = r.scalars | {"charts/SPS": self.sps(), f"per_learner/SPS_{i}": r.sps}
+        if "gossip/consensus_distance" in scalars:
+            scalars[f"per_learner/consensus_distance_{i}"] = scalars["gossip/consensus_distance"]
         for tag, value in scalars.items():
             self.writer.add_scalar(tag, value, self.global_step)
         self.learner_sps[i], self.staleness = r.sps, r.scalars.get("gossip/staleness", 0.0)
+        self.policy_lag = r.scalars.get("charts/policy_lag", self.policy_lag)
 
     def maybe_print(self, force: bool = False) -> None:
         """The console line every --log-interval seconds, where the run has its Progress (the main process, rank 0);
@@ -1030,9 +1001,8 @@ def main_single_machine(run: Run) -> None:
     device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
     ctx = mp.get_context("spawn" if device.type == "cuda" else "fork")  # CUDA cannot be used in forked children
     gossip = SharedMemoryGossip(ctx, n, run.num_params(), device) if args.mode == "gossip" else None
-    port = free_port() if args.mode == "allreduce" else 0
     shared = Shared(log_q=ctx.Queue(), error_q=ctx.Queue(), stop=ctx.Event(), checkpoint_requests=ctx.Value("q", 0),
-                    gossip=gossip, port=port)  # fmt: skip
+                    gossip=gossip, port=free_port() if args.mode == "allreduce" else 0)  # fmt: skip
     progress = start_progress(run, device)
     signals, learners, monitor = StopSignals(shared.stop), Processes(ctx), Monitor(run, shared)
     states = run.checkpoint["learners"] if run.checkpoint else [None] * n

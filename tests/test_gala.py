@@ -70,14 +70,10 @@ TINY_CARTPOLE = ["--env-id", "CartPole-v1", "--num-learners", "2", "--num-envs",
 CTX = multiprocessing.get_context("fork")
 
 
-class NeverStop:
-    def is_set(self):
-        return False
-
-
-def ring(n, num_peers=1, tau=0, time_varying=False, numel=6):
+def ring(n, num_peers=1, tau=0, time_varying=False, numel=6, stop=None):
     shared = SharedMemoryGossip(CTX, n, numel, torch.device("cpu"))
-    return [SharedMemoryEndpoint(shared, i, num_peers, time_varying, tau) for i in range(n)]
+    stop = stop or threading.Event()  # never set unless a test sets it
+    return [SharedMemoryEndpoint(shared, i, num_peers, time_varying, tau, stop) for i in range(n)]
 
 
 def gossip_round(endpoints, X, iteration=0):
@@ -85,7 +81,7 @@ def gossip_round(endpoints, X, iteration=0):
     every message mixed in is from the receiver's own iteration: age 0)."""
     for e, x in zip(endpoints, X, strict=True):
         e.publish(x, iteration)
-    steps = [e.step(x, iteration, NeverStop()) for e, x in zip(endpoints, X, strict=True)]
+    steps = [e.step(x, iteration) for e, x in zip(endpoints, X, strict=True)]
     assert all(s.mixed and s.lags == (0,) * e.num_peers for s, e in zip(steps, endpoints, strict=True)), steps
 
 
@@ -144,9 +140,9 @@ def test_learner_keeps_stepping_until_max_staleness_then_waits_for_its_in_peer()
     a, b = ring(2, tau=tau)
     x = torch.ones(6)
     for k in range(tau):  # tau iterations without mixing: none blocks
-        assert a.step(x, k, NeverStop()) == Mix(False, 0.0) and a.staleness == k + 1
+        assert a.step(x, k) == Mix(False, 0.0) and a.staleness == k + 1
     result = {}
-    waiter = threading.Thread(target=lambda: result.update(out=a.step(x, tau, NeverStop())), daemon=True)
+    waiter = threading.Thread(target=lambda: result.update(out=a.step(x, tau)), daemon=True)
     waiter.start()
     waiter.join(timeout=1.0)
     assert waiter.is_alive()  # iteration tau: blocked for the in-peer
@@ -157,13 +153,11 @@ def test_learner_keeps_stepping_until_max_staleness_then_waits_for_its_in_peer()
 
 
 def test_blocked_learner_wakes_on_stop():
-    class Stopped:
-        def is_set(self):
-            return True
-
-    a, _ = ring(2, tau=0)
+    stop = threading.Event()
+    stop.set()
+    a, _ = ring(2, tau=0, stop=stop)
     with pytest.raises(Stop):
-        a.step(torch.ones(6), 0, Stopped())
+        a.step(torch.ones(6), 0)
 
 
 def test_newer_message_overwrites_an_unread_older_one():
@@ -171,9 +165,9 @@ def test_newer_message_overwrites_an_unread_older_one():
     b.publish(torch.full((6,), 5.0), 0)
     b.publish(torch.full((6,), 7.0), 1)  # a has not read the 5s: they are gone
     x = torch.ones(6)
-    assert a.step(x, 3, NeverStop()) == Mix(True, 0.0, (2,))  # b's iteration-1 message, mixed at a's iteration 3
+    assert a.step(x, 3) == Mix(True, 0.0, (2,))  # b's iteration-1 message, mixed at a's iteration 3
     torch.testing.assert_close(x, torch.full((6,), 4.0))  # (1 + 7) / 2: one message, the newest
-    assert a.step(x, 4, NeverStop()) == Mix(False, 0.0)  # nothing new from b: no second mix
+    assert a.step(x, 4) == Mix(False, 0.0)  # nothing new from b: no second mix
 
 
 def test_epsilon_ball_of_proposition_2_holds_for_bounded_updates():
