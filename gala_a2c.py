@@ -1548,7 +1548,7 @@ def validate(args: Args, n: int, torchrun: bool = False) -> str | None:
                 f"--num-envs x --num-steps): the run would learn nothing; give at least {update}")  # fmt: skip
     if args.capture_video and args.eval_episodes == 0 and args.eval_only is None:
         return "--capture-video records the evaluation episodes; add --eval-episodes N (N >= 1)"
-    if args.eval_only is not None:  # env, network and model are the saved run's: load_for_eval checks them
+    if args.eval_only is not None:  # env, network and model are the saved run's: main_eval_only checks them
         return None
     try:
         act_space = env_spaces(args)[1]  # an unknown env id: an EnvError that suggests close matches

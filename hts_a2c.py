@@ -1097,7 +1097,7 @@ def validate(args: Args) -> str | None:
     for name in ("resume", "eval_only"):
         if (path := getattr(args, name)) is not None and not Path(path).is_file():
             return f"{flag(name)} {path}: no such file"
-    if args.eval_only is not None:  # env, network and model are the saved run's: load_for_eval checks them
+    if args.eval_only is not None:  # env, network and model are the saved run's: main_eval_only checks them
         return None
     try:
         observation_space, action_space = env_spaces(args)
