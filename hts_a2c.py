@@ -38,6 +38,7 @@ import contextlib
 import copy
 import ctypes
 import errno
+import fcntl
 import hashlib
 import io
 import itertools
@@ -569,7 +570,7 @@ def main(args: Args) -> None:
     signals = StopSignals(threading.Event())
     workers = Workers(args, shared, "spawn" if device.type == "cuda" else "fork", num_collections)  # CUDA: no fork
     checkpoint_path, exit_code, message = run_dir / "checkpoint.pt", 0, None
-    writer = tracker = None  # made in the try: whatever fails from there on stops the workers
+    writer = tracker = record = None  # made in the try: whatever fails from there on stops the workers
     progress = Progress(run_dir, num_collections * steps_per_collection,
                         f"{plan}, {args.num_executors} executors and {args.num_actors} actors, {device}")  # fmt: skip
     try:
@@ -604,17 +605,11 @@ def main(args: Args) -> None:
                 last_checkpoint = time.time()
     except (Stop, NonFiniteLoss, WriteError, OSError) as e:  # OSError: the TensorBoard events file
         exit_code, message = stopped(e, learner, signals.signum, run_dir)
+    except Exception:  # a bug, an optimizer overflow, CUDA out of memory: error line, summary, last checkpoint
+        exit_code, message = 1, f"error: the learner died:\n{traceback.format_exc()}"
     finally:
         workers.stop(graceful=exit_code == 0)
-    if exit_code == 0 and args.eval_episodes > 0:  # the final policy; a signal ends the evaluation at once
-        print(f"evaluating the final policy: {args.eval_episodes} episodes", flush=True)
-        try:
-            signals.interruptible()
-            record.evaluation(evaluate(learner.target, args, run_dir / "videos", device), learner.global_step)
-        except Interrupted:
-            exit_code, message = stopped(Stop(), learner, signals.signum, run_dir)
-    signals.restore()
-    close_run(args, learner, writer, tracker, progress, meta, exit_code, message)
+    close_run(args, learner, (writer, tracker, record, signals), progress, meta, exit_code, message)
 
 
 def stopped(e: Exception, learner: Learner, signum: int, run_dir: Path) -> tuple[int, str]:
@@ -628,11 +623,13 @@ def stopped(e: Exception, learner: Learner, signum: int, run_dir: Path) -> tuple
     return 1, f"{e}; stopping (the last good checkpoint is kept)" if isinstance(e, WriteError) else f"error: {e}"
 
 
-def close_run(args: Args, learner: Learner, writer, tracker, progress: Progress, meta: dict, exit_code: int,
+def close_run(args: Args, learner: Learner, outputs: tuple, progress: Progress, meta: dict, exit_code: int,
               message: str | None) -> None:  # fmt: skip
     """After the workers stopped: the final checkpoint (after the last update or a signal) and model (after the last
-    update), TensorBoard closed, the W&B run (from start_tracking) ended; the error line and the run's summary, exit
-    with the status."""
+    update), then the final evaluation (a signal ends it at once: the model is saved by then), TensorBoard closed, the
+    W&B run (from start_tracking) ended; the error line and the run's summary, exit with the status. `outputs`:
+    the writer, the tracker, the Record and the StopSignals."""
+    writer, tracker, record, signals = outputs
     run_dir = progress.run_dir
     try:
         if args.checkpoint_interval > 0 and (exit_code == 0 or exit_code > 128):
@@ -642,6 +639,15 @@ def close_run(args: Args, learner: Learner, writer, tracker, progress: Progress,
             atomic_save(learner.target.state_dict(), run_dir / "model.pt")
     except WriteError as e:
         exit_code, message = 1, f"{e}; stopping (the last good checkpoint is kept)"
+    if exit_code == 0 and args.eval_episodes > 0:  # the final policy
+        print(f"evaluating the final policy: {args.eval_episodes} episodes", flush=True)
+        try:
+            signals.interruptible()
+            device = next(learner.target.parameters()).device
+            record.evaluation(evaluate(learner.target, args, run_dir / "videos", device), learner.global_step)
+        except Interrupted:
+            exit_code, message = stopped(Stop(), learner, signals.signum, run_dir)
+    signals.restore()
     try:
         if writer is not None:  # None: it could not be made (the error line says why)
             writer.close()
@@ -662,6 +668,7 @@ def close_run(args: Args, learner: Learner, writer, tracker, progress: Progress,
 
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # Ctrl+C, kill, a closed terminal
+RUN_DIR_LOCKS: dict[str, int] = {}  # run directory -> the open descriptor that holds its lock (claim_run_dir)
 
 
 class Stop(Exception):
@@ -740,7 +747,8 @@ def check_flags(args: Args) -> str | None:
 
 def parse_args(argv: list[str]) -> Args:
     """tyro's parse, with a renamed flag (RENAMED_FLAGS) and tyro's boxed message (an unknown flag, a wrong type)
-    turned into the one error line and exit 2 of any other bad input."""
+    turned into the one error line and exit 2 of any other bad input. `args.given` names the flags the command line
+    gave, whatever their values: a resume or an evaluation takes the saved run's value of every other flag."""
     for arg in argv:
         if (name := arg.split("=")[0]) in RENAMED_FLAGS:
             fail(f"{name} {RENAMED_FLAGS[name]}")
@@ -748,7 +756,11 @@ def parse_args(argv: list[str]) -> Args:
     box = io.StringIO()
     try:
         with contextlib.redirect_stderr(box):
-            return tyro.cli(Args, args=argv)
+            args = tyro.cli(Args, args=argv)
+        names = {f.name for f in fields(Args)}
+        words = {arg[2:].split("=")[0].replace("-", "_") for arg in argv if arg.startswith("--")}
+        args.given = frozenset(names & (words | {w.removeprefix("no_") for w in words}))  # --no-cuda gives cuda
+        return args
     except SystemExit as e:
         if e.code in (0, None):
             raise
@@ -775,6 +787,7 @@ def new_run_dir(args: Args) -> Path:
         try:
             base.parent.mkdir(parents=True, exist_ok=True)
             run_dir.mkdir()
+            claim_run_dir(run_dir)
             return run_dir
         except FileExistsError:
             if not base.parent.is_dir():
@@ -799,7 +812,7 @@ def start_tracking(args: Args, run_dir: Path):
     import wandb  # optional: pip install -e ".[track]"
 
     try:
-        wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=run_dir.name, config=vars(args),
+        wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=run_dir.name, config=asdict(args),
                    id=hashlib.sha1(run_dir.name.encode()).hexdigest(), resume="allow" if args.resume else None,
                    sync_tensorboard=True, save_code=True)  # fmt: skip
     except Exception as e:  # not logged in, no network, an unknown entity or project
@@ -842,8 +855,21 @@ def write_error(e: OSError, what) -> str:
     return f"error: cannot write {what}: {e.strerror or e}"
 
 
+def not_finite(obj) -> bool:
+    """Whether a state (tensors in dicts, lists and tuples, as a state_dict or a checkpoint holds them) has a
+    floating-point tensor with a NaN or an infinity."""
+    if isinstance(obj, torch.Tensor):
+        return obj.is_floating_point() and not bool(torch.isfinite(obj).all())
+    if isinstance(obj, dict):
+        return any(not_finite(v) for v in obj.values())
+    return isinstance(obj, (list, tuple)) and any(not_finite(v) for v in obj)
+
+
 def atomic_save(obj, path: Path) -> None:
-    """torch.save to a temporary file, renamed over `path`: a crash or a full disk leaves the previous file intact."""
+    """torch.save to a temporary file, renamed over `path`: a crash or a full disk leaves the previous file intact.
+    Weights with a NaN or an infinity are not written: the file on disk stays the last good one."""
+    if not_finite(obj):
+        raise WriteError(f"error: not writing {path}: its weights hold NaN or infinity (a diverged update)")
     buffer = io.BytesIO()
     torch.save(obj, buffer)  # serialised in memory first: a full disk then shows as ENOSPC, not a zip-writer error
     tmp = path.with_suffix(".tmp")
@@ -908,16 +934,50 @@ class Progress:
             print(f"      python {script} --eval-only {max(saved, key=lambda p: p.stat().st_mtime)}", flush=True)
 
 
+def given_flags(args: Args) -> set[str]:
+    """The flags a command line gave (parse_args keeps their names in `args.given`); for an Args built in code, the
+    flags it sets away from their defaults."""
+    if (given := getattr(args, "given", None)) is not None:
+        return set(given)
+    default = asdict(Args())
+    return {k for k, v in asdict(args).items() if v != default[k]}
+
+
 def resumed_args(args: Args) -> Args:
-    """--resume: the flags of the run it continues (its args.json), changed only where this command line sets a flag
-    away from its default: `--resume DIR/checkpoint.pt` alone continues the run as it was."""
+    """--resume: the flags of the run it continues (its args.json, or the checkpoint's own copy where that file is
+    missing), but every flag this command line gives, even at its default: `--resume DIR/checkpoint.pt` alone
+    continues the run as it was, and `--ent-coef 0.01` switches a run of 0.05 back to 0.01."""
+    path = Path(args.resume)
+    if not path.is_file():
+        fail(f"--resume {path}: no such file")
     try:
-        saved = json.loads((Path(args.resume).parent / "args.json").read_text())["args"]
+        saved = json.loads((path.parent / "args.json").read_text())["args"]
     except (OSError, ValueError, KeyError, TypeError):
-        return args
-    default, given = asdict(Args()), asdict(args)
-    kept = {k: saved[k] for k in given if k in saved and given[k] == default[k] and k not in ("resume", "eval_only")}
+        try:
+            saved = torch.load(path, map_location="cpu", weights_only=False)["args"]
+        except Exception:  # not a checkpoint: load_checkpoint says so
+            return args
+    default, given = asdict(Args()), given_flags(args)
+    kept = {k: saved[k] for k in default if k in saved and k not in given and k not in ("resume", "eval_only")}
     return replace(args, **{k: tuple(v) if isinstance(default[k], tuple) else v for k, v in kept.items()})
+
+
+def claim_run_dir(run_dir: Path) -> None:
+    """Hold an exclusive lock on the run directory until this process ends (the kernel drops it, even after kill -9),
+    so a second run cannot write into it at the same time; then remove the temporary files a killed write left. A
+    directory another process holds: one error line, exit 2. The same process may claim it again (a test's resume)."""
+    if str(run_dir) in RUN_DIR_LOCKS:
+        return
+    fd = os.open(run_dir, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        fail(f"another run is writing to {run_dir} (a second --resume of its checkpoint, or the run itself)")
+    RUN_DIR_LOCKS[str(run_dir)] = fd
+    for tmp in run_dir.glob("*.tmp"):
+        with contextlib.suppress(OSError):
+            tmp.unlink()
 
 
 def load_checkpoint(path: str, meta: dict, args: Args, steps_per_update: int) -> dict:
@@ -947,6 +1007,7 @@ def load_checkpoint(path: str, meta: dict, args: Args, steps_per_update: int) ->
              f"{per} holds no more: the run would learn nothing; give at least {needed}")  # fmt: skip
     if not os.access(Path(path).parent, os.W_OK):
         fail(f"cannot write to the run directory {Path(path).parent} of --resume {path}")
+    claim_run_dir(Path(path).resolve().parent)
     said = ", ".join(f"{flag(k)} {now[k]} (was {before[k]})" for k in changed) or "none"
     print(f"resuming {path} from step {checkpoint.get('global_step')}; flags that differ from its run: {said}")
     return checkpoint
@@ -973,10 +1034,11 @@ def main_eval_only(args: Args) -> None:
     if run.get("script") != this:
         fail(f"{path} was saved by {run.get('script')}, not {this}")
     settings = {k: run["meta"].get(k, run["args"][k]) for k in RUN_SETTINGS}  # meta: what `auto` resolved to
-    for name, value in settings.items():  # a flag given on the command line must be the saved run's
-        given = getattr(args, name)
-        if given != getattr(Args, name) and json.loads(json.dumps(given)) not in (value, run["args"][name]):
-            fail(f"{flag(name)} {given} contradicts {path}, saved by a run with {value}")
+    given = given_flags(args)
+    for name, value in settings.items():  # a flag given on the command line must be the saved run's, even its default
+        ours = getattr(args, name)
+        if name in given and json.loads(json.dumps(ours)) not in (value, run["args"][name]):
+            fail(f"{flag(name)} {ours} contradicts {path}, saved by a run with {value}")
     eval_args = replace(args, **{k: run["args"][k] for k in RUN_SETTINGS}, eval_episodes=args.eval_episodes or 10)
     try:
         model = saved_model(eval_args, settings, saved["model"] if is_checkpoint else saved)
@@ -984,6 +1046,8 @@ def main_eval_only(args: Args) -> None:
         fail(f"--eval-only {path}: {e}")
     except Exception as e:  # not a state_dict, or one of another network
         fail(f"--eval-only {path}: not parameters of its run's network ({type(e).__name__})")
+    if not_finite(model.state_dict()):
+        fail(f"--eval-only {path}: its weights hold NaN or infinity (a diverged run); there is nothing to evaluate")
     device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
     taken = " ".join(f"{k}={v}" for k, v in settings.items())
     how = "greedy" if eval_args.eval_greedy else "sampled"

@@ -152,8 +152,13 @@ PONG_CPU_IMPALA = [
 # Pong on a GPU machine (16 cores, `benchmarks/gpu_pong.sh`): PPO at the 32 envs of the GPU throughput table, whose
 # ~7,000 agent steps/s reach the 2.5M-step budget inside one device call. Besides the envs it keeps the cleanba_ppo
 # entry's settings, so a rollout holds 4x the samples (32 x 128) for the same 4 epochs x 4 minibatches.
-PONG_GPU = [pong("cleanba_ppo_32envs", "cleanba_ppo_impala.py",
-                 [*DEEPMIND, "--network", "nature", "--num-envs", "32", "--num-actor-threads", "1"])]
+PONG_GPU = [
+    pong(
+        "cleanba_ppo_32envs",
+        "cleanba_ppo_impala.py",
+        [*DEEPMIND, "--network", "nature", "--num-envs", "32", "--num-actor-threads", "1"],
+    )
+]
 
 # The A3C eps diagnosis on Pong (README, Results): hogwild at 1, 2 and 4 workers and the gradient server, RMSprop
 # eps 1e-5 against 1e-4 and 1e-3, CPU workers; a few hundred thousand steps show whether the value loss falls from

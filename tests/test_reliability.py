@@ -4,10 +4,14 @@ be imported, a resume with other flags, and an unknown flag; and what a run tell
 how far it is, what it left behind and how to go on, and a --help that reads as sentences. Each is triggered by what
 the run prints or by an import hook, never by a timer; a deadline only catches a hang."""
 
+import fcntl
 import importlib
 import itertools
+import json
+import math
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -85,7 +89,7 @@ def test_sighup_stops_like_sigterm_with_a_final_checkpoint(name, tmp_path):
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_ctrl_c_during_the_final_evaluation_stops_the_run(name, tmp_path):
     cmd = [sys.executable, script_of(name), "--log-dir", str(tmp_path), *flags(name, RUNS[name][1]),
-           "--eval-episodes", "1000000"]  # fmt: skip
+           "--eval-episodes", "1000000", "--save-model", "--checkpoint-interval", "0"]  # fmt: skip
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             start_new_session=True)  # fmt: skip
@@ -103,6 +107,44 @@ def test_ctrl_c_during_the_final_evaluation_stops_the_run(name, tmp_path):
             proc.wait()
     assert code == 128 + signal.SIGINT, err[-1500:]
     assert "Traceback" not in err, err[-1500:]
+    assert (only_run_dir(tmp_path) / "model.pt").is_file(), "the trained model is saved before the evaluation"
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_weights_with_nan_or_inf_never_replace_the_last_good_checkpoint(name, tmp_path):
+    """Every checkpoint and model.pt goes through atomic_save: a diverged update (weights overflowed after the loss
+    was checked) stops the run with the error line, and the file on disk stays the last finite one."""
+    module = importlib.import_module(name)
+    path = tmp_path / "checkpoint.pt"
+    module.atomic_save({"model": {"w": torch.ones(3)}, "global_step": 10}, path)
+    for bad in (math.inf, math.nan):
+        diverged = {"model": {"w": torch.tensor([1.0, bad, 0.0])}, "optimizer": {"state": [torch.zeros(2)]}}
+        with pytest.raises(module.WriteError, match="NaN or infinity"):
+            module.atomic_save(diverged, path)
+    assert torch.load(path)["model"]["w"].tolist() == [1.0, 1.0, 1.0]
+    assert not path.with_suffix(".tmp").exists()
+
+
+# what an unexpected exception (a bug, an optimizer overflow, CUDA out of memory) is injected into: the learner's step
+LEARNER_STEP = {"hts_a2c": ("Learner", "step"), "hts_ppo": ("Learner", "step"), "apex_dqn": ("LearnerRun", "learn"),
+                "apex_ddpg": ("LearnerRun", "learn")}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(LEARNER_STEP))
+def test_an_unexpected_learner_exception_gives_the_error_line_and_the_summary(name, tmp_path, monkeypatch, capsys):
+    module = importlib.import_module(name)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected learner failure")
+
+    monkeypatch.setattr(getattr(module, LEARNER_STEP[name][0]), LEARNER_STEP[name][1], broken)
+    argv = ["--log-dir", str(tmp_path), *flags(name, RUNS[name][1]), "--checkpoint-interval", "0"]
+    with pytest.raises(SystemExit) as exit_status:
+        module.main(module.parse_args(argv))
+    out, err = capsys.readouterr()
+    assert exit_status.value.code == 1, err[-1500:]
+    assert "error: the learner died:" in err and "RuntimeError: injected learner failure" in err, err[-1500:]
+    assert re.search(r"^stopped \(exit status 1\): ", out, re.M), out[-1500:]
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
@@ -143,7 +185,7 @@ def test_track_with_a_wandb_that_cannot_be_imported_is_one_error_line(name, tmp_
 def test_a_resume_says_its_step_and_flags_and_refuses_a_new_shape(name, tmp_path):
     total = RUNS[name][1]
     cmd = [sys.executable, script_of(name), "--log-dir", str(tmp_path), *flags(name, total)]
-    cmd += ["--checkpoint-interval", "3600", "--save-model"]
+    cmd += ["--checkpoint-interval", "3600", "--save-model", "--seed", "3"]
     first = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert first.returncode == 0, first.stderr[-1500:]
     run_dir = only_run_dir(tmp_path)
@@ -161,15 +203,56 @@ def test_a_resume_says_its_step_and_flags_and_refuses_a_new_shape(name, tmp_path
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     spent = f"its run did {step} agent steps and --total-timesteps {total}"  # the run's budget, from its args.json
     assert done.returncode == 2 and spent in done.stderr and "would learn nothing" in done.stderr, done.stderr[-1500:]
-    # only what changes is given: the env, the workers and the rest are the run's own (its args.json)
+    refusals_before_training(name, run_dir, step, total, tmp_path)
+    (run_dir / "checkpoint.tmp").write_bytes(b"left by a write that kill -9 cut short")
+    # only what changes is given: the env, the workers and the rest are the run's own (its args.json); --seed 1 is
+    # the default, and given, it replaces the run's 3
     resumed = subprocess.run([sys.executable, script_of(name), "--resume", str(checkpoint_path), "--total-timesteps",
-                              str(2 * total), "--seed", "7"], cwd=ROOT, capture_output=True, text=True,
+                              str(2 * total), "--seed", "1"], cwd=ROOT, capture_output=True, text=True,
                              timeout=300)  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr[-1500:]
     said = [line for line in resumed.stdout.splitlines() if line.startswith("resuming")]
     assert len(said) == 1 and f"step {step}" in said[0], resumed.stdout[-1500:]
-    assert said[0].endswith(f"flags that differ from its run: --seed 7 (was 1), --total-timesteps {2 * total} (was "
+    assert said[0].endswith(f"flags that differ from its run: --seed 1 (was 3), --total-timesteps {2 * total} (was "
                             f"{total})"), said  # fmt: skip
+    assert json.loads((run_dir / "args.json").read_text())["args"]["seed"] == 1
+    assert not (run_dir / "checkpoint.tmp").exists(), "the resume removes what a killed write left"
+
+
+def refusals_before_training(name: str, run_dir, step: int, total: int, tmp_path) -> None:
+    """What a resume or an evaluation of a finished run must refuse, each in one error line and exit 2, before it
+    trains or plays: a directory given as the checkpoint, a run directory another process holds, an --env-id given at
+    its default that is not the saved run's, and a model whose weights are NaN. A checkpoint copied without its
+    args.json still resumes as its own run (its budget is what stops it here, not another env's defaults)."""
+    default_env = importlib.import_module(name).Args().env_id
+
+    def refused(*argv: str) -> str:
+        p = subprocess.run([sys.executable, script_of(name), *argv], cwd=ROOT, capture_output=True, text=True,
+                           timeout=120)  # fmt: skip
+        lines = p.stderr.strip().splitlines()
+        assert p.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), (argv, p.stderr[-1500:])
+        return lines[0]
+
+    assert "no such file" in refused("--resume", str(run_dir), "--total-timesteps", str(2 * total))
+    fd = os.open(run_dir, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # as a run still writing there holds it
+        assert "another run is writing to" in refused("--resume", str(run_dir / "checkpoint.pt"), "--total-timesteps",
+                                                      str(2 * total))  # fmt: skip
+    finally:
+        os.close(fd)
+    alone = tmp_path / "copied"
+    alone.mkdir()
+    shutil.copy(run_dir / "checkpoint.pt", alone / "checkpoint.pt")
+    line = refused("--resume", str(alone / "checkpoint.pt"))
+    assert f"its run did {step} agent steps and --total-timesteps {total}" in line, line
+    if RUNS[name][0][RUNS[name][0].index("--env-id") + 1] != default_env:
+        assert "contradicts" in refused("--eval-only", str(run_dir / "model.pt"), "--env-id", default_env)
+    model = torch.load(run_dir / "model.pt", map_location="cpu")
+    next(v for v in model.values() if v.is_floating_point()).view(-1)[0] = math.nan
+    torch.save(model, tmp_path / "nan.pt")
+    shutil.copy(run_dir / "args.json", tmp_path / "args.json")
+    assert "NaN" in refused("--eval-only", str(tmp_path / "nan.pt"))
 
 
 def said_what_it_did(out: str, run_dir, name: str) -> None:
