@@ -1698,10 +1698,17 @@ def env_spaces(args: Args):
 
 
 def checkpoint_meta(args: Args, obs_space, act_space) -> dict:
-    """What a checkpoint must match to be resumed by this run: script, env, network and shapes."""
+    """What a checkpoint must match to be resumed by this run: script, env, Atari protocol, network and shapes."""
     network = args.network if args.network != "auto" else "nature" if len(obs_space.shape) == 3 else "mlp"
-    return dict(script=Path(__file__).name, env_id=args.env_id, network=network, hidden_sizes=list(args.hidden_sizes),
-                obs_shape=list(obs_space.shape), action_shape_or_n=int(act_space.n))  # fmt: skip
+    return dict(
+        script=Path(__file__).name,
+        env_id=args.env_id,
+        atari_protocol=args.atari_protocol,
+        network=network,
+        hidden_sizes=list(args.hidden_sizes),
+        obs_shape=list(obs_space.shape),
+        action_shape_or_n=int(act_space.n),
+    )
 
 
 def saved_model(eval_args: Args, settings: dict, state_dict: dict) -> nn.Module:

@@ -1176,10 +1176,18 @@ def env_spaces(args: Args):
 
 def checkpoint_meta(args: Args, obs_space, act_space) -> dict:
     """What a checkpoint was trained on, `auto` resolved (Cleanba's IMPALA ResNet on images with either algorithm, an
-    MLP on flat observations): --resume refuses one whose script, algo, env, network or shapes differ."""
+    MLP on flat observations): --resume refuses one whose script, algo, env, Atari protocol, network or shapes
+    differ."""
     network = args.network if args.network != "auto" else ("impala" if len(obs_space.shape) == 3 else "mlp")
-    return dict(script=Path(__file__).name, algo=args.algo, env_id=args.env_id, network=network,
-                obs_shape=list(obs_space.shape), action_shape_or_n=int(act_space.n))  # fmt: skip
+    return dict(
+        script=Path(__file__).name,
+        algo=args.algo,
+        env_id=args.env_id,
+        atari_protocol=args.atari_protocol,
+        network=network,
+        obs_shape=list(obs_space.shape),
+        action_shape_or_n=int(act_space.n),
+    )
 
 
 def saved_model(args: Args, settings: dict, state_dict: dict) -> nn.Module:

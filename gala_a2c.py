@@ -1628,10 +1628,19 @@ def env_spaces(args: Args) -> tuple[gym.Space, gym.Space]:
 
 
 def checkpoint_meta(args: Args, obs_space: gym.Space, act_space: gym.spaces.Discrete, n: int) -> dict:
-    """What a checkpoint must match to be resumed by this run: script, mode, learners, env, network and shapes."""
+    """What a checkpoint must match to be resumed by this run: script, mode, learners, env, Atari protocol, network
+    and shapes."""
     network = args.network if args.network != "auto" else ("nature" if len(obs_space.shape) == 3 else "mlp")
-    return dict(script=Path(__file__).name, algo=args.mode, learners=n, env_id=args.env_id, network=network,
-                obs_shape=list(obs_space.shape), action_shape_or_n=int(act_space.n))  # fmt: skip
+    return dict(
+        script=Path(__file__).name,
+        algo=args.mode,
+        learners=n,
+        env_id=args.env_id,
+        atari_protocol=args.atari_protocol,
+        network=network,
+        obs_shape=list(obs_space.shape),
+        action_shape_or_n=int(act_space.n),
+    )
 
 
 def saved_model(args: Args, settings: dict, state_dict: dict) -> nn.Module:

@@ -241,6 +241,12 @@ def refusals_before_training(name: str, run_dir, step: int, total: int, tmp_path
                                                       str(2 * total))  # fmt: skip
     finally:
         os.close(fd)
+    if name != "apex_ddpg":  # the Atari protocol a run's envs were made with stays (apex_ddpg has no Atari)
+        saved = json.loads((run_dir / "args.json").read_text())["args"]["atari_protocol"]
+        other = {"deepmind": "machado", "machado": "deepmind"}[saved]
+        line = refused("--resume", str(run_dir / "checkpoint.pt"), "--total-timesteps", str(2 * total),
+                       "--atari-protocol", other)  # fmt: skip
+        assert f"atari_protocol {saved}" in line, line
     alone = tmp_path / "copied"
     alone.mkdir()
     shutil.copy(run_dir / "checkpoint.pt", alone / "checkpoint.pt")
