@@ -9,10 +9,10 @@ no band, and its legend entry and table row say so. A seed counts once: a run's 
 `args.json`, or the seed in its directory name when it has none, and of several runs with the same exp name and seed
 the latest (by the start time in the directory name) is used and the others are named in a warning. Next to the figure
 it writes a JSON file and prints a Markdown table: final return (mean of each seed's last `--window` episodes),
-steps/s, and time to threshold (first agent step / second at which the mean of the last `--window` episodes reaches
-`--threshold`, counted once `--window` episodes exist). A run taken in pieces (`--resume`) is timed by its running
-time (the downtime between its pieces is left out), and the episodes that a later piece redid from its checkpoint
-count once.
+steps/s, running time, and time to threshold (first agent step / second at which the mean of the last `--window`
+episodes reaches `--threshold`, counted once `--window` episodes exist). A run taken in pieces (`--resume`) is timed by
+its running time (the downtime between its pieces is left out), and the episodes that a later piece redid from its
+checkpoint count once.
 
 Runs of different env ids that share a protocol can share a figure, named explicitly: `--same-env
 PongNoFrameskip-v4=ALE/Pong-v5` draws the runs of the first id (a reference such as CleanRL's ppo_atari.py) in the
@@ -233,7 +233,7 @@ def return_at_frames(run: Run, frames: int, window: int) -> float | None:
     return float(np.mean(ended[-window:])) if reached and len(ended) else None
 
 
-def at_budgets(group: Group, window: int, budgets: list[int]) -> list[dict]:
+def at_budgets(group: Group, window: int, budgets: tuple[int, ...]) -> list[dict]:
     """Per frame budget: each seed's return there (None where it stopped before) and the mean over the seeds that got
     there."""
     out = []
