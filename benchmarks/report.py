@@ -4,7 +4,8 @@ A table sits between `<!-- report:NAME -->` and `<!-- /report:NAME -->`: report.
 markers and nothing else, so the prose around a table is written by hand and its numbers are not. Each table ends
 with the JSON files its rows come from. Which JSON is current is data here (`CLASSIC_SOURCES`, ...): a row from a
 later file replaces the row of the same run from an earlier one. The Pong table takes every `pong_cpu*.json` there
-is, so a new Pong result is its JSON and manifest plus a re-run of this tool.
+is, so a new Pong result is its JSON and manifest plus a re-run of this tool; the table of Pong beside the reference
+implementations takes its families from `pong_references.json`.
 
     python benchmarks/report.py            # rewrite the tables in README.md and benchmarks/RESULTS.md
     python benchmarks/report.py --check    # exit 1, naming the tables that differ from what report.py would write
@@ -180,6 +181,63 @@ def pong_h100_table(results: Path) -> str:
     header = "run | script | flags | agent steps | final return (last 20 episodes) | agent steps/s"
     curves = f"\n\nCurves: {figure(results, name, 'ALE_Pong-v5', 'pong_h100_ALE_Pong-v5.png')}."
     return table(header, "lllrrr", rows) + curves + sources(results, [name])
+
+
+REFERENCES = "pong_references.json"  # per family: the plot.py JSON of our runs and the reference's, what each ran
+
+
+def manifest_record(side: dict, results: Path) -> dict:
+    """A side's run in its learn.py manifest (the last piece, if resumed); a reference's is its references entry."""
+    if "manifest" not in side:
+        return {"command": side["command"], "stopped_at_time_limit": False}
+    return [r for r in load(results / side["manifest"])["runs"] if r["label"] == side["exp"]][-1]
+
+
+def without_log_dir(command: list[str]) -> list[str]:
+    """A command less `--log-dir DIR`: where a run wrote on its machine is no setting of it."""
+    i = command.index("--log-dir") if "--log-dir" in command else len(command)
+    return command[:i] + command[i + 2 :]
+
+
+def steps_reached(run: dict, record: dict) -> str:
+    """'reached of budget', and whether learn.py's time limit cut the run."""
+    command, reached = record["command"], num(statistics.median(run["agent_steps"]))
+    budget = command[command.index("--total-timesteps") + 1] if "--total-timesteps" in command else None
+    cut = " (time limit)" if record["stopped_at_time_limit"] else ""
+    return reached + (f" of {num(int(budget))}" if budget else "") + cut
+
+
+def at_frames(run: dict, frames: int) -> str:
+    """plot.py --at-frames: the mean return at a frame budget over the seeds that got there ('—' if none did)."""
+    return num({b["frames"]: b for b in run["at_frames"]}[frames]["mean"], 1)
+
+
+def pong_references_table(results: Path) -> str:
+    """Our Pong runs beside the reference implementations' own code, per algorithm family, from the plot.py JSONs and
+    manifests that pong_references.json names."""
+    refs = load(results / REFERENCES)
+    budgets, rows, curves, names = refs["at_frames"], [], [], [REFERENCES]
+    for family in refs["families"]:
+        plot_runs = {r["exp"]: r for r in load(results / family["plot"])["runs"]}
+        names += [family["plot"]] + [side["manifest"] for side in family["runs"] if "manifest" in side]
+        png = f"{family['plot'].removesuffix('.json')}_{family['env']}.png"
+        curves.append(f"{family['family']}: {figure(results, family['plot'], family['env'], png)}")
+        for side in family["runs"]:
+            run, record = plot_runs[side["exp"]], manifest_record(side, results)
+            manifest_machine = load(results / side["manifest"]).get("machine") if "manifest" in side else None
+            machine = ", ".join(m for m in (side["machine"], manifest_machine) if m)
+            rows.append(
+                f"{family['family']} | `{side['exp']}` | {side['code']} | {machine} | "
+                + " | ".join(at_frames(run, b) for b in budgets)
+                + f" | {steps_reached(run, record)} | {num(run['sps_mean'])} | "
+                f"{num(statistics.median(run['running_seconds']) / 60)} | "
+                f"`python {' '.join(without_log_dir(record['command']))}`"
+            )
+    header = ("family | run | code | machine | "
+              + " | ".join(f"final return at {b / 1e6:g}M frames (last 20 episodes)" for b in budgets)
+              + " | agent steps reached | agent steps/s | wall time (min) | command")  # fmt: skip
+    figures = "\n\nCurves: " + "; ".join(curves) + "."
+    return table(header, "llll" + "r" * (len(budgets) + 3) + "l", rows) + figures + sources(results, names)
 
 
 def a3c_eps_table(results: Path) -> str:
@@ -591,6 +649,7 @@ DOCUMENTS: dict[str, dict[str, Callable[[Path], str]]] = {
         "classic-control": classic_control_table,
         "pong-cpu": pong_cpu_table,
         "pong-h100": pong_h100_table,
+        "pong-references": pong_references_table,
         "a3c-eps": a3c_eps_table,
         "all-scripts": all_scripts_table,
         "straggler": straggler_table,

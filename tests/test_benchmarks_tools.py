@@ -230,6 +230,100 @@ def test_seed_comes_from_args_json_when_there_is_one(tmp_path, capsys):
     assert row["seeds"] == [3, 7] and row["final_return_per_seed"] == [30.0, 20.0]
 
 
+def mean_of_last_20_by(frames_budget: int, returns: list[float], steps: list[int]) -> float:
+    """Slow reference for --at-frames: walk the episodes in order, keep those that ended at or before the budget (4
+    frames per agent step), average the last 20 kept."""
+    kept = []
+    for r, s in zip(returns, steps, strict=True):
+        if 4 * s <= frames_budget:
+            kept.append(r)
+    last = kept[-20:]
+    return sum(last) / len(last)
+
+
+def test_same_env_draws_a_reference_env_in_one_figure_in_frames_with_returns_at_frame_budgets(
+    tmp_path, monkeypatch, capsys
+):
+    """A reference's PongNoFrameskip-v4 run and two seeds of ours on ALE/Pong-v5 go into one figure and one env of
+    the JSON only when --same-env names the pair; --frames draws 4 frames per agent step; --at-frames averages the
+    last 20 episodes by each budget. Ours, seed 1, ends at 249,900 agent steps (999,600 frames: within 0.1% of the
+    1M-frame budget, as a budget of agent steps cut to whole updates ends); seed 2 ends at 960,000 frames and the
+    reference at 480,000, short of it."""
+    runs = tmp_path / "runs"
+    ours = {
+        1: ([float(i % 7 - 3) for i in range(50)], [4998 * (i + 1) for i in range(50)]),
+        2: ([float((3 * i) % 11 - 5) for i in range(40)], [6000 * (i + 1) for i in range(40)]),
+    }
+    for seed, (returns, steps) in ours.items():
+        run_dir = write_run(runs, "ALE_Pong-v5", "ours", seed, returns, steps)
+        (run_dir / "args.json").write_text(json.dumps({"args": {"seed": seed}}))
+    ref_returns, ref_steps = [float(-21 + i // 3) for i in range(30)], [4000 * (i + 1) for i in range(30)]
+    write_run(runs, "PongNoFrameskip-v4", "ppo_atari", 1, ref_returns, ref_steps)  # CleanRL writes no args.json
+
+    # without --same-env the ids stay apart: two figures, two envs
+    figures = Figures(monkeypatch)
+    assert plot.main([str(runs), "--out", str(tmp_path / "apart")]) == 0
+    capsys.readouterr()
+    assert len(figures.drawn) == 2
+    assert {r["env"] for r in json.loads((tmp_path / "apart.json").read_text())["runs"]} == {
+        "ALE_Pong-v5",
+        "PongNoFrameskip-v4",
+    }
+
+    figures = Figures(monkeypatch)
+    budgets = [400_000, 1_000_000]
+    args = [str(runs), "--same-env", "PongNoFrameskip-v4=ALE/Pong-v5", "--frames", "--label", "ppo_atari=cleanrl"]
+    args += ["--at-frames", *map(str, budgets), "--out", str(tmp_path / "merged")]
+    assert plot.main(args) == 0
+    out = capsys.readouterr().out
+    assert len(figures.drawn) == 1
+    summary = json.loads((tmp_path / "merged.json").read_text())
+    rows = {r["exp"]: r for r in summary["runs"]}
+    assert sorted(rows) == ["cleanrl", "ours"]
+    assert {r["env"] for r in rows.values()} == {"ALE_Pong-v5"}
+    assert rows["cleanrl"]["run_env"] == "PongNoFrameskip-v4" and rows["ours"]["run_env"] == "ALE_Pong-v5"
+    assert summary["same_env"] == {"PongNoFrameskip-v4": "ALE_Pong-v5"}
+    assert figures.legend() == ["cleanrl (PongNoFrameskip-v4, 1 seed, no band)", "ours (2 seeds)"]
+
+    # frames: 4 per agent step, in the JSON and on the x axis of the first panel (to the longest seed's last episode)
+    assert rows["ours"]["agent_steps"] == [249_900, 240_000] and rows["ours"]["frames"] == [999_600, 960_000]
+    assert rows["cleanrl"]["frames"] == [4 * 120_000]
+    panel = figures.drawn[0].axes[0]
+    assert panel.get_xlabel() == "frames (agent steps x 4)"
+    assert [line.get_xdata()[-1] for line in panel.get_lines()] == [480_000, 999_600]
+
+    # the returns at each budget, against the slow reference; None where a seed stopped short of the budget
+    expected = {
+        ("ours", 400_000): [mean_of_last_20_by(400_000, *ours[1]), mean_of_last_20_by(400_000, *ours[2])],
+        ("ours", 1_000_000): [mean_of_last_20_by(1_000_000, *ours[1]), None],
+        ("cleanrl", 400_000): [mean_of_last_20_by(400_000, ref_returns, ref_steps)],
+        ("cleanrl", 1_000_000): [None],
+    }
+    for exp, row in rows.items():
+        assert [b["frames"] for b in row["at_frames"]] == budgets
+        for b in row["at_frames"]:
+            want = expected[exp, b["frames"]]
+            assert b["per_seed"] == pytest.approx(want), (exp, b)
+            reached = [v for v in want if v is not None]
+            assert b["seeds_reaching"] == len(reached)
+            assert b["mean"] == (pytest.approx(np.mean(reached)) if reached else None), (exp, b)
+    # the table: frames, and each budget's mean, the seeds that got there when not all did, '—' when none did
+    ours_line = next(line for line in out.splitlines() if "| ours |" in line)
+    ref_line = next(line for line in out.splitlines() if "| cleanrl |" in line)
+    assert ours_line.startswith("| ALE_Pong-v5 | ours | 2 | 979,800 |"), ours_line  # median of 999,600 and 960,000
+    assert ref_line.startswith("| PongNoFrameskip-v4 (as ALE_Pong-v5) | cleanrl | 1 (no band) | 480,000 |"), ref_line
+    at_4 = np.mean(expected["ours", 400_000])
+    assert ours_line.endswith(f"| {at_4:.1f} | {expected['ours', 1_000_000][0]:.1f} (1/2 seeds) |"), ours_line
+    assert ref_line.endswith(f"| {expected['cleanrl', 400_000][0]:.1f} | — |"), ref_line
+
+
+@pytest.mark.parametrize("flag", ["--same-env", "--label", "--tag-for"])
+def test_pair_flags_without_both_sides_are_refused(tmp_path, flag, capsys):
+    write_run(tmp_path / "runs", "ALE_Pong-v5", "ours", 1, [1.0, 2.0], [100, 200])
+    assert plot.main([str(tmp_path / "runs"), flag, "PongNoFrameskip-v4", "--out", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err == f"error: {flag} takes A=B, got 'PongNoFrameskip-v4'\n"
+
+
 @pytest.mark.parametrize("suite", sorted(learn.SUITES))
 def test_every_suite_entry_parses_with_its_script(suite, tmp_path):
     entries = learn.suite(suite)

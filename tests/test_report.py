@@ -86,6 +86,63 @@ def test_pong_table_takes_every_pong_json_with_hand_computed_values(tmp_path):
     assert rows[0][3:7] == ["900,000", "5.0", "300", "50"]
 
 
+def at_frames(*means):
+    """plot.py --at-frames records of one seed: a mean per budget (None: the run stopped before it)."""
+    budgets = (4_000_000, 10_000_000)
+    return [dict(frames=b, per_seed=[m], mean=m, seeds_reaching=int(m is not None))
+            for b, m in zip(budgets, means, strict=True)]  # fmt: skip
+
+
+def test_pong_references_table_takes_each_family_from_its_plot_json_and_each_command_from_its_source(tmp_path):
+    """Two families from pong_references.json: our runs' commands from their manifests (less --log-dir), a
+    reference's from the references JSON itself; the machine is the side's own plus its manifest's."""
+    write(tmp_path / "pong_ref_ppo.json", {"runs": [
+        learning_run("cleanba_ppo", agent_steps=[1_299_456], sps_mean=2847.99, running_seconds=[456.27],
+                     at_frames=at_frames(-6.94, None)),
+        learning_run("cleanrl_ppo_atari", run_env="PongNoFrameskip-v4", agent_steps=[2_499_584], sps_mean=250.4,
+                     running_seconds=[9_990.0], at_frames=at_frames(-20.25, 14.96)),
+    ]})  # fmt: skip
+    write(tmp_path / "pong_ref_impala.json", {"runs": [
+        learning_run("impala_batched", agent_steps=[600_000, 700_000], sps_mean=500.0, running_seconds=[1200.0, 1500.0],
+                     at_frames=at_frames(None, None)),
+    ]})  # fmt: skip
+    (tmp_path / "pong_ref_ppo_ALE_Pong-v5.png").write_bytes(b"")
+    ours = manifest_run("cleanba_ppo", "--num-envs", "8") | dict(stopped_at_time_limit=True)
+    write(tmp_path / "gpu_manifest.json", {"suite": "atari-smoke", "machine": "16 CPU cores", "runs": [ours]})
+    write(tmp_path / "cpu_manifest.json", {"machine": "2 CPU cores", "runs": [manifest_run("impala_batched")]})
+    reference_command = ["run_ppo_atari.py", "--env-id", "PongNoFrameskip-v4", "--total-timesteps", "2500000"]
+    write(tmp_path / report.REFERENCES, {"at_frames": [4_000_000, 10_000_000], "families": [
+        {"family": "PPO", "plot": "pong_ref_ppo.json", "env": "ALE_Pong-v5", "runs": [
+            {"exp": "cleanba_ppo", "code": "ours.py", "machine": "GPU machine", "manifest": "gpu_manifest.json"},
+            {"exp": "cleanrl_ppo_atari", "code": "CleanRL", "machine": "2-core VM", "command": reference_command}]},
+        {"family": "IMPALA", "plot": "pong_ref_impala.json", "env": "ALE_Pong-v5", "runs": [
+            {"exp": "impala_batched", "code": "mono.py", "machine": "", "manifest": "cpu_manifest.json"}]},
+    ]})  # fmt: skip
+
+    text = report.pong_references_table(tmp_path)
+    ours_command = ("`python cleanba_ppo.py --env-id ALE/Pong-v5 --seed 1 --total-timesteps 2500000 --exp-name "
+                    "cleanba_ppo --atari-protocol deepmind --checkpoint-interval 600 --num-envs 8`")  # fmt: skip
+    assert table_rows(text) == [
+        # 456.27 s = 7.6 min; 9,990 s = 166.5 min; the IMPALA pair: the median of 1,200 and 1,500 s is 22.5 min
+        ["PPO", "`cleanba_ppo`", "ours.py", "GPU machine, 16 CPU cores", "-6.9", "—",
+         "1,299,456 of 2,500,000 (time limit)", "2,848", "8", ours_command],
+        ["PPO", "`cleanrl_ppo_atari`", "CleanRL", "2-core VM", "-20.2", "15.0", "2,499,584 of 2,500,000", "250", "166",
+         "`python run_ppo_atari.py --env-id PongNoFrameskip-v4 --total-timesteps 2500000`"],
+        ["IMPALA", "`impala_batched`", "mono.py", "2 CPU cores", "—", "—", "650,000 of 2,500,000", "500", "22",
+         "`python impala_batched.py --env-id ALE/Pong-v5 --seed 1 --total-timesteps 2500000 --exp-name impala_batched "
+         "--atari-protocol deepmind --checkpoint-interval 600`"],
+    ]  # fmt: skip
+    assert "final return at 4M frames (last 20 episodes) | final return at 10M frames (last 20 episodes)" in text
+    assert "Curves: PPO: [pong_ref_ppo_ALE_Pong-v5.png](results/pong_ref_ppo_ALE_Pong-v5.png); IMPALA: —." in text
+    assert text.endswith(
+        "JSON: [`pong_references.json`](results/pong_references.json); "
+        "[`pong_ref_ppo.json`](results/pong_ref_ppo.json); "
+        "[`gpu_manifest.json`](results/gpu_manifest.json) (16 CPU cores); "
+        "[`pong_ref_impala.json`](results/pong_ref_impala.json); [`cpu_manifest.json`](results/cpu_manifest.json) "
+        "(2 CPU cores)."
+    )
+
+
 def test_classic_control_table_later_source_replaces_a_run(tmp_path, monkeypatch):
     nan = math.nan
     first = learning_run("algo_a", env="CartPole-v1", seeds=[1, 2, 3], agent_steps=[500_000] * 3,
