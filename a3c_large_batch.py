@@ -1031,8 +1031,10 @@ def resumed_args(args: Args) -> Args:
 def claim_run_dir(run_dir: Path) -> None:
     """Hold an exclusive lock on the run directory until this process ends (the kernel drops it, even after kill -9),
     so a second run cannot write into it at the same time; then remove the temporary files a killed write left. A
-    directory another process holds: one error line, exit 2. The same process may claim it again (a test's resume)."""
-    if str(run_dir) in RUN_DIR_LOCKS:
+    directory another process holds: one error line, exit 2. The same process may claim it again (a test's resume);
+    under torchrun rank 0 claims it, the rank that writes there."""
+    key = str(run_dir.resolve())
+    if key in RUN_DIR_LOCKS or os.environ.get("RANK", "0") != "0":
         return
     fd = os.open(run_dir, os.O_RDONLY)
     try:
@@ -1040,7 +1042,7 @@ def claim_run_dir(run_dir: Path) -> None:
     except OSError:
         os.close(fd)
         fail(f"another run is writing to {run_dir} (a second --resume of its checkpoint, or the run itself)")
-    RUN_DIR_LOCKS[str(run_dir)] = fd
+    RUN_DIR_LOCKS[key] = fd
     for tmp in run_dir.glob("*.tmp"):
         with contextlib.suppress(OSError):
             tmp.unlink()
@@ -1053,7 +1055,8 @@ def load_checkpoint(path: str, meta: dict, args: Args, steps_per_update: int) ->
         checkpoint = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as e:  # garbage, truncated, or pickled objects this interpreter cannot rebuild
         reason = (str(e).strip().splitlines() or [""])[0][:120]
-        fail(f"cannot resume from {path}: not a checkpoint this script can read ({type(e).__name__}: {reason})")
+        fail(f"cannot resume from {path}: not a checkpoint this script can read ({type(e).__name__}: {reason}); the "
+             f"file is truncated (a copy or a write cut short), corrupt, or of another kind")  # fmt: skip
     theirs = checkpoint.get("meta") if isinstance(checkpoint, dict) else None
     if not isinstance(theirs, dict):
         fail(f'cannot resume from {path}: not a checkpoint this script can read (it has no "meta" entry)')
@@ -1088,7 +1091,8 @@ def main_eval_only(args: Args) -> None:
         saved = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as e:  # garbage, truncated, or pickled objects this interpreter cannot rebuild
         reason = (str(e).strip().splitlines() or [""])[0][:100]
-        fail(f"--eval-only {path}: not a model.pt or checkpoint.pt ({type(e).__name__}: {reason})")
+        fail(f"--eval-only {path}: not a model.pt or checkpoint.pt ({type(e).__name__}: {reason}); the file is "
+             f"truncated, corrupt, or of another kind")  # fmt: skip
     is_checkpoint = isinstance(saved, dict) and isinstance(saved.get("meta"), dict)
     if is_checkpoint:  # it carries its own args and meta
         run = dict(saved, script=saved["meta"].get("script"))

@@ -247,6 +247,12 @@ def refusals_before_training(name: str, run_dir, step: int, total: int, tmp_path
         line = refused("--resume", str(run_dir / "checkpoint.pt"), "--total-timesteps", str(2 * total),
                        "--atari-protocol", other)  # fmt: skip
         assert f"atari_protocol {saved}" in line, line
+    cut = tmp_path / "cut"
+    cut.mkdir()
+    whole = (run_dir / "checkpoint.pt").read_bytes()
+    (cut / "checkpoint.pt").write_bytes(whole[: len(whole) // 2])
+    shutil.copy(run_dir / "args.json", cut / "args.json")
+    assert "truncated" in refused("--resume", str(cut / "checkpoint.pt"), "--total-timesteps", str(2 * total))
     alone = tmp_path / "copied"
     alone.mkdir()
     shutil.copy(run_dir / "checkpoint.pt", alone / "checkpoint.pt")
