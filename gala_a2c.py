@@ -1103,6 +1103,8 @@ def main_distributed(run: Run) -> None:
 
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # Ctrl+C, kill, a closed terminal
+# tyro's private help formatter, which parse_args wraps where this tyro has it (tyro 0.8 to 1.x do)
+TYRO_JOIN = getattr(getattr(tyro, "_strings", None), "remove_single_line_breaks", None)
 RUN_DIR_LOCKS: dict[str, int] = {}  # run directory -> the open descriptor that holds its lock (claim_run_dir)
 
 
@@ -1187,7 +1189,8 @@ def parse_args(argv: list[str]) -> Args:
     for arg in argv:
         if (name := arg.split("=")[0]) in RENAMED_FLAGS:
             fail(f"{name} {RENAMED_FLAGS[name]}")
-    tyro._strings.remove_single_line_breaks = help_paragraphs
+    if TYRO_JOIN is not None:  # a tyro without its private helper keeps its own wrapping of --help
+        tyro._strings.remove_single_line_breaks = help_paragraphs
     box = io.StringIO()
     try:
         with contextlib.redirect_stderr(box):
@@ -1206,11 +1209,11 @@ def parse_args(argv: list[str]) -> Args:
         fail(f"{message or 'the command line cannot be parsed'} (see python {Path(__file__).name} --help)")
 
 
-def help_paragraphs(text: str, join=tyro._strings.remove_single_line_breaks) -> str:
-    """tyro's private helper (replaced in parse_args) keeps a flag help's line break before a non-letter; with each
-    paragraph on one line, --help wraps the help as whole sentences at the terminal's width."""
+def help_paragraphs(text: str) -> str:
+    """tyro's private helper TYRO_JOIN (replaced in parse_args) keeps a flag help's line break before a non-letter;
+    with each paragraph on one line, --help wraps the help as whole sentences at the terminal's width."""
     paragraphs = "\n".join(line.strip() for line in text.split("\n")).split("\n\n")
-    return join("\n\n".join(paragraph.replace("\n", " ") for paragraph in paragraphs))
+    return TYRO_JOIN("\n\n".join(paragraph.replace("\n", " ") for paragraph in paragraphs))
 
 
 def new_run_dir(args: Args) -> Path:

@@ -285,6 +285,18 @@ def said_what_it_did(out: str, run_dir, name: str) -> None:
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
+def test_a_tyro_without_its_private_help_formatter_still_runs_the_script(name):
+    """parse_args wraps tyro's private `_strings.remove_single_line_breaks`: a tyro that renames it must still parse
+    and print --help (in tyro's own wrapping), not break every script at import."""
+    code = (
+        "import runpy, sys, tyro._strings; del tyro._strings.remove_single_line_breaks; "
+        f"sys.argv = ['{script_of(name)}', '--help']; runpy.run_path('{script_of(name)}', run_name='__main__')"
+    )
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and "--total-timesteps" in p.stdout, p.stderr[-1500:]
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
 def test_help_gives_each_flag_whole_sentences_and_one_default(name, monkeypatch, capsys):
     """tyro keeps a docstring's line break before an indented line, which cuts a flag's help mid-sentence: every
     line break inside a flag's help must be a wrap (the next word did not fit), and each help has one default."""
