@@ -637,8 +637,10 @@ def main(args: Args) -> None:
     if args.eval_only:
         return main_eval_only(args)
     obs_space, act_space = env_spaces(args)
-    meta = checkpoint_meta(args, obs_space, act_space)
+    meta = checkpoint_meta(args, obs_space, act_space, world_size)
     steps_per_update = args.num_envs * args.num_steps * world_size  # the Learner's arithmetic: every rank's envs
+    if args.resume:
+        check_resume_world_size(args.resume, world_size)
     checkpoint = load_checkpoint(args.resume, meta, args, steps_per_update) if args.resume else None
     run_dir = tracker = None
     if rank == 0:  # under torchrun the other ranks are stopped by torchrun when this one exits 2
@@ -1112,12 +1114,32 @@ def env_spaces(args: Args):
     return probe.single_observation_space, probe.single_action_space
 
 
-def checkpoint_meta(args: Args, obs_space, act_space) -> dict:
+def checkpoint_meta(args: Args, obs_space, act_space, world_size: int) -> dict:
     """What a checkpoint was trained on, `auto` resolved (Cleanba's IMPALA ResNet on images with either algorithm, an
-    MLP on flat observations): --resume refuses one whose script, algo, env, network or shapes differ."""
+    MLP on flat observations): --resume refuses one whose script, algo, env, network, shapes or world size differ (an
+    update is every rank's envs x steps: the saved update count and the learning-rate schedule count in it)."""
     network = args.network if args.network != "auto" else ("impala" if len(obs_space.shape) == 3 else "mlp")
     return dict(script=Path(__file__).name, algo=args.algo, env_id=args.env_id, network=network,
-                obs_shape=list(obs_space.shape), action_shape_or_n=int(act_space.n))  # fmt: skip
+                obs_shape=list(obs_space.shape), action_shape_or_n=int(act_space.n),
+                world_size=world_size)  # fmt: skip
+
+
+def check_resume_world_size(path: str, world_size: int) -> None:
+    """--resume under another world size than the run's (its args.json meta): one error line naming both and the
+    launch that continues it, exit 2 (load_checkpoint's meta check is the guarantee; this says how to relaunch)."""
+    try:
+        saved = json.loads((Path(path).parent / "args.json").read_text())["meta"]["world_size"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return
+    if saved == world_size:
+        return
+    script = Path(__file__).name
+    now = f"{world_size} torchrun ranks (world size {world_size})" if world_size > 1 else "one process (world size 1)"
+    was = f"{saved} torchrun ranks (world size {saved})" if saved > 1 else "one process (world size 1)"
+    how = (f"torchrun --nproc-per-node {saved} {script} --resume {path} (or --nnodes x --nproc-per-node = {saved})"
+           if saved > 1 else f"python {script} --resume {path}, without torchrun")  # fmt: skip
+    fail(f"cannot resume from {path} under {now}: its run had {was}, and an update is every rank's envs x steps; "
+         f"relaunch it as it ran: {how}")  # fmt: skip
 
 
 def saved_model(args: Args, settings: dict, state_dict: dict) -> nn.Module:

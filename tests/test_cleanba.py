@@ -27,6 +27,7 @@ from helpers import (
     RecordingEnv,
     assert_eval_only_refusals,
     assert_finite_tags,
+    assert_one_error_line,
     assert_tracked_once,
     children_of,
     fill_disk,
@@ -63,6 +64,7 @@ from cleanba_ppo_impala import (
     start_tracking,
     validate,
     vtrace,
+    write_run_args,
 )
 from common.models import make_model
 
@@ -489,7 +491,7 @@ def test_defaults_are_cleanbas(algo):
     args = resolve_defaults(Args(algo=algo))
     assert (args.num_envs, args.num_actor_threads, args.total_timesteps) == (64 * 2, 2, 50_000_000)
     image, flat = gym.spaces.Box(0, 255, (4, 84, 84), np.uint8), gym.spaces.Box(-1, 1, (4,))
-    networks = [checkpoint_meta(args, space, gym.spaces.Discrete(4))["network"] for space in (image, flat)]
+    networks = [checkpoint_meta(args, space, gym.spaces.Discrete(4), 1)["network"] for space in (image, flat)]
     assert networks == ["impala", "mlp"], networks
     expected = dict(ppo=(128, 2.5e-4, 0.5), impala=(20, 6e-4, 40.0))[algo]
     assert (args.num_steps, args.learning_rate, args.max_grad_norm) == expected
@@ -620,7 +622,7 @@ def test_log_dir_that_cannot_be_created_is_one_error_line(tmp_path, capsys):
 
 def meta_of(**changes):
     args = checked(**changes)
-    return checkpoint_meta(args, *env_spaces(args))
+    return checkpoint_meta(args, *env_spaces(args), 1)
 
 
 def test_resume_refuses_what_it_cannot_use(tmp_path, capsys):
@@ -828,3 +830,28 @@ def test_two_node_launch_on_loopback_ends_with_identical_ranks(tmp_path, monkeyp
     logged = scalars(run_dir)
     assert [s for s, _ in logged["charts/SPS"]] == [256 * i for i in range(1, 5)]  # both ranks' envs count
     assert [v for _, v in logged["charts/policy_lag"]] == expected_lags(False, 4)
+
+
+# ------------------------------------------------------------------ torchrun: world size, a stopped rank, the launcher
+
+TWO_RANKS = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+
+
+def test_resume_under_another_world_size_is_refused_naming_both(tmp_path, monkeypatch, capsys):
+    """A 2-rank checkpoint resumed in one process (an update would be half the agent steps: the update count and the
+    learning-rate schedule no longer fit the budget), and a one-process checkpoint under 2 ranks: one error line, exit
+    2, naming both world sizes and the launch that continues the run."""
+    first = run_script(SCRIPT, [*TINY_CARTPOLE, "--total-timesteps", "512"], tmp_path / "two", launcher=TWO_RANKS)
+    assert first.returncode == 0, first.stderr[-1500:]
+    checkpoint = only_run_dir(tmp_path / "two") / "checkpoint.pt"
+    proc = run_script(SCRIPT, ["--resume", str(checkpoint), "--total-timesteps", "2048"], tmp_path / "two")
+    relaunch = f"torchrun --nproc-per-node 2 {SCRIPT} --resume {checkpoint}"
+    assert_one_error_line(proc, "world size 2", "world size 1", relaunch)
+    run_dir = tmp_path / "one" / "CartPole-v1__x__1__1700000000"
+    run_dir.mkdir(parents=True)
+    args = checked(num_envs=4, num_steps=32, total_timesteps=2048, resume=str(run_dir / "checkpoint.pt"))
+    write_run_args(run_dir, args, meta_of())
+    torch.save(dict(model={}, meta=meta_of(), update=1, global_step=128), run_dir / "checkpoint.pt")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    error = refusal(capsys, main, args)
+    assert "world size 2" in error and "world size 1" in error and f"python {SCRIPT} --resume" in error, error
