@@ -1058,6 +1058,7 @@ def main(args: Args) -> None:
         fail(error)
     if args.eval_only:
         return main_eval_only(args)
+    watch_launcher()
     torch.manual_seed(args.seed)
     torch.backends.cudnn.deterministic = args.torch_deterministic
     torch.use_deterministic_algorithms(args.torch_deterministic, warn_only=True)
@@ -1634,6 +1635,31 @@ class Processes:
             self.procs[name].kill()
             self.procs[name].join()
         return stuck
+
+
+# -- torchrun ranks (the scripts that run under torchrun) --
+
+
+def watch_launcher() -> None:
+    """Under torchrun (its agent started this rank): stop the rank when the launcher is gone. Its ranks run in their
+    own sessions, so a launcher killed with kill -9 would leave them training, reparented; the stop's SIGTERM reaches
+    the rank's own handler (a graceful stop: the final checkpoint), and a rank still running a few seconds later is
+    ended."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        watch = threading.Thread(target=stop_when_orphaned, args=(os.getppid(),), name="launcher-watch", daemon=True)
+        watch.start()
+
+
+def stop_when_orphaned(launcher: int, grace: float = 8.0) -> None:
+    """The launcher watch's thread: once this process's parent is no longer `launcher`, SIGTERM to itself, then exit
+    143 after `grace` seconds if it has not stopped by then (a once-a-second check: the thread sleeps between)."""
+    while os.getppid() == launcher:
+        time.sleep(1.0)
+    with contextlib.suppress(OSError):  # nobody may read the launcher's stderr any more
+        print(f"error: the torchrun launcher (pid {launcher}) is gone; stopping this rank", file=sys.stderr, flush=True)
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(grace)
+    os._exit(128 + signal.SIGTERM)
 
 
 # -- script-specific: FLAG_RULES, RUN_SETTINGS, validate, env_spaces, checkpoint_meta, saved_model, evaluate, ... --

@@ -38,6 +38,7 @@ if __name__ == "__main__":  # Ctrl+C while the imports below load: exit 130 with
 
 import contextlib
 import copy
+import datetime
 import errno
 import fcntl
 import hashlib
@@ -163,6 +164,9 @@ class Args:
     """seconds the learner sleeps before each update (the paper's Figure 2 slowdown; results must not change)"""
     log_interval: float = 10.0
     """seconds between console lines"""
+    rank_timeout: float = 120.0
+    """torchrun: seconds a rank waits for the others at an all-reduce before it stops the run, naming the rank that did
+    not join (stopped, hung, or out of step)"""
 
 
 # ---- Algorithm ----
@@ -475,7 +479,8 @@ class Learner:
 
     def __init__(self, args: Args, model: nn.Module, actors: list[Actor], device, rank, world_size, meta, checkpoint):
         self.args, self.model, self.actors, self.device = args, model, actors, device
-        self.world_size, self.meta = world_size, meta
+        self.rank, self.world_size, self.meta = rank, world_size, meta
+        self.steps = 0  # optimizer steps of this process: the ranks' counts must agree at every all-reduce
         self.optimizer = make_optimizer(args, model.parameters())
         self.update_rule = ppo_update if args.algo == "ppo" else impala_update
         self.generator = torch.Generator().manual_seed(args.seed * 7919 + rank)
@@ -493,8 +498,9 @@ class Learner:
         for actor in self.actors:
             blocking(actor.param_q.put, stop, params)
 
-    def train(self, stop: threading.Event) -> tuple[dict[str, float], list[tuple[float, int]]]:
-        """One update; returns its TensorBoard scalars and the (return, length) of the games its rollouts ended."""
+    def train(self, stop: threading.Event, requested: threading.Event) -> tuple[dict[str, float], list]:
+        """One update; returns its TensorBoard scalars and the (return, length) of the games its rollouts ended.
+        `stop` ends it at once; `requested` (a signal; under torchrun a rank's own) ends it where the ranks agree."""
         if self.args.learner_delay:
             time.sleep(self.args.learner_delay)
         start = time.perf_counter()
@@ -508,7 +514,7 @@ class Learner:
         data = stack_rollouts(rollouts, self.device)
         metrics = []
         for losses in self.update_rule(self.model, data, self.args, self.generator):
-            metrics.append(self.step(losses))
+            metrics.append(self.step(losses, stop, requested))
             if stop.is_set():  # an actor died or Ctrl+C: end here (the snapshot is of the last whole update)
                 raise Stop
         scalars = {"charts/policy_lag": (self.update - 1) - rollouts[0].version, "charts/learning_rate": lr}
@@ -518,22 +524,41 @@ class Learner:
         self.global_step += self.steps_per_update
         return scalars, [episode for r in rollouts for episode in r.episodes]
 
-    def step(self, losses: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def step(self, losses: dict[str, torch.Tensor], stop: threading.Event, requested: threading.Event) -> dict:
         """One optimizer step; returns the detached losses and the gradient norm. Finiteness is checked after the
         all-reduce: a NaN on one rank reaches every rank's gradient norm there, so all ranks stop, none waits alone."""
         loss = losses["total_loss"]
         self.optimizer.zero_grad(set_to_none=False)
         loss.backward()
+        self.steps += 1
         if self.world_size > 1:
-            grads = [p.grad for p in self.model.parameters()]
-            flat = flatten(grads)
-            dist.all_reduce(flat)
-            copy_flat_into(grads, flat.div_(self.world_size))
+            self.average_gradients(stop, requested)
         grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), self.args.max_grad_norm)
         if not (torch.isfinite(loss) & torch.isfinite(grad_norm)):  # one device sync for both
             raise NonFiniteLoss(f"non-finite loss {loss.item()} (gradient norm {grad_norm.item()})")
         self.optimizer.step()
         return {**{k: v.detach() for k, v in losses.items()}, "grad_norm": grad_norm}
+
+    def average_gradients(self, stop: threading.Event, requested: threading.Event) -> None:
+        """The ranks' mean gradient, in one all-reduce that also carries each rank's step count and stop request (a
+        slot per rank): ranks whose counts differ are out of step (a rank-local decision changed the number of
+        steps), and a stop requested on any rank stops every rank here, at the same step."""
+        W, r = self.world_size, self.rank
+        grads = [p.grad for p in self.model.parameters()]
+        tail = torch.zeros(2 * W, device=self.device)
+        tail[r], tail[W + r] = self.steps, float(requested.is_set())
+        flat = flatten([*grads, tail])
+        work = dist.all_reduce(flat, async_op=True)
+        wait_for_ranks(work, f"the all-reduce of update {self.update}", requested, r, W, self.args.rank_timeout)
+        steps, stops = flat[-2 * W : -W].tolist(), flat[-W:].tolist()
+        if len(set(steps)) > 1:
+            at = ", ".join(f"rank {i} at step {int(s)}" for i, s in enumerate(steps))
+            raise RankLost(f"rank {r}: the ranks are out of step at the all-reduce of update {self.update} ({at}): "
+                           "each must take the same optimizer steps")  # fmt: skip
+        if any(stops):
+            stop.set()
+            raise Stop
+        copy_flat_into(grads, flat.div_(W))
 
     def snapshot(self) -> dict:
         """A copy of everything a checkpoint holds, taken between updates (a stop may cut the next update half way)."""
@@ -581,13 +606,14 @@ class UpdateLog:
                 atomic_save(self.last, self.checkpoint)
                 self.written_at = time.time()
 
-    def close(self, model: nn.Module, failure: str | None, finished: bool, signals: StopSignals, device) -> str | None:
+    def close(self, model, failure: str | None, finished: bool, signals: StopSignals, device, keep_last=False):
         """After training: the final checkpoint unless the run failed (`failure`, its error line: the last good one
-        stays); if it finished, --save-model and --eval-episodes (a signal ends the evaluation); the writer closed in
-        any case (a torchrun rank leaves with os._exit). Returns `failure` or a failed write's line; never raises."""
+        stays) other than by a lost rank (`keep_last`: the last whole update is good); if it finished, --save-model
+        and --eval-episodes (a signal ends the evaluation); the writer closed in any case (a torchrun rank leaves with
+        os._exit). Returns `failure` or a failed write's line (None if neither); never raises."""
         run_dir = self.progress.run_dir
         try:
-            if failure is None and self.last is not None:
+            if (failure is None or keep_last) and self.last is not None:
                 atomic_save(self.last, self.checkpoint)
             if finished and self.args.save_model:
                 atomic_save(model.state_dict(), run_dir / "model.pt")
@@ -620,8 +646,9 @@ class UpdateLog:
 def init_torch(args: Args, rank: int, world_size: int) -> torch.device:
     use_cuda = args.cuda and torch.cuda.is_available()
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if use_cuda else "cpu")
-    if world_size > 1:
-        dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world_size)
+    if world_size > 1:  # collectives fail after a bounded wait for a peer (gloo's default: 30 min); the learner's
+        timeout = datetime.timedelta(seconds=args.rank_timeout + 30)  # own wait names the peer first (wait_for_ranks)
+        dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world_size, timeout=timeout)
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
     torch.manual_seed(args.seed)  # identical initial parameters on every rank
@@ -640,9 +667,12 @@ def main(args: Args) -> None:
         fail(error)
     if args.eval_only:
         return main_eval_only(args)
+    watch_launcher()
     obs_space, act_space = env_spaces(args)
-    meta = checkpoint_meta(args, obs_space, act_space)
+    meta = checkpoint_meta(args, obs_space, act_space, world_size)
     steps_per_update = args.num_envs * args.num_steps * world_size  # the Learner's arithmetic: every rank's envs
+    if args.resume:
+        check_resume_world_size(args.resume, world_size)
     checkpoint = load_checkpoint(args.resume, meta, args, steps_per_update) if args.resume else None
     run_dir = tracker = None
     if rank == 0:  # under torchrun the other ranks are stopped by torchrun when this one exits 2
@@ -655,7 +685,10 @@ def main(args: Args) -> None:
     actors = make_actors(args, rank, device, meta["network"], obs_space, act_space, checkpoint)
     learner = Learner(args, model, actors, device, rank, world_size, meta, checkpoint)
     stop = threading.Event()  # ends the learner's and every actor thread's loop
-    signals, failure = StopSignals(stop), None  # before the start line: a signal after it ends in the summary
+    # a signal stops one process at once; under torchrun it is this rank's request, and the ranks stop together at
+    # the all-reduce where they agree on it (Learner.average_gradients)
+    requested = threading.Event() if world_size > 1 else stop
+    signals, failure, keep_last = StopSignals(requested), None, False  # before the start line: a signal after it
     log = UpdateLog(args, run_dir, world_size, learner, meta["network"]) if rank == 0 else None
     remaining = learner.num_updates - learner.update
     work = (device, remaining, args.sync, stop)  # actor_thread's arguments after its Actor
@@ -667,7 +700,7 @@ def main(args: Args) -> None:
         for thread in threads:
             thread.start()
         for j in range(1, remaining + 1):
-            scalars, episodes = learner.train(stop)
+            scalars, episodes = learner.train(stop, requested)
             if log is not None:
                 log.write(scalars, episodes, learner)
             if stop.is_set():
@@ -680,6 +713,8 @@ def main(args: Args) -> None:
         failure = f"error: {e} at update {learner.update}; stopping (the last checkpoint, if any, is kept)"
     except WriteError as e:
         failure = str(e)
+    except RankLost as e:  # the last whole update is the same on every rank: its checkpoint is good
+        failure, keep_last = f"error: {e}; stopping", True
     except Exception as e:
         failure = run_error(e, rank, world_size)
     finally:
@@ -695,7 +730,7 @@ def main(args: Args) -> None:
     if finished and world_size > 1:
         failure = ranks_agree(model, rank, world_size)
     if log is not None:  # a signal from here on still sets the exit status; one in the evaluation ends it
-        failure = log.close(model, failure, finished, signals, device)
+        failure = log.close(model, failure, finished, signals, device, keep_last)
     signals.restore()
     if failure:
         print(failure, file=sys.stderr)
@@ -1120,6 +1155,62 @@ def main_eval_only(args: Args) -> None:
     print(f"mean return over {len(returns)} episodes: {report['mean']:.2f} (written to {out})")
 
 
+# -- torchrun ranks (the scripts that run under torchrun) --
+
+
+class RankLost(Exception):
+    """Under torchrun, a rank that did not join a collective in time or is out of step: the message names it."""
+
+
+def wait_for_ranks(work, what: str, stop, rank: int, world_size: int, timeout: float, grace: float = 5.0) -> None:
+    """Wait for the collective `work` (issued with async_op=True) in one-second slices, so that the signal handlers
+    run while a peer is late. Once `stop` is set the peers get `grace` seconds more to join (they may bring the stop
+    they agree on), then Stop; a peer that does not join within `timeout` seconds (stopped, hung, or out of step)
+    raises RankLost naming it (with two ranks it can only be the other one); a collective that failed raises its
+    error (a peer that died)."""
+    who = f"rank {1 - rank}" if world_size == 2 else f"a rank other than rank {rank} (of {world_size})"
+    start, stopping_since = time.monotonic(), None
+    while True:
+        try:
+            work.wait(datetime.timedelta(seconds=1.0))
+            return
+        except RuntimeError:
+            if work.is_completed():  # not the slice's timeout: the collective itself failed
+                raise
+        now = time.monotonic()
+        if stop.is_set():
+            stopping_since = stopping_since or now
+            if now - stopping_since >= grace:
+                print(f"warning: rank {rank}: {who} did not join {what} within {grace:.0f} s of the stop; stopping "
+                      "without it", file=sys.stderr, flush=True)  # fmt: skip
+                raise Stop
+        elif now - start >= timeout:
+            raise RankLost(f"rank {rank}: {who} did not join {what} within {timeout:.0f} s (stopped, hung, or out of "
+                           "step)")  # fmt: skip
+
+
+def watch_launcher() -> None:
+    """Under torchrun (its agent started this rank): stop the rank when the launcher is gone. Its ranks run in their
+    own sessions, so a launcher killed with kill -9 would leave them training, reparented; the stop's SIGTERM reaches
+    the rank's own handler (a graceful stop: the final checkpoint), and a rank still running a few seconds later is
+    ended."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        watch = threading.Thread(target=stop_when_orphaned, args=(os.getppid(),), name="launcher-watch", daemon=True)
+        watch.start()
+
+
+def stop_when_orphaned(launcher: int, grace: float = 8.0) -> None:
+    """The launcher watch's thread: once this process's parent is no longer `launcher`, SIGTERM to itself, then exit
+    143 after `grace` seconds if it has not stopped by then (a once-a-second check: the thread sleeps between)."""
+    while os.getppid() == launcher:
+        time.sleep(1.0)
+    with contextlib.suppress(OSError):  # nobody may read the launcher's stderr any more
+        print(f"error: the torchrun launcher (pid {launcher}) is gone; stopping this rank", file=sys.stderr, flush=True)
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(grace)
+    os._exit(128 + signal.SIGTERM)
+
+
 # -- script-specific: FLAG_RULES, RUN_SETTINGS, validate, env_spaces, checkpoint_meta, saved_model, evaluate, ... --
 
 FLAG_RULES = (
@@ -1127,7 +1218,7 @@ FLAG_RULES = (
     (">= 0", ("checkpoint_interval", "learner_delay", "log_interval", "eval_episodes", "env_threads", "torch_threads",
               "clip_coef", "ent_coef", "vf_coef")),
     ("> 0", ("learning_rate", "max_grad_norm", "adam_eps", "rmsprop_eps", "vtrace_rho_bar", "vtrace_c_bar",
-             "vtrace_pg_rho_bar")),
+             "vtrace_pg_rho_bar", "rank_timeout")),
     ("in (0, 1]", ("gamma",)),
     ("in [0, 1]", ("gae_lambda", "rmsprop_alpha")),
 )  # fmt: skip
@@ -1181,20 +1272,33 @@ def env_spaces(args: Args):
     return probe.single_observation_space, probe.single_action_space
 
 
-def checkpoint_meta(args: Args, obs_space, act_space) -> dict:
+def checkpoint_meta(args: Args, obs_space, act_space, world_size: int) -> dict:
     """What a checkpoint was trained on, `auto` resolved (Cleanba's IMPALA ResNet on images with either algorithm, an
-    MLP on flat observations): --resume refuses one whose script, algo, env, Atari protocol, network or shapes
-    differ."""
+    MLP on flat observations): --resume refuses one whose script, algo, env, Atari protocol, network, shapes or world
+    size differ (an update is every rank's envs x steps: the saved update count and the learning-rate schedule count
+    in it)."""
     network = args.network if args.network != "auto" else ("impala" if len(obs_space.shape) == 3 else "mlp")
-    return dict(
-        script=Path(__file__).name,
-        algo=args.algo,
-        env_id=args.env_id,
-        atari_protocol=args.atari_protocol,
-        network=network,
-        obs_shape=list(obs_space.shape),
-        action_shape_or_n=int(act_space.n),
-    )
+    return dict(script=Path(__file__).name, algo=args.algo, env_id=args.env_id, atari_protocol=args.atari_protocol,
+                network=network, obs_shape=list(obs_space.shape), action_shape_or_n=int(act_space.n),
+                world_size=world_size)  # fmt: skip
+
+
+def check_resume_world_size(path: str, world_size: int) -> None:
+    """--resume under another world size than the run's (its args.json meta): one error line naming both and the
+    launch that continues it, exit 2 (load_checkpoint's meta check is the guarantee; this says how to relaunch)."""
+    try:
+        saved = json.loads((Path(path).parent / "args.json").read_text())["meta"]["world_size"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return
+    if saved == world_size:
+        return
+    script = Path(__file__).name
+    now = f"{world_size} torchrun ranks (world size {world_size})" if world_size > 1 else "one process (world size 1)"
+    was = f"{saved} torchrun ranks (world size {saved})" if saved > 1 else "one process (world size 1)"
+    how = (f"torchrun --nproc-per-node {saved} {script} --resume {path} (or --nnodes x --nproc-per-node = {saved})"
+           if saved > 1 else f"python {script} --resume {path}, without torchrun")  # fmt: skip
+    fail(f"cannot resume from {path} under {now}: its run had {was}, and an update is every rank's envs x steps; "
+         f"relaunch it as it ran: {how}")  # fmt: skip
 
 
 def saved_model(args: Args, settings: dict, state_dict: dict) -> nn.Module:

@@ -42,6 +42,7 @@ if __name__ == "__main__":  # Ctrl+C while the imports below load: exit 130 with
 
 import contextlib
 import ctypes
+import datetime
 import errno
 import fcntl
 import hashlib
@@ -168,6 +169,9 @@ class Args:
     record is written at every sync point instead"""
     log_interval: float = 10.0
     """seconds between console lines"""
+    rank_timeout: float = 120.0
+    """torchrun: seconds a rank waits for the others at an all-reduce (or for an in-peer's gossip message) before it
+    stops the run, naming the rank that did not join (stopped, hung, or out of step)"""
 
 
 # ---- Algorithm -----------------------------------------------------------------------------------------------------
@@ -423,7 +427,7 @@ class SharedMemoryEndpoint(GossipEndpoint):
                 stamps.append(s.stamps[j])
         return list(self.inbox[: len(peers)]), stamps
 
-    def average(self, x: torch.Tensor) -> torch.Tensor:
+    def average(self, x: torch.Tensor, link: LocalLink) -> torch.Tensor:
         """The learners' average, with this learner's current parameters and the others' newest messages."""
         s, total = self.shared, x.clone()
         for j in range(self.n):
@@ -454,9 +458,10 @@ class DistributedEndpoint(GossipEndpoint):
     these threads never issue operations on the communicator that the main thread's sync-point all-reduces use (NCCL
     and gloo expect one thread's order of operations per communicator)."""
 
-    def __init__(self, learner: int, n: int, num_peers: int, tau: int, numel: int, device: torch.device, group):
+    def __init__(self, learner: int, n: int, num_peers: int, tau: int, numel: int, device: torch.device, group,
+                 stop: threading.Event, timeout: float):  # fmt: skip
         super().__init__(learner, n, num_peers, False, tau, threading.Condition())
-        self.numel, self.device, self.group = numel, device, group
+        self.numel, self.device, self.group, self.stop, self.timeout = numel, device, group, stop, timeout
         self.latest = torch.zeros(num_peers, numel, device=device)  # newest message per in-peer, allocated once
         self.stamps = [0] * num_peers
         self.fresh, self.done = [False] * num_peers, [False] * num_peers
@@ -479,6 +484,23 @@ class DistributedEndpoint(GossipEndpoint):
         """No Stop here: ranks stop together, at sync points; a gossip thread's exception is raised here."""
         if self.errors:
             raise RuntimeError(f"gossip thread died:\n{self.errors[0]}")
+
+    def wait_ready(self, peers: list[int]) -> None:
+        """Blocked for in-peers past tau: Stop once this rank is asked to stop (iterate goes on without mixing, and
+        the ranks agree on the stop at the next sync point); RankLost once an in-peer sent nothing for `timeout` s."""
+        start = time.monotonic()
+        with self.cond:
+            while not self.ready(peers) and not self.any_silent(peers):
+                self.check()
+                if self.stop.is_set():
+                    raise Stop
+                if time.monotonic() - start >= self.timeout:
+                    late = ", ".join(
+                        f"rank {j}" for j, fresh in zip(self.in_peers(0), self.fresh, strict=True) if not fresh
+                    )
+                    raise RankLost(f"rank {self.learner}: {late} sent no gossip message within {self.timeout:.0f} s "
+                                   "(stopped, hung, or out of step)")  # fmt: skip
+                self.cond.wait(timeout=1.0)
 
     def _send_loop(self) -> None:
         out = torch.zeros(self.numel + 2, device=self.device)
@@ -523,10 +545,10 @@ class DistributedEndpoint(GossipEndpoint):
             self.fresh = [False] * self.num_peers
             return [m.clone() for m in self.latest], list(self.stamps)
 
-    def average(self, x: torch.Tensor) -> torch.Tensor:
+    def average(self, x: torch.Tensor, link: RankLink) -> torch.Tensor:
         """The learners' average (a collective: every rank calls it at the same sync point)."""
         total = x.clone()
-        dist.all_reduce(total)
+        link.all_reduce(total, "the consensus all-reduce")
         return total.div_(self.n)
 
     def finish(self, x: torch.Tensor, iteration: int) -> None:
@@ -628,11 +650,11 @@ class Learner:
         loss.total_loss.backward()
         return loss
 
-    def average_gradients(self) -> None:
+    def average_gradients(self, link: LocalLink | RankLink) -> None:
         """The A2C baseline: every learner steps with the mean of all learners' gradients."""
         grads = [p.grad for p in self.params]
         flatten_into(self.flat_grad, grads)
-        dist.all_reduce(self.flat_grad)
+        link.all_reduce(self.flat_grad, f"the gradient all-reduce of iteration {self.iteration + 1}")
         unflatten_into(grads, self.flat_grad.div_(self.n))
 
     def optimizer_step(self) -> torch.Tensor:
@@ -648,7 +670,7 @@ class Learner:
     def flat_params(self) -> torch.Tensor:
         return flatten_into(self.x, self.params)
 
-    def iterate(self, gossip: GossipEndpoint | None, at_sync: bool) -> None:
+    def iterate(self, gossip: GossipEndpoint | None, at_sync: bool, link: LocalLink | RankLink) -> None:
         """Algorithm 1, one iteration: a rollout, an update, and (gossip) lines 5-8; its numbers go to `stats`."""
         t0 = time.perf_counter()
         self.rollout()
@@ -656,7 +678,7 @@ class Learner:
         loss = self.backward()
         t2 = time.perf_counter()
         if self.args.mode == "allreduce":
-            self.average_gradients()
+            self.average_gradients(link)
         t3 = time.perf_counter()
         loss = loss._replace(grad_norm=self.optimizer_step())
         t4 = time.perf_counter()
@@ -690,10 +712,10 @@ class Learner:
         """Run to this learner's share of --total-timesteps (or until the run stops); returns its final state."""
         while self.iteration < self.num_iterations:
             at_sync = (self.iteration + 1) % self.args.sync_interval == 0 or self.iteration + 1 == self.num_iterations
-            self.iterate(gossip, at_sync)
+            self.iterate(gossip, at_sync, link)
             if gossip is not None and at_sync:  # ||x_i - x_bar||: how far gossip keeps this learner from it (Prop. 2)
                 x = self.flat_params()
-                distance = torch.linalg.vector_norm(x.double() - gossip.average(x).double()).item()
+                distance = torch.linalg.vector_norm(x.double() - gossip.average(x, link).double()).item()
                 self.stats.scalars["gossip/consensus_distance"] = [distance]
             if link.after_iteration(self, at_sync):
                 break
@@ -743,6 +765,10 @@ class LocalLink:
             self.report(learner.record(), learner.state() if checkpoint else None)
         return stop
 
+    def all_reduce(self, tensor: torch.Tensor, what: str) -> None:
+        """The sum over the learners' `tensor`, in place (the learner processes of one machine share their fate)."""
+        dist.all_reduce(tensor)
+
     def report(self, record: Record, state: dict | None) -> None:
         self.shared.log_q.put(record)
         if state is not None:
@@ -766,16 +792,22 @@ class RankLink:
         interval = self.run.args.checkpoint_interval
         due = self.rank == 0 and interval > 0 and time.time() - self.last_checkpoint >= interval
         flags = torch.tensor([float(self.stop.is_set()), float(due)], device=self.device)
-        dist.all_reduce(flags)
+        self.all_reduce(flags, f"the sync point of iteration {learner.iteration}")
         self.report(learner.record(), learner.state() if flags[1].item() > 0 else None)
         return flags[0].item() > 0
+
+    def all_reduce(self, tensor: torch.Tensor, what: str) -> None:
+        """The sum over the ranks' `tensor`, in place, waited for in slices: a signal is handled while a peer is late,
+        and a peer that does not join within --rank-timeout (stopped, hung, out of step) is named (RankLost)."""
+        work = dist.all_reduce(tensor, async_op=True)
+        wait_for_ranks(work, what, self.stop, self.rank, self.run.n, self.run.args.rank_timeout)
 
     def report(self, record: Record, state: dict | None) -> None:
         """Every rank calls this at the same sync points (collectives)."""
         states = [None] * self.run.n if self.rank == 0 else None
         dist.gather_object(state, states, dst=0)
         total = torch.tensor([float(record.steps)], device=self.device)
-        dist.all_reduce(total)  # exact global step: all ranks' agent steps
+        self.all_reduce(total, "the global step's all-reduce")  # exact global step: all ranks' agent steps
         try:
             self.logger.handle(record._replace(steps=int(total.item())))
             if self.rank == 0 and states[0] is not None:
@@ -1050,8 +1082,11 @@ def main_distributed(run: Run) -> None:
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
     use_cuda = args.cuda and torch.cuda.is_available()
     device = torch.device(f"cuda:{local_rank % torch.cuda.device_count()}" if use_cuda else "cpu")
+    watch_launcher()
     tracker = start_tracking(args, run.run_dir) if rank == 0 else None  # before the rendezvous, as main's run directory
-    dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=n)
+    # collectives fail after a bounded wait for a peer (gloo's default: 30 min); RankLink's own wait names it first
+    timeout = datetime.timedelta(seconds=args.rank_timeout + 30)
+    dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=n, timeout=timeout)
     names = [str(run.run_dir)]
     dist.broadcast_object_list(names, src=0)  # one run directory, named by rank 0
     run.run_dir = Path(names[0])
@@ -1061,8 +1096,9 @@ def main_distributed(run: Run) -> None:
     logger = Logger(writer, run, progress)
     link, gossip, failure, states = RankLink(run, rank, device, signals.stop, logger), None, None, None
     if args.mode == "gossip":
-        group = dist.new_group(backend="nccl" if use_cuda else "gloo")  # every rank makes it, in the same order
-        gossip = DistributedEndpoint(rank, n, args.num_peers, args.max_staleness, run.num_params(), device, group)
+        group = dist.new_group(backend="nccl" if use_cuda else "gloo", timeout=timeout)  # every rank, in one order
+        ring = (args.num_peers, args.max_staleness, run.num_params(), device, group, signals.stop, args.rank_timeout)
+        gossip = DistributedEndpoint(rank, n, *ring)
     try:
         learner = Learner(rank, n, args, device, checkpoint["learners"][rank] if checkpoint else None)
         final = learner.train(gossip, link)
@@ -1079,6 +1115,10 @@ def main_distributed(run: Run) -> None:
                 print(f"max |parameter difference| across {n} learners: {divergence.item():.3g}")
         dist.barrier()  # no rank leaves the group while a peer may still be sending to it
         dist.destroy_process_group()
+    except Stop:  # a signal while a peer did not answer: the ranks' final states cannot be gathered
+        if rank == 0 and args.checkpoint_interval:
+            print("warning: no final checkpoint (it needs every rank's state); the last one, if any, is kept",
+                  file=sys.stderr)  # fmt: skip
     except Exception as e:  # the other ranks would wait for this one forever: torchrun stops them when it exits 1
         failure = learner_error(rank, e, ranks=n)
     try:  # rank 0: the final checkpoint, --save-model, --eval-episodes; every rank: its writer, its exit status
@@ -1571,11 +1611,67 @@ class Processes:
         return stuck
 
 
+# -- torchrun ranks (the scripts that run under torchrun) --
+
+
+class RankLost(Exception):
+    """Under torchrun, a rank that did not join a collective in time or is out of step: the message names it."""
+
+
+def wait_for_ranks(work, what: str, stop, rank: int, world_size: int, timeout: float, grace: float = 5.0) -> None:
+    """Wait for the collective `work` (issued with async_op=True) in one-second slices, so that the signal handlers
+    run while a peer is late. Once `stop` is set the peers get `grace` seconds more to join (they may bring the stop
+    they agree on), then Stop; a peer that does not join within `timeout` seconds (stopped, hung, or out of step)
+    raises RankLost naming it (with two ranks it can only be the other one); a collective that failed raises its
+    error (a peer that died)."""
+    who = f"rank {1 - rank}" if world_size == 2 else f"a rank other than rank {rank} (of {world_size})"
+    start, stopping_since = time.monotonic(), None
+    while True:
+        try:
+            work.wait(datetime.timedelta(seconds=1.0))
+            return
+        except RuntimeError:
+            if work.is_completed():  # not the slice's timeout: the collective itself failed
+                raise
+        now = time.monotonic()
+        if stop.is_set():
+            stopping_since = stopping_since or now
+            if now - stopping_since >= grace:
+                print(f"warning: rank {rank}: {who} did not join {what} within {grace:.0f} s of the stop; stopping "
+                      "without it", file=sys.stderr, flush=True)  # fmt: skip
+                raise Stop
+        elif now - start >= timeout:
+            raise RankLost(f"rank {rank}: {who} did not join {what} within {timeout:.0f} s (stopped, hung, or out of "
+                           "step)")  # fmt: skip
+
+
+def watch_launcher() -> None:
+    """Under torchrun (its agent started this rank): stop the rank when the launcher is gone. Its ranks run in their
+    own sessions, so a launcher killed with kill -9 would leave them training, reparented; the stop's SIGTERM reaches
+    the rank's own handler (a graceful stop: the final checkpoint), and a rank still running a few seconds later is
+    ended."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        watch = threading.Thread(target=stop_when_orphaned, args=(os.getppid(),), name="launcher-watch", daemon=True)
+        watch.start()
+
+
+def stop_when_orphaned(launcher: int, grace: float = 8.0) -> None:
+    """The launcher watch's thread: once this process's parent is no longer `launcher`, SIGTERM to itself, then exit
+    143 after `grace` seconds if it has not stopped by then (a once-a-second check: the thread sleeps between)."""
+    while os.getppid() == launcher:
+        time.sleep(1.0)
+    with contextlib.suppress(OSError):  # nobody may read the launcher's stderr any more
+        print(f"error: the torchrun launcher (pid {launcher}) is gone; stopping this rank", file=sys.stderr, flush=True)
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(grace)
+    os._exit(128 + signal.SIGTERM)
+
+
 # -- script-specific: FLAG_RULES, RUN_SETTINGS, validate, env_spaces, checkpoint_meta, saved_model, evaluate, ... --
 
 FLAG_RULES = (
     (">= 1", ("num_learners", "num_envs", "num_steps", "num_peers", "sync_interval", "log_frequency")),
-    ("> 0", ("learning_rate", "max_grad_norm", "rmsprop_eps")),
+    ("> 0", ("learning_rate", "max_grad_norm", "rmsprop_eps", "rank_timeout")),
     ("in [0, 1)", ("rmsprop_alpha",)),
     ("in (0, 1]", ("gamma",)),
     (">= 0", ("max_staleness", "ent_coef", "vf_coef", "checkpoint_interval", "eval_episodes", "log_interval",
@@ -1733,6 +1829,8 @@ def learner_error(i: int, e: BaseException, ranks: int = 0) -> str:
     signs = ("Connection closed by peer", "Connection reset", "Broken pipe", "Timed out", "timed out", "gossip thread")
     if isinstance(e, NonFiniteLoss):
         return f"error: learner {i}: {e}; stopping (the last checkpoint, if any, is kept)"
+    if isinstance(e, RankLost):
+        return f"error: learner {i} ({e}); stopping (the last checkpoint, if any, is kept)"
     if ranks and (isinstance(e, dist.DistError) or any(m in text for m in signs)):
         who = f"rank {1 - i}" if ranks == 2 else "another rank"
         reason = (text.strip().splitlines() or [""])[0][:160]

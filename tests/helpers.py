@@ -292,6 +292,44 @@ def rank_pid(launcher_pid, rank, timeout=120):
     raise TimeoutError(f"no rank {rank} under launcher {launcher_pid}")
 
 
+def launch_ranks(script, args, log_dir, n=2):
+    """`script` under torchrun with `n` ranks on this machine (launcher output, stdout and stderr merged, in its own
+    session), returned with the ranks' pids once training is under way (a console line with a step > 0). The caller
+    ends it (end_launch)."""
+    launcher = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n))
+    cmd = [sys.executable, *launcher, script, "--log-dir", str(log_dir), *args]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)  # fmt: skip
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if (match := CONSOLE_LINE.match(line)) and int(match.group(1)) > 0:
+            return proc, [rank_pid(proc.pid, r) for r in range(n)]
+    proc.wait()
+    pytest.fail(f"the ranks exited ({proc.returncode}) before training got under way: {''.join(seen)[-3000:]}")
+
+
+def read_until(proc, text, seen):
+    """Read a launch's merged output into the list `seen` up to a line holding `text` (pytest's timeout catches a
+    hang); fails if the output ends first."""
+    for line in proc.stdout:
+        seen.append(line)
+        if text in line:
+            return
+    pytest.fail(f"no line with {text!r}: {''.join(seen)[-3000:]}")
+
+
+def end_launch(proc, pids):
+    """Whatever is left of a launch (launch_ranks): its ranks and the launcher's session, killed."""
+    for pid in pids:
+        if alive(pid):
+            os.kill(pid, signal.SIGKILL)
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.communicate()
+
+
 @dataclass
 class WandbRun:
     """What an offline Weights & Biases run recorded: display name, config, and each logged history row."""

@@ -38,9 +38,12 @@ from helpers import (
     assert_finite_tags,
     assert_tracked_once,
     children_of,
+    end_launch,
     fill_disk,
+    launch_ranks,
     offline_wandb_env,
     only_run_dir,
+    processes_with,
     run_eval_only,
     run_script,
     scalars,
@@ -987,3 +990,21 @@ def test_full_disk_stops_cleanly_and_keeps_the_last_checkpoint(tmp_path):
         assert torch.load(checkpoint, weights_only=False)["global_step"] > 0  # the last good one, intact
         assert not list(checkpoint.parent.glob("*.tmp"))
         wait_for(lambda: not any(alive(pid) for pid in workers), "no worker left (no orphans)")
+
+
+@pytest.mark.parametrize("script", ["apex_dqn.py", "apex_ddpg.py"])
+def test_killing_the_torchrun_launcher_leaves_no_rank_running(script, tmp_path):
+    """kill -9 of the torchrun launcher: the learner and the actor rank (in their own sessions, reparented) stop as on
+    SIGTERM, and the actor rank's actor processes die with it."""
+    env = ["--env-id", "CartPole-v1", *TINY_DQN] if script == "apex_dqn.py" else ["--env-id", "Pendulum-v1", *TINY_DDPG]
+    args = [*env, "--num-actors", "1", "--total-timesteps", "100000000", "--checkpoint-interval", "3600"]
+    proc, pids = launch_ranks(script, args, tmp_path)
+    try:
+        os.kill(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=60)  # the ranks hold the pipe: it ends when they have exited
+        wait_for(lambda: not processes_with(str(tmp_path)), "no rank or actor left running")
+    finally:
+        for pid in processes_with(str(tmp_path)):
+            os.kill(pid, signal.SIGKILL)
+        end_launch(proc, pids)
+    assert "the torchrun launcher" in out and "is gone" in out, out[-3000:]

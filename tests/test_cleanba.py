@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import types
 from dataclasses import replace
@@ -25,20 +26,27 @@ from helpers import (
     ROOT,
     FixedLogitsPolicy,
     RecordingEnv,
+    alive,
     assert_eval_only_refusals,
     assert_finite_tags,
+    assert_one_error_line,
     assert_tracked_once,
     children_of,
+    end_launch,
     fill_disk,
+    launch_ranks,
     offline_wandb_env,
     only_run_dir,
     rank_pid,
+    read_until,
     run_eval_only,
     run_script,
     scalars,
     small_tmpfs,
     start_run,
+    state_of,
     two_node_launch,
+    wait_for,
 )
 from torch import nn
 
@@ -63,6 +71,7 @@ from cleanba_ppo_impala import (
     start_tracking,
     validate,
     vtrace,
+    write_run_args,
 )
 from common.models import make_model
 
@@ -489,7 +498,7 @@ def test_defaults_are_cleanbas(algo):
     args = resolve_defaults(Args(algo=algo))
     assert (args.num_envs, args.num_actor_threads, args.total_timesteps) == (64 * 2, 2, 50_000_000)
     image, flat = gym.spaces.Box(0, 255, (4, 84, 84), np.uint8), gym.spaces.Box(-1, 1, (4,))
-    networks = [checkpoint_meta(args, space, gym.spaces.Discrete(4))["network"] for space in (image, flat)]
+    networks = [checkpoint_meta(args, space, gym.spaces.Discrete(4), 1)["network"] for space in (image, flat)]
     assert networks == ["impala", "mlp"], networks
     expected = dict(ppo=(128, 2.5e-4, 0.5), impala=(20, 6e-4, 40.0))[algo]
     assert (args.num_steps, args.learning_rate, args.max_grad_norm) == expected
@@ -620,7 +629,7 @@ def test_log_dir_that_cannot_be_created_is_one_error_line(tmp_path, capsys):
 
 def meta_of(**changes):
     args = checked(**changes)
-    return checkpoint_meta(args, *env_spaces(args))
+    return checkpoint_meta(args, *env_spaces(args), 1)
 
 
 def test_resume_refuses_what_it_cannot_use(tmp_path, capsys):
@@ -724,7 +733,7 @@ def test_a_non_finite_loss_or_gradient_is_refused_before_the_optimizer_step():
     # the sign of the zero loss is the random weight's: sqrt(-0.0) is -0.0
     for loss, message in [(nan_loss, "non-finite loss nan"), (nan_gradient, r"loss -?0.0 \(gradient norm nan\)")]:
         with pytest.raises(NonFiniteLoss, match=message):
-            learner.step({"total_loss": loss})
+            learner.step({"total_loss": loss}, threading.Event(), threading.Event())
         assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
 
 
@@ -828,3 +837,157 @@ def test_two_node_launch_on_loopback_ends_with_identical_ranks(tmp_path, monkeyp
     logged = scalars(run_dir)
     assert [s for s, _ in logged["charts/SPS"]] == [256 * i for i in range(1, 5)]  # both ranks' envs count
     assert [v for _, v in logged["charts/policy_lag"]] == expected_lags(False, 4)
+
+
+# ------------------------------------------------------------------ torchrun: world size, a stopped rank, the launcher
+
+TWO_RANKS = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+
+
+def test_resume_under_another_world_size_is_refused_naming_both(tmp_path, monkeypatch, capsys):
+    """A 2-rank checkpoint resumed in one process (an update would be half the agent steps: the update count and the
+    learning-rate schedule no longer fit the budget), and a one-process checkpoint under 2 ranks: one error line, exit
+    2, naming both world sizes and the launch that continues the run."""
+    first = run_script(SCRIPT, [*TINY_CARTPOLE, "--total-timesteps", "512"], tmp_path / "two", launcher=TWO_RANKS)
+    assert first.returncode == 0, first.stderr[-1500:]
+    checkpoint = only_run_dir(tmp_path / "two") / "checkpoint.pt"
+    proc = run_script(SCRIPT, ["--resume", str(checkpoint), "--total-timesteps", "2048"], tmp_path / "two")
+    relaunch = f"torchrun --nproc-per-node 2 {SCRIPT} --resume {checkpoint}"
+    assert_one_error_line(proc, "world size 2", "world size 1", relaunch)
+    run_dir = tmp_path / "one" / "CartPole-v1__x__1__1700000000"
+    run_dir.mkdir(parents=True)
+    args = checked(num_envs=4, num_steps=32, total_timesteps=2048, resume=str(run_dir / "checkpoint.pt"))
+    write_run_args(run_dir, args, meta_of())
+    torch.save(dict(model={}, meta=meta_of(), update=1, global_step=128), run_dir / "checkpoint.pt")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    error = refusal(capsys, main, args)
+    assert "world size 2" in error and "world size 1" in error and f"python {SCRIPT} --resume" in error, error
+
+
+class DoneWork:
+    """A collective that has completed (what `dist.all_reduce(..., async_op=True)` returns)."""
+
+    def wait(self, timeout=None):
+        return True
+
+    def is_completed(self):
+        return True
+
+
+class SilentWork:
+    """A collective a peer never joins: each wait's slice times out, as gloo's does."""
+
+    def wait(self, timeout=None):
+        raise RuntimeError("Operation timed out!")
+
+    def is_completed(self):
+        return False
+
+
+def two_rank_learner(monkeypatch, peer_step_offset=0, peer_stops=False):
+    """Rank 0 of 2 in-process, its all-reduce faked: rank 1 sends gradients of 3 everywhere, its step count (this
+    rank's plus `peer_step_offset`) and its stop request."""
+    model = nn.Linear(2, 1)
+    learner = Learner(checked(), model, [], torch.device("cpu"), 0, 2, {}, None)
+
+    def all_reduce(flat, async_op=False):
+        peer = torch.full_like(flat, 3.0)
+        peer[-4:] = torch.tensor([0.0, learner.steps + peer_step_offset, 0.0, float(peer_stops)])
+        flat.add_(peer)
+        return DoneWork()
+
+    monkeypatch.setattr(cleanba_ppo_impala.dist, "all_reduce", all_reduce)
+    return learner, model
+
+
+def test_the_gradient_all_reduce_carries_the_ranks_step_counts_and_stop_requests(monkeypatch):
+    """The mean gradient over the ranks; a stop requested on another rank stops this one at the same step (before
+    the optimizer moves); a rank at another step count is named as out of step."""
+    learner, model = two_rank_learner(monkeypatch)
+    model.weight.grad, model.bias.grad = torch.ones(1, 2), torch.ones(1)
+    stop, requested = threading.Event(), threading.Event()
+    learner.steps = 1
+    learner.average_gradients(stop, requested)
+    assert torch.equal(model.weight.grad, torch.full((1, 2), 2.0)) and torch.equal(model.bias.grad, torch.tensor([2.0]))
+    learner, model = two_rank_learner(monkeypatch, peer_stops=True)
+    model.weight.grad, model.bias.grad = torch.ones(1, 2), torch.ones(1)
+    with pytest.raises(cleanba_ppo_impala.Stop):
+        learner.average_gradients(stop, requested)
+    assert stop.is_set()
+    learner, model = two_rank_learner(monkeypatch, peer_step_offset=1)
+    model.weight.grad, model.bias.grad = torch.ones(1, 2), torch.ones(1)
+    learner.steps = 4
+    with pytest.raises(cleanba_ppo_impala.RankLost, match=r"out of step .*rank 0 at step 4, rank 1 at step 5"):
+        learner.average_gradients(threading.Event(), threading.Event())
+
+
+def test_waiting_for_a_silent_rank_ends_with_a_stop_or_a_line_naming_it():
+    wait_for_ranks = cleanba_ppo_impala.wait_for_ranks
+    wait_for_ranks(DoneWork(), "the all-reduce of update 3", threading.Event(), 0, 2, timeout=0.0)
+    with pytest.raises(cleanba_ppo_impala.RankLost, match=r"^rank 0: rank 1 did not join the all-reduce of update 3"):
+        wait_for_ranks(SilentWork(), "the all-reduce of update 3", threading.Event(), 0, 2, timeout=0.0)
+    with pytest.raises(cleanba_ppo_impala.RankLost, match=r"^rank 2: a rank other than rank 2 \(of 4\) did not join"):
+        wait_for_ranks(SilentWork(), "the all-reduce of update 3", threading.Event(), 2, 4, timeout=0.0)
+    stop = threading.Event()
+    stop.set()
+    with pytest.raises(cleanba_ppo_impala.Stop):  # asked to stop: the peer gets `grace` seconds, not `timeout`
+        wait_for_ranks(SilentWork(), "the all-reduce of update 3", stop, 0, 2, timeout=3600.0, grace=0.0)
+
+
+def launch_two_ranks(log_dir, *extra):
+    """Two ranks on a long run, with a checkpoint only at the end; (launcher, rank pids) once training is under way."""
+    args = [*TINY_CARTPOLE, "--total-timesteps", "10000000", "--checkpoint-interval", "3600", *extra]
+    return launch_ranks(SCRIPT, args, log_dir)
+
+
+def test_ctrl_c_with_a_stopped_rank_gives_the_checkpoint_and_the_summary(tmp_path):
+    """Rank 1 stopped (SIGSTOP) and Ctrl+C to the launcher: rank 0 is waiting for rank 1 in an all-reduce; it still
+    stops, names the rank that did not join, writes the checkpoint of its last whole update and prints the summary."""
+    proc, pids = launch_two_ranks(tmp_path)
+    seen: list[str] = []
+    try:
+        os.kill(pids[1], signal.SIGSTOP)
+        wait_for(lambda: state_of(pids[1]) == "T", "rank 1 stopped")
+        proc.send_signal(signal.SIGINT)
+        read_until(proc, "stopped (exit status 130)", seen)
+        os.kill(pids[1], signal.SIGCONT)
+        seen.append(proc.communicate(timeout=120)[0])
+    finally:
+        end_launch(proc, pids)
+    out = "".join(seen)
+    assert "rank 0: rank 1 did not join the all-reduce of update" in out, out[-3000:]
+    checkpoint = torch.load(only_run_dir(tmp_path) / "checkpoint.pt", weights_only=False)
+    assert checkpoint["global_step"] > 0 and checkpoint["meta"]["world_size"] == 2
+    assert f"stopped (exit status 130): {checkpoint['global_step']:,} of" in out, out[-3000:]
+
+
+def test_a_stopped_rank_stops_the_run_with_a_line_naming_it(tmp_path):
+    """Rank 1 stopped (SIGSTOP) and nothing else: rank 0 gives up after --rank-timeout with a line naming rank 1, and
+    keeps the checkpoint of its last whole update (the same on both ranks)."""
+    proc, pids = launch_two_ranks(tmp_path, "--rank-timeout", "5")
+    seen: list[str] = []
+    try:
+        os.kill(pids[1], signal.SIGSTOP)
+        read_until(proc, "stopped (exit status 1)", seen)
+        os.kill(pids[1], signal.SIGCONT)
+        seen.append(proc.communicate(timeout=120)[0])
+    finally:
+        end_launch(proc, pids)
+    out = "".join(seen)
+    assert "error: rank 0: rank 1 did not join the all-reduce of update" in out and "within 5 s" in out, out[-3000:]
+    assert proc.returncode != 0
+    assert torch.load(only_run_dir(tmp_path) / "checkpoint.pt", weights_only=False)["global_step"] > 0
+
+
+def test_killing_the_launcher_stops_its_ranks_with_a_checkpoint(tmp_path):
+    """kill -9 of the torchrun launcher: its ranks (in their own sessions, reparented) stop as on SIGTERM, rank 0
+    with its final checkpoint; none is left running."""
+    proc, pids = launch_two_ranks(tmp_path)
+    try:
+        os.kill(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=60)  # the ranks hold the pipe: it ends when both have exited
+        wait_for(lambda: not any(alive(pid) for pid in pids), "no rank left running")
+    finally:
+        end_launch(proc, pids)
+    assert "the torchrun launcher" in out and "is gone" in out, out[-3000:]
+    assert torch.load(only_run_dir(tmp_path) / "checkpoint.pt", weights_only=False)["global_step"] > 0

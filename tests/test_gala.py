@@ -26,20 +26,25 @@ from helpers import (
     ROOT,
     FixedLogitsPolicy,
     RecordingEnv,
+    alive,
     assert_eval_only_refusals,
     assert_finite_tags,
     assert_tracked_once,
     children_of,
+    end_launch,
     fill_disk,
+    launch_ranks,
     offline_wandb_env,
     only_run_dir,
     processes_with,
     rank_pid,
+    read_until,
     run_eval_only,
     run_script,
     scalars,
     small_tmpfs,
     start_run,
+    state_of,
     two_node_launch,
     wait_for,
 )
@@ -748,3 +753,63 @@ def test_torchrun_survivor_names_the_rank_that_died(mode, tmp_path):
         proc.kill()
     assert proc.returncode != 0, err
     assert "error: learner 0 (rank 0): lost contact with rank 1" in err and "learner 0 died" not in err, err
+
+
+# ------------------------------------------------------------------ torchrun: a stopped rank, a killed launcher
+
+
+def launch_two_ranks(log_dir, mode, *extra):
+    """Two ranks on a long run, a checkpoint only at the end; (launcher, rank pids) once training is under way."""
+    args = [*TINY_CARTPOLE, "--mode", mode, "--total-timesteps", "10000000", "--sync-interval", "5"]
+    return launch_ranks(SCRIPT, [*args, "--checkpoint-interval", "3600", *extra], log_dir)
+
+
+def test_ctrl_c_with_a_stopped_rank_gives_the_summary(tmp_path):
+    """Rank 1 stopped (SIGSTOP), Ctrl+C to the launcher: rank 0, waiting for rank 1 in an all-reduce, still stops,
+    names the rank that did not join and prints the summary (the final checkpoint needs rank 1's state: not written)."""
+    proc, pids = launch_two_ranks(tmp_path, "allreduce")
+    seen: list[str] = []
+    try:
+        os.kill(pids[1], signal.SIGSTOP)
+        wait_for(lambda: state_of(pids[1]) == "T", "rank 1 stopped")
+        proc.send_signal(signal.SIGINT)
+        read_until(proc, "stopped (exit status 130)", seen)
+        os.kill(pids[1], signal.SIGCONT)
+        seen.append(proc.communicate(timeout=120)[0])
+    finally:
+        end_launch(proc, pids)
+    out = "".join(seen)
+    assert "rank 0: rank 1 did not join the " in out and "no final checkpoint" in out, out[-3000:]
+
+
+@pytest.mark.parametrize("mode", ["gossip", "allreduce"])
+def test_a_stopped_rank_stops_the_run_with_a_line_naming_it(mode, tmp_path):
+    """Rank 1 stopped (SIGSTOP) and nothing else: rank 0 gives up after --rank-timeout with a line naming rank 1."""
+    proc, pids = launch_two_ranks(tmp_path, mode, "--rank-timeout", "5")
+    seen: list[str] = []
+    try:
+        os.kill(pids[1], signal.SIGSTOP)
+        read_until(proc, "stopped (exit status 1)", seen)
+        os.kill(pids[1], signal.SIGCONT)
+        seen.append(proc.communicate(timeout=120)[0])
+    finally:
+        end_launch(proc, pids)
+    out = "".join(seen)
+    assert re.search(r"error: learner 0 \(rank 0: rank 1 (did not join|sent no gossip message) .* within 5 s", out), (
+        out[-3000:]
+    )
+    assert proc.returncode != 0
+
+
+def test_killing_the_launcher_stops_its_ranks_with_a_checkpoint(tmp_path):
+    """kill -9 of the torchrun launcher: its ranks (in their own sessions, reparented) stop as on SIGTERM, together
+    at a sync point, with the final checkpoint; none is left running."""
+    proc, pids = launch_two_ranks(tmp_path, "gossip")
+    try:
+        os.kill(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=60)  # the ranks hold the pipe: it ends when both have exited
+        wait_for(lambda: not any(alive(pid) for pid in pids), "no rank left running")
+    finally:
+        end_launch(proc, pids)
+    assert "the torchrun launcher" in out and "is gone" in out, out[-3000:]
+    assert torch.load(only_run_dir(tmp_path) / "checkpoint.pt", weights_only=False)["global_step"] > 0
