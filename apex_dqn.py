@@ -42,6 +42,7 @@ import contextlib
 import ctypes
 import errno
 import fcntl
+import functools
 import hashlib
 import io
 import itertools
@@ -1178,9 +1179,6 @@ def close_run(run: LearnerRun, interrupted: bool, signals: StopSignals) -> None:
 
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # Ctrl+C, kill, a closed terminal
-# tyro's private help formatter, which parse_args wraps where this tyro has it (tyro 0.8 to 1.x do)
-TYRO_JOIN = getattr(getattr(tyro, "_strings", None), "remove_single_line_breaks", None)
-RUN_DIR_LOCKS: dict[str, int] = {}  # run directory -> the open descriptor that holds its lock (claim_run_dir)
 
 
 class Stop(Exception):
@@ -1264,8 +1262,10 @@ def parse_args(argv: list[str]) -> Args:
     for arg in argv:
         if (name := arg.split("=")[0]) in RENAMED_FLAGS:
             fail(f"{name} {RENAMED_FLAGS[name]}")
-    if TYRO_JOIN is not None:  # a tyro without its private helper keeps its own wrapping of --help
-        tyro._strings.remove_single_line_breaks = help_paragraphs
+    strings = getattr(tyro, "_strings", None)  # private: a tyro without the helper keeps its own --help wrapping
+    join = getattr(strings, "remove_single_line_breaks", None)
+    if join is not None and getattr(join, "func", None) is not help_paragraphs:  # wrapped once per process
+        strings.remove_single_line_breaks = functools.partial(help_paragraphs, join=join)
     box = io.StringIO()
     try:
         with contextlib.redirect_stderr(box):
@@ -1284,11 +1284,12 @@ def parse_args(argv: list[str]) -> Args:
         fail(f"{message or 'the command line cannot be parsed'} (see python {Path(__file__).name} --help)")
 
 
-def help_paragraphs(text: str) -> str:
-    """tyro's private helper TYRO_JOIN (replaced in parse_args) keeps a flag help's line break before a non-letter;
-    with each paragraph on one line, --help wraps the help as whole sentences at the terminal's width."""
+def help_paragraphs(text: str, join) -> str:
+    """tyro's private helper `join` (wrapped in parse_args, where this tyro has it) keeps a flag help's line break
+    before a non-letter; with each paragraph on one line, --help wraps the help as whole sentences at the terminal's
+    width."""
     paragraphs = "\n".join(line.strip() for line in text.split("\n")).split("\n\n")
-    return TYRO_JOIN("\n\n".join(paragraph.replace("\n", " ") for paragraph in paragraphs))
+    return join("\n\n".join(paragraph.replace("\n", " ") for paragraph in paragraphs))
 
 
 def new_run_dir(args: Args) -> Path:
@@ -1426,7 +1427,8 @@ class Progress:
         print(f"{ended}: {step:,} of {self.total:,} agent steps in {duration(time.time() - self.start)}, last mean "
               f"return {self.mean_return:.2f}", flush=True)  # fmt: skip
         try:
-            files = sorted(p.name + "/" * p.is_dir() for p in self.run_dir.iterdir() if not p.name.endswith(".tmp"))
+            kept = (p for p in self.run_dir.iterdir() if not p.name.endswith(".tmp") and p.name != ".lock")
+            files = sorted(p.name + "/" * p.is_dir() for p in kept)
         except OSError:
             files = []
         print(f"wrote to {self.run_dir}: {', '.join(files) or 'nothing'}")
@@ -1467,20 +1469,18 @@ def resumed_args(args: Args) -> Args:
 
 
 def claim_run_dir(run_dir: Path) -> None:
-    """Hold an exclusive lock on the run directory until this process ends (the kernel drops it, even after kill -9),
-    so a second run cannot write into it at the same time; then remove the temporary files a killed write left. A
-    directory another process holds: one error line, exit 2. The same process may claim it again (a test's resume);
-    under torchrun rank 0 claims it, the rank that writes there."""
-    key = str(run_dir.resolve())
-    if key in RUN_DIR_LOCKS or os.environ.get("RANK", "0") != "0":
+    """Hold a lock on {run_dir}/.lock until this process ends (the kernel drops it, even after kill -9), so a second run
+    cannot write into the directory at the same time; then remove the temporary files a killed write left. A directory
+    another process holds: one error line, exit 2. A POSIX lock: the same process may claim it again (an in-process
+    resume), and its forked children do not hold it; under torchrun rank 0 claims it, the rank that writes there."""
+    if os.environ.get("RANK", "0") != "0":
         return
-    fd = os.open(run_dir, os.O_RDONLY)
+    fd = os.open(run_dir / ".lock", os.O_RDWR | os.O_CREAT, 0o644)  # never closed: closing it would drop the lock
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         os.close(fd)
         fail(f"another run is writing to {run_dir} (a second --resume of its checkpoint, or the run itself)")
-    RUN_DIR_LOCKS[key] = fd
     for tmp in run_dir.glob("*.tmp"):
         with contextlib.suppress(OSError):
             tmp.unlink()

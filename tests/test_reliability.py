@@ -234,9 +234,9 @@ def refusals_before_training(name: str, run_dir, step: int, total: int, tmp_path
         return lines[0]
 
     assert "no such file" in refused("--resume", str(run_dir), "--total-timesteps", str(2 * total))
-    fd = os.open(run_dir, os.O_RDONLY)
+    fd = os.open(run_dir / ".lock", os.O_RDWR | os.O_CREAT)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)  # as a run still writing there holds it
+        fcntl.lockf(fd, fcntl.LOCK_EX)  # as a run still writing there holds it
         assert "another run is writing to" in refused("--resume", str(run_dir / "checkpoint.pt"), "--total-timesteps",
                                                       str(2 * total))  # fmt: skip
     finally:
@@ -286,10 +286,13 @@ def said_what_it_did(out: str, run_dir, name: str) -> None:
 
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_a_tyro_without_its_private_help_formatter_still_runs_the_script(name):
-    """parse_args wraps tyro's private `_strings.remove_single_line_breaks`: a tyro that renames it must still parse
-    and print --help (in tyro's own wrapping), not break every script at import."""
+    """parse_args wraps tyro's private `_strings.remove_single_line_breaks`: a tyro that renames or moves it must still
+    parse and print --help (in tyro's own wrapping), not break every script at import."""
+    # tyro as renamed: its own modules call the helper by its new name (they keep the module they imported), and the
+    # `tyro._strings` a script reaches has no `remove_single_line_breaks`
     code = (
-        "import runpy, sys, tyro._strings; del tyro._strings.remove_single_line_breaks; "
+        "import runpy, sys, types, tyro, tyro._strings as s; m = types.ModuleType(s.__name__); "
+        "m.__dict__.update({k: v for k, v in vars(s).items() if k != 'remove_single_line_breaks'}); tyro._strings = m; "
         f"sys.argv = ['{script_of(name)}', '--help']; runpy.run_path('{script_of(name)}', run_name='__main__')"
     )
     p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
