@@ -834,7 +834,9 @@ def parse_args(argv: list[str]) -> Args:
             fail(f"{name} {RENAMED_FLAGS[name]}")
     strings = getattr(tyro, "_strings", None)  # private: a tyro without the helper keeps its own --help wrapping
     join = getattr(strings, "remove_single_line_breaks", None)
-    if join is not None and getattr(join, "func", None) is not help_paragraphs:  # wrapped once per process
+    if isinstance(join, functools.partial) and join.func.__name__ == "help_paragraphs":  # this or another script's
+        join = join.keywords["join"]
+    if join is not None:
         strings.remove_single_line_breaks = functools.partial(help_paragraphs, join=join)
     box = io.StringIO()
     try:
@@ -1054,12 +1056,14 @@ def claim_run_dir(run_dir: Path) -> None:
     resume), and its forked children do not hold it; under torchrun rank 0 claims it, the rank that writes there."""
     if os.environ.get("RANK", "0") != "0":
         return
-    fd = os.open(run_dir / ".lock", os.O_RDWR | os.O_CREAT, 0o644)  # never closed: closing it would drop the lock
     try:
+        fd = os.open(run_dir / ".lock", os.O_RDWR | os.O_CREAT, 0o644)  # never closed: closing it would drop the lock
         fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        os.close(fd)
-        fail(f"another run is writing to {run_dir} (a second --resume of its checkpoint, or the run itself)")
+    except OSError as e:
+        if e.errno in (errno.EACCES, errno.EAGAIN):
+            fail(f"another run is writing to {run_dir} (a second --resume of its checkpoint, or the run itself)")
+        print(f"warning: cannot lock {run_dir} ({e.strerror or e}): nothing stops a second run writing there at once",
+              file=sys.stderr)  # fmt: skip
     for tmp in run_dir.glob("*.tmp"):
         with contextlib.suppress(OSError):
             tmp.unlink()
@@ -1077,6 +1081,7 @@ def load_checkpoint(path: str, meta: dict, args: Args, steps_per_update: int) ->
     theirs = checkpoint.get("meta") if isinstance(checkpoint, dict) else None
     if not isinstance(theirs, dict):
         fail(f'cannot resume from {path}: not a checkpoint this script can read (it has no "meta" entry)')
+    theirs = {**checkpoint.get("args", {}), **theirs}  # an older checkpoint's meta lacks what its args hold
     if differ := [k for k in meta if theirs.get(k) != meta[k]]:
         ours, saved = (", ".join(f"{k} {m.get(k)}" for k in differ) for m in (meta, theirs))
         fail(f"cannot resume from {path}: it is a {theirs.get('script')} checkpoint ({saved}), this run is {ours}")
@@ -1163,20 +1168,15 @@ class RankLost(Exception):
 
 
 def wait_for_ranks(work, what: str, stop, rank: int, world_size: int, timeout: float, grace: float = 5.0) -> None:
-    """Wait for the collective `work` (issued with async_op=True) in one-second slices, so that the signal handlers
-    run while a peer is late. Once `stop` is set the peers get `grace` seconds more to join (they may bring the stop
-    they agree on), then Stop; a peer that does not join within `timeout` seconds (stopped, hung, or out of step)
-    raises RankLost naming it (with two ranks it can only be the other one); a collective that failed raises its
-    error (a peer that died)."""
+    """Wait for the collective `work` (issued with async_op=True) by polling it, so that the signal handlers run while
+    a peer is late (a blocking wait holds the main thread, and NCCL's timed wait aborts the communicator). Once `stop`
+    is set the peers get `grace` seconds more to join (they may bring the stop they agree on), then Stop; a peer that
+    does not join within `timeout` seconds (stopped, hung, or out of step) raises RankLost naming it (with two ranks
+    it can only be the other one); a collective that failed raises its error (a peer that died)."""
     who = f"rank {1 - rank}" if world_size == 2 else f"a rank other than rank {rank} (of {world_size})"
     start, stopping_since = time.monotonic(), None
-    while True:
-        try:
-            work.wait(datetime.timedelta(seconds=1.0))
-            return
-        except RuntimeError:
-            if work.is_completed():  # not the slice's timeout: the collective itself failed
-                raise
+    while not work.is_completed():
+        time.sleep(0.001)
         now = time.monotonic()
         if stop.is_set():
             stopping_since = stopping_since or now
@@ -1187,6 +1187,7 @@ def wait_for_ranks(work, what: str, stop, rank: int, world_size: int, timeout: f
         elif now - start >= timeout:
             raise RankLost(f"rank {rank}: {who} did not join {what} within {timeout:.0f} s (stopped, hung, or out of "
                            "step)")  # fmt: skip
+    work.wait()  # the collective's own error, if it failed (a peer that died); on NCCL it orders the stream after it
 
 
 def watch_launcher() -> None:

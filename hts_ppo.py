@@ -813,7 +813,9 @@ def parse_args(argv: list[str]) -> Args:
             fail(f"{name} {RENAMED_FLAGS[name]}")
     strings = getattr(tyro, "_strings", None)  # private: a tyro without the helper keeps its own --help wrapping
     join = getattr(strings, "remove_single_line_breaks", None)
-    if join is not None and getattr(join, "func", None) is not help_paragraphs:  # wrapped once per process
+    if isinstance(join, functools.partial) and join.func.__name__ == "help_paragraphs":  # this or another script's
+        join = join.keywords["join"]
+    if join is not None:
         strings.remove_single_line_breaks = functools.partial(help_paragraphs, join=join)
     box = io.StringIO()
     try:
@@ -1033,12 +1035,14 @@ def claim_run_dir(run_dir: Path) -> None:
     resume), and its forked children do not hold it; under torchrun rank 0 claims it, the rank that writes there."""
     if os.environ.get("RANK", "0") != "0":
         return
-    fd = os.open(run_dir / ".lock", os.O_RDWR | os.O_CREAT, 0o644)  # never closed: closing it would drop the lock
     try:
+        fd = os.open(run_dir / ".lock", os.O_RDWR | os.O_CREAT, 0o644)  # never closed: closing it would drop the lock
         fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        os.close(fd)
-        fail(f"another run is writing to {run_dir} (a second --resume of its checkpoint, or the run itself)")
+    except OSError as e:
+        if e.errno in (errno.EACCES, errno.EAGAIN):
+            fail(f"another run is writing to {run_dir} (a second --resume of its checkpoint, or the run itself)")
+        print(f"warning: cannot lock {run_dir} ({e.strerror or e}): nothing stops a second run writing there at once",
+              file=sys.stderr)  # fmt: skip
     for tmp in run_dir.glob("*.tmp"):
         with contextlib.suppress(OSError):
             tmp.unlink()
@@ -1056,6 +1060,7 @@ def load_checkpoint(path: str, meta: dict, args: Args, steps_per_update: int) ->
     theirs = checkpoint.get("meta") if isinstance(checkpoint, dict) else None
     if not isinstance(theirs, dict):
         fail(f'cannot resume from {path}: not a checkpoint this script can read (it has no "meta" entry)')
+    theirs = {**checkpoint.get("args", {}), **theirs}  # an older checkpoint's meta lacks what its args hold
     if differ := [k for k in meta if theirs.get(k) != meta[k]]:
         ours, saved = (", ".join(f"{k} {m.get(k)}" for k in differ) for m in (meta, theirs))
         fail(f"cannot resume from {path}: it is a {theirs.get('script')} checkpoint ({saved}), this run is {ours}")
