@@ -678,6 +678,7 @@ def main(args: Args) -> None:
     extra = dict(update=args.update, args=asdict(args), torch_rng=torch.get_rng_state(), meta=meta)
     if signals.stop.is_set():  # Ctrl+C while setting up: stop before any process starts, leave nothing behind
         if not checkpoint:
+            (run_dir / ".lock").unlink(missing_ok=True)  # claim_run_dir's: the directory held nothing else
             run_dir.rmdir()
         print("interrupted during start-up", file=sys.stderr)
         raise SystemExit(128 + signals.signum)

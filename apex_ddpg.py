@@ -1105,6 +1105,7 @@ def stop_if_signalled(signals: StopSignals, run_dir: Path, resumed: bool) -> Non
     """Ctrl+C or SIGTERM during start-up: exit before any process starts, leaving no new run directory behind."""
     if signals.signum:  # set by the handler itself: the event is set a moment later, from a thread
         if not resumed:
+            (run_dir / ".lock").unlink(missing_ok=True)  # claim_run_dir's: the directory held nothing else
             run_dir.rmdir()
         print("interrupted during start-up", file=sys.stderr)
         raise SystemExit(128 + signals.signum)

@@ -510,8 +510,8 @@ def test_bad_flag_from_the_command_line(tmp_path):
     assert not any(Path(tmp_path).iterdir())
 
 
-META = dict(script="a3c_large_batch.py", algo="hogwild", env_id="CartPole-v1", network="mlp", obs_shape=[4],
-            action_shape_or_n=2)  # fmt: skip
+META = dict(script="a3c_large_batch.py", algo="hogwild", env_id="CartPole-v1", atari_protocol="deepmind",
+            network="mlp", obs_shape=[4], action_shape_or_n=2)  # fmt: skip
 
 
 @pytest.mark.parametrize(

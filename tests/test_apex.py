@@ -814,8 +814,8 @@ def process_state():
 
 def meta(m) -> dict:
     if m is apex_dqn:
-        return dict(script="apex_dqn.py", env_id="CartPole-v1", network="mlp", hidden_sizes=[256, 256], obs_shape=[4],
-                    action_shape_or_n=2)  # fmt: skip
+        return dict(script="apex_dqn.py", env_id="CartPole-v1", atari_protocol="deepmind", network="mlp",
+                    hidden_sizes=[256, 256], obs_shape=[4], action_shape_or_n=2)  # fmt: skip
     return dict(script="apex_ddpg.py", env_id="Pendulum-v1", hidden_sizes=[256, 256], obs_shape=[3],
                 action_shape_or_n=[1])  # fmt: skip
 

@@ -589,6 +589,7 @@ def fake_checkpoint(path, **meta_changes):
         algo="gossip",
         learners=2,
         env_id="CartPole-v1",
+        atari_protocol="deepmind",
         network="mlp",
         obs_shape=[4],
         action_shape_or_n=2,

@@ -581,6 +581,7 @@ def test_tracking_names_the_run_after_its_directory_resumes_it_and_ends_with_the
     assert module.start_tracking(module.Args(env_id="CartPole-v1", track=True, wandb_entity="me"), run_dir) is wandb
     resumed = module.Args(env_id="CartPole-v1", track=True, resume=str(run_dir / "checkpoint.pt"))
     resumed.checkpoint_interval = 0  # close_run's final checkpoint needs a learner: this test has none
+    resumed.eval_episodes = 0  # and its final evaluation a model
     module.start_tracking(resumed, run_dir)
     first, second = wandb.inits
     assert first["name"] == second["name"] == run_dir.name and first["id"] == second["id"]
@@ -589,7 +590,8 @@ def test_tracking_names_the_run_after_its_directory_resumes_it_and_ends_with_the
     learner = types.SimpleNamespace(global_step=96)
     for code, message in [(0, None), (1, "error: executor 0 failed"), (143, "stopped by SIGTERM at global step 96")]:
         with pytest.raises(SystemExit) if code else contextlib.nullcontext():
-            module.close_run(resumed, learner, None, wandb, module.Progress(run_dir, 192, "plan"), {}, code, message)
+            outputs = (None, wandb, None, module.StopSignals(threading.Event()))  # writer, tracker, record, signals
+            module.close_run(resumed, learner, outputs, module.Progress(run_dir, 192, "plan"), {}, code, message)
         assert wandb.finished[-1] == code
     assert wandb.logged == [{"videos": ("video", str(run_dir / "videos" / "rl-video-episode-0.mp4"))}] * 3
     out, err = capsys.readouterr()

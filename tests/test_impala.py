@@ -599,8 +599,9 @@ def test_bad_flag_exits_2_with_one_line(tmp_path):
     assert not any(Path(tmp_path).iterdir())
 
 
-META = dict(script="impala_monobeast.py", algo=None, env_id="CartPole-v1", network="mlp", use_lstm=False, lstm_size=0,
-            lstm_layers=2, action_reward_inputs=True, obs_shape=[4], action_shape_or_n=2)  # fmt: skip
+META = dict(script="impala_monobeast.py", algo=None, env_id="CartPole-v1", atari_protocol="deepmind", network="mlp",
+            use_lstm=False, lstm_size=0, lstm_layers=2, action_reward_inputs=True, obs_shape=[4],
+            action_shape_or_n=2)  # fmt: skip
 
 
 @pytest.mark.parametrize(
