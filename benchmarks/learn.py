@@ -160,6 +160,13 @@ PONG_GPU = [
     )
 ]
 
+# The A2C side of the A2C reference (RESULTS, Pong beside the references): plain synchronous A2C (hts_a2c.py --sync) at
+# Stable-Baselines3 A2C's settings as RL Zoo runs it on Atari. hts_a2c.py's defaults already are 16 envs x 5 steps, lr
+# 7e-4 constant, RMSprop alpha 0.99 eps 1e-5, entropy 0.01, gradient clip 0.5; SB3's value loss is vf_coef 0.25 times
+# the mean squared error, ours vf_coef times the same mean, so --vf-coef 0.25. Where they cannot match: SB3's
+# RMSpropTFLike puts eps inside the square root and starts its average at 1 (torch's RMSprop here: outside, at 0).
+PONG_A2C_REFERENCE = [pong("hts_a2c_sync_sb3", "hts_a2c.py", [*DEEPMIND, "--sync", "--vf-coef", "0.25"])]
+
 # The A3C eps diagnosis on Pong (README, Results): hogwild at 1, 2 and 4 workers and the gradient server, RMSprop
 # eps 1e-5 against 1e-4 and 1e-3, CPU workers; a few hundred thousand steps show whether the value loss falls from
 # its constant-value level (about 0.065) or stays there. Each run's checkpoint holds its final model.
@@ -208,6 +215,7 @@ SUITES = {
     "atari-smoke": (lambda: ATARI_SMOKE, None),
     "pong-cpu-impala": (lambda: PONG_CPU_IMPALA, None),
     "pong-gpu": (lambda: PONG_GPU, None),
+    "pong-a2c-reference": (lambda: PONG_A2C_REFERENCE, None),
     "a3c-eps": (lambda: A3C_EPS_SWEEP, None),
     "atari-paper": (atari_paper, None),
 }
