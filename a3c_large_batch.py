@@ -34,6 +34,7 @@ import sys
 if __name__ == "__main__":  # Ctrl+C while the imports below load: exit 130 without a traceback
     signal.signal(signal.SIGINT, lambda signum, frame: sys.exit(128 + signum))
 
+import atexit
 import contextlib
 import copy
 import ctypes
@@ -52,6 +53,7 @@ import threading
 import time
 import traceback
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, fields, replace
 from multiprocessing.queues import Queue
 from multiprocessing.sharedctypes import Synchronized
@@ -617,41 +619,13 @@ class Run:
             print(f"{', '.join(killed)} did not stop in time after the interrupt: killed", file=sys.stderr)
         return failure
 
-    def finish(self, failure: str | None) -> int:
-        """After the processes stopped: the final checkpoint (hogwild), model.pt, the last TensorBoard point and console
-        line, the evaluation of the final policy (a signal ends it), the error line. Returns the exit status."""
-        args, signals, run_dir = self.args, self.signals, self.progress.run_dir
-        if self.shared.grad_q is not None:  # main's view of the shared model: the latest published version
+    def last_point(self) -> None:
+        """After the processes stopped: main's view of the shared model made the latest published version (gradient
+        server), then the last TensorBoard point and console line."""
+        if self.shared.grad_q is not None:
             pull(self.shared, list(self.model.parameters()))
-        try:
-            if failure is None and args.checkpoint_interval and self.shared.grad_q is None:
-                self.write_checkpoint()
-            if failure is None and not signals.signum and args.save_model:
-                atomic_save(self.model.state_dict(), run_dir / "model.pt")
-        except WriteError as e:
-            failure = f"{e}; stopping (the last good checkpoint is kept)"
-        try:
-            self.write()
-        except OSError as e:
-            failure = failure or write_error(e, f"the TensorBoard events in {run_dir}")
+        self.write()
         self.console_line()
-        if failure is None and not signals.signum and args.eval_episodes:
-            print(f"evaluating the final policy: {args.eval_episodes} episodes", flush=True)
-            try:
-                signals.interruptible()  # from here a signal raises Interrupted: the evaluation ends at once
-                for i, ret in enumerate(evaluate(self.model, args, run_dir / "videos", torch.device("cpu"))):
-                    self.writer.add_scalar("eval/episodic_return", ret, i)
-                    print(f"eval episode {i}: return {ret:.1f}")
-            except Interrupted:
-                print("interrupted: the final evaluation stopped", file=sys.stderr)
-        signals.restore()
-        try:
-            self.writer.close()
-        except OSError as e:
-            failure = failure or write_error(e, f"the TensorBoard events in {run_dir}")
-        if failure:
-            print(failure, file=sys.stderr)
-        return 1 if failure else 128 + signals.signum if signals.signum else 0
 
 
 def main(args: Args) -> None:
@@ -660,6 +634,7 @@ def main(args: Args) -> None:
         fail(error)
     if args.eval_only:
         return main_eval_only(args)
+    flag_warnings(args)
     obs_space, act_space = env_spaces(args)
     meta = checkpoint_meta(args, obs_space, act_space)
     batch = args.num_envs_per_worker * args.num_steps  # one update: a worker's rollout, claimed whole from the budget
@@ -716,17 +691,14 @@ def main(args: Args) -> None:
             if args.checkpoint_interval and now - last_checkpoint >= args.checkpoint_interval:
                 run.write_checkpoint()
                 last_checkpoint = now
-    except WriteError as e:
-        failure = f"{e}; stopping (the last good checkpoint is kept)"
-    except OSError as e:
-        failure = write_error(e, f"the TensorBoard events in {run_dir}")
+    except (WriteError, OSError) as e:  # a checkpoint or the TensorBoard events
+        failure = error_line(e, run.global_step, signals.signum)[1]
     finally:  # whatever ended the loop, no process outlives it
         failure = run.shut_down(failure)
-    code = run.finish(failure)
-    finish_tracking(tracker, run_dir, code)
-    progress.summary(run.global_step, code)
-    if code:
-        raise SystemExit(code)
+    code, message = (1, failure) if failure else error_line(Stop(), run.global_step, signals.signum)
+    save = run.write_checkpoint if failure is None and shared.grad_q is None else None  # the server wrote its own
+    finish_run(args, run_dir, run.global_step, code, message, signals, progress=progress, writer=run.writer,
+               tracker=tracker, checkpoint=save, final_model=lambda: run.model, last_point=run.last_point)  # fmt: skip
 
 
 # ---- run plumbing ------------------------------------------------------------------------------------------------
@@ -780,6 +752,121 @@ class StopSignals:
         for signum, handler in self.previous.items():
             signal.signal(signum, handler)
 
+    def exit_on_signal(self, code: int) -> None:
+        """Everything is written and the interpreter exits: a signal from here (a second Ctrl+C) ends the process at
+        once with the run's status, and no exit handler it interrupts prints a traceback."""
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, lambda *_: os._exit(code))
+
+
+def error_line(e: BaseException, step: int, signum: int, who: str = "the learner", rank: int = 0,
+               ranks: int = 1) -> tuple[int, str | None]:  # fmt: skip
+    """The exit status and error line of the exception that ended training, called in its `except` block (a bug's
+    traceback goes into the line): a Stop (by a signal: 128 + signum; with a message: a worker's failure; neither:
+    the budget or a peer's stop, status 0), a failed checkpoint or TensorBoard write, a non-finite loss or weight, a
+    torchrun rank lost (`ranks` > 1: of two ranks it can only be the other one), or a bug. `who` names the process."""
+    if isinstance(e, Stop) and not e.args:
+        name = signal.Signals(signum).name if signum else ""
+        return (128 + signum, f"stopped by {name} at global step {step}") if signum else (0, None)
+    if isinstance(e, Stop):
+        return 1, f"error: {e}"
+    if isinstance(e, WriteError):
+        return 1, f"{e}; stopping (the last good checkpoint is kept)"
+    if isinstance(e, NonFiniteLoss):
+        return 1, f"error: {e} in {who} at global step {step}; stopping (the last good checkpoint, if any, is kept)"
+    if isinstance(e, OSError) and any("tensorboard" in f.filename for f in traceback.extract_tb(e.__traceback__)):
+        return 1, f"{write_error(e, 'the TensorBoard events')}; stopping"
+    text, kinds = str(e), {c.__name__ for c in type(e).__mro__}
+    if ranks > 1 and "RankLost" in kinds:  # the torchrun scripts' own: the message names the ranks
+        return 1, f"error: {e}; stopping"
+    signs = ("Connection closed by peer", "Connection reset", "Broken pipe", "Timed out", "timed out", "gossip thread")
+    if ranks > 1 and ("DistError" in kinds or any(s in text for s in signs)):
+        other = f"rank {1 - rank}" if ranks == 2 else "another rank"
+        reason = (text.strip().splitlines() or [""])[0][:160]
+        return 1, f"error: {who}: lost contact with {other}, which died or lost its connection ({reason})"
+    return 1, f"error: {who} died:\n{traceback.format_exc()}"
+
+
+def finish_run(args, run_dir: Path | None, step: int, code: int, message: str | None, signals: StopSignals, *,
+               progress: Progress | None = None, writer=None, tracker=None, checkpoint=None, final_model=None,
+               last_point=None, device: torch.device | None = None, threads: list = (), teardown: bool = True,
+               ) -> None:  # fmt: skip
+    """The end of every run, once its workers have stopped; `code` and `message` are error_line's (0 and None: the
+    run finished). In order: `checkpoint()` writes the final checkpoint (given only where one is due: a failed run
+    keeps its last good one); `last_point()` records the last statistics; if the run finished, the model that
+    `final_model()` builds is saved (--save-model) and played (--eval-episodes; a signal stops it and the games
+    played stay recorded); the writer and the W&B run closed; the error line; the summary (where this process has
+    the Progress); the exit with the status (`leave`). A failed write becomes the error line. Once the interpreter
+    exits, a further signal ends the process at once, with that status."""
+    try:
+        if checkpoint is not None and args.checkpoint_interval > 0:
+            checkpoint()
+            message = message and f"{message}; checkpoint written to {run_dir / 'checkpoint.pt'}"
+        if last_point is not None:  # the run's last TensorBoard point and console line
+            last_point()
+        model = final_model() if code == 0 and final_model and (args.save_model or args.eval_episodes) else None
+        if model is not None and args.save_model:
+            atomic_save(model.state_dict(), run_dir / "model.pt")
+        if model is not None and args.eval_episodes > 0:
+            code, message = final_evaluation(model, args, run_dir, step, signals, writer, device or torch.device("cpu"))
+    except WriteError as e:
+        code, message = 1, f"{e}; stopping (the last good checkpoint is kept)"
+    except OSError as e:  # the TensorBoard events file
+        code, message = 1, write_error(e, f"the TensorBoard events in {run_dir}")
+    try:
+        if writer is not None:  # None: it could not be made (the error line says why), or this rank has none
+            writer.close()
+    except OSError as e:  # the events file could not be flushed: the error above, or this one
+        message, code = message or write_error(e, f"the TensorBoard events in {run_dir}"), code or 1
+    finish_tracking(tracker, run_dir, code)
+    if message:
+        print(message, file=sys.stderr, flush=True)
+    if progress is not None:
+        progress.summary(step, code)
+    atexit.register(signals.exit_on_signal, code)  # the interpreter's exit handlers run after ours
+    leave(code, threads, teardown)
+
+
+def final_evaluation(model: nn.Module, args, run_dir: Path, step: int, signals: StopSignals, writer,
+                     device: torch.device) -> tuple[int, str | None]:  # fmt: skip
+    """Play --eval-episodes games with the final policy, each printed and logged (eval/episodic_return at global
+    steps step, step + 1, ...) as it ends; a signal stops it at once, and the games played stay recorded. Returns
+    finish_run's (code, message)."""
+    print(f"evaluating the final policy: {args.eval_episodes} episodes", flush=True)
+    played = 0
+    try:
+        signals.interruptible()  # from here a signal raises Interrupted, wherever the game is
+        for ret in evaluate(model, args, run_dir / "videos", device):
+            signals.raise_stop = False  # a game is recorded whole
+            print(f"eval episode {played}: return {ret:.2f}", flush=True)
+            if writer is not None:
+                writer.add_scalar("eval/episodic_return", ret, step + played)
+            played += 1
+            signals.interruptible()
+    except Interrupted:
+        name, games = signal.Signals(signals.signum).name, f"{played} of {args.eval_episodes} games"
+        return 128 + signals.signum, f"stopped by {name} in the final evaluation, after {games}"
+    finally:
+        signals.raise_stop = False
+    return 0, None
+
+
+def leave(code: int, threads: list = (), teardown: bool = True) -> None:
+    """Exit with `code`, without the interpreter's teardown (TensorBoard is closed and checkpoints written by now) if
+    a worker thread outlived its join or `teardown` is False (torchrun ranks: gloo's transport threads outlive
+    destroy_process_group, or a group that lost a rank): a thread inside torch during the teardown makes C++ static
+    destructors abort the process ("terminate called without an active exception", SIGABRT)."""
+    alive = [t.name for t in threads if t.is_alive()]
+    if alive:
+        print(f"warning: {', '.join(alive)} still running at exit; leaving without interpreter teardown",
+              file=sys.stderr, flush=True)  # fmt: skip
+    if alive or not teardown:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    if code:
+        raise SystemExit(code)
+
 
 def fail(message: str) -> NoReturn:
     """Bad input: one error line, exit status 2, before anything is started or written."""
@@ -789,6 +876,18 @@ def fail(message: str) -> NoReturn:
 
 def flag(name: str) -> str:
     return f"--{name.replace('_', '-')}"
+
+
+def flag_warnings(args) -> None:
+    """A `warning:` line for each flag that passes its rule but cannot train as given: a learning rate above 1. Every
+    optimizer here moves a weight by up to about the learning rate per step, so the weights blow up within a few
+    updates while the losses can stay finite (1e14 and more, the entropy 0): nothing would stop the run, and it
+    would end with exit status 0."""
+    for f in fields(args):
+        value = getattr(args, f.name)
+        if f.name.endswith("learning_rate") and isinstance(value, float) and value > 1:
+            print(f"warning: {flag(f.name)} {value:g} is above 1: the weights will diverge within a few updates, and "
+                  f"no check stops the run while its losses stay finite", file=sys.stderr, flush=True)  # fmt: skip
 
 
 def check_flags(args: Args) -> str | None:
@@ -1132,7 +1231,7 @@ def main_eval_only(args: Args) -> None:
     how = "greedy" if eval_args.eval_greedy else "sampled"
     print(f"evaluating {path} ({eval_args.eval_episodes} episodes, {how} actions); from its run: {taken}", flush=True)
     try:
-        returns = evaluate(model.to(device), eval_args, path.parent / f"videos-eval-{stamp}", device)
+        returns = list(evaluate(model.to(device), eval_args, path.parent / f"videos-eval-{stamp}", device))
     except (EnvError, gym.error.DependencyNotInstalled) as e:  # --capture-video without moviepy or a renderer
         fail(str(e))
     for i, ret in enumerate(returns):
@@ -1283,7 +1382,7 @@ def saved_model(eval_args: Args, settings: dict, state_dict: dict) -> nn.Module:
     return model
 
 
-def evaluate(model: nn.Module, args: Args, video_dir: Path, device: torch.device) -> list[float]:
+def evaluate(model: nn.Module, args: Args, video_dir: Path, device: torch.device) -> Iterator[float]:
     """Play `eval_episodes` full games with the final (or --eval-only's saved) policy, true returns; argmax actions
     with `--eval-greedy` (GALA Table 1), sampled ones otherwise; videos to `video_dir` with --capture-video."""
     seed = args.seed + 1_000_003
@@ -1291,19 +1390,19 @@ def evaluate(model: nn.Module, args: Args, video_dir: Path, device: torch.device
         args.env_id, seed, protocol=args.atari_protocol, capture_video=args.capture_video, video_dir=str(video_dir)
     )
     generator = torch.Generator(device=device).manual_seed(seed)
-    returns = []
+    played = 0
     obs, _ = env.reset()
-    while len(returns) < args.eval_episodes:
+    while played < args.eval_episodes:
         with torch.inference_mode():
             logits, _ = model(torch.as_tensor(obs[None], device=device))
         action = logits.argmax(dim=1) if args.eval_greedy else sample_actions(logits, generator)
         obs, _, terminated, truncated, info = env.step(int(action[0]))
         if terminated or truncated:
-            returns.append(float(info["episode"]["r"]))
-            if len(returns) < args.eval_episodes:  # no reset after the last game: it would record an empty video
+            played += 1
+            yield float(info["episode"]["r"])
+            if played < args.eval_episodes:  # no reset after the last game: it would record an empty video
                 obs, _ = env.reset()
     env.close()
-    return returns
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ import sys
 if __name__ == "__main__":  # Ctrl+C while the imports below load: exit 130 without a traceback
     signal.signal(signal.SIGINT, lambda signum, frame: sys.exit(128 + signum))
 
+import atexit
 import contextlib
 import ctypes
 import errno
@@ -56,6 +57,7 @@ import threading
 import time
 import traceback
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Literal, NamedTuple, NoReturn
@@ -732,7 +734,7 @@ class ActorHost(LocalReplay):
 
 
 class WorkerError(Exception):
-    """An actor host failed or stopped answering (torchrun); the message is the error line."""
+    """An actor host failed or stopped answering (torchrun): the run stops, with the message in its error line."""
 
 
 class RemoteReplay:
@@ -753,7 +755,7 @@ class RemoteReplay:
                 results.append(future.wait())
             except Exception as e:  # the host's own error, or a lost connection
                 reason = (str(e).strip().splitlines() or [type(e).__name__])[-1][:300]
-                raise WorkerError(f"error: actor host rank {rank} failed: {reason}; stopping the run") from None
+                raise WorkerError(f"actor host rank {rank} failed: {reason}; stopping the run") from None
         return results
 
     def chunks(self, items: list) -> list[tuple]:
@@ -986,6 +988,11 @@ class LearnerRun:
         self.progress.line(self.global_step, self.sps(), mean_return,
                            f"updates={self.learner.version} replay={int(self.stats.sizes.sum())}")  # fmt: skip
 
+    def last_point(self) -> None:
+        """The final step's TensorBoard point (whatever the update count) and console line."""
+        self.write()
+        self.console_line()
+
     def write_checkpoint(self) -> None:
         """{run_dir}/checkpoint.pt: the learner's state (the model's state_dict at "model"), step, RNG, Args, meta."""
         state = dict(self.learner.state_dict(), global_step=self.global_step, args=asdict(self.args),
@@ -1056,6 +1063,7 @@ def main(args: Args) -> None:
         fail(error)
     if args.eval_only:
         return main_eval_only(args)
+    flag_warnings(args)
     watch_launcher()
     torch.manual_seed(args.seed)
     torch.backends.cudnn.deterministic = args.torch_deterministic
@@ -1067,7 +1075,7 @@ def main(args: Args) -> None:
     signals = StopSignals(threading.Event())
     try:
         run = start_learner(args, world_size, signals)
-        interrupted = False
+        code, message = 0, None
         try:
             while run.running():
                 if signals.stop.is_set():
@@ -1079,24 +1087,23 @@ def main(args: Args) -> None:
                     run.wait_for_data()
                 run.housekeeping()
             run.wait_for_evaluation(signals.stop)
-        except Stop:
-            interrupted = True
-            print("interrupted: shutting down", file=sys.stderr, flush=True)
-        except (NonFiniteLoss, LockTimeout) as e:
-            failure = worker_failure(run.procs, run.shared.error_q)  # the cause, if a process died
-            run.failure = failure or f"error: learner: {e}; stopping (the last checkpoint, if any, is kept)"
-        except (WriteError, WorkerError) as e:
-            run.failure = str(e)
-        except OSError as e:  # the TensorBoard events file
-            run.failure = write_error(e, f"the TensorBoard events in {run.run_dir}")
-        except Exception:  # a bug, an optimizer overflow, CUDA out of memory: error line, summary, last checkpoint
-            run.failure = f"error: the learner died:\n{traceback.format_exc()}"
+        except WorkerError as e:
+            code, message = 1, f"error: {e}"
+        except Exception as e:  # a signal, a failed write, a non-finite loss, a bug; or a process died: its line
+            code, message = error_line(e, run.global_step, signals.signum)
+            if code == 1:
+                message = worker_failure(run.procs, run.shared.error_q) or message
         finally:  # the processes and actor hosts; an error a process sent before the stop is the failure, if none yet
-            stop_processes(run.procs, run.shared, run.handle, grace=4.0 if run.failure is None else 1.0)
+            stop_processes(run.procs, run.shared, run.handle, grace=4.0 if code != 1 and not run.failure else 1.0)
             run.replay.close()
             with contextlib.suppress(queue.Empty):
                 run.failure = run.failure or run.shared.error_q.get_nowait()
-        close_run(run, interrupted, signals)
+        if run.failure and code != 1:  # the line a process sent (an actor, the evaluator) ended the run
+            code, message = 1, run.failure
+        finish_run(args, run.run_dir, run.global_step, code, message, signals, progress=run.progress,
+                   writer=run.writer, tracker=run.tracker, checkpoint=run.write_checkpoint if code != 1 else None,
+                   final_model=lambda: saved_model(args, run.meta, run.learner.model.state_dict()),
+                   last_point=run.last_point)  # fmt: skip
     finally:
         signals.restore()
 
@@ -1128,46 +1135,6 @@ def start_warnings(args: Args, start_step: int) -> list[str]:
                         f"(rounds run at its multiples): the run evaluates nothing during training; give a smaller "
                         f"--eval-interval, or 0 for no rounds")  # fmt: skip
     return warnings
-
-
-def close_run(run: LearnerRun, interrupted: bool, signals: StopSignals) -> None:
-    """With the workers stopped: the final checkpoint, model.pt, TensorBoard point, console line and evaluation (as
-    far as the run got; a signal ends the evaluation at once), W&B's end and the error line; exit 1 if the run
-    failed, 128 + signum if a signal stopped it."""
-    args = run.args
-    try:
-        if run.failure is None and args.checkpoint_interval:
-            run.write_checkpoint()
-        if run.failure is None and not interrupted and args.save_model:
-            atomic_save(run.learner.model.state_dict(), run.run_dir / "model.pt")
-    except WriteError as e:
-        run.failure = str(e)
-    try:
-        run.write()  # the final step's point, whatever the update count
-        run.console_line()
-        if run.failure is None and not interrupted and args.eval_episodes:
-            print(f"evaluating the final policy: {args.eval_episodes} episodes", flush=True)
-            model = saved_model(args, run.meta, run.learner.model.state_dict())
-            try:
-                signals.interruptible()
-                returns = evaluate(model, args, run.run_dir / "videos", torch.device("cpu"))
-            except Interrupted:
-                interrupted, returns = True, []
-                print("interrupted: shutting down", file=sys.stderr, flush=True)
-            signals.raise_stop = False  # a second signal must not cut the writes below
-            for i, ret in enumerate(returns):
-                run.writer.add_scalar("eval/episodic_return", ret, run.global_step)
-                print(f"eval episode {i}: return {ret:.1f}")
-        run.writer.close()
-    except OSError as e:  # the TensorBoard events file
-        run.failure = run.failure or write_error(e, f"the TensorBoard events in {run.run_dir}")
-    code = 1 if run.failure else 128 + signals.signum if interrupted else 0
-    finish_tracking(run.tracker, run.run_dir, code)
-    if run.failure:
-        print(run.failure, file=sys.stderr, flush=True)
-    run.progress.summary(run.global_step, code)
-    if code:
-        raise SystemExit(code)
 
 
 # ---- run plumbing ------------------------------------------------------------------------------------------------
@@ -1221,6 +1188,121 @@ class StopSignals:
         for signum, handler in self.previous.items():
             signal.signal(signum, handler)
 
+    def exit_on_signal(self, code: int) -> None:
+        """Everything is written and the interpreter exits: a signal from here (a second Ctrl+C) ends the process at
+        once with the run's status, and no exit handler it interrupts prints a traceback."""
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, lambda *_: os._exit(code))
+
+
+def error_line(e: BaseException, step: int, signum: int, who: str = "the learner", rank: int = 0,
+               ranks: int = 1) -> tuple[int, str | None]:  # fmt: skip
+    """The exit status and error line of the exception that ended training, called in its `except` block (a bug's
+    traceback goes into the line): a Stop (by a signal: 128 + signum; with a message: a worker's failure; neither:
+    the budget or a peer's stop, status 0), a failed checkpoint or TensorBoard write, a non-finite loss or weight, a
+    torchrun rank lost (`ranks` > 1: of two ranks it can only be the other one), or a bug. `who` names the process."""
+    if isinstance(e, Stop) and not e.args:
+        name = signal.Signals(signum).name if signum else ""
+        return (128 + signum, f"stopped by {name} at global step {step}") if signum else (0, None)
+    if isinstance(e, Stop):
+        return 1, f"error: {e}"
+    if isinstance(e, WriteError):
+        return 1, f"{e}; stopping (the last good checkpoint is kept)"
+    if isinstance(e, NonFiniteLoss):
+        return 1, f"error: {e} in {who} at global step {step}; stopping (the last good checkpoint, if any, is kept)"
+    if isinstance(e, OSError) and any("tensorboard" in f.filename for f in traceback.extract_tb(e.__traceback__)):
+        return 1, f"{write_error(e, 'the TensorBoard events')}; stopping"
+    text, kinds = str(e), {c.__name__ for c in type(e).__mro__}
+    if ranks > 1 and "RankLost" in kinds:  # the torchrun scripts' own: the message names the ranks
+        return 1, f"error: {e}; stopping"
+    signs = ("Connection closed by peer", "Connection reset", "Broken pipe", "Timed out", "timed out", "gossip thread")
+    if ranks > 1 and ("DistError" in kinds or any(s in text for s in signs)):
+        other = f"rank {1 - rank}" if ranks == 2 else "another rank"
+        reason = (text.strip().splitlines() or [""])[0][:160]
+        return 1, f"error: {who}: lost contact with {other}, which died or lost its connection ({reason})"
+    return 1, f"error: {who} died:\n{traceback.format_exc()}"
+
+
+def finish_run(args, run_dir: Path | None, step: int, code: int, message: str | None, signals: StopSignals, *,
+               progress: Progress | None = None, writer=None, tracker=None, checkpoint=None, final_model=None,
+               last_point=None, device: torch.device | None = None, threads: list = (), teardown: bool = True,
+               ) -> None:  # fmt: skip
+    """The end of every run, once its workers have stopped; `code` and `message` are error_line's (0 and None: the
+    run finished). In order: `checkpoint()` writes the final checkpoint (given only where one is due: a failed run
+    keeps its last good one); `last_point()` records the last statistics; if the run finished, the model that
+    `final_model()` builds is saved (--save-model) and played (--eval-episodes; a signal stops it and the games
+    played stay recorded); the writer and the W&B run closed; the error line; the summary (where this process has
+    the Progress); the exit with the status (`leave`). A failed write becomes the error line. Once the interpreter
+    exits, a further signal ends the process at once, with that status."""
+    try:
+        if checkpoint is not None and args.checkpoint_interval > 0:
+            checkpoint()
+            message = message and f"{message}; checkpoint written to {run_dir / 'checkpoint.pt'}"
+        if last_point is not None:  # the run's last TensorBoard point and console line
+            last_point()
+        model = final_model() if code == 0 and final_model and (args.save_model or args.eval_episodes) else None
+        if model is not None and args.save_model:
+            atomic_save(model.state_dict(), run_dir / "model.pt")
+        if model is not None and args.eval_episodes > 0:
+            code, message = final_evaluation(model, args, run_dir, step, signals, writer, device or torch.device("cpu"))
+    except WriteError as e:
+        code, message = 1, f"{e}; stopping (the last good checkpoint is kept)"
+    except OSError as e:  # the TensorBoard events file
+        code, message = 1, write_error(e, f"the TensorBoard events in {run_dir}")
+    try:
+        if writer is not None:  # None: it could not be made (the error line says why), or this rank has none
+            writer.close()
+    except OSError as e:  # the events file could not be flushed: the error above, or this one
+        message, code = message or write_error(e, f"the TensorBoard events in {run_dir}"), code or 1
+    finish_tracking(tracker, run_dir, code)
+    if message:
+        print(message, file=sys.stderr, flush=True)
+    if progress is not None:
+        progress.summary(step, code)
+    atexit.register(signals.exit_on_signal, code)  # the interpreter's exit handlers run after ours
+    leave(code, threads, teardown)
+
+
+def final_evaluation(model: nn.Module, args, run_dir: Path, step: int, signals: StopSignals, writer,
+                     device: torch.device) -> tuple[int, str | None]:  # fmt: skip
+    """Play --eval-episodes games with the final policy, each printed and logged (eval/episodic_return at global
+    steps step, step + 1, ...) as it ends; a signal stops it at once, and the games played stay recorded. Returns
+    finish_run's (code, message)."""
+    print(f"evaluating the final policy: {args.eval_episodes} episodes", flush=True)
+    played = 0
+    try:
+        signals.interruptible()  # from here a signal raises Interrupted, wherever the game is
+        for ret in evaluate(model, args, run_dir / "videos", device):
+            signals.raise_stop = False  # a game is recorded whole
+            print(f"eval episode {played}: return {ret:.2f}", flush=True)
+            if writer is not None:
+                writer.add_scalar("eval/episodic_return", ret, step + played)
+            played += 1
+            signals.interruptible()
+    except Interrupted:
+        name, games = signal.Signals(signals.signum).name, f"{played} of {args.eval_episodes} games"
+        return 128 + signals.signum, f"stopped by {name} in the final evaluation, after {games}"
+    finally:
+        signals.raise_stop = False
+    return 0, None
+
+
+def leave(code: int, threads: list = (), teardown: bool = True) -> None:
+    """Exit with `code`, without the interpreter's teardown (TensorBoard is closed and checkpoints written by now) if
+    a worker thread outlived its join or `teardown` is False (torchrun ranks: gloo's transport threads outlive
+    destroy_process_group, or a group that lost a rank): a thread inside torch during the teardown makes C++ static
+    destructors abort the process ("terminate called without an active exception", SIGABRT)."""
+    alive = [t.name for t in threads if t.is_alive()]
+    if alive:
+        print(f"warning: {', '.join(alive)} still running at exit; leaving without interpreter teardown",
+              file=sys.stderr, flush=True)  # fmt: skip
+    if alive or not teardown:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    if code:
+        raise SystemExit(code)
+
 
 def fail(message: str) -> NoReturn:
     """Bad input: one error line, exit status 2, before anything is started or written."""
@@ -1230,6 +1312,18 @@ def fail(message: str) -> NoReturn:
 
 def flag(name: str) -> str:
     return f"--{name.replace('_', '-')}"
+
+
+def flag_warnings(args) -> None:
+    """A `warning:` line for each flag that passes its rule but cannot train as given: a learning rate above 1. Every
+    optimizer here moves a weight by up to about the learning rate per step, so the weights blow up within a few
+    updates while the losses can stay finite (1e14 and more, the entropy 0): nothing would stop the run, and it
+    would end with exit status 0."""
+    for f in fields(args):
+        value = getattr(args, f.name)
+        if f.name.endswith("learning_rate") and isinstance(value, float) and value > 1:
+            print(f"warning: {flag(f.name)} {value:g} is above 1: the weights will diverge within a few updates, and "
+                  f"no check stops the run while its losses stay finite", file=sys.stderr, flush=True)  # fmt: skip
 
 
 def check_flags(args: Args) -> str | None:
@@ -1564,7 +1658,7 @@ def main_eval_only(args: Args) -> None:
     how = "greedy" if eval_args.eval_greedy else "sampled"
     print(f"evaluating {path} ({eval_args.eval_episodes} episodes, {how} actions); from its run: {taken}", flush=True)
     try:
-        returns = evaluate(model.to(device), eval_args, path.parent / f"videos-eval-{stamp}", device)
+        returns = list(evaluate(model.to(device), eval_args, path.parent / f"videos-eval-{stamp}", device))
     except (EnvError, gym.error.DependencyNotInstalled) as e:  # --capture-video without moviepy or a renderer
         fail(str(e))
     for i, ret in enumerate(returns):
@@ -1752,11 +1846,13 @@ def saved_model(eval_args: Args, settings: dict, state_dict: dict) -> nn.Module:
     return model
 
 
-def evaluate(model: nn.Module, args: Args, video_dir: Path, device: torch.device) -> list[float]:
+def evaluate(model: nn.Module, args: Args, video_dir: Path, device: torch.device) -> Iterator[float]:
     """--eval-episodes episodes of `model`, on the CPU as actors act, whatever `device`; videos with --capture-video."""
     env = make_env(args.env_id, args.seed + 2_000_003, capture_video=args.capture_video, video_dir=str(video_dir))
+    model, rng = model.cpu(), np.random.default_rng(args.seed)
     try:
-        return play_episodes(args, model.cpu(), env, args.eval_episodes, np.random.default_rng(args.seed))
+        for _ in range(args.eval_episodes):  # one game a call: the same games as one call for all of them
+            yield from play_episodes(args, model, env, 1, rng)
     finally:
         env.close()
 

@@ -40,6 +40,7 @@ import sys
 if __name__ == "__main__":  # Ctrl+C while the imports below load: exit 130 without a traceback
     signal.signal(signal.SIGINT, lambda signum, frame: sys.exit(128 + signum))
 
+import atexit
 import contextlib
 import ctypes
 import datetime
@@ -60,6 +61,7 @@ import threading
 import time
 import traceback
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, fields, replace
 from multiprocessing.queues import Queue
 from multiprocessing.sharedctypes import Synchronized, SynchronizedArray
@@ -817,7 +819,7 @@ class RankLink:
             if self.rank == 0:
                 self.logger.maybe_print()
         except (WriteError, OSError) as e:
-            self.write_failure = self.write_failure or failed_write(e, self.run.run_dir)
+            self.write_failure = self.write_failure or error_line(e, self.logger.global_step, 0)[1]
         if self.write_failure:
             self.stop.set()  # all ranks stop together at the next sync point
 
@@ -839,7 +841,8 @@ def learner_process(index: int, n: int, args: Args, device_name: str, shared: Sh
         if args.mode == "allreduce":
             dist.destroy_process_group()
     except BaseException as e:
-        shared.error_q.put(learner_error(index, e))
+        step = learner.iteration * n * args.num_envs * args.num_steps if learner is not None else 0
+        shared.error_q.put(error_line(e, step, 0, f"learner {index}")[1] or f"error: learner {index} stopped early")
         raise SystemExit(1) from None
     finally:
         if learner is not None:
@@ -960,7 +963,7 @@ class Monitor:
                     self.latest[:] = [got[j] for j in range(self.run.n)]
                     save_checkpoint(self.run, self.latest)
         except (WriteError, OSError) as e:
-            self.write_failure = self.write_failure or failed_write(e, self.run.run_dir)
+            self.write_failure = self.write_failure or error_line(e, self.logger.global_step, 0)[1]
 
     def final_states(self, gossip: SharedMemoryGossip | None) -> list[dict | None]:
         """The newest state of each learner: its final one, or the one of the last checkpoint (or --resume); for a
@@ -1008,6 +1011,7 @@ def main(args: Args) -> None:
     if args.eval_only:
         main_eval_only(args)
         return
+    flag_warnings(args)
     obs_space, act_space = env_spaces(args)
     meta = checkpoint_meta(args, obs_space, act_space, n)
     # global_step counts every learner's updates and each learner stops at the budget's last whole one, so a whole
@@ -1055,7 +1059,7 @@ def main_single_machine(run: Run) -> None:
                     shared.checkpoint_requests.value += 1
                 last_checkpoint = time.time()
     except OSError as e:  # the writer could not start (full disk, directory removed)
-        failure = failed_write(e, run.run_dir)
+        failure = error_line(e, 0, 0)[1]
     finally:  # read `log_q` while the learners finish: a learner exits only once its queued messages are in the pipe
         shared.stop.set()
         deadline = time.monotonic() + STOP_GRACE
@@ -1065,9 +1069,10 @@ def main_single_machine(run: Run) -> None:
         if stuck := learners.stop(max(0.0, deadline - time.monotonic())):  # stuck, or blocked on a peer that is
             print(f"warning: {', '.join(stuck)} did not stop within {STOP_GRACE:.0f} s; killed", file=sys.stderr)
         monitor.drain(0.0)
-    finished = failure is None and not signals.signum and len(monitor.finals) == n
+    step = monitor.logger.global_step if monitor.logger else 0
+    code, message = (1, failure) if failure else error_line(Stop(), step, signals.signum)
     states = monitor.final_states(gossip) if failure is None and args.checkpoint_interval else monitor.latest
-    end_training(run, monitor.logger, states, finished, failure, signals, tracker, progress)
+    end_run(run, monitor.logger, states, (code, message), signals, tracker, progress, len(monitor.finals) == n)
 
 
 def free_port() -> int:
@@ -1121,20 +1126,14 @@ def main_distributed(run: Run) -> None:
             print("warning: no final checkpoint (it needs every rank's state); the last one, if any, is kept",
                   file=sys.stderr)  # fmt: skip
     except Exception as e:  # the other ranks would wait for this one forever: torchrun stops them when it exits 1
-        failure = learner_error(rank, e, ranks=n)
-    try:  # rank 0: the final checkpoint, --save-model, --eval-episodes; every rank: its writer, its exit status
-        finished = rank == 0 and not signals.signum and failure is None
-        end_training(run, logger, states or [], finished, failure or link.write_failure, signals, tracker, progress)
-        code = 0
-    except SystemExit as e:
-        code = e.code
-    # leave without the interpreter's teardown: gloo's transport and worker threads (`gloo_tcp_loop`,
-    # `pt_gloo_runloop`) and the gossip receivers inside `dist.recv` may still be alive, and destroying them while
-    # joinable aborts the rank ("terminate called without an active exception", SIGABRT) or hangs it; everything is
-    # written and closed by now
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+        failure = error_line(e, logger.global_step, signals.signum, f"learner {rank} (rank {rank})", rank, n)[1]
+    failure = failure or link.write_failure
+    code, message = (1, failure) if failure else error_line(Stop(), logger.global_step, signals.signum)
+    # rank 0: the final checkpoint, --save-model, --eval-episodes; every rank: its writer, its exit status, without
+    # the interpreter's teardown: gloo's transport and worker threads (`gloo_tcp_loop`, `pt_gloo_runloop`) and the
+    # gossip receivers inside `dist.recv` may still be alive, and destroying them while joinable aborts the rank
+    # ("terminate called without an active exception", SIGABRT) or hangs it
+    end_run(run, logger, states or [], (code, message), signals, tracker, progress, rank == 0, teardown=False)
 
 
 # ---- run plumbing ------------------------------------------------------------------------------------------------
@@ -1188,6 +1187,121 @@ class StopSignals:
         for signum, handler in self.previous.items():
             signal.signal(signum, handler)
 
+    def exit_on_signal(self, code: int) -> None:
+        """Everything is written and the interpreter exits: a signal from here (a second Ctrl+C) ends the process at
+        once with the run's status, and no exit handler it interrupts prints a traceback."""
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, lambda *_: os._exit(code))
+
+
+def error_line(e: BaseException, step: int, signum: int, who: str = "the learner", rank: int = 0,
+               ranks: int = 1) -> tuple[int, str | None]:  # fmt: skip
+    """The exit status and error line of the exception that ended training, called in its `except` block (a bug's
+    traceback goes into the line): a Stop (by a signal: 128 + signum; with a message: a worker's failure; neither:
+    the budget or a peer's stop, status 0), a failed checkpoint or TensorBoard write, a non-finite loss or weight, a
+    torchrun rank lost (`ranks` > 1: of two ranks it can only be the other one), or a bug. `who` names the process."""
+    if isinstance(e, Stop) and not e.args:
+        name = signal.Signals(signum).name if signum else ""
+        return (128 + signum, f"stopped by {name} at global step {step}") if signum else (0, None)
+    if isinstance(e, Stop):
+        return 1, f"error: {e}"
+    if isinstance(e, WriteError):
+        return 1, f"{e}; stopping (the last good checkpoint is kept)"
+    if isinstance(e, NonFiniteLoss):
+        return 1, f"error: {e} in {who} at global step {step}; stopping (the last good checkpoint, if any, is kept)"
+    if isinstance(e, OSError) and any("tensorboard" in f.filename for f in traceback.extract_tb(e.__traceback__)):
+        return 1, f"{write_error(e, 'the TensorBoard events')}; stopping"
+    text, kinds = str(e), {c.__name__ for c in type(e).__mro__}
+    if ranks > 1 and "RankLost" in kinds:  # the torchrun scripts' own: the message names the ranks
+        return 1, f"error: {e}; stopping"
+    signs = ("Connection closed by peer", "Connection reset", "Broken pipe", "Timed out", "timed out", "gossip thread")
+    if ranks > 1 and ("DistError" in kinds or any(s in text for s in signs)):
+        other = f"rank {1 - rank}" if ranks == 2 else "another rank"
+        reason = (text.strip().splitlines() or [""])[0][:160]
+        return 1, f"error: {who}: lost contact with {other}, which died or lost its connection ({reason})"
+    return 1, f"error: {who} died:\n{traceback.format_exc()}"
+
+
+def finish_run(args, run_dir: Path | None, step: int, code: int, message: str | None, signals: StopSignals, *,
+               progress: Progress | None = None, writer=None, tracker=None, checkpoint=None, final_model=None,
+               last_point=None, device: torch.device | None = None, threads: list = (), teardown: bool = True,
+               ) -> None:  # fmt: skip
+    """The end of every run, once its workers have stopped; `code` and `message` are error_line's (0 and None: the
+    run finished). In order: `checkpoint()` writes the final checkpoint (given only where one is due: a failed run
+    keeps its last good one); `last_point()` records the last statistics; if the run finished, the model that
+    `final_model()` builds is saved (--save-model) and played (--eval-episodes; a signal stops it and the games
+    played stay recorded); the writer and the W&B run closed; the error line; the summary (where this process has
+    the Progress); the exit with the status (`leave`). A failed write becomes the error line. Once the interpreter
+    exits, a further signal ends the process at once, with that status."""
+    try:
+        if checkpoint is not None and args.checkpoint_interval > 0:
+            checkpoint()
+            message = message and f"{message}; checkpoint written to {run_dir / 'checkpoint.pt'}"
+        if last_point is not None:  # the run's last TensorBoard point and console line
+            last_point()
+        model = final_model() if code == 0 and final_model and (args.save_model or args.eval_episodes) else None
+        if model is not None and args.save_model:
+            atomic_save(model.state_dict(), run_dir / "model.pt")
+        if model is not None and args.eval_episodes > 0:
+            code, message = final_evaluation(model, args, run_dir, step, signals, writer, device or torch.device("cpu"))
+    except WriteError as e:
+        code, message = 1, f"{e}; stopping (the last good checkpoint is kept)"
+    except OSError as e:  # the TensorBoard events file
+        code, message = 1, write_error(e, f"the TensorBoard events in {run_dir}")
+    try:
+        if writer is not None:  # None: it could not be made (the error line says why), or this rank has none
+            writer.close()
+    except OSError as e:  # the events file could not be flushed: the error above, or this one
+        message, code = message or write_error(e, f"the TensorBoard events in {run_dir}"), code or 1
+    finish_tracking(tracker, run_dir, code)
+    if message:
+        print(message, file=sys.stderr, flush=True)
+    if progress is not None:
+        progress.summary(step, code)
+    atexit.register(signals.exit_on_signal, code)  # the interpreter's exit handlers run after ours
+    leave(code, threads, teardown)
+
+
+def final_evaluation(model: nn.Module, args, run_dir: Path, step: int, signals: StopSignals, writer,
+                     device: torch.device) -> tuple[int, str | None]:  # fmt: skip
+    """Play --eval-episodes games with the final policy, each printed and logged (eval/episodic_return at global
+    steps step, step + 1, ...) as it ends; a signal stops it at once, and the games played stay recorded. Returns
+    finish_run's (code, message)."""
+    print(f"evaluating the final policy: {args.eval_episodes} episodes", flush=True)
+    played = 0
+    try:
+        signals.interruptible()  # from here a signal raises Interrupted, wherever the game is
+        for ret in evaluate(model, args, run_dir / "videos", device):
+            signals.raise_stop = False  # a game is recorded whole
+            print(f"eval episode {played}: return {ret:.2f}", flush=True)
+            if writer is not None:
+                writer.add_scalar("eval/episodic_return", ret, step + played)
+            played += 1
+            signals.interruptible()
+    except Interrupted:
+        name, games = signal.Signals(signals.signum).name, f"{played} of {args.eval_episodes} games"
+        return 128 + signals.signum, f"stopped by {name} in the final evaluation, after {games}"
+    finally:
+        signals.raise_stop = False
+    return 0, None
+
+
+def leave(code: int, threads: list = (), teardown: bool = True) -> None:
+    """Exit with `code`, without the interpreter's teardown (TensorBoard is closed and checkpoints written by now) if
+    a worker thread outlived its join or `teardown` is False (torchrun ranks: gloo's transport threads outlive
+    destroy_process_group, or a group that lost a rank): a thread inside torch during the teardown makes C++ static
+    destructors abort the process ("terminate called without an active exception", SIGABRT)."""
+    alive = [t.name for t in threads if t.is_alive()]
+    if alive:
+        print(f"warning: {', '.join(alive)} still running at exit; leaving without interpreter teardown",
+              file=sys.stderr, flush=True)  # fmt: skip
+    if alive or not teardown:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    if code:
+        raise SystemExit(code)
+
 
 def fail(message: str) -> NoReturn:
     """Bad input: one error line, exit status 2, before anything is started or written."""
@@ -1197,6 +1311,18 @@ def fail(message: str) -> NoReturn:
 
 def flag(name: str) -> str:
     return f"--{name.replace('_', '-')}"
+
+
+def flag_warnings(args) -> None:
+    """A `warning:` line for each flag that passes its rule but cannot train as given: a learning rate above 1. Every
+    optimizer here moves a weight by up to about the learning rate per step, so the weights blow up within a few
+    updates while the losses can stay finite (1e14 and more, the entropy 0): nothing would stop the run, and it
+    would end with exit status 0."""
+    for f in fields(args):
+        value = getattr(args, f.name)
+        if f.name.endswith("learning_rate") and isinstance(value, float) and value > 1:
+            print(f"warning: {flag(f.name)} {value:g} is above 1: the weights will diverge within a few updates, and "
+                  f"no check stops the run while its losses stay finite", file=sys.stderr, flush=True)  # fmt: skip
 
 
 def check_flags(args: Args) -> str | None:
@@ -1540,7 +1666,7 @@ def main_eval_only(args: Args) -> None:
     how = "greedy" if eval_args.eval_greedy else "sampled"
     print(f"evaluating {path} ({eval_args.eval_episodes} episodes, {how} actions); from its run: {taken}", flush=True)
     try:
-        returns = evaluate(model.to(device), eval_args, path.parent / f"videos-eval-{stamp}", device)
+        returns = list(evaluate(model.to(device), eval_args, path.parent / f"videos-eval-{stamp}", device))
     except (EnvError, gym.error.DependencyNotInstalled) as e:  # --capture-video without moviepy or a renderer
         fail(str(e))
     for i, ret in enumerate(returns):
@@ -1753,90 +1879,45 @@ def saved_model(args: Args, settings: dict, state_dict: dict) -> nn.Module:
     return model
 
 
-def evaluate(model: nn.Module, args: Args, video_dir: Path, device: torch.device) -> list[float]:
+def evaluate(model: nn.Module, args: Args, video_dir: Path, device: torch.device) -> Iterator[float]:
     """Play `eval_episodes` full games with the final (or --eval-only's saved) policy, true returns; argmax actions
     with `--eval-greedy` (GALA Table 1), sampled ones otherwise; videos to `video_dir` with --capture-video."""
     env = make_env(args.env_id, args.seed + 1_000_003, protocol=args.atari_protocol, capture_video=args.capture_video,
                    video_dir=str(video_dir))  # fmt: skip
     generator = torch.Generator().manual_seed(args.seed + 1_000_003)
-    returns = []
+    played = 0
     obs, _ = env.reset()
-    while len(returns) < args.eval_episodes:
+    while played < args.eval_episodes:
         with torch.inference_mode():
             logits, _ = model(torch.as_tensor(obs[None], device=device))
         action = logits.argmax(dim=1) if args.eval_greedy else sample_actions(logits.cpu(), generator)
         obs, _, terminated, truncated, info = env.step(int(action[0]))
         if terminated or truncated:
-            returns.append(float(info["episode"]["r"]))
-            if len(returns) < args.eval_episodes:  # no reset after the last game: it would record an empty video
+            played += 1
+            yield float(info["episode"]["r"])
+            if played < args.eval_episodes:  # no reset after the last game: it would record an empty video
                 obs, _ = env.reset()
     env.close()
-    return returns
 
 
-def failed_write(e: Exception, run_dir: Path) -> str:
-    """The error line of a checkpoint (WriteError) or TensorBoard write (OSError) that failed: the run stops."""
-    line = str(e) if isinstance(e, WriteError) else write_error(e, f"the TensorBoard events in {run_dir}")
-    return f"{line}; stopping (the last good checkpoint is kept)"
-
-
-def end_training(run: Run, logger: Logger | None, states: list, finished: bool, failure: str | None,
-                 signals: StopSignals, tracker=None, progress: Progress | None = None) -> None:  # fmt: skip
-    """After every learner stopped: the final checkpoint; if the run finished, --save-model and the evaluation of the
-    averaged parameters (a signal ends it at once); the writer and W&B run closed; the error line and (where the run
-    has its Progress) the summary; the exit status. A failed write becomes the run's error line."""
-    args, signum = run.args, signals.signum
-    try:
-        if failure is None and args.checkpoint_interval and states and None not in states:
-            save_checkpoint(run, states)
-        if finished and failure is None and (args.save_model or args.eval_episodes):
-            model = make_model(run.obs_space, run.act_space, args.network)
-            model.load_state_dict(average_model(states))
-            if args.save_model:
-                atomic_save(model.state_dict(), run.run_dir / "model.pt")
-            if args.eval_episodes:
-                print(f"evaluating the final policy: {args.eval_episodes} episodes", flush=True)
-                signals.interruptible()
-                for i, ret in enumerate(evaluate(model, args, run.run_dir / "videos", torch.device("cpu"))):
-                    logger.writer.add_scalar("eval/episodic_return", ret, i)
-                    print(f"eval episode {i}: return {ret:.1f}")
-    except Interrupted:  # a signal during the evaluation
-        signum = signals.signum
-    except (WriteError, OSError) as e:
-        failure = failure or failed_write(e, run.run_dir)
-    finally:
-        signals.raise_stop = False  # from here on a signal changes nothing: the writer and W&B run are closed
-    try:
-        if logger is not None:
-            logger.maybe_print(force=True)
-            logger.writer.close()
-    except OSError as e:
-        failure = failure or failed_write(e, run.run_dir)
-    code = 1 if failure else 128 + signum if signum else 0
-    finish_tracking(tracker, run.run_dir, code)
+def end_run(run: Run, logger: Logger | None, states: list, ending: tuple[int, str | None], signals: StopSignals,
+            tracker=None, progress: Progress | None = None, finished=True, teardown=True) -> None:  # fmt: skip
+    """finish_run with GALA's final checkpoint (every learner's state, where each is known) and final model (the
+    learners' average); `ending` is error_line's (code, message), `finished`: every learner reached the budget."""
+    code, message = ending
+    complete = bool(states) and None not in states
+    save = (lambda: save_checkpoint(run, states)) if code != 1 and complete else None
+    final = (lambda: averaged_model(run, states)) if finished and complete else None
     step = logger.global_step if logger else run.checkpoint["global_step"] if run.checkpoint else 0
-    if code:
-        print(failure or f"interrupted at step {step}: shut down", file=sys.stderr)
-    if progress is not None:
-        progress.summary(step, code)
-    if code:
-        raise SystemExit(code)
+    finish_run(run.args, run.run_dir, step, code, message, signals, progress=progress, writer=logger and logger.writer,
+               tracker=tracker, checkpoint=save, final_model=final, teardown=teardown,
+               last_point=logger and (lambda: logger.maybe_print(force=True)))  # fmt: skip
 
 
-def learner_error(i: int, e: BaseException, ranks: int = 0) -> str:
-    """The error line of learner i's exception (in its `except` block): a non-finite loss said plainly; under torchrun
-    (`ranks`) a lost rank (killed, crashed, its machine down; of two ranks, the other one); else the traceback."""
-    text = str(e)
-    signs = ("Connection closed by peer", "Connection reset", "Broken pipe", "Timed out", "timed out", "gossip thread")
-    if isinstance(e, NonFiniteLoss):
-        return f"error: learner {i}: {e}; stopping (the last checkpoint, if any, is kept)"
-    if isinstance(e, RankLost):
-        return f"error: learner {i} ({e}); stopping (the last checkpoint, if any, is kept)"
-    if ranks and (isinstance(e, dist.DistError) or any(m in text for m in signs)):
-        who = f"rank {1 - i}" if ranks == 2 else "another rank"
-        reason = (text.strip().splitlines() or [""])[0][:160]
-        return f"error: learner {i} (rank {i}): lost contact with {who}, which died or lost its connection ({reason})"
-    return f"error: learner {i} died:\n{traceback.format_exc()}"
+def averaged_model(run: Run, states: list[dict]) -> nn.Module:
+    model = make_model(run.obs_space, run.act_space, run.args.network)
+    model.load_state_dict(average_model(states))
+    return model
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ import sys
 if __name__ == "__main__":  # Ctrl+C while the imports below load: exit 130 without a traceback
     signal.signal(signal.SIGINT, lambda signum, frame: sys.exit(128 + signum))
 
+import atexit
 import contextlib
 import copy
 import ctypes
@@ -53,7 +54,7 @@ import threading
 import time
 import traceback
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, fields, replace
 from multiprocessing.connection import Connection
 from multiprocessing.queues import Queue, SimpleQueue
@@ -231,8 +232,9 @@ def delayed_update(target: nn.Module, behavior: nn.Module, step: Callable[[], di
     return stats
 
 
-def learn(behavior: nn.Module, optimizer: torch.optim.Optimizer, batch: Rollout, args: Args) -> dict[str, float]:
-    """PPO epochs of `behavior` on a rollout it collected: obs [T+1, B, ...], actions/rewards/dones [T, B]."""
+def learn(behavior: nn.Module, optimizer: torch.optim.Optimizer, batch: Rollout, args: Args) -> Iterator[dict]:
+    """PPO epochs of `behavior` on a rollout it collected: obs [T+1, B, ...], actions/rewards/dones [T, B]. Yields
+    each minibatch step's losses and gradient norm (tensors) after its optimizer step."""
     obs, actions, rewards, dones = batch.obs, batch.actions, batch.rewards, batch.dones
     T, B = actions.shape
     flat_obs = obs[:T].reshape(T * B, *obs.shape[2:])  # [T B, ...]: a view of the storage, no copy
@@ -254,7 +256,6 @@ def learn(behavior: nn.Module, optimizer: torch.optim.Optimizer, batch: Rollout,
         advantages, returns = gae(rewards, dones, values, args.gamma, args.gae_lambda)  # [T, B]
     advantages, returns = advantages.reshape(-1), returns.reshape(-1)
     old_values = values[:T].reshape(-1)  # [T B]: V of the behavior policy, the centre of the value clipping
-    totals: dict[str, float] = {}
     for _ in range(args.update_epochs):
         order = torch.randperm(T * B)  # the learner's seeded, checkpointed torch RNG: deterministic
         for start in range(0, T * B, minibatch_size):
@@ -269,9 +270,7 @@ def learn(behavior: nn.Module, optimizer: torch.optim.Optimizer, batch: Rollout,
             losses["total_loss"].backward()
             grad_norm = nn.utils.clip_grad_norm_(behavior.parameters(), args.max_grad_norm)
             optimizer.step()
-            for key, value in {**losses, "grad_norm": grad_norm}.items():
-                totals[key] = totals.get(key, 0.0) + value.item() / (args.update_epochs * args.num_minibatches)
-    return totals
+            yield {**losses, "grad_norm": grad_norm}
 
 
 def make_optimizer(model: nn.Module, args: Args) -> torch.optim.Optimizer:
@@ -512,6 +511,7 @@ class Learner:
         self.behavior = copy.deepcopy(self.target)  # theta_{j-1}, which collected the data: the optimizer steps here
         self.optimizer = make_optimizer(self.behavior, args)
         self.global_step, self.update = 0, 0  # update: updates applied = version of `target` = next collection
+        self.cut: tuple[int, int] | None = None  # the last update's minibatch steps taken and planned, if a stop cut it
         if checkpoint is not None:
             self.target.load_state_dict(checkpoint["model"])
             self.behavior.load_state_dict(checkpoint["model"])
@@ -519,16 +519,31 @@ class Learner:
             self.global_step, self.update = checkpoint["global_step"], checkpoint["update"]
             torch.set_rng_state(checkpoint["rng"]["torch"])
 
-    def step(self, batch: Rollout, lr: float, args: Args) -> dict[str, float]:
+    def step(self, batch: Rollout, lr: float, args: Args, stop: threading.Event) -> dict[str, float]:
         """Learn from `batch`, collected by the parameters in `behavior`: a delayed update of `target` (Eq. 6), or with
         --sync (behavior == target) a plain update of the current parameters."""
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         if not args.sync:
-            return delayed_update(self.target, self.behavior, lambda: learn(self.behavior, self.optimizer, batch, args))
-        stats = learn(self.behavior, self.optimizer, batch, args)
+            return delayed_update(self.target, self.behavior, lambda: self.minibatches(batch, args, stop))
+        stats = self.minibatches(batch, args, stop)
         self.target.load_state_dict(self.behavior.state_dict())
         return stats
+
+    def minibatches(self, batch: Rollout, args: Args, stop: threading.Event) -> dict[str, float]:
+        """learn's minibatch steps, their statistics averaged. A stop request (Ctrl+C, SIGTERM) ends them after the
+        step in progress: the update stands with the steps taken (`self.cut`: how many of how many), so the weights
+        and the optimizer's moments in the final checkpoint are those of one and the same step."""
+        totals: dict[str, float] = {}
+        steps, planned = 0, args.update_epochs * args.num_minibatches
+        for stats in learn(self.behavior, self.optimizer, batch, args):
+            steps += 1
+            for key, value in stats.items():
+                totals[key] = totals.get(key, 0.0) + value.item() / planned
+            if stop.is_set() and steps < planned:
+                break
+        self.cut = (steps, planned) if steps < planned else None
+        return {key: value * planned / steps for key, value in totals.items()} if self.cut else totals
 
     def save(self, path: Path, args: Args, meta: dict) -> None:
         """Write everything needed to continue the run (atomically); executors reseed per collection."""
@@ -564,32 +579,27 @@ class Record:
             self.progress.line(learner.global_step, sps, mean_return, f"update={learner.update}/{self.num_collections}")
             self.last_console = time.time()
 
-    def evaluation(self, returns: list[float], global_step: int) -> None:
-        for i, r in enumerate(returns):
-            self.writer.add_scalar("eval/episodic_return", r, global_step + i)
-            print(f"eval episode {i}: return {r:.2f}", flush=True)
 
-
-def evaluate(model: nn.Module, args: Args, video_dir: Path, device: torch.device) -> list[float]:
+def evaluate(model: nn.Module, args: Args, video_dir: Path, device: torch.device) -> Iterator[float]:
     """Play `eval_episodes` full games with the final (or --eval-only's saved) policy, unclipped returns; sampled
     actions (seeded), argmax ones with --eval-greedy; videos to `video_dir` with --capture-video."""
     env = make_env(args.env_id, args.seed + 10_000, protocol=args.atari_protocol, capture_video=args.capture_video,
                    video_dir=str(video_dir))  # fmt: skip
     generator = torch.Generator().manual_seed(args.seed)
-    returns = []
+    played = 0
     obs, _ = env.reset()
-    while len(returns) < args.eval_episodes:
+    while played < args.eval_episodes:
         with torch.no_grad():
             logits, _ = model(torch.as_tensor(np.asarray(obs)).unsqueeze(0).to(device))
         uniforms = torch.rand(1, generator=generator)
         action = logits.argmax(dim=1) if args.eval_greedy else sample_actions(logits.cpu(), uniforms)
         obs, _, terminated, truncated, info = env.step(int(action.item()))
         if terminated or truncated:
-            returns.append(float(info["episode"]["r"]))
-            if len(returns) < args.eval_episodes:  # no reset after the last game: it would record an empty video
+            played += 1
+            yield float(info["episode"]["r"])
+            if played < args.eval_episodes:  # no reset after the last game: it would record an empty video
                 obs, _ = env.reset()
     env.close()
-    return returns
 
 
 def fixed_mmap_threshold(nbytes: int = 4 << 20) -> None:
@@ -609,6 +619,7 @@ def main(args: Args) -> None:
         fail(error)
     if args.eval_only:
         return main_eval_only(args)
+    flag_warnings(args)
     spaces = env_spaces(args)
     meta = checkpoint_meta(args, *spaces)
     steps_per_collection = args.num_envs * args.sync_interval
@@ -628,7 +639,7 @@ def main(args: Args) -> None:
     signals = StopSignals(threading.Event())
     workers = Workers(args, shared, "spawn" if device.type == "cuda" else "fork", num_collections)  # CUDA: no fork
     checkpoint_path, exit_code, message = run_dir / "checkpoint.pt", 0, None
-    writer = tracker = record = None  # made in the try: whatever fails from there on stops the workers
+    writer = tracker = None  # made in the try: whatever fails from there on stops the workers
     progress = Progress(run_dir, num_collections * steps_per_collection,
                         f"{plan}, {args.num_executors} executors and {args.num_actors} actors, {device}")  # fmt: skip
     try:
@@ -648,7 +659,10 @@ def main(args: Args) -> None:
                 workers.start_collection(j + 1)
             lr = args.learning_rate * (1.0 - j / num_collections if args.anneal_lr else 1.0)
             learn_start = time.perf_counter()
-            losses = learner.step(batch, lr, args)
+            losses = learner.step(batch, lr, args, signals.stop)
+            if learner.cut:
+                print(f"stopping: update {j + 1} ends after {learner.cut[0]} of its {learner.cut[1]} minibatch steps",
+                      file=sys.stderr, flush=True)  # fmt: skip
             timing["learner_update"] = time.perf_counter() - learn_start
             # policy lag: updates between the policy that acted and the one updated
             charts = {"policy_lag": learner.update - behavior_version, "learning_rate": lr}
@@ -661,64 +675,13 @@ def main(args: Args) -> None:
             if args.checkpoint_interval > 0 and time.time() - last_checkpoint >= args.checkpoint_interval:
                 learner.save(checkpoint_path, args, meta)
                 last_checkpoint = time.time()
-    except (Stop, NonFiniteLoss, WriteError, OSError) as e:  # OSError: the TensorBoard events file
-        exit_code, message = stopped(e, learner, signals.signum, run_dir)
-    except Exception:  # a bug, an optimizer overflow, CUDA out of memory: error line, summary, last checkpoint
-        exit_code, message = 1, f"error: the learner died:\n{traceback.format_exc()}"
+    except Exception as e:  # a signal, a dead worker, a failed write, a non-finite loss, a bug
+        exit_code, message = error_line(e, learner.global_step, signals.signum)
     finally:
         workers.stop(graceful=exit_code == 0)
-    close_run(args, learner, (writer, tracker, record, signals), progress, meta, exit_code, message)
-
-
-def stopped(e: Exception, learner: Learner, signum: int, run_dir: Path) -> tuple[int, str]:
-    """The exit status and error line of a training loop that `e` ended: a Stop without a message is a signal's."""
-    if isinstance(e, Stop) and not e.args:
-        return 128 + signum, f"stopped by {signal.Signals(signum).name} at global step {learner.global_step}"
-    if isinstance(e, OSError):
-        return 1, f"{write_error(e, f'the TensorBoard events in {run_dir}')}; stopping"
-    if isinstance(e, NonFiniteLoss):
-        return 1, f"error: {e} at update {learner.update}; stopping (the last good checkpoint, if any, is kept)"
-    return 1, f"{e}; stopping (the last good checkpoint is kept)" if isinstance(e, WriteError) else f"error: {e}"
-
-
-def close_run(args: Args, learner: Learner, outputs: tuple, progress: Progress, meta: dict, exit_code: int,
-              message: str | None) -> None:  # fmt: skip
-    """After the workers stopped: the final checkpoint (after the last update or a signal) and model (after the last
-    update), then the final evaluation (a signal ends it at once: the model is saved by then), TensorBoard closed, the
-    W&B run (from start_tracking) ended; the error line and the run's summary, exit with the status. `outputs`:
-    the writer, the tracker, the Record and the StopSignals."""
-    writer, tracker, record, signals = outputs
-    run_dir = progress.run_dir
-    try:
-        if args.checkpoint_interval > 0 and (exit_code == 0 or exit_code > 128):
-            learner.save(run_dir / "checkpoint.pt", args, meta)
-            message = message and f"{message}; checkpoint written to {run_dir / 'checkpoint.pt'}"
-        if exit_code == 0 and args.save_model:
-            atomic_save(learner.target.state_dict(), run_dir / "model.pt")
-    except WriteError as e:
-        exit_code, message = 1, f"{e}; stopping (the last good checkpoint is kept)"
-    if exit_code == 0 and args.eval_episodes > 0:  # the final policy
-        print(f"evaluating the final policy: {args.eval_episodes} episodes", flush=True)
-        try:
-            signals.interruptible()
-            device = next(learner.target.parameters()).device
-            record.evaluation(evaluate(learner.target, args, run_dir / "videos", device), learner.global_step)
-        except Interrupted:
-            exit_code, message = stopped(Stop(), learner, signals.signum, run_dir)
-            if args.checkpoint_interval > 0:
-                message += f"; checkpoint written to {run_dir / 'checkpoint.pt'}"
-    signals.restore()
-    try:
-        if writer is not None:  # None: it could not be made (the error line says why)
-            writer.close()
-    except OSError as e:  # the events file could not be flushed: the error above, or this one
-        message, exit_code = message or write_error(e, f"the TensorBoard events in {run_dir}"), exit_code or 1
-    finish_tracking(tracker, run_dir, exit_code)
-    if message:
-        print(message, file=sys.stderr, flush=True)
-    progress.summary(learner.global_step, exit_code)
-    if exit_code:
-        raise SystemExit(exit_code)
+    save = (lambda: learner.save(checkpoint_path, args, meta)) if exit_code != 1 else None  # 1: keep the last good one
+    finish_run(args, run_dir, learner.global_step, exit_code, message, signals, progress=progress, writer=writer,
+               tracker=tracker, checkpoint=save, final_model=lambda: learner.target, device=device)  # fmt: skip
 
 
 # ---- run plumbing ------------------------------------------------------------------------------------------------
@@ -772,6 +735,121 @@ class StopSignals:
         for signum, handler in self.previous.items():
             signal.signal(signum, handler)
 
+    def exit_on_signal(self, code: int) -> None:
+        """Everything is written and the interpreter exits: a signal from here (a second Ctrl+C) ends the process at
+        once with the run's status, and no exit handler it interrupts prints a traceback."""
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, lambda *_: os._exit(code))
+
+
+def error_line(e: BaseException, step: int, signum: int, who: str = "the learner", rank: int = 0,
+               ranks: int = 1) -> tuple[int, str | None]:  # fmt: skip
+    """The exit status and error line of the exception that ended training, called in its `except` block (a bug's
+    traceback goes into the line): a Stop (by a signal: 128 + signum; with a message: a worker's failure; neither:
+    the budget or a peer's stop, status 0), a failed checkpoint or TensorBoard write, a non-finite loss or weight, a
+    torchrun rank lost (`ranks` > 1: of two ranks it can only be the other one), or a bug. `who` names the process."""
+    if isinstance(e, Stop) and not e.args:
+        name = signal.Signals(signum).name if signum else ""
+        return (128 + signum, f"stopped by {name} at global step {step}") if signum else (0, None)
+    if isinstance(e, Stop):
+        return 1, f"error: {e}"
+    if isinstance(e, WriteError):
+        return 1, f"{e}; stopping (the last good checkpoint is kept)"
+    if isinstance(e, NonFiniteLoss):
+        return 1, f"error: {e} in {who} at global step {step}; stopping (the last good checkpoint, if any, is kept)"
+    if isinstance(e, OSError) and any("tensorboard" in f.filename for f in traceback.extract_tb(e.__traceback__)):
+        return 1, f"{write_error(e, 'the TensorBoard events')}; stopping"
+    text, kinds = str(e), {c.__name__ for c in type(e).__mro__}
+    if ranks > 1 and "RankLost" in kinds:  # the torchrun scripts' own: the message names the ranks
+        return 1, f"error: {e}; stopping"
+    signs = ("Connection closed by peer", "Connection reset", "Broken pipe", "Timed out", "timed out", "gossip thread")
+    if ranks > 1 and ("DistError" in kinds or any(s in text for s in signs)):
+        other = f"rank {1 - rank}" if ranks == 2 else "another rank"
+        reason = (text.strip().splitlines() or [""])[0][:160]
+        return 1, f"error: {who}: lost contact with {other}, which died or lost its connection ({reason})"
+    return 1, f"error: {who} died:\n{traceback.format_exc()}"
+
+
+def finish_run(args, run_dir: Path | None, step: int, code: int, message: str | None, signals: StopSignals, *,
+               progress: Progress | None = None, writer=None, tracker=None, checkpoint=None, final_model=None,
+               last_point=None, device: torch.device | None = None, threads: list = (), teardown: bool = True,
+               ) -> None:  # fmt: skip
+    """The end of every run, once its workers have stopped; `code` and `message` are error_line's (0 and None: the
+    run finished). In order: `checkpoint()` writes the final checkpoint (given only where one is due: a failed run
+    keeps its last good one); `last_point()` records the last statistics; if the run finished, the model that
+    `final_model()` builds is saved (--save-model) and played (--eval-episodes; a signal stops it and the games
+    played stay recorded); the writer and the W&B run closed; the error line; the summary (where this process has
+    the Progress); the exit with the status (`leave`). A failed write becomes the error line. Once the interpreter
+    exits, a further signal ends the process at once, with that status."""
+    try:
+        if checkpoint is not None and args.checkpoint_interval > 0:
+            checkpoint()
+            message = message and f"{message}; checkpoint written to {run_dir / 'checkpoint.pt'}"
+        if last_point is not None:  # the run's last TensorBoard point and console line
+            last_point()
+        model = final_model() if code == 0 and final_model and (args.save_model or args.eval_episodes) else None
+        if model is not None and args.save_model:
+            atomic_save(model.state_dict(), run_dir / "model.pt")
+        if model is not None and args.eval_episodes > 0:
+            code, message = final_evaluation(model, args, run_dir, step, signals, writer, device or torch.device("cpu"))
+    except WriteError as e:
+        code, message = 1, f"{e}; stopping (the last good checkpoint is kept)"
+    except OSError as e:  # the TensorBoard events file
+        code, message = 1, write_error(e, f"the TensorBoard events in {run_dir}")
+    try:
+        if writer is not None:  # None: it could not be made (the error line says why), or this rank has none
+            writer.close()
+    except OSError as e:  # the events file could not be flushed: the error above, or this one
+        message, code = message or write_error(e, f"the TensorBoard events in {run_dir}"), code or 1
+    finish_tracking(tracker, run_dir, code)
+    if message:
+        print(message, file=sys.stderr, flush=True)
+    if progress is not None:
+        progress.summary(step, code)
+    atexit.register(signals.exit_on_signal, code)  # the interpreter's exit handlers run after ours
+    leave(code, threads, teardown)
+
+
+def final_evaluation(model: nn.Module, args, run_dir: Path, step: int, signals: StopSignals, writer,
+                     device: torch.device) -> tuple[int, str | None]:  # fmt: skip
+    """Play --eval-episodes games with the final policy, each printed and logged (eval/episodic_return at global
+    steps step, step + 1, ...) as it ends; a signal stops it at once, and the games played stay recorded. Returns
+    finish_run's (code, message)."""
+    print(f"evaluating the final policy: {args.eval_episodes} episodes", flush=True)
+    played = 0
+    try:
+        signals.interruptible()  # from here a signal raises Interrupted, wherever the game is
+        for ret in evaluate(model, args, run_dir / "videos", device):
+            signals.raise_stop = False  # a game is recorded whole
+            print(f"eval episode {played}: return {ret:.2f}", flush=True)
+            if writer is not None:
+                writer.add_scalar("eval/episodic_return", ret, step + played)
+            played += 1
+            signals.interruptible()
+    except Interrupted:
+        name, games = signal.Signals(signals.signum).name, f"{played} of {args.eval_episodes} games"
+        return 128 + signals.signum, f"stopped by {name} in the final evaluation, after {games}"
+    finally:
+        signals.raise_stop = False
+    return 0, None
+
+
+def leave(code: int, threads: list = (), teardown: bool = True) -> None:
+    """Exit with `code`, without the interpreter's teardown (TensorBoard is closed and checkpoints written by now) if
+    a worker thread outlived its join or `teardown` is False (torchrun ranks: gloo's transport threads outlive
+    destroy_process_group, or a group that lost a rank): a thread inside torch during the teardown makes C++ static
+    destructors abort the process ("terminate called without an active exception", SIGABRT)."""
+    alive = [t.name for t in threads if t.is_alive()]
+    if alive:
+        print(f"warning: {', '.join(alive)} still running at exit; leaving without interpreter teardown",
+              file=sys.stderr, flush=True)  # fmt: skip
+    if alive or not teardown:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    if code:
+        raise SystemExit(code)
+
 
 def fail(message: str) -> NoReturn:
     """Bad input: one error line, exit status 2, before anything is started or written."""
@@ -781,6 +859,18 @@ def fail(message: str) -> NoReturn:
 
 def flag(name: str) -> str:
     return f"--{name.replace('_', '-')}"
+
+
+def flag_warnings(args) -> None:
+    """A `warning:` line for each flag that passes its rule but cannot train as given: a learning rate above 1. Every
+    optimizer here moves a weight by up to about the learning rate per step, so the weights blow up within a few
+    updates while the losses can stay finite (1e14 and more, the entropy 0): nothing would stop the run, and it
+    would end with exit status 0."""
+    for f in fields(args):
+        value = getattr(args, f.name)
+        if f.name.endswith("learning_rate") and isinstance(value, float) and value > 1:
+            print(f"warning: {flag(f.name)} {value:g} is above 1: the weights will diverge within a few updates, and "
+                  f"no check stops the run while its losses stay finite", file=sys.stderr, flush=True)  # fmt: skip
 
 
 def check_flags(args: Args) -> str | None:
@@ -1124,7 +1214,7 @@ def main_eval_only(args: Args) -> None:
     how = "greedy" if eval_args.eval_greedy else "sampled"
     print(f"evaluating {path} ({eval_args.eval_episodes} episodes, {how} actions); from its run: {taken}", flush=True)
     try:
-        returns = evaluate(model.to(device), eval_args, path.parent / f"videos-eval-{stamp}", device)
+        returns = list(evaluate(model.to(device), eval_args, path.parent / f"videos-eval-{stamp}", device))
     except (EnvError, gym.error.DependencyNotInstalled) as e:  # --capture-video without moviepy or a renderer
         fail(str(e))
     for i, ret in enumerate(returns):

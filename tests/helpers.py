@@ -18,6 +18,7 @@ import struct
 import subprocess
 import sys
 import time
+import types
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -431,3 +432,25 @@ def assert_eval_only_refusals(script, model, tmp_path):
     shutil.copy(Path(model).parent / "args.json", garbage.parent / "args.json")
     proc, _ = run_eval_only(script, garbage, tmp_path / "logs-garbage")
     assert_one_error_line(proc)
+
+
+class FakeWandb(types.SimpleNamespace):
+    """Records what a script asks of the wandb module (monkeypatched in as sys.modules["wandb"]); `init` raises
+    `error` if one is given."""
+
+    def __init__(self, error: Exception | None = None):
+        super().__init__(inits=[], logged=[], finished=[], error=error)
+
+    def init(self, **kwargs):
+        if self.error:
+            raise self.error
+        self.inits.append(kwargs)
+
+    def Video(self, path):  # wandb's name
+        return ("video", path)
+
+    def log(self, data):
+        self.logged.append(data)
+
+    def finish(self, exit_code=0):
+        self.finished.append(exit_code)

@@ -16,7 +16,6 @@ import subprocess
 import sys
 import threading
 import time
-import types
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +25,7 @@ import tyro
 from helpers import (
     CORE_TAGS,
     ROOT,
+    FakeWandb,
     FixedLogitsPolicy,
     RecordingEnv,
     alive,
@@ -154,7 +154,7 @@ def test_evaluation_takes_argmax_actions_by_default_and_samples_with_no_eval_gre
         env = RecordingEnv(length=25)
         monkeypatch.setattr(a3c, "make_env", lambda *a, env=env, **k: env)
         args = tyro.cli(Args, args=["--env-id", "CartPole-v1", "--eval-episodes", "4", *flags])
-        assert a3c.evaluate(FixedLogitsPolicy(logits), args, tmp_path, torch.device("cpu")) == [25.0] * 4
+        assert list(a3c.evaluate(FixedLogitsPolicy(logits), args, tmp_path, torch.device("cpu"))) == [25.0] * 4
         assert len(env.actions) == 100
         if greedy:
             assert set(env.actions) == {2}
@@ -444,27 +444,6 @@ def test_track_without_wandb_is_refused_by_validate(monkeypatch):
     assert validate(Args(env_id="CartPole-v1")) is None
 
 
-class FakeWandb(types.SimpleNamespace):
-    """Records what the script asks of the wandb module; `init` raises `init_error` if one is given."""
-
-    def __init__(self, init_error: Exception | None = None):
-        super().__init__(inits=[], logged=[], finished=[], init_error=init_error)
-
-    def init(self, **kwargs):
-        if self.init_error:
-            raise self.init_error
-        self.inits.append(kwargs)
-
-    def Video(self, path):  # wandb's name
-        return ("video", path)
-
-    def log(self, data):
-        self.logged.append(data)
-
-    def finish(self, exit_code=0):
-        self.finished.append(exit_code)
-
-
 def test_tracking_names_the_run_after_its_directory_resumes_it_and_ends_with_the_exit_status(monkeypatch, tmp_path):
     """A --resume run continues the W&B run of its run directory (the same id); recorded videos are uploaded; the
     W&B run ends with the run's exit status."""
@@ -490,7 +469,7 @@ def test_tracking_names_the_run_after_its_directory_resumes_it_and_ends_with_the
 def test_failed_wandb_init_is_one_error_line_and_stops_the_started_processes(monkeypatch, tmp_path, run_main):
     """wandb.init runs after the forks (no worker inherits its threads): when it fails (not logged in, no network), the
     workers and the gradient server already started are stopped, and the run exits 2 with one error line."""
-    monkeypatch.setitem(sys.modules, "wandb", FakeWandb(init_error=RuntimeError("No API key configured.\nmore")))
+    monkeypatch.setitem(sys.modules, "wandb", FakeWandb(error=RuntimeError("No API key configured.\nmore")))
     code, _, err = run_main(**CARTPOLE, update="server", total_timesteps=100_000_000, track=True, log_dir=str(tmp_path))
     assert code == 2 and err.strip() == "error: --track: wandb.init failed: No API key configured.", err
     assert not multiprocessing.active_children()

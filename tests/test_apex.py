@@ -21,7 +21,6 @@ import signal
 import subprocess
 import sys
 import time
-import types
 from pathlib import Path
 
 import gymnasium as gym
@@ -32,6 +31,7 @@ import tyro
 from helpers import (
     CONSOLE_LINE,
     ROOT,
+    FakeWandb,
     RecordingEnv,
     alive,
     assert_eval_only_refusals,
@@ -622,27 +622,6 @@ def test_track_without_wandb_is_refused_by_validate(m, monkeypatch):
     error = m.validate(m.Args(env_id=env_id, track=True))
     assert error.startswith('--track needs wandb (pip install -e ".[track]"): ModuleNotFoundError: '), error
     assert m.validate(m.Args(env_id=env_id)) is None
-
-
-class FakeWandb(types.SimpleNamespace):
-    """Records what the script asks of the wandb module; `init` raises `error` if one is given."""
-
-    def __init__(self, error: Exception | None = None):
-        super().__init__(inits=[], logged=[], finished=[], error=error)
-
-    def init(self, **kwargs):
-        if self.error:
-            raise self.error
-        self.inits.append(kwargs)
-
-    def Video(self, path):  # wandb's name
-        return ("video", path)
-
-    def log(self, data):
-        self.logged.append(data)
-
-    def finish(self, exit_code=0):
-        self.finished.append(exit_code)
 
 
 def test_tracking_names_the_run_after_its_directory_resumes_it_and_ends_with_the_exit_status(monkeypatch, tmp_path):

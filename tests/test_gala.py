@@ -2,7 +2,6 @@
 the message ages it predicts (`charts/policy_lag`), Proposition 2's epsilon-ball, two learners over gloo in both modes,
 end-to-end runs, --track (one offline W&B run per run), --eval-only, bad flags and shutdown."""
 
-import contextlib
 import json
 import math
 import multiprocessing
@@ -13,7 +12,6 @@ import subprocess
 import sys
 import threading
 import time
-import types
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +22,7 @@ from helpers import (
     CONSOLE_LINE,
     CORE_TAGS,
     ROOT,
+    FakeWandb,
     FixedLogitsPolicy,
     RecordingEnv,
     alive,
@@ -58,7 +57,6 @@ from gala_a2c import (
     SharedMemoryGossip,
     Stop,
     checkpoint_meta,
-    end_training,
     env_spaces,
     epsilon_ball_radius,
     load_checkpoint,
@@ -221,7 +219,7 @@ def test_evaluation_takes_argmax_actions_by_default_and_samples_with_no_eval_gre
         env = RecordingEnv(length=25)
         monkeypatch.setattr(gala_a2c, "make_env", lambda *a, env=env, **k: env)
         args = tyro.cli(gala_a2c.Args, args=["--env-id", "CartPole-v1", "--eval-episodes", "4", *flags])
-        assert gala_a2c.evaluate(FixedLogitsPolicy(logits), args, tmp_path, torch.device("cpu")) == [25.0] * 4
+        assert list(gala_a2c.evaluate(FixedLogitsPolicy(logits), args, tmp_path, torch.device("cpu"))) == [25.0] * 4
         assert len(env.actions) == 100
         if greedy:
             assert set(env.actions) == {2}
@@ -426,28 +424,8 @@ def test_track_without_wandb_is_refused_by_validate(monkeypatch):
     assert validate(Args(env_id="CartPole-v1"), 2) is None
 
 
-class FakeWandb(types.SimpleNamespace):
-    """Records what the script asks of the wandb module."""
-
-    def __init__(self):
-        super().__init__(inits=[], logged=[], finished=[])
-
-    def init(self, **kwargs):
-        self.inits.append(kwargs)
-
-    def Video(self, path):  # wandb's name
-        return ("video", path)
-
-    def log(self, data):
-        self.logged.append(data)
-
-    def finish(self, exit_code=0):
-        self.finished.append(exit_code)
-
-
-def test_tracking_names_the_run_after_its_directory_resumes_it_and_ends_with_the_exit_status(monkeypatch, tmp_path):
-    """A --resume run continues the W&B run of its run directory (the same id); recorded videos are uploaded; the
-    W&B run ends with the run's exit status."""
+def test_tracking_names_the_run_after_its_directory_and_resumes_it(monkeypatch, tmp_path):
+    """A --resume run continues the W&B run of its run directory (the same id)."""
     wandb = FakeWandb()
     monkeypatch.setitem(sys.modules, "wandb", wandb)
     run_dir = tmp_path / "CartPole-v1__gala_a2c__1__1700000000"
@@ -461,12 +439,7 @@ def test_tracking_names_the_run_after_its_directory_resumes_it_and_ends_with_the
     assert first["name"] == second["name"] == run_dir.name and first["id"] == second["id"]
     assert first["resume"] is None and second["resume"] == "allow" and first["entity"] == "me"
     assert first["sync_tensorboard"] and first["config"]["env_id"] == "CartPole-v1" and first["config"]["track"]
-    run = Run(resumed, 2, run_dir, *env_spaces(resumed), {}, None)
-    for failure, signum, code in [(None, 0, 0), ("error: a learner died", 0, 1), (None, signal.SIGTERM, 143)]:
-        with pytest.raises(SystemExit) if code else contextlib.nullcontext():
-            end_training(run, None, [], False, failure, types.SimpleNamespace(signum=signum, raise_stop=False), wandb)
-        assert wandb.finished[-1] == code
-    assert wandb.logged == [{"videos": ("video", str(run_dir / "videos" / "rl-video-episode-0.mp4"))}] * 3
+    assert wandb.finished == []  # finish_run ends it with the exit status (test_reliability)
 
 
 def test_bad_flag_is_one_error_line_and_exit_2_before_anything_starts(tmp_path):
@@ -796,9 +769,7 @@ def test_a_stopped_rank_stops_the_run_with_a_line_naming_it(mode, tmp_path):
     finally:
         end_launch(proc, pids)
     out = "".join(seen)
-    assert re.search(r"error: learner 0 \(rank 0: rank 1 (did not join|sent no gossip message) .* within 5 s", out), (
-        out[-3000:]
-    )
+    assert re.search(r"error: rank 0: rank 1 (did not join|sent no gossip message) .* within 5 s", out), out[-3000:]
     assert proc.returncode != 0
 
 

@@ -4,7 +4,6 @@ LSTM core, the policy lag the architecture allows, --track (one offline W&B run 
 --eval-only (the saved agent with the inputs and LSTM it was trained with), bad flags, a crashing or killed actor, and
 clean shutdown. A run that needs no process of its own (nothing to signal or kill) calls main in the test's process."""
 
-import contextlib
 import json
 import math
 import multiprocessing as mp
@@ -14,7 +13,6 @@ import subprocess
 import sys
 import threading
 import time
-import types
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +20,7 @@ import pytest
 import torch
 from helpers import (
     CORE_TAGS,
+    FakeWandb,
     FixedLogitsPolicy,
     RecordingEnv,
     alive,
@@ -367,7 +366,7 @@ def test_evaluation_takes_argmax_actions_by_default_and_samples_with_no_eval_gre
         env = RecordingEnv(length=25)
         monkeypatch.setattr(im, "make_env", lambda *a, env=env, **k: env)
         args = im.parse_args(["--env-id", "CartPole-v1", "--eval-episodes", "4", *flags])
-        assert im.evaluate(agent, args, tmp_path, torch.device("cpu")) == [25.0] * 4
+        assert list(im.evaluate(agent, args, tmp_path, torch.device("cpu"))) == [25.0] * 4
         assert len(env.actions) == 100
         if greedy:
             assert set(env.actions) == {2}
@@ -443,29 +442,8 @@ def test_track_without_wandb_is_refused_by_validate(monkeypatch):
     assert im.validate(im.Args(env_id="CartPole-v1")) is None
 
 
-class FakeWandb(types.SimpleNamespace):
-    """Records what the script asks of the wandb module."""
-
-    def __init__(self):
-        super().__init__(inits=[], logged=[], finished=[])
-
-    def init(self, **kwargs):
-        self.inits.append(kwargs)
-
-    def Video(self, path):  # wandb's name
-        return ("video", path)
-
-    def log(self, data):
-        self.logged.append(data)
-
-    def finish(self, exit_code=0):
-        self.finished.append(exit_code)
-
-
-def test_tracking_names_the_run_after_its_directory_resumes_it_and_ends_with_the_exit_status(monkeypatch, tmp_path,
-                                                                                             capsys):  # fmt: skip
-    """A --resume run continues the W&B run of its run directory (the same id); recorded videos are uploaded; the
-    W&B run ends with the run's exit status."""
+def test_tracking_names_the_run_after_its_directory_and_resumes_it(monkeypatch, tmp_path):
+    """A --resume run continues the W&B run of its run directory (the same id)."""
     wandb = FakeWandb()
     monkeypatch.setitem(sys.modules, "wandb", wandb)
     run_dir = tmp_path / "CartPole-v1__impala_monobeast__1__1700000000"
@@ -475,23 +453,11 @@ def test_tracking_names_the_run_after_its_directory_resumes_it_and_ends_with_the
     assert im.start_tracking(im.Args(env_id="CartPole-v1", track=True, wandb_entity="me"), run_dir) is wandb
     resumed = im.Args(env_id="CartPole-v1", track=True, resume=str(run_dir / "checkpoint.pt"))
     im.start_tracking(resumed, run_dir)
-    resumed.checkpoint_interval = 0  # finish's final checkpoint needs a learner: this test has a stand-in
     first, second = wandb.inits
     assert first["name"] == second["name"] == run_dir.name and first["id"] == second["id"]
     assert first["resume"] is None and second["resume"] == "allow" and first["entity"] == "me"
     assert first["sync_tensorboard"] and first["config"]["env_id"] == "CartPole-v1" and first["config"]["track"]
-    writer = types.SimpleNamespace(close=lambda: None)
-    learner = types.SimpleNamespace(args=resumed, run_dir=run_dir, global_step=0, writer=writer)
-    for failure, signum, code in [(None, 0, 0), ("error: actor 0 died", 0, 1), (None, signal.SIGTERM, 143)]:
-        signals = im.StopSignals(threading.Event())
-        signals.signum = signum
-        learner.progress = im.Progress(run_dir, 64, "plan")
-        with pytest.raises(SystemExit) if code else contextlib.nullcontext():
-            im.finish(learner, failure, signals, [], wandb)
-        assert wandb.finished[-1] == code
-    assert wandb.logged == [{"videos": ("video", str(run_dir / "videos" / "rl-video-episode-0.mp4"))}] * 3
-    ends = [line.split(":")[0] for line in capsys.readouterr().out.splitlines() if line.startswith(("fini", "stop"))]
-    assert ends == ["finished", "stopped (exit status 1)", "stopped (exit status 143)"]  # every run's summary
+    assert wandb.finished == []  # finish_run ends it with the exit status (test_reliability)
 
 
 @pytest.mark.parametrize("lstm", [[], ["--use-lstm", "--lstm-size", "32"]])

@@ -4,6 +4,8 @@ be imported, a resume with other flags, and an unknown flag; and what a run tell
 how far it is, what it left behind and how to go on, and a --help that reads as sentences. Each is triggered by what
 the run prints or by an import hook, never by a timer; a deadline only catches a hang."""
 
+import contextlib
+import dataclasses
 import fcntl
 import importlib
 import itertools
@@ -17,10 +19,12 @@ import subprocess
 import sys
 import threading
 import time
+import types
 
 import pytest
 import torch
-from helpers import ROOT, only_run_dir, start_run
+from helpers import ROOT, FakeWandb, only_run_dir, scalars, start_run
+from torch import nn
 
 CARTPOLE = ("--env-id", "CartPole-v1")
 APEX = ("--num-actors", "2", "--learning-starts", "200", "--batch-size", "32", "--actor-batch", "20",
@@ -95,19 +99,109 @@ def test_ctrl_c_during_the_final_evaluation_stops_the_run(name, tmp_path):
                             start_new_session=True)  # fmt: skip
     try:
         for line in proc.stdout:
-            if line.startswith("evaluating the final policy"):
+            if line.startswith("eval episode 0: return"):  # a game of the final evaluation has ended
                 break
         else:
-            pytest.fail(f"no evaluation started (exit {proc.wait()}): {proc.stderr.read()[-1500:]}")
+            pytest.fail(f"no evaluation game ended (exit {proc.wait()}): {proc.stderr.read()[-1500:]}")
         proc.send_signal(signal.SIGINT)
-        code, _, err = finish(proc)
+        code, out, err = finish(proc)
     finally:  # a run that hangs (or a test killed by pytest-timeout) must not keep playing its million episodes
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     assert code == 128 + signal.SIGINT, err[-1500:]
     assert "Traceback" not in err, err[-1500:]
-    assert (only_run_dir(tmp_path) / "model.pt").is_file(), "the trained model is saved before the evaluation"
+    run_dir = only_run_dir(tmp_path)
+    assert (run_dir / "model.pt").is_file(), "the trained model is saved before the evaluation"
+    # the games played before the signal stay: printed, logged, and counted in the error line
+    # the games played before the signal stay: counted in the error line and logged, the first one as printed
+    stopped = re.search(r"stopped by SIGINT in the final evaluation, after (\d+) of 1000000 games", err)
+    assert stopped and int(stopped[1]) >= 1, err[-1500:]
+    logged = [v for _, v in scalars(run_dir)["eval/episodic_return"]][-int(stopped[1]) :]  # apex: after its rounds'
+    assert len(logged) == int(stopped[1]) and logged[0] == pytest.approx(float(line.split()[-1]), abs=0.005)
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_a_signal_while_the_interpreter_exits_ends_the_run_quietly_with_its_status(name, tmp_path):
+    """A second Ctrl+C right after the summary lands in the interpreter's exit handlers (multiprocessing's joins,
+    wandb's upload): everything is written by then, so the process ends at once with the run's own status and no
+    handler prints a traceback. A slow exit handler (registered before the script runs, so it runs after the
+    script's own) holds the exit here until the signal comes."""
+    hold = ("import atexit, runpy, sys, time\n"
+            "atexit.register(lambda: (print('holding the exit', flush=True), time.sleep(60)))\n"
+            "sys.argv = sys.argv[1:]\n"
+            "runpy.run_path(sys.argv[0], run_name='__main__')\n")  # fmt: skip
+    cmd = [sys.executable, "-c", hold, script_of(name), "--log-dir", str(tmp_path), *flags(name, RUNS[name][1]),
+           "--eval-episodes", "0", "--checkpoint-interval", "0"]  # fmt: skip
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)  # fmt: skip
+    try:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("holding the exit"):
+                break
+        else:
+            pytest.fail(f"the run did not reach its exit handlers (exit {proc.wait()}): {proc.stderr.read()[-1500:]}")
+        assert any(line.startswith("finished: ") for line in lines), "".join(lines)[-1500:]
+        proc.send_signal(signal.SIGINT)
+        code, _, err = finish(proc, timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert code == 0, err[-1500:]
+    assert "Exception ignored" not in err and "Traceback" not in err, err[-1500:]
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_the_end_of_a_run_writes_what_is_due_and_ends_the_writer_and_tracking_with_its_status(name, tmp_path, capsys):
+    """finish_run, every script's end, for a finished run, a failed one, one stopped by SIGTERM and one whose events
+    file cannot be flushed: the final checkpoint where one is due (named in the signal's line), model.pt for the
+    finished run only, the writer closed and the W&B run ended (videos uploaded) with the exit status every time,
+    the error line, then the summary."""
+    module = importlib.import_module(name)
+    run_dir = tmp_path / "run"
+    (run_dir / "videos").mkdir(parents=True)
+    (run_dir / "videos" / "rl-video-episode-0.mp4").write_bytes(b"")
+    args = module.Args(env_id="CartPole-v1", save_model=True, eval_episodes=0, checkpoint_interval=60)
+    wandb, written, closed = FakeWandb(), [], []
+
+    def close(fails=False):
+        closed.append(True)
+        if fails:
+            raise OSError(28, "No space left on device")
+
+    cases = [(0, None, True, False), (1, "error: worker 0 failed", False, False),
+             (143, "stopped by SIGTERM at global step 96", True, False), (0, None, False, True)]  # fmt: skip
+    for code, message, due, fails in cases:
+        signals = module.StopSignals(threading.Event())
+        save = (lambda code=code: written.append(code)) if due else None
+        writer = types.SimpleNamespace(close=lambda fails=fails: close(fails))
+        exits = 1 if fails else code
+        try:
+            with pytest.raises(SystemExit) if exits else contextlib.nullcontext() as ended:
+                ends = dict(progress=module.Progress(run_dir, 192, "p"), writer=writer, tracker=wandb, checkpoint=save)
+                module.finish_run(
+                    args, run_dir, 96, code, message, signals, **ends, final_model=lambda: nn.Linear(1, 1)
+                )
+        finally:
+            signals.restore()
+        assert not exits or ended.value.code == exits
+        assert wandb.finished[-1] == exits
+        if code == 0:  # the run finished: its model is saved (before the writer is closed)
+            assert (run_dir / "model.pt").is_file()
+            (run_dir / "model.pt").unlink()  # no other case may write it
+    assert written == [0, 143] and len(closed) == 4 and not (run_dir / "model.pt").exists()
+    assert wandb.logged == [{"videos": ("video", str(run_dir / "videos" / "rl-video-episode-0.mp4"))}] * 4
+    out, err = capsys.readouterr()
+    checkpoint = run_dir / "checkpoint.pt"
+    stopped = f"stopped by SIGTERM at global step 96; checkpoint written to {checkpoint}"
+    assert err.splitlines()[:2] == ["error: worker 0 failed", stopped], err
+    assert err.splitlines()[2].startswith("error: no space left on device while writing the TensorBoard events"), err
+    ends = [line.split(":")[0] for line in out.splitlines() if line.startswith(("finished", "stopped"))]
+    assert ends == ["finished", "stopped (exit status 1)", "stopped (exit status 143)", "stopped (exit status 1)"]
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
@@ -358,3 +452,22 @@ def test_a_flag_tyro_cannot_parse_is_one_error_line(name, argv):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and argv[0] in lines[0], proc.stderr
     assert "--help" in lines[0]
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_a_learning_rate_above_one_is_warned_of_by_name_before_the_run(name, tmp_path, capsys):
+    """A learning rate of 1e6 passes the `> 0` rule, and the run it starts can end with exit status 0, its losses huge
+    but finite: the run says so at its start, naming each such flag; a learning rate of 0.5 draws no warning."""
+    module = importlib.import_module(name)
+    rates = [f.name for f in dataclasses.fields(module.Args) if f.name.endswith("learning_rate")]
+    module.flag_warnings(module.Args(**dict.fromkeys(rates, 0.5)))
+    assert capsys.readouterr().err == ""
+    module.flag_warnings(module.Args(**dict.fromkeys(rates, 1e6)))
+    lines = capsys.readouterr().err.splitlines()
+    assert [line.split()[1] for line in lines] == [module.flag(rate) for rate in rates], lines
+    assert all(line.startswith("warning: ") and " 1e+06 is above 1: " in line for line in lines), lines
+    flag = module.flag(rates[0])
+    cmd = [sys.executable, script_of(name), "--log-dir", str(tmp_path), *flags(name, RUNS[name][1]), flag, "1e6",
+           "--eval-episodes", "0", "--checkpoint-interval", "0"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert f"warning: {flag} 1e+06 is above 1: " in proc.stderr, proc.stderr[-1500:]

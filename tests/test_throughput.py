@@ -2,6 +2,7 @@
 summaries against hand-computed values; bad flags; a tiny end-to-end run on CartPole beside a fake external command
 that writes TensorBoard events at a known rate; the env table."""
 
+import dataclasses
 import importlib
 import json
 import subprocess
@@ -135,6 +136,19 @@ def test_every_stop_times_command_parses_with_its_script(label):
         assert getattr(args, flag, default) == default
 
 
+@pytest.mark.parametrize("label", sorted(tp.STOP_RUNS))
+def test_every_stop_atari_command_is_its_script_at_its_defaults_on_breakout(label):
+    """--stop-atari: the script's own defaults but for the env, an endless budget and a checkpoint at the end."""
+    run = tp.stop_runs(tp.Args(stop_times=True, stop_atari=True))[label]
+    row = tp.stop_row(label, "sigint", tp.Args(stop_times=True, stop_atari=True))
+    env = "" if label == "apex_ddpg" else "--env-id ALE/Breakout-v5 "  # continuous actions: its default env
+    assert row["command"] == f"python {run.script} {env}--total-timesteps 100000000 --checkpoint-interval 3600"
+    module = importlib.import_module(Path(run.script).stem)
+    args = tyro.cli(module.Args, args=[*run.flags, "--log-dir", "runs"])
+    changed = {f.name for f in dataclasses.fields(args) if getattr(args, f.name) != getattr(module.Args(), f.name)}
+    assert {"total_timesteps"} <= changed <= {"env_id", "total_timesteps", "checkpoint_interval"}
+
+
 def test_stop_summary_with_hand_computed_values():
     row = tp.stop_row("a3c_hogwild", "sigint", tp.Args(stop_times=True))
 
@@ -164,6 +178,8 @@ def test_stop_summary_with_hand_computed_values():
         (["--stop-times", "--only", "cleanba_ppo_sync"], "default mode"),
         (["--stop-times", "--extra", "a3c_hogwild=--num-steps 8"], "no --external or --extra"),
         (["--stop-times", "--stop-timeout", "0"], "--stop-timeout must be > 0"),
+        (["--stop-atari"], "go with --stop-times"),
+        (["--stop-times", "--stop-kinds", "sigkill"], "--stop-kinds takes"),
     ],
 )
 def test_bad_flags_exit_2_with_one_line(argv, message, capsys):
