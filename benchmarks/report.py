@@ -482,6 +482,8 @@ def gpu_table(results: Path) -> str:
 
 
 STOP_SOURCE = "throughput_stop_times.json"  # throughput.py --stop-times
+STOP_ATARI_SOURCE = "throughput_stop_times_atari.json"  # throughput.py --stop-times --stop-atari
+STOP_ATARI_LOADED_SOURCE = "throughput_stop_times_atari_loaded.json"  # the same, beside two Pong training runs
 STOP_KINDS = {"sigint": "Ctrl+C (SIGINT)", "sigterm": "SIGTERM", "killed_worker": "a killed worker"}
 
 
@@ -506,25 +508,27 @@ def exit_cell(row: dict) -> str:
     return ", ".join(f"{code} ({n}x)" for code, n in sorted(codes.items()))
 
 
-def stop_table(results: Path) -> str:
-    """throughput.py --stop-times: one row per script, each kind of stop with its exit status, and the processes its
-    tries left behind."""
+def stop_table(results: Path, source: str = STOP_SOURCE) -> str:
+    """throughput.py --stop-times: one row per script, each kind of stop it tried with its exit status, the worker a
+    killed-worker try killed, and the processes its tries left behind."""
     by_label: dict[str, dict[str, dict]] = {}
-    for r in load(results / STOP_SOURCE)["rows"]:
+    for r in load(results / source)["rows"]:
         by_label.setdefault(r["label"], {})[r["kind"]] = r
+    tried = [k for k in STOP_KINDS if any(k in kinds for kinds in by_label.values())]
     lines, notes = [], []
     for label, kinds in by_label.items():
         script = next(iter(kinds.values()))["script"]
-        killed = kinds["killed_worker"].get("victim", "—")
-        cells = [f"{stop_cell(kinds[k])} | {exit_cell(kinds[k])}" for k in STOP_KINDS]
+        killed = [kinds["killed_worker"].get("victim", "—")] if "killed_worker" in tried else []
+        cells = [f"{stop_cell(kinds[k])} | {exit_cell(kinds[k])}" for k in tried]
         left = sum(len(t["left_behind"]) for r in kinds.values() for t in r["tries"])
-        lines.append(f"`{script}` | `{label}` | {' | '.join(cells)} | {killed} | {left}")
+        lines.append(f"`{script}` | `{label}` | {' | '.join([*cells, *killed])} | {left}")
         notes += [f"`{script}`, {STOP_KINDS[k]}: n/a, {r['not_applicable']}." for k, r in kinds.items()
                   if "not_applicable" in r]  # fmt: skip
-    header = ("script | run | " + " | ".join(f"{name}: median / worst s (tries) | exit" for name in STOP_KINDS.values())
-              + " | worker killed | processes left behind")  # fmt: skip
+    header = ("script | run | " + " | ".join(f"{STOP_KINDS[k]}: median / worst s (tries) | exit" for k in tried)
+              + (" | worker killed" if "killed_worker" in tried else "") + " | processes left behind")  # fmt: skip
+    align = "ll" + "rr" * len(tried) + "l" * ("killed_worker" in tried) + "r"
     notes_text = "\n\n" + " ".join(notes) if notes else ""
-    return table(header, "ll" + "rr" * len(STOP_KINDS) + "lr", lines) + notes_text + sources(results, [STOP_SOURCE])
+    return table(header, align, lines) + notes_text + sources(results, [source])
 
 
 def soak_table(results: Path) -> str:
@@ -667,6 +671,8 @@ DOCUMENTS: dict[str, dict[str, Callable[[Path], str]]] = {
         "memory": memory_table,
         "gpu": gpu_table,
         "stop-times": stop_table,
+        "stop-times-atari": lambda results: stop_table(results, STOP_ATARI_SOURCE),
+        "stop-times-atari-loaded": lambda results: stop_table(results, STOP_ATARI_LOADED_SOURCE),
         "soak": soak_table,
     },
 }

@@ -19,7 +19,8 @@ Modes (one per call):
   wrapper, gymnasium's AsyncVectorEnv over Python-wrapped envs (opencv) and one plain env.
 - `--stop-times`: seconds from Ctrl+C (SIGINT), SIGTERM and a killed worker (SIGKILL) to each script's exit, in its
   default mode on a tiny CartPole run (Pendulum for Ape-X DDPG) with 2 workers and checkpointing on (`STOP_RUNS`),
-  signalled once training is under way; `--rounds` tries of each kind, alternating between scripts and kinds.
+  signalled once training is under way; `--rounds` tries of each kind, alternating between scripts and kinds. With
+  `--stop-atari`, each script at its defaults on Breakout instead, where a stop may wait for an update in progress.
 `--external NAME=COMMAND` runs a user's installed command (a peer such as CleanRL's ppo_atari.py or TorchBeast's
 monobeast.py) in the same rounds and the same way: started in a fresh directory (`{log_dir}` in COMMAND names it),
 stopped with SIGINT to its process group, its rate read from its TensorBoard events, CSV log or console lines.
@@ -33,6 +34,7 @@ stopped with SIGINT to its process group, its rate read from its TensorBoard eve
     python benchmarks/throughput.py --straggler --only hts_a2c hts_a2c_sync --num-envs 8
     python benchmarks/throughput.py --env-table --num-envs 1 8 16 32 64
     python benchmarks/throughput.py --stop-times --rounds 5
+    python benchmarks/throughput.py --stop-times --stop-atari --stop-kinds sigint --rounds 3
 """
 
 from __future__ import annotations
@@ -105,6 +107,12 @@ class Args:
     stop_times: bool = False
     """stop-times mode: seconds from SIGINT, SIGTERM and a killed worker to each script's exit (--only picks among
     the labels of the scripts' default modes)"""
+    stop_atari: bool = False
+    """stop-times on ALE/Breakout-v5 at each script's defaults (only the env, an endless budget and a checkpoint at the
+    end are given; Ape-X DDPG on its default env), where a stop may wait for an update in progress; JSON:
+    throughput_stop_times_atari.json"""
+    stop_kinds: list[str] = field(default_factory=lambda: list(get_args(measure.StopKind)))
+    """stop-times: the kinds of stop to try (sigint, sigterm, killed_worker)"""
     stop_timeout: float = 60.0
     """stop-times: seconds after the signal before a run counts as hung (it is then killed)"""
     external: list[str] = field(default_factory=list)
@@ -306,6 +314,16 @@ STOP_RUNS = dict(
                            "--num-actors", "2", "--log-interval", "0.1", "--torch-threads", "1"), 0, "actor 0"),
 )  # fmt: skip
 STOP_KINDS: tuple[measure.StopKind, ...] = get_args(measure.StopKind)
+STOP_ATARI = ("--env-id", "ALE/Breakout-v5", *ENDLESS)  # --stop-atari: each script's defaults on an Atari game
+
+
+def stop_runs(args: Args) -> dict[str, StopRun]:
+    """The runs --stop-times starts: the tiny ones, or with --stop-atari each script at its defaults on Breakout (the
+    same worker killed); Ape-X DDPG, which needs continuous actions, on its default env."""
+    if not args.stop_atari:
+        return STOP_RUNS
+    flags = {label: ENDLESS if run.script == "apex_ddpg.py" else STOP_ATARI for label, run in STOP_RUNS.items()}
+    return {label: StopRun(run.script, flags[label], run.victim, run.victim_name) for label, run in STOP_RUNS.items()}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -540,7 +558,7 @@ def env_table(args: Args) -> list[dict]:
 
 def stop_row(label: str, kind: measure.StopKind, args: Args) -> dict:
     """A --stop-times row before its tries: what runs, how it is stopped and, where it cannot be, why not."""
-    run = STOP_RUNS[label]
+    run = stop_runs(args)[label]
     row = dict(label=label, script=run.script, kind=kind, command=shlex.join(["python", run.script, *run.flags]),
                env_id=opt(list(run.flags), "--env-id", "", str), timeout=args.stop_timeout)  # fmt: skip
     if kind == "killed_worker":
@@ -560,11 +578,12 @@ def stop_summary(row: dict) -> dict:
 
 def stop_times(args: Args) -> list[dict]:
     """--rounds tries of every kind of stop for each label, alternating between labels and kinds; one row each."""
-    rows = [stop_row(label, kind, args) for label in args.only or list(STOP_RUNS) for kind in STOP_KINDS]
+    kinds = [kind for kind in STOP_KINDS if kind in args.stop_kinds]
+    rows = [stop_row(label, kind, args) for label in args.only or list(STOP_RUNS) for kind in kinds]
     for r, row in itertools.product(range(1, args.rounds + 1), rows):
         if "not_applicable" in row:
             continue
-        run = STOP_RUNS[row["label"]]
+        run = stop_runs(args)[row["label"]]
         with tempfile.TemporaryDirectory(prefix="stop-times-") as log_dir:
             cmd = [sys.executable, run.script, *run.flags, "--log-dir", log_dir]
             result = measure.time_to_stop(cmd, row["kind"], cwd=ROOT, script=run.script, victim=run.victim,
@@ -598,6 +617,10 @@ def validate(args: Args) -> str | None:
         return f"--stop-times measures each script's default mode: --only takes {sorted(STOP_RUNS)}, not {bad}"
     if args.stop_times and (args.external or args.extra):
         return "--stop-times runs each script as its tests do: no --external or --extra"
+    if (args.stop_atari or args.stop_kinds != list(STOP_KINDS)) and not args.stop_times:
+        return "--stop-atari and --stop-kinds go with --stop-times"
+    if bad := [kind for kind in args.stop_kinds if kind not in STOP_KINDS]:
+        return f"--stop-kinds takes {list(STOP_KINDS)}, not {bad}"
     if args.stop_timeout <= 0:
         return f"--stop-timeout must be > 0 seconds, got {args.stop_timeout}"
     args.seconds = args.seconds or (
@@ -642,7 +665,7 @@ def main(args: Args) -> None:
         print(f"error: {error}", file=sys.stderr)
         raise SystemExit(2)
     mode = "env" if args.env_table else "memory" if args.memory else "straggler" if args.straggler else "table"
-    mode = "stop_times" if args.stop_times else mode
+    mode = ("stop_times_atari" if args.stop_atari else "stop_times") if args.stop_times else mode
     out = args.out or f"benchmarks/results/throughput_{mode}.json"
     meta = measure.machine_meta() | dict(mode=mode, args=asdict(args))
     if args.env_table:
