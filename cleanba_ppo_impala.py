@@ -687,6 +687,8 @@ def main(args: Args) -> None:
         deadline = time.time() + 8.0  # every wait wakes within a second; a rollout or minibatch ends within seconds
         for thread in threads:
             thread.join(timeout=max(0.0, deadline - time.time()))
+    if code == 0 and signals.signum:  # the signal came as an update ended: the loop's `break`
+        code, message = error_line(Stop(), learner.global_step, signals.signum)
     if code != 1 and (error := next((a.error for a in actors if a.error), None)):
         code, message = 1, error
     if code == 0 and world_size > 1 and (error := ranks_agree(model, rank, world_size)):
