@@ -323,16 +323,6 @@ def make_shared(args: Args, ctx, stop: Event, model: nn.Module, checkpoint: dict
     return shared
 
 
-def blocking_get(q: Queue, shared: Shared):
-    """`q.get()` that gives up when the run stops (wakes once a second to look; no busy wait)."""
-    while True:
-        try:
-            return q.get(timeout=1.0)
-        except queue.Empty:
-            if shared.stop.is_set():
-                raise Stop from None
-
-
 def claim_steps(shared: Shared, batch: int, total: int) -> int:
     """Reserve the agent steps of one rollout within the budget; returns the global step it ends at, 0 if none left."""
     with shared.steps_claimed.get_lock():
@@ -361,7 +351,7 @@ def push(shared: Shared, grads: list[torch.Tensor], update: Update) -> None:
     """Hogwild: apply a gradient to the shared parameters, lock-free, and report it to main. Server: write it into a
     free slot of its worker and queue it for the server (which reports it once applied)."""
     if shared.grad_q is not None:
-        slot = blocking_get(shared.free_slots[update.worker], shared)  # free: the server copied its last gradient
+        slot = blocking(shared.free_slots[update.worker].get, shared.stop)  # free: the server copied its last gradient
         copy_into_flat(shared.grad_slots[update.worker, slot], grads)
         shared.grad_q.put(update._replace(slot=slot))
         return
@@ -1244,6 +1234,19 @@ def main_eval_only(args: Args) -> None:
     except OSError as e:
         fail(f"cannot write {out}: {e.strerror or e}")
     print(f"mean return over {len(returns)} episodes: {report['mean']:.2f} (written to {out})")
+
+
+# -- a wait that ends when the run stops (the scripts whose threads or processes block on queues) --
+
+
+def blocking(method, stop: threading.Event, *item):
+    """A queue's get or put(item) (`method`) that gives up when `stop` is set (it wakes once a second: no busy wait)."""
+    while True:
+        try:
+            return method(*item, timeout=1.0)
+        except (queue.Empty, queue.Full):
+            if stop.is_set():
+                raise Stop from None
 
 
 # -- supervision of local child processes (the scripts that start them) --

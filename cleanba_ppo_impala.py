@@ -369,16 +369,6 @@ class Actor:
     error: str | None = None  # the error line and traceback of the thread, if it died
 
 
-def blocking(method, stop: threading.Event, *item):
-    """A queue's get or put(item) (`method`) that gives up when `stop` is set (it wakes once a second: no busy wait)."""
-    while True:
-        try:
-            return method(*item, timeout=1.0)
-        except (queue.Empty, queue.Full):
-            if stop.is_set():
-                raise Stop from None
-
-
 def flatten(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
     """One flat copy, in logical (NCHW) order whatever the memory format (channels_last params included)."""
     return torch.cat([t.detach().reshape(-1) for t in tensors])
@@ -1225,6 +1215,19 @@ def main_eval_only(args: Args) -> None:
     except OSError as e:
         fail(f"cannot write {out}: {e.strerror or e}")
     print(f"mean return over {len(returns)} episodes: {report['mean']:.2f} (written to {out})")
+
+
+# -- a wait that ends when the run stops (the scripts whose threads or processes block on queues) --
+
+
+def blocking(method, stop: threading.Event, *item):
+    """A queue's get or put(item) (`method`) that gives up when `stop` is set (it wakes once a second: no busy wait)."""
+    while True:
+        try:
+            return method(*item, timeout=1.0)
+        except (queue.Empty, queue.Full):
+            if stop.is_set():
+                raise Stop from None
 
 
 # -- torchrun ranks (the scripts that run under torchrun) --

@@ -201,21 +201,23 @@ def delayed_update(target: nn.Module, behavior: nn.Module, step: Callable[[], di
     return stats
 
 
-def learn(behavior: nn.Module, optimizer: torch.optim.Optimizer, batch: Rollout, args: Args) -> dict[str, float]:
-    """One A2C gradient step of `behavior` on a rollout: obs [T+1, B, ...], actions/rewards/dones [T, B]."""
+def rollout_losses(behavior: nn.Module, batch: Rollout, args: Args) -> dict[str, torch.Tensor]:
+    """The A2C losses of `behavior` on a rollout: obs [T+1, B, ...], actions/rewards/dones [T, B]."""
     T, B = batch.actions.shape
     logits, values = behavior(batch.obs.reshape(-1, *batch.obs.shape[2:]))  # [(T+1) B, A], [(T+1) B]
     values = values.reshape(T + 1, B)
     returns = n_step_returns(batch.rewards, batch.dones, values[T].detach(), args.gamma)  # [T, B]
-    losses = a2c_loss(logits[: T * B], values[:T].reshape(-1), batch.actions.reshape(-1), returns.reshape(-1),
-                      args.vf_coef, args.ent_coef)  # fmt: skip
-    if not torch.isfinite(losses["total_loss"]):
-        raise NonFiniteLoss(f"non-finite loss {losses['total_loss'].item()}")
+    return a2c_loss(logits[: T * B], values[:T].reshape(-1), batch.actions.reshape(-1), returns.reshape(-1),
+                    args.vf_coef, args.ent_coef)  # fmt: skip
+
+
+def gradient_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss: torch.Tensor, max_grad_norm: float):
+    """One optimizer step on `loss`, its gradient clipped to norm max_grad_norm; returns the norm before clipping."""
     optimizer.zero_grad(set_to_none=True)
-    losses["total_loss"].backward()
-    grad_norm = nn.utils.clip_grad_norm_(behavior.parameters(), args.max_grad_norm)
+    loss.backward()
+    grad_norm = nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
     optimizer.step()
-    return {k: v.item() for k, v in losses.items()} | {"grad_norm": grad_norm.item()}
+    return grad_norm
 
 
 def make_optimizer(model: nn.Module, args: Args) -> torch.optim.Optimizer:
@@ -469,10 +471,18 @@ class Learner:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         if not args.sync:
-            return delayed_update(self.target, self.behavior, lambda: learn(self.behavior, self.optimizer, batch, args))
-        stats = learn(self.behavior, self.optimizer, batch, args)
+            return delayed_update(self.target, self.behavior, lambda: self.learn(batch, args))
+        stats = self.learn(batch, args)
         self.target.load_state_dict(self.behavior.state_dict())
         return stats
+
+    def learn(self, batch: Rollout, args: Args) -> dict[str, float]:
+        """One A2C step of `behavior`; a non-finite loss stops the run before the step: the parameters stay finite."""
+        losses = rollout_losses(self.behavior, batch, args)
+        if not torch.isfinite(losses["total_loss"]):
+            raise NonFiniteLoss(f"non-finite loss {losses['total_loss'].item()}")
+        grad_norm = gradient_step(self.behavior, self.optimizer, losses["total_loss"], args.max_grad_norm)
+        return {k: v.item() for k, v in losses.items()} | {"grad_norm": grad_norm.item()}
 
     def save(self, path: Path, args: Args, meta: dict) -> None:
         """Write everything needed to continue the run (atomically); executors reseed per collection."""
@@ -507,36 +517,6 @@ class Record:
             mean_return = np.mean(self.returns) if self.returns else float("nan")
             self.progress.line(learner.global_step, sps, mean_return, f"update={learner.update}/{self.num_collections}")
             self.last_console = time.time()
-
-
-def evaluate(model: nn.Module, args: Args, video_dir: Path, device: torch.device) -> Iterator[float]:
-    """Play `eval_episodes` full games with the final (or --eval-only's saved) policy, unclipped returns; sampled
-    actions (seeded), argmax ones with --eval-greedy; videos to `video_dir` with --capture-video."""
-    env = make_env(args.env_id, args.seed + 10_000, protocol=args.atari_protocol, capture_video=args.capture_video,
-                   video_dir=str(video_dir))  # fmt: skip
-    generator = torch.Generator().manual_seed(args.seed)
-    played = 0
-    obs, _ = env.reset()
-    while played < args.eval_episodes:
-        with torch.no_grad():
-            logits, _ = model(torch.as_tensor(np.asarray(obs)).unsqueeze(0).to(device))
-        uniforms = torch.rand(1, generator=generator)
-        action = logits.argmax(dim=1) if args.eval_greedy else sample_actions(logits.cpu(), uniforms)
-        obs, _, terminated, truncated, info = env.step(int(action.item()))
-        if terminated or truncated:
-            played += 1
-            yield float(info["episode"]["r"])
-            if played < args.eval_episodes:  # no reset after the last game: it would record an empty video
-                obs, _ = env.reset()
-    env.close()
-
-
-def fixed_mmap_threshold(nbytes: int = 4 << 20) -> None:
-    """Serve allocations >= nbytes with mmap, returned to the OS when freed. glibc's default threshold grows up to 32
-    MiB after such frees, and the learner's float frames and activations would then pile up in the heap: its RSS
-    would creep up over a long run."""
-    with contextlib.suppress(OSError, AttributeError):  # not Linux's glibc
-        ctypes.CDLL("libc.so.6").mallopt(-3, nbytes)  # M_MMAP_THRESHOLD; also turns off the dynamic threshold
 
 
 # ---- Main ------------------------------------------------------------------------------------------------------------
@@ -1158,6 +1138,14 @@ def main_eval_only(args: Args) -> None:
 # -- supervision of local child processes (the scripts that start them) --
 
 
+def fixed_mmap_threshold(nbytes: int = 4 << 20) -> None:
+    """Serve allocations >= nbytes with mmap, returned to the OS when freed. glibc's default threshold grows up to 32
+    MiB after such frees, and the learner's float frames and activations would then pile up in the heap: its RSS
+    would creep up over a long run."""
+    with contextlib.suppress(OSError, AttributeError):  # not Linux's glibc
+        ctypes.CDLL("libc.so.6").mallopt(-3, nbytes)  # M_MMAP_THRESHOLD; also turns off the dynamic threshold
+
+
 def child_main(parent_pid: int, target, args: tuple) -> None:
     """A child's first call: the kernel kills it when the main process dies, even by kill -9 (already gone: exit at
     once). Signals are the main process's, which stops children through the stop event: ignored here, then unblocked."""
@@ -1279,6 +1267,28 @@ def saved_model(eval_args: Args, settings: dict, state_dict: dict) -> nn.Module:
     model = make_model(*env_spaces(eval_args), settings["network"])
     model.load_state_dict(state_dict)
     return model
+
+
+def evaluate(model: nn.Module, args: Args, video_dir: Path, device: torch.device) -> Iterator[float]:
+    """Play `eval_episodes` full games with the final (or --eval-only's saved) policy, unclipped returns; sampled
+    actions (seeded), argmax ones with --eval-greedy; videos to `video_dir` with --capture-video."""
+    env = make_env(args.env_id, args.seed + 10_000, protocol=args.atari_protocol, capture_video=args.capture_video,
+                   video_dir=str(video_dir))  # fmt: skip
+    generator = torch.Generator().manual_seed(args.seed)
+    played = 0
+    obs, _ = env.reset()
+    while played < args.eval_episodes:
+        with torch.no_grad():
+            logits, _ = model(torch.as_tensor(np.asarray(obs)).unsqueeze(0).to(device))
+        uniforms = torch.rand(1, generator=generator)
+        action = logits.argmax(dim=1) if args.eval_greedy else sample_actions(logits.cpu(), uniforms)
+        obs, _, terminated, truncated, info = env.step(int(action.item()))
+        if terminated or truncated:
+            played += 1
+            yield float(info["episode"]["r"])
+            if played < args.eval_episodes:  # no reset after the last game: it would record an empty video
+                obs, _ = env.reset()
+    env.close()
 
 
 if __name__ == "__main__":

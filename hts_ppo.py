@@ -232,9 +232,9 @@ def delayed_update(target: nn.Module, behavior: nn.Module, step: Callable[[], di
     return stats
 
 
-def learn(behavior: nn.Module, optimizer: torch.optim.Optimizer, batch: Rollout, args: Args) -> Iterator[dict]:
+def minibatch_losses(behavior: nn.Module, batch: Rollout, args: Args) -> Iterator[dict[str, torch.Tensor]]:
     """PPO epochs of `behavior` on a rollout it collected: obs [T+1, B, ...], actions/rewards/dones [T, B]. Yields
-    each minibatch step's losses and gradient norm (tensors) after its optimizer step."""
+    each minibatch's losses; the caller takes that minibatch's optimizer step before asking for the next."""
     obs, actions, rewards, dones = batch.obs, batch.actions, batch.rewards, batch.dones
     T, B = actions.shape
     flat_obs = obs[:T].reshape(T * B, *obs.shape[2:])  # [T B, ...]: a view of the storage, no copy
@@ -246,9 +246,9 @@ def learn(behavior: nn.Module, optimizer: torch.optim.Optimizer, batch: Rollout,
         # never holds float copies and activations of the whole rollout at once (its memory stays flat)
         all_obs = obs.reshape((T + 1) * B, *obs.shape[2:])  # a view: storages are contiguous
         for start in range(0, (T + 1) * B, minibatch_size):
-            stop = min(start + minibatch_size, (T + 1) * B)
-            logits, values.view(-1)[start:stop] = behavior(all_obs[start:stop])
-            acted = min(stop, T * B) - start  # rows of the bootstrap observations obs[T] have no action
+            end = min(start + minibatch_size, (T + 1) * B)
+            logits, values.view(-1)[start:end] = behavior(all_obs[start:end])
+            acted = min(end, T * B) - start  # rows of the bootstrap observations obs[T] have no action
             if acted > 0:
                 log_probs = torch.log_softmax(logits[:acted], -1)
                 taken = flat_actions[start : start + acted, None]
@@ -261,16 +261,18 @@ def learn(behavior: nn.Module, optimizer: torch.optim.Optimizer, batch: Rollout,
         for start in range(0, T * B, minibatch_size):
             idx = order[start : start + minibatch_size].to(flat_obs.device)
             new_logits, new_values = behavior(flat_obs[idx])
-            losses = ppo_loss(new_logits, new_values, flat_actions[idx], old_log_probs[idx], advantages[idx],
-                              returns[idx], args.clip_coef, args.vf_coef, args.ent_coef,
-                              old_values[idx] if args.clip_vloss else None)  # fmt: skip
-            if not torch.isfinite(losses["total_loss"]):
-                raise NonFiniteLoss(f"non-finite loss {losses['total_loss'].item()}")
-            optimizer.zero_grad(set_to_none=True)
-            losses["total_loss"].backward()
-            grad_norm = nn.utils.clip_grad_norm_(behavior.parameters(), args.max_grad_norm)
-            optimizer.step()
-            yield {**losses, "grad_norm": grad_norm}
+            yield ppo_loss(new_logits, new_values, flat_actions[idx], old_log_probs[idx], advantages[idx], returns[idx],
+                           args.clip_coef, args.vf_coef, args.ent_coef,
+                           old_values[idx] if args.clip_vloss else None)  # fmt: skip
+
+
+def gradient_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss: torch.Tensor, max_grad_norm: float):
+    """One optimizer step on `loss`, its gradient clipped to norm max_grad_norm; returns the norm before clipping."""
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    grad_norm = nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+    optimizer.step()
+    return grad_norm
 
 
 def make_optimizer(model: nn.Module, args: Args) -> torch.optim.Optimizer:
@@ -531,14 +533,18 @@ class Learner:
         return stats
 
     def minibatches(self, batch: Rollout, args: Args, stop: threading.Event) -> dict[str, float]:
-        """learn's minibatch steps, their statistics averaged. A stop request (Ctrl+C, SIGTERM) ends them after the
-        step in progress: the update stands with the steps taken (`self.cut`: how many of how many), so the weights
-        and the optimizer's moments in the final checkpoint are those of one and the same step."""
+        """The update's minibatch steps, their statistics averaged. A non-finite loss stops the run before its step (the
+        parameters stay finite). A stop request (Ctrl+C, SIGTERM) ends them after the step in progress: the update
+        stands with the steps taken (`self.cut`: how many of how many), so the weights and the optimizer's moments in
+        the final checkpoint are those of one and the same step."""
         totals: dict[str, float] = {}
         steps, planned = 0, args.update_epochs * args.num_minibatches
-        for stats in learn(self.behavior, self.optimizer, batch, args):
+        for losses in minibatch_losses(self.behavior, batch, args):
+            if not torch.isfinite(losses["total_loss"]):
+                raise NonFiniteLoss(f"non-finite loss {losses['total_loss'].item()}")
+            grad_norm = gradient_step(self.behavior, self.optimizer, losses["total_loss"], args.max_grad_norm)
             steps += 1
-            for key, value in stats.items():
+            for key, value in (losses | {"grad_norm": grad_norm}).items():
                 totals[key] = totals.get(key, 0.0) + value.item() / planned
             if stop.is_set() and steps < planned:
                 break
@@ -578,36 +584,6 @@ class Record:
             mean_return = np.mean(self.returns) if self.returns else float("nan")
             self.progress.line(learner.global_step, sps, mean_return, f"update={learner.update}/{self.num_collections}")
             self.last_console = time.time()
-
-
-def evaluate(model: nn.Module, args: Args, video_dir: Path, device: torch.device) -> Iterator[float]:
-    """Play `eval_episodes` full games with the final (or --eval-only's saved) policy, unclipped returns; sampled
-    actions (seeded), argmax ones with --eval-greedy; videos to `video_dir` with --capture-video."""
-    env = make_env(args.env_id, args.seed + 10_000, protocol=args.atari_protocol, capture_video=args.capture_video,
-                   video_dir=str(video_dir))  # fmt: skip
-    generator = torch.Generator().manual_seed(args.seed)
-    played = 0
-    obs, _ = env.reset()
-    while played < args.eval_episodes:
-        with torch.no_grad():
-            logits, _ = model(torch.as_tensor(np.asarray(obs)).unsqueeze(0).to(device))
-        uniforms = torch.rand(1, generator=generator)
-        action = logits.argmax(dim=1) if args.eval_greedy else sample_actions(logits.cpu(), uniforms)
-        obs, _, terminated, truncated, info = env.step(int(action.item()))
-        if terminated or truncated:
-            played += 1
-            yield float(info["episode"]["r"])
-            if played < args.eval_episodes:  # no reset after the last game: it would record an empty video
-                obs, _ = env.reset()
-    env.close()
-
-
-def fixed_mmap_threshold(nbytes: int = 4 << 20) -> None:
-    """Serve allocations >= nbytes with mmap, returned to the OS when freed. glibc's default threshold grows up to 32
-    MiB after such frees, and the learner's float frames and activations would then pile up in the heap: its RSS
-    would creep up over a long run."""
-    with contextlib.suppress(OSError, AttributeError):  # not Linux's glibc
-        ctypes.CDLL("libc.so.6").mallopt(-3, nbytes)  # M_MMAP_THRESHOLD; also turns off the dynamic threshold
 
 
 # ---- Main ------------------------------------------------------------------------------------------------------------
@@ -1232,6 +1208,14 @@ def main_eval_only(args: Args) -> None:
 # -- supervision of local child processes (the scripts that start them) --
 
 
+def fixed_mmap_threshold(nbytes: int = 4 << 20) -> None:
+    """Serve allocations >= nbytes with mmap, returned to the OS when freed. glibc's default threshold grows up to 32
+    MiB after such frees, and the learner's float frames and activations would then pile up in the heap: its RSS
+    would creep up over a long run."""
+    with contextlib.suppress(OSError, AttributeError):  # not Linux's glibc
+        ctypes.CDLL("libc.so.6").mallopt(-3, nbytes)  # M_MMAP_THRESHOLD; also turns off the dynamic threshold
+
+
 def child_main(parent_pid: int, target, args: tuple) -> None:
     """A child's first call: the kernel kills it when the main process dies, even by kill -9 (already gone: exit at
     once). Signals are the main process's, which stops children through the stop event: ignored here, then unblocked."""
@@ -1351,6 +1335,28 @@ def saved_model(eval_args: Args, settings: dict, state_dict: dict) -> nn.Module:
     model = make_model(*env_spaces(eval_args), settings["network"])
     model.load_state_dict(state_dict)
     return model
+
+
+def evaluate(model: nn.Module, args: Args, video_dir: Path, device: torch.device) -> Iterator[float]:
+    """Play `eval_episodes` full games with the final (or --eval-only's saved) policy, unclipped returns; sampled
+    actions (seeded), argmax ones with --eval-greedy; videos to `video_dir` with --capture-video."""
+    env = make_env(args.env_id, args.seed + 10_000, protocol=args.atari_protocol, capture_video=args.capture_video,
+                   video_dir=str(video_dir))  # fmt: skip
+    generator = torch.Generator().manual_seed(args.seed)
+    played = 0
+    obs, _ = env.reset()
+    while played < args.eval_episodes:
+        with torch.no_grad():
+            logits, _ = model(torch.as_tensor(np.asarray(obs)).unsqueeze(0).to(device))
+        uniforms = torch.rand(1, generator=generator)
+        action = logits.argmax(dim=1) if args.eval_greedy else sample_actions(logits.cpu(), uniforms)
+        obs, _, terminated, truncated, info = env.step(int(action.item()))
+        if terminated or truncated:
+            played += 1
+            yield float(info["episode"]["r"])
+            if played < args.eval_episodes:  # no reset after the last game: it would record an empty video
+                obs, _ = env.reset()
+    env.close()
 
 
 if __name__ == "__main__":

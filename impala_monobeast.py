@@ -229,11 +229,8 @@ def learner_outputs(model: nn.Module, b: Rollouts) -> tuple[torch.Tensor, torch.
     return logits, values
 
 
-def learn(
-    model: nn.Module, optimizer: torch.optim.Optimizer, batch: Rollouts, args: Args, device: torch.device
-) -> dict:
-    """One V-trace update on a [T + 1, B] batch; returns float metrics (losses, grad norm). A non-finite loss raises
-    NonFiniteLoss before the step, so the parameters (and the next checkpoint) stay finite."""
+def vtrace_losses(model: nn.Module, batch: Rollouts, args: Args, device: torch.device) -> dict[str, torch.Tensor]:
+    """The V-trace actor-critic losses of `model` on a [T + 1, B] batch."""
     b = batch.to(device)
     logits, values = learner_outputs(model, b)
     rewards = b.reward[1:].clamp(-1.0, 1.0) if args.clip_rewards else b.reward[1:]  # raw from the env
@@ -243,14 +240,16 @@ def learn(
     vs, pg_adv = vtrace(behaviour_logprob, target_logprob.detach(), rewards, values[:-1].detach(), b.done[1:],
                         values[-1].detach(), args.gamma, args.vtrace_rho_bar, args.vtrace_c_bar,
                         args.vtrace_pg_rho_bar)  # fmt: skip
-    losses = impala_loss(target_logprob, entropy, values[:-1], vs, pg_adv, args.vf_coef, args.ent_coef)
-    if not torch.isfinite(losses["total_loss"]):
-        raise NonFiniteLoss(f"non-finite loss {losses['total_loss'].item()}")
+    return impala_loss(target_logprob, entropy, values[:-1], vs, pg_adv, args.vf_coef, args.ent_coef)
+
+
+def gradient_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss: torch.Tensor, max_grad_norm: float):
+    """One optimizer step on `loss`, its gradient clipped to norm max_grad_norm; returns the norm before clipping."""
     optimizer.zero_grad(set_to_none=False)
-    losses["total_loss"].backward()
-    losses["grad_norm"] = nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+    loss.backward()
+    grad_norm = nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
     optimizer.step()
-    return {k: v.item() for k, v in losses.items()}
+    return grad_norm
 
 
 # ---- Storage and messages --------------------------------------------------------------------------------------------
@@ -394,16 +393,6 @@ class Queues:
 # ---- Actors and the inference thread ---------------------------------------------------------------------------------
 
 
-def get_or_stop(q: Queue, stop: Event) -> int:
-    """`q.get()` that raises Stop once `stop` is set (it looks once a second: no busy wait)."""
-    while True:
-        try:
-            return q.get(timeout=1.0)
-        except queue.Empty:
-            if stop.is_set():
-                raise Stop from None
-
-
 def policy_step(
     model: nn.Module, obs: torch.Tensor, done: torch.Tensor, last_action: torch.Tensor, reward: torch.Tensor,
     state: LSTMState | None, greedy: bool = False,
@@ -433,7 +422,7 @@ class CopyPolicy:
         """A copy of the LSTM state the next forward pass starts from (None without an LSTM)."""
         return None if self.state is None else (self.state[0].clone(), self.state[1].clone())
 
-    def act(self, b: Buffers, index: int, t: int, stop: Event) -> None:
+    def act(self, b: Buffers, index: int, t: int) -> None:
         """The agent's output at row t of buffer `index` (action, logits, baseline, version), from its inputs there."""
         b.version[index, t] = self.acting.version  # read first: the parameters are at least this new
         inputs = b.obs[index, t], b.done[index, t], b.last_action[index, t], b.reward[index, t]
@@ -454,14 +443,15 @@ class BatchedPolicy:
         i = self.actor_id
         return (self.slots.initial_h[i].clone(), self.slots.initial_c[i].clone()) if self.use_lstm else None
 
-    def act(self, b: Buffers, index: int, t: int, stop: Event) -> None:
+    def act(self, b: Buffers, index: int, t: int) -> None:
+        """The inference thread's output at row t of buffer `index`; Stop if the run stops while it is awaited."""
         i, slots = self.actor_id, self.slots
         for k in ("obs", "done", "last_action", "reward"):
             getattr(slots, k)[i, 0] = getattr(b, k)[index, t]
         start = time.perf_counter()
         self.server.requests.put(i)
         while not self.server.sems[i].acquire(timeout=1.0):
-            if stop.is_set():
+            if self.server.stop.is_set():
                 raise Stop
         self.wait += time.perf_counter() - start
         for k in ("action", "logits", "baseline", "version"):
@@ -486,7 +476,7 @@ def actor_process(
     try:
         for rollout in itertools.count(1):
             start = time.perf_counter()
-            index = get_or_stop(queues.free, stop)
+            index = blocking(queues.free.get, stop)
             free_wait = time.perf_counter() - start
             b.move(index, FREE_QUEUE, actor_id)
             policy.wait = 0.0
@@ -496,7 +486,7 @@ def actor_process(
                 b.initial_h[index].copy_(state[0])
                 b.initial_c[index].copy_(state[1])
             if rollout == 1:
-                policy.act(b, index, 0, stop)
+                policy.act(b, index, 0)
             for t in range(1, T + 1):
                 if stop.is_set():
                     raise Stop
@@ -510,7 +500,7 @@ def actor_process(
                 b.episode_length[index, t].copy_(torch.from_numpy(info["episode"]["l"]))
                 if t == T:  # the next rollout starts from this forward pass
                     state = policy.lstm_state()
-                policy.act(b, index, t, stop)
+                policy.act(b, index, t)
             row = {k: getattr(b, k)[index, T].clone() for k in ROW_KEYS}
             b.actor_id[index], b.rollout[index] = actor_id, rollout
             b.free_wait[index], b.inference_wait[index] = free_wait, policy.wait
@@ -520,33 +510,6 @@ def actor_process(
         pass
     finally:
         envs.close()
-
-
-def evaluate(model: nn.Module, args: Args, video_dir: Path, device: torch.device) -> Iterator[float]:
-    """The true returns of `eval_episodes` full games, with argmax actions under --eval-greedy (TorchBeast's test)."""
-    env = make_env(args.env_id, args.seed + 1_000_003, protocol=args.atari_protocol, capture_video=args.capture_video,
-                   video_dir=str(video_dir))  # fmt: skip
-    torch.manual_seed(args.seed + 1_000_003)
-    played = 0
-    obs, _ = env.reset()
-    done = torch.ones(1, dtype=torch.bool, device=device)
-    last_action = torch.zeros(1, dtype=torch.int64, device=device)
-    reward = torch.zeros(1, device=device)
-    state = model.initial_state(1, device) if model.core is not None else None
-    while played < args.eval_episodes:
-        with torch.inference_mode():
-            obs_t = torch.as_tensor(obs[None], device=device)
-            action, _, _, state = policy_step(model, obs_t, done, last_action, reward, state, args.eval_greedy)
-        obs, r, terminated, truncated, info = env.step(int(action[0]))
-        done.fill_(bool(terminated or truncated))
-        last_action.copy_(action)  # carried into the next game, as in training
-        reward.fill_(r)
-        if terminated or truncated:
-            played += 1
-            yield float(info["episode"]["r"])
-            if played < args.eval_episodes:  # no reset after the last game: it would record an empty video
-                obs, _ = env.reset()
-    env.close()
 
 
 @dataclass
@@ -603,7 +566,7 @@ def get_batch(buffers: Buffers, queues: Queues, batch_size: int, lock: threading
     with lock:  # two learners never deadlock on half batches
         indices = []
         for _ in range(batch_size):
-            index = get_or_stop(queues.full, queues.stop)
+            index = blocking(queues.full.get, queues.stop)
             buffers.move(index, FULL_QUEUE, LEARNER)
             indices.append(index)
     batch = buffers.stack(indices)
@@ -698,7 +661,11 @@ class Learner:
             lr = linear_lr(args.learning_rate, self.global_step, args.total_timesteps)
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
-            metrics = learn(self.model, self.optimizer, batch, args, self.device)
+            losses = vtrace_losses(self.model, batch, args, self.device)
+            if not torch.isfinite(losses["total_loss"]):  # before the step: the parameters and checkpoints stay finite
+                raise NonFiniteLoss(f"non-finite loss {losses['total_loss'].item()}")
+            losses["grad_norm"] = gradient_step(self.model, self.optimizer, losses["total_loss"], args.max_grad_norm)
+            metrics = {k: v.item() for k, v in losses.items()}
             lag = self.updates - batch.version[:-1].double().mean().item()  # row T is the next rollout's row 0
             self.updates += 1
             self.global_step += self.steps_per_update
@@ -1366,6 +1333,19 @@ def main_eval_only(args: Args) -> None:
     print(f"mean return over {len(returns)} episodes: {report['mean']:.2f} (written to {out})")
 
 
+# -- a wait that ends when the run stops (the scripts whose threads or processes block on queues) --
+
+
+def blocking(method, stop: threading.Event, *item):
+    """A queue's get or put(item) (`method`) that gives up when `stop` is set (it wakes once a second: no busy wait)."""
+    while True:
+        try:
+            return method(*item, timeout=1.0)
+        except (queue.Empty, queue.Full):
+            if stop.is_set():
+                raise Stop from None
+
+
 # -- supervision of local child processes (the scripts that start them) --
 
 
@@ -1513,6 +1493,33 @@ def saved_model(args: Args, settings: dict, state_dict: dict) -> nn.Module:
     model = make_model(*env_spaces(args), settings["network"], **model_options(args))
     model.load_state_dict(state_dict)
     return model
+
+
+def evaluate(model: nn.Module, args: Args, video_dir: Path, device: torch.device) -> Iterator[float]:
+    """The true returns of `eval_episodes` full games, with argmax actions under --eval-greedy (TorchBeast's test)."""
+    env = make_env(args.env_id, args.seed + 1_000_003, protocol=args.atari_protocol, capture_video=args.capture_video,
+                   video_dir=str(video_dir))  # fmt: skip
+    torch.manual_seed(args.seed + 1_000_003)
+    played = 0
+    obs, _ = env.reset()
+    done = torch.ones(1, dtype=torch.bool, device=device)
+    last_action = torch.zeros(1, dtype=torch.int64, device=device)
+    reward = torch.zeros(1, device=device)
+    state = model.initial_state(1, device) if model.core is not None else None
+    while played < args.eval_episodes:
+        with torch.inference_mode():
+            obs_t = torch.as_tensor(obs[None], device=device)
+            action, _, _, state = policy_step(model, obs_t, done, last_action, reward, state, args.eval_greedy)
+        obs, r, terminated, truncated, info = env.step(int(action[0]))
+        done.fill_(bool(terminated or truncated))
+        last_action.copy_(action)  # carried into the next game, as in training
+        reward.fill_(r)
+        if terminated or truncated:
+            played += 1
+            yield float(info["episode"]["r"])
+            if played < args.eval_episodes:  # no reset after the last game: it would record an empty video
+                obs, _ = env.reset()
+    env.close()
 
 
 if __name__ == "__main__":

@@ -47,7 +47,6 @@ from torch import nn
 
 import hts_a2c
 import hts_ppo
-from common.models import make_model
 
 MODULES = {"hts_a2c.py": hts_a2c, "hts_ppo.py": hts_ppo}
 REQUIRED_TAGS = [
@@ -282,20 +281,24 @@ def test_evaluation_samples_by_default_and_takes_argmax_actions_with_eval_greedy
 
 
 @pytest.mark.parametrize("module", [hts_a2c, hts_ppo])
-def test_non_finite_loss_stops_before_any_parameter_changes(module):
+@pytest.mark.parametrize("sync", [False, True])
+def test_non_finite_loss_stops_before_any_parameter_changes(module, sync):
+    """The learner checks the loss before the optimizer step: a NaN reward leaves the behavior and target parameters
+    and the optimizer's state as they were."""
     torch.manual_seed(0)
-    obs_space, act_space = gym.spaces.Box(-1, 1, (4,), np.float32), gym.spaces.Discrete(2)
-    model = make_model(obs_space, act_space)
-    before = {k: v.clone() for k, v in model.state_dict().items()}
+    spaces = (gym.spaces.Box(-1, 1, (4,), np.float32), gym.spaces.Discrete(2))
     extra = {"num_minibatches": 1} if module is hts_ppo else {}
-    args = module.Args(env_id="CartPole-v1", num_envs=2, sync_interval=4, **extra)
+    args = module.Args(env_id="CartPole-v1", num_envs=2, sync_interval=4, sync=sync, **extra)
+    learner = module.Learner(args, spaces, torch.device("cpu"), None)
+    before = [copy.deepcopy(m.state_dict()) for m in (learner.behavior, learner.target)]
     batch = module.Rollout(obs=torch.randn(5, 2, 4), actions=torch.zeros(4, 2, dtype=torch.int64),
                            rewards=torch.tensor([[1.0, float("nan")]] * 4), dones=torch.zeros(4, 2))  # fmt: skip
     with pytest.raises(module.NonFiniteLoss, match="non-finite loss"):
-        learned = module.learn(model, module.make_optimizer(model, args), batch, args)
-        if module is hts_ppo:  # its learn yields each minibatch step
-            list(learned)
-    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+        stop = (threading.Event(),) if module is hts_ppo else ()
+        learner.step(batch, args.learning_rate, args, *stop)
+    for model, state in zip((learner.behavior, learner.target), before, strict=True):
+        assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+    assert not learner.optimizer.state_dict()["state"]  # no step taken
 
 
 @pytest.mark.parametrize("sync", [False, True])
@@ -324,7 +327,8 @@ def test_a_stop_request_ends_a_ppo_update_after_the_minibatch_step_in_progress(s
     assert learner.cut == (1, 6) and all(math.isfinite(v) for v in stats.values())
     assert {s["step"].item() for s in learner.optimizer.state_dict()["state"].values()} == {1}
     torch.set_rng_state(rng)  # the same minibatch order
-    next(hts_ppo.learn(reference, hts_ppo.make_optimizer(reference, args), batch, args))
+    first = next(hts_ppo.minibatch_losses(reference, batch, args))
+    hts_ppo.gradient_step(reference, hts_ppo.make_optimizer(reference, args), first["total_loss"], args.max_grad_norm)
     for name, p in reference.state_dict().items():
         assert torch.equal(learner.behavior.state_dict()[name], p)
         expected = p if sync else target[name] + (p - behavior[name])

@@ -4,6 +4,9 @@ Every script ends with a section that starts with the `# ---- run plumbing` bann
 tracking, checkpoints, --eval-only, signals, supervision and error lines. A function or class defined there that two
 or more scripts have must be the same text in all of them, so a fix made in one script is copied to every other; the
 failure names each script and function that drifted from the majority. The names in SCRIPT_SPECIFIC differ by design.
+The algorithm has a contract too: the `# ---- Algorithm` section (losses, returns, updates) uses only what it computes
+with. Stop events, torchrun ranks and all-reduces, the finite check, locks, checkpoint writes and test hooks belong to
+the learner loop, and no plumbing name is defined above the banner.
 These tests read the files as text and syntax trees: nothing is imported or run."""
 
 import ast
@@ -24,6 +27,35 @@ SCRIPT_SPECIFIC = {
     "checkpoint_meta": "what a checkpoint must share with the run that resumes it",
     "saved_model": "how the script builds its model from the saved run's settings",
     "evaluate": "how the script's policy picks an action in the end-of-run evaluation",
+}
+
+# Plumbing that one script alone has, each for the reason given; any other plumbing name is shared by two scripts or
+# more (and then the same text in all of them).
+SCRIPT_ONLY = {
+    "check_resume_world_size": "cleanba: a checkpoint holds every rank's actor state, so a resume keeps the world size",
+    "ranks_agree": "cleanba: the only script whose ranks must agree on a flag value before they start",
+    "end_run": "gala: rank 0 gathers every learner's end (its step, error line, checkpoint) before it ends the run",
+    "averaged_model": "gala: the final model is the average of the learners' parameters (Sec. 4), built at the end",
+    "ignored_flags": "impala: the flags that TorchBeast has and that this script accepts without effect",
+}
+
+# Names the algorithm section may not use (as a name, attribute, argument or keyword), and where each belongs instead.
+NOT_IN_ALGORITHM = {
+    "stop": "a stop event: the learner loop checks it between steps",
+    "Stop": "a stop: the learner loop raises and catches it",
+    "signals": "signal handling: the run's plumbing",
+    "NonFiniteLoss": "the finite check: the learner loop makes it before the optimizer step",
+    "world_size": "torchrun ranks: the learner loop all-reduces",
+    "rank": "torchrun ranks: the learner loop all-reduces",
+    "all_reduce": "torchrun ranks: the learner loop all-reduces",
+    "dist": "torch.distributed: the learner loop",
+    "hold": "a lock helper: the processes that share the buffer",
+    "LockTimeout": "a lock helper: the processes that share the buffer",
+    "Lock": "a lock: the processes or threads that share the state",
+    "learner_delay": "a test hook: the learner loop",
+    "atomic_save": "a checkpoint write: the learner loop",
+    "save": "a checkpoint write: the learner loop",
+    "writer": "recording: the learner loop",
 }
 
 # Every script has these, in its plumbing section, as the same text.
@@ -64,6 +96,86 @@ def drift(texts: dict[str, str]) -> list[str]:
                 shown = [line for line in diff if line[:1] in "+-" and line[:3] not in ("+++", "---")][:4]
                 problems.append(f"{script}: `{name}` differs from the other scripts' text: " + " | ".join(shown))
     return problems
+
+
+def section_lines(text: str, title: str) -> tuple[int, int]:
+    """The first and last line of the `# ---- {title}` section: up to the next `# ---- ` banner."""
+    lines = text.splitlines()
+    heads = [i for i, line in enumerate(lines, 1) if line.startswith("# ---- ")]
+    start = next(i for i in heads if lines[i - 1].startswith(f"# ---- {title} "))
+    return start, min([i for i in heads if i > start], default=len(lines) + 1) - 1
+
+
+def contract_breaches(text: str) -> list[str]:
+    """Each use of a NOT_IN_ALGORITHM name in the algorithm section, as `line N: name (where it belongs)`."""
+    first, last = section_lines(text, "Algorithm")
+    found = set()
+    for node in ast.walk(ast.parse(text)):
+        if not first <= getattr(node, "lineno", 0) <= last:
+            continue
+        name = {ast.Name: "id", ast.Attribute: "attr", ast.arg: "arg", ast.keyword: "arg"}.get(type(node))
+        if name and getattr(node, name) in NOT_IN_ALGORITHM:
+            found.add((node.lineno, getattr(node, name)))
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name in NOT_IN_ALGORITHM:
+            found.add((node.lineno, node.name))
+    return [f"line {n}: {name} ({NOT_IN_ALGORITHM[name]})" for n, name in sorted(found)]
+
+
+def misplaced_plumbing(texts: dict[str, str]) -> list[str]:
+    """A plumbing name (one that some script defines after its banner, or one every script has) defined above a
+    script's banner; and a plumbing name that one script alone has and SCRIPT_ONLY does not give a reason for."""
+    defined_in: dict[str, set[str]] = collections.defaultdict(set)
+    for script, text in texts.items():
+        defined_in.update({name: defined_in[name] | {script} for name in plumbing_of(text)[1]})
+    problems = [
+        f"{next(iter(s))}: `{name}` is plumbing that this script alone has; share it, or give SCRIPT_ONLY its reason"
+        for name, s in sorted(defined_in.items())
+        if len(s) == 1 and name not in SCRIPT_ONLY
+    ]
+    for script, text in sorted(texts.items()):
+        start = plumbing_of(text)[0]
+        for node in ast.parse(text).body:
+            name = getattr(node, "name", None)
+            if node.lineno < start and (name in defined_in or name in EVERY_SCRIPT):
+                problems.append(f"{script}: `{name}` is plumbing, defined above the banner (line {node.lineno})")
+    return problems
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_the_algorithm_section_uses_only_what_it_computes_with(script):
+    breaches = contract_breaches(script.read_text())
+    assert not breaches, f"{script.name}, algorithm section:\n" + "\n".join(breaches)
+
+
+def test_no_plumbing_above_the_banner_and_every_script_only_helper_has_a_reason():
+    problems = misplaced_plumbing({p.name: p.read_text() for p in SCRIPTS})
+    assert not problems, "\n".join(problems)
+
+
+def test_the_contract_checks_name_a_breach_in_an_edited_copy():
+    """The checks themselves can fail: a finite check put back into a loss, a stop event given to it, a plumbing
+    helper moved above the banner, and a new helper in one script's plumbing are each named."""
+    texts = {p.name: p.read_text() for p in SCRIPTS}
+    hts = texts["hts_a2c.py"]
+    loss = ast.get_source_segment(hts, next(n for n in ast.parse(hts).body if getattr(n, "name", "") == "a2c_loss"))
+    checked = loss.replace("    return {", "    if not torch.isfinite(total_loss):\n        raise NonFiniteLoss()\n"
+                                          "    return {", 1)  # fmt: skip
+    breaches = contract_breaches(hts.replace(loss, checked))
+    assert len(breaches) == 1 and breaches[0].endswith(": NonFiniteLoss (" + NOT_IN_ALGORITHM["NonFiniteLoss"] + ")")
+    given = loss.replace("ent_coef: float)", "ent_coef: float, stop=None)", 1)
+    assert [b.split(": ", 1)[1] for b in contract_breaches(hts.replace(loss, given))] == [
+        f"stop ({NOT_IN_ALGORITHM['stop']})"
+    ]
+    start, defs = plumbing_of(hts)
+    moved = hts.replace(defs["fail"], "").replace("# ---- Algorithm", defs["fail"] + "\n\n\n# ---- Algorithm")
+    line = moved.splitlines().index("def fail(message: str) -> NoReturn:") + 1
+    assert misplaced_plumbing(texts | {"hts_a2c.py": moved}) == [
+        f"hts_a2c.py: `fail` is plumbing, defined above the banner (line {line})"
+    ]
+    extra = hts + "\n\ndef our_helper():\n    pass\n"
+    assert misplaced_plumbing(texts | {"hts_a2c.py": extra}) == [
+        "hts_a2c.py: `our_helper` is plumbing that this script alone has; share it, or give SCRIPT_ONLY its reason"
+    ]
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
