@@ -54,7 +54,7 @@ import time
 import traceback
 from collections import deque
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, fields, replace
 from multiprocessing.queues import Queue
 from multiprocessing.sharedctypes import Synchronized
 from multiprocessing.synchronize import Event, Lock
@@ -500,43 +500,28 @@ class Run:
     processes: Processes
     signals: StopSignals
     extra: dict  # what main adds to every checkpoint: the Args, meta and its RNG state
-    writer: torch.utils.tensorboard.SummaryWriter  # imported after the forks: it runs a thread
-    progress: Progress  # the console lines; its run_dir is the run's
+    record: Recorder  # made after the forks: its SummaryWriter runs a thread
     global_step: int
-    start_time: float = field(default_factory=time.time)
-    steps: int = 0  # agent steps of this process (SPS): a resumed run starts at global_step > 0
     updates: int = 0
-    lr: float = 0.0  # of the latest update
     lag: int = 0  # of the latest update
-    returns: deque[float] = field(default_factory=lambda: deque(maxlen=20))
-    pending: list[dict[str, float]] = field(default_factory=list)  # the updates since the last TensorBoard point
 
     def handle(self, update: Update) -> None:
         self.global_step += update.steps
-        self.steps += update.steps
         self.updates += 1
         # the policy lag: updates applied to the shared model between this rollout's pull and this gradient
-        self.lag, self.lr = update.version - 1 - update.pulled, update.lr
-        for ret, length in update.episodes:
-            self.writer.add_scalar("charts/episodic_return", ret, self.global_step)
-            self.writer.add_scalar("charts/episodic_length", length, self.global_step)
-            self.returns.append(ret)
-        values = {"charts/policy_lag": self.lag, **{f"losses/{k}": v for k, v in update.losses.items()}}
-        self.pending.append(values | {f"timing/{k}": v for k, v in update.timing.items()})
-        if len(self.pending) >= self.args.log_frequency:
+        self.lag = update.version - 1 - update.pulled
+        self.record.games((self.global_step, ret, length) for ret, length in update.episodes)
+        self.record.add({"policy_lag": self.lag, "learning_rate": update.lr}, "charts")
+        self.record.add(update.losses, "losses")
+        self.record.add(update.timing, "timing")
+        if self.updates % self.args.log_frequency == 0:
             self.write()
 
     def write(self) -> None:
-        """One TensorBoard point of the averages (and SPS, learning rate) if any update came since the last one."""
-        if not self.pending:
-            return
-        step, n = self.global_step, len(self.pending)
-        for k in self.pending[0]:
-            self.writer.add_scalar(k, sum(p[k] for p in self.pending) / n, step)
-        self.writer.add_scalar("charts/policy_lag_max", max(p["charts/policy_lag"] for p in self.pending), step)
-        self.writer.add_scalar("charts/SPS", self.sps(), step)
-        self.writer.add_scalar("charts/learning_rate", self.lr, step)
-        self.pending = []
+        """One TensorBoard point (the means over the updates since the last one, and the largest lag among them)."""
+        if lags := self.record.values.get("charts/policy_lag"):
+            self.record.add({"charts/policy_lag_max": max(lags)})
+            self.record.point(self.global_step)
 
     def drain(self, timeout: float) -> None:
         """Handle every message on `log_q`, waiting up to `timeout` seconds for the first."""
@@ -559,15 +544,11 @@ class Run:
         """A worker exits once its budget is spent and what it queued is in the pipe (or once the run stops)."""
         return any(p.is_alive() for name, p in self.processes.procs.items() if name.startswith("worker"))
 
-    def sps(self) -> float:
-        return self.steps / max(1e-9, time.time() - self.start_time)
-
-    def console_line(self) -> None:
-        mean_return = np.mean(self.returns) if self.returns else math.nan
-        self.progress.line(self.global_step, self.sps(), mean_return, f"updates={self.updates} policy_lag={self.lag}")
+    def console_line(self, now: bool = False) -> None:
+        self.record.line(self.global_step, f"updates={self.updates} policy_lag={self.lag}", now)
 
     def write_checkpoint(self) -> None:
-        path, shared = self.progress.run_dir / "checkpoint.pt", self.shared
+        path, shared = self.record.progress.run_dir / "checkpoint.pt", self.shared
         if shared.grad_q is not None:
             shared.grad_q.put(SaveCheckpoint(str(path), self.extra))
             return
@@ -596,7 +577,7 @@ class Run:
         failure = failure or self.failure_line()
         server = self.processes.procs.get("gradient server")
         if server is not None and failure is None:
-            path = str(self.progress.run_dir / "checkpoint.pt") if self.args.checkpoint_interval else None
+            path = str(self.record.progress.run_dir / "checkpoint.pt") if self.args.checkpoint_interval else None
             shared.grad_q.put(SaveCheckpoint(path, self.extra, final=True))  # behind the exited workers' gradients
             wait = 5.0 if interrupted else 60.0  # the final checkpoint of a finished run may take a while to write
             self.drain_while(server.is_alive, wait)
@@ -615,7 +596,7 @@ class Run:
         if self.shared.grad_q is not None:
             pull(self.shared, list(self.model.parameters()))
         self.write()
-        self.console_line()
+        self.console_line(now=True)
 
 
 def main(args: Args) -> None:
@@ -667,27 +648,25 @@ def main(args: Args) -> None:
         signals.stop.set()
         processes.stop(grace=0.0)
         raise
-    run = Run(args, model, shared, processes, signals, extra, make_writer(run_dir, args), progress, start_step)
-    failure, last_print, last_checkpoint = None, time.time(), time.time()
+    record = Recorder(make_writer(run_dir, args), progress, args, start_step, window=20)
+    run = Run(args, model, shared, processes, signals, extra, record, start_step)
+    failure, last_checkpoint = None, time.time()
     try:  # log what the workers report, print the console line, write checkpoints and watch the processes
         while run.workers_running() and not signals.stop.is_set():
             run.drain(0.5)
             if failure := run.failure_line():
                 break
-            now = time.time()
-            if now - last_print >= args.log_interval:
-                run.console_line()
-                last_print = now
-            if args.checkpoint_interval and now - last_checkpoint >= args.checkpoint_interval:
+            run.console_line()
+            if args.checkpoint_interval and time.time() - last_checkpoint >= args.checkpoint_interval:
                 run.write_checkpoint()
-                last_checkpoint = now
+                last_checkpoint = time.time()
     except (WriteError, OSError) as e:  # a checkpoint or the TensorBoard events
         failure = error_line(e, run.global_step, signals.signum)[1]
     finally:  # whatever ended the loop, no process outlives it
         failure = run.shut_down(failure)
     code, message = (1, failure) if failure else error_line(Stop(), run.global_step, signals.signum)
     save = run.write_checkpoint if failure is None and shared.grad_q is None else None  # the server wrote its own
-    finish_run(args, run_dir, run.global_step, code, message, signals, progress=progress, writer=run.writer,
+    finish_run(args, run_dir, run.global_step, code, message, signals, progress=progress, writer=record.writer,
                tracker=tracker, checkpoint=save, final_model=lambda: run.model, last_point=run.last_point)  # fmt: skip
 
 
@@ -1095,6 +1074,49 @@ class Progress:
             print(f"      python {script} --resume {checkpoint}")
         if saved := [p for p in (model, checkpoint) if p.exists()]:  # the newer: a resumed run may leave an old model
             print(f"      python {script} --eval-only {max(saved, key=lambda p: p.stat().st_mtime)}", flush=True)
+
+
+class Recorder:
+    """A run's TensorBoard and console record: each game as it ends (charts/episodic_return and _length at its step;
+    the console's mean_return is over the last `window`), scalars by tag (`add`, `timer`: a point is the mean of the
+    values since the last point) with charts/SPS (since this process started), and the console line every
+    --log-interval seconds."""
+
+    def __init__(self, writer, progress: Progress, args, step: int, window: int = 100) -> None:
+        self.writer, self.progress, self.log_interval = writer, progress, args.log_interval
+        self.start, self.last_line, self.returns = (time.time(), step), time.time(), deque(maxlen=window)
+        self.values: dict[str, list[float]] = {}  # tag -> the values given since the last point
+
+    def games(self, games) -> None:
+        """(step, return, length) of each game that ended."""
+        for step, ret, length in games:
+            self.writer.add_scalar("charts/episodic_return", ret, step)
+            self.writer.add_scalar("charts/episodic_length", length, step)
+            self.returns.append(ret)
+
+    def add(self, scalars: dict[str, float], group: str = "") -> None:
+        for name, value in scalars.items():
+            self.values.setdefault(f"{group}/{name}" if group else name, []).append(value)
+
+    @contextlib.contextmanager
+    def timer(self, name: str):
+        start = time.perf_counter()
+        yield
+        self.add({f"timing/{name}": time.perf_counter() - start})
+
+    def point(self, step: int) -> None:
+        for tag, values in (self.values | {"charts/SPS": [self.sps(step)]}).items():
+            self.writer.add_scalar(tag, sum(values) / len(values), step)
+        self.values = {}
+
+    def line(self, step: int, details: str = "", now: bool = False) -> None:
+        if now or time.time() - self.last_line >= self.log_interval:
+            mean_return = float(np.mean(self.returns)) if self.returns else math.nan
+            self.progress.line(step, self.sps(step), mean_return, details)
+            self.last_line = time.time()
+
+    def sps(self, step: int) -> float:
+        return (step - self.start[1]) / max(time.time() - self.start[0], 1e-9)
 
 
 def given_flags(args: Args) -> set[str]:

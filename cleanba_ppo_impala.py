@@ -560,43 +560,26 @@ class Learner:
         return copy.deepcopy(state)
 
 
-class UpdateLog:
-    """Rank 0's record of the run: the start line, every update's scalars to TensorBoard, the console line every
-    --log-interval seconds (mean_return: the last 20 finished games), and with --checkpoint-interval a snapshot after
-    every update (`last`), written atomically every interval and by `close`; `progress` prints the run's summary."""
+def start_record(args: Args, run_dir: Path, world_size: int, learner: Learner, network: str) -> Recorder:
+    """Rank 0's record of the run, from its start line (the plan); the console's mean_return is over the last 20
+    games."""
+    writer = make_writer(run_dir, args)
+    writer.add_text("world_size", str(world_size))  # the ranks' envs all count in the global step
+    plan = f"{learner.plan}; an update is {world_size} rank(s) x {args.num_envs} envs x {args.num_steps} steps"
+    mode = f"{'sync' if args.sync else 'cleanba'} {args.algo}, {network} network, {learner.device}"
+    progress = Progress(run_dir, learner.num_updates * learner.steps_per_update, f"{plan}; {mode}")
+    return Recorder(writer, progress, args, learner.global_step, window=20)
 
-    def __init__(self, args: Args, run_dir: Path, world_size: int, learner: Learner, network: str):
-        self.writer = make_writer(run_dir, args)
-        self.writer.add_text("world_size", str(world_size))  # the ranks' envs all count in the global step
-        self.args, self.start_step = args, learner.global_step
-        self.returns: deque[float] = deque(maxlen=20)
-        self.start_time = self.last_print = self.written_at = time.time()
-        self.checkpoint = run_dir / "checkpoint.pt" if args.checkpoint_interval else None
-        self.last = learner.snapshot() if self.checkpoint else None
-        plan = f"{learner.plan}; an update is {world_size} rank(s) x {args.num_envs} envs x {args.num_steps} steps"
-        mode = f"{'sync' if args.sync else 'cleanba'} {args.algo}, {network} network, {learner.device}"
-        self.progress = Progress(run_dir, learner.num_updates * learner.steps_per_update, f"{plan}; {mode}")
 
-    def write(self, scalars: dict[str, float], episodes: list[tuple[float, int]], learner: Learner) -> None:
-        step = learner.global_step
-        sps = (step - self.start_step) / (time.time() - self.start_time)
-        for ret, length in episodes:
-            self.writer.add_scalar("charts/episodic_return", ret, step)
-            self.writer.add_scalar("charts/episodic_length", length, step)
-            self.returns.append(ret)
-        for tag, value in (scalars | {"charts/SPS": sps}).items():
-            self.writer.add_scalar(tag, value, step)
-        if time.time() - self.last_print >= self.args.log_interval or learner.update == learner.num_updates:
-            mean_return = np.mean(self.returns) if self.returns else math.nan
-            update = f"update={learner.update}/{learner.num_updates} policy_lag={scalars['charts/policy_lag']}"
-            rollout_wait, param_wait = scalars["timing/rollout_queue_get"], scalars["timing/param_queue_get"]
-            self.progress.line(step, sps, mean_return, f"{update} {rollout_wait=:.3f} {param_wait=:.3f}")
-            self.last_print = time.time()
-        if self.checkpoint is not None:
-            self.last = learner.snapshot()
-            if time.time() - self.written_at >= self.args.checkpoint_interval:
-                atomic_save(self.last, self.checkpoint)
-                self.written_at = time.time()
+def record_update(record: Recorder, learner: Learner, scalars: dict[str, float], episodes: list) -> None:
+    """Every update's games and scalars to TensorBoard; the console line with its policy lag and queue waits."""
+    step, lag = learner.global_step, scalars["charts/policy_lag"]
+    record.games((step, ret, length) for ret, length in episodes)
+    record.add(scalars)
+    record.point(step)
+    waits = f"rollout_wait={scalars['timing/rollout_queue_get']:.3f} param_wait={scalars['timing/param_queue_get']:.3f}"
+    record.line(step, f"update={learner.update}/{learner.num_updates} policy_lag={lag} {waits}",
+                now=learner.update == learner.num_updates)  # fmt: skip
 
 
 # ---- Main ----
@@ -638,7 +621,7 @@ def main(args: Args) -> None:
     if rank == 0:  # under torchrun the other ranks are stopped by torchrun when this one exits 2
         run_dir = Path(args.resume).parent if args.resume else new_run_dir(args)
         write_run_args(run_dir, args, meta)
-        tracker = start_tracking(args, run_dir)  # before UpdateLog's SummaryWriter
+        tracker = start_tracking(args, run_dir)  # before the record's SummaryWriter
 
     device = init_torch(args, rank, world_size)
     model = make_model(obs_space, act_space, meta["network"]).to(device)
@@ -650,7 +633,9 @@ def main(args: Args) -> None:
     requested = threading.Event() if world_size > 1 else stop
     signals, code, message, keep_last = StopSignals(requested), 0, None, False  # before the start line (a signal)
     who = f"rank {rank}" if world_size > 1 else "the learner"
-    log = UpdateLog(args, run_dir, world_size, learner, meta["network"]) if rank == 0 else None
+    record = start_record(args, run_dir, world_size, learner, meta["network"]) if rank == 0 else None
+    # rank 0, with --checkpoint-interval: the last whole update's state, the checkpoint a stop or a lost rank writes
+    last, written_at = (learner.snapshot(), time.time()) if record and args.checkpoint_interval else (None, 0.0)
     remaining = learner.num_updates - learner.update
     work = (device, remaining, args.sync, stop)  # actor_thread's arguments after its Actor
     threads = [
@@ -662,8 +647,13 @@ def main(args: Args) -> None:
             thread.start()
         for j in range(1, remaining + 1):
             scalars, episodes = learner.train(stop, requested)
-            if log is not None:
-                log.write(scalars, episodes, learner)
+            if record is not None:
+                record_update(record, learner, scalars, episodes)
+            if last is not None:
+                last = learner.snapshot()
+                if time.time() - written_at >= args.checkpoint_interval:
+                    atomic_save(last, run_dir / "checkpoint.pt")
+                    written_at = time.time()
             if stop.is_set():
                 break
             if j <= remaining - (1 if args.sync else 2):  # only parameters an actor will read (it skips its 2nd get)
@@ -683,10 +673,10 @@ def main(args: Args) -> None:
         code, message = 1, error
     if code == 0 and world_size > 1 and (error := ranks_agree(model, rank, world_size)):
         code, message = 1, error
-    save = (lambda: atomic_save(log.last, log.checkpoint)) if log and log.last and (code != 1 or keep_last) else None
-    finish_run(args, run_dir, learner.global_step, code, message, signals, progress=log and log.progress,
-               writer=log and log.writer, tracker=tracker, checkpoint=save, final_model=log and (lambda: model),
-               device=device, threads=threads, teardown=world_size == 1)  # fmt: skip
+    save = (lambda: atomic_save(last, run_dir / "checkpoint.pt")) if last and (code != 1 or keep_last) else None
+    finish_run(args, run_dir, learner.global_step, code, message, signals, progress=record and record.progress,
+               writer=record and record.writer, tracker=tracker, checkpoint=save, device=device, threads=threads,
+               final_model=record and (lambda: model), teardown=world_size == 1)  # fmt: skip
 
 
 # ---- run plumbing ------------------------------------------------------------------------------------------------
@@ -1076,6 +1066,49 @@ class Progress:
             print(f"      python {script} --resume {checkpoint}")
         if saved := [p for p in (model, checkpoint) if p.exists()]:  # the newer: a resumed run may leave an old model
             print(f"      python {script} --eval-only {max(saved, key=lambda p: p.stat().st_mtime)}", flush=True)
+
+
+class Recorder:
+    """A run's TensorBoard and console record: each game as it ends (charts/episodic_return and _length at its step;
+    the console's mean_return is over the last `window`), scalars by tag (`add`, `timer`: a point is the mean of the
+    values since the last point) with charts/SPS (since this process started), and the console line every
+    --log-interval seconds."""
+
+    def __init__(self, writer, progress: Progress, args, step: int, window: int = 100) -> None:
+        self.writer, self.progress, self.log_interval = writer, progress, args.log_interval
+        self.start, self.last_line, self.returns = (time.time(), step), time.time(), deque(maxlen=window)
+        self.values: dict[str, list[float]] = {}  # tag -> the values given since the last point
+
+    def games(self, games) -> None:
+        """(step, return, length) of each game that ended."""
+        for step, ret, length in games:
+            self.writer.add_scalar("charts/episodic_return", ret, step)
+            self.writer.add_scalar("charts/episodic_length", length, step)
+            self.returns.append(ret)
+
+    def add(self, scalars: dict[str, float], group: str = "") -> None:
+        for name, value in scalars.items():
+            self.values.setdefault(f"{group}/{name}" if group else name, []).append(value)
+
+    @contextlib.contextmanager
+    def timer(self, name: str):
+        start = time.perf_counter()
+        yield
+        self.add({f"timing/{name}": time.perf_counter() - start})
+
+    def point(self, step: int) -> None:
+        for tag, values in (self.values | {"charts/SPS": [self.sps(step)]}).items():
+            self.writer.add_scalar(tag, sum(values) / len(values), step)
+        self.values = {}
+
+    def line(self, step: int, details: str = "", now: bool = False) -> None:
+        if now or time.time() - self.last_line >= self.log_interval:
+            mean_return = float(np.mean(self.returns)) if self.returns else math.nan
+            self.progress.line(step, self.sps(step), mean_return, details)
+            self.last_line = time.time()
+
+    def sps(self, step: int) -> float:
+        return (step - self.start[1]) / max(time.time() - self.start[0], 1e-9)
 
 
 def given_flags(args: Args) -> set[str]:

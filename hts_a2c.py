@@ -117,8 +117,8 @@ class Args:
     log_interval: float = 10.0
     """seconds between console lines"""
     log_frequency: int = 10
-    """updates per TensorBoard point of the losses, timings, policy lag, learning rate and SPS (that update's values,
-    not averaged over the updates between)"""
+    """updates per TensorBoard point of the losses, timings, policy lag, learning rate and SPS (each point the mean
+    over those updates)"""
     torch_threads: int = 0
     """torch intra-op threads of the learner (0 = the cores not taken by executors and actors, at least 1)"""
 
@@ -491,34 +491,6 @@ class Learner:
                      "rng": {"torch": torch.get_rng_state()}, "args": asdict(args), "meta": meta}, path)  # fmt: skip
 
 
-class Record:
-    """The learner's record: episodes as they end; losses, charts and timings every `log_frequency` updates and after
-    the last (that update's values); a console line every `log_interval` seconds and after the last update."""
-
-    def __init__(self, writer, args: Args, global_step: int, num_collections: int, progress: Progress) -> None:
-        self.writer, self.args, self.num_collections, self.progress = writer, args, num_collections, progress
-        self.start_step, self.start_time, self.last_console = global_step, time.time(), time.time()
-        self.returns: deque[float] = deque(maxlen=100)
-
-    def episodes(self, episodes: list[Episode]) -> None:
-        for e in episodes:
-            self.writer.add_scalar("charts/episodic_return", e.episodic_return, e.step)
-            self.writer.add_scalar("charts/episodic_length", e.length, e.step)
-            self.returns.append(e.episodic_return)
-
-    def update(self, learner: Learner, losses: dict, charts: dict, timing: dict) -> None:
-        last = learner.update == self.num_collections
-        sps = (learner.global_step - self.start_step) / max(time.time() - self.start_time, 1e-9)
-        if learner.update % self.args.log_frequency == 0 or last:
-            for group, scalars in (("losses", losses), ("charts", charts | {"SPS": sps}), ("timing", timing)):
-                for name, value in scalars.items():
-                    self.writer.add_scalar(f"{group}/{name}", value, learner.global_step)
-        if last or time.time() - self.last_console >= self.args.log_interval:
-            mean_return = np.mean(self.returns) if self.returns else float("nan")
-            self.progress.line(learner.global_step, sps, mean_return, f"update={learner.update}/{self.num_collections}")
-            self.last_console = time.time()
-
-
 # ---- Main ------------------------------------------------------------------------------------------------------------
 
 
@@ -554,12 +526,12 @@ def main(args: Args) -> None:
     try:
         tracker = start_tracking(args, run_dir)  # after the forks: no worker inherits wandb's threads and pipes
         writer = make_writer(run_dir, args)
-        record, last_checkpoint = Record(writer, args, learner.global_step, num_collections, progress), time.time()
+        record, last_checkpoint = Recorder(writer, progress, args, learner.global_step), time.time()
         workers.start_collection(learner.update)
         while learner.update < num_collections:
             j = learner.update
             episodes, timing = workers.wait_collection(j, signals.stop)
-            record.episodes(episodes)
+            record.games(episodes)
             # Storage j % 2 holds D_j, collected by the published parameters: they become the behavior copy.
             batch, behavior_version = shared.rollout(j, device)
             learner.behavior.load_state_dict(shared.policy.state_dict())
@@ -567,17 +539,21 @@ def main(args: Args) -> None:
                 shared.publish(learner.target, learner.update)
                 workers.start_collection(j + 1)
             lr = args.learning_rate * (1.0 - j / num_collections if args.anneal_lr else 1.0)
-            learn_start = time.perf_counter()
-            losses = learner.step(batch, lr, args)
-            timing["learner_update"] = time.perf_counter() - learn_start
+            with record.timer("learner_update"):
+                losses = learner.step(batch, lr, args)
             # policy lag: updates between the policy that acted and the one updated
-            charts = {"policy_lag": learner.update - behavior_version, "learning_rate": lr}
+            record.add({"policy_lag": learner.update - behavior_version, "learning_rate": lr}, "charts")
             learner.update += 1
             learner.global_step += steps_per_collection
             if args.sync:  # the executors waited for the new parameters
                 shared.publish(learner.target, learner.update)
                 workers.start_collection(j + 1)
-            record.update(learner, losses, charts, timing | {"actor_wait_requests": shared.actor_wait.mean().item()})
+            record.add(losses, "losses")
+            record.add(timing | {"actor_wait_requests": shared.actor_wait.mean().item()}, "timing")
+            done = learner.update == num_collections
+            if learner.update % args.log_frequency == 0 or done:
+                record.point(learner.global_step)
+            record.line(learner.global_step, f"update={learner.update}/{num_collections}", now=done)
             if args.checkpoint_interval > 0 and time.time() - last_checkpoint >= args.checkpoint_interval:
                 learner.save(checkpoint_path, args, meta)
                 last_checkpoint = time.time()
@@ -994,6 +970,49 @@ class Progress:
             print(f"      python {script} --resume {checkpoint}")
         if saved := [p for p in (model, checkpoint) if p.exists()]:  # the newer: a resumed run may leave an old model
             print(f"      python {script} --eval-only {max(saved, key=lambda p: p.stat().st_mtime)}", flush=True)
+
+
+class Recorder:
+    """A run's TensorBoard and console record: each game as it ends (charts/episodic_return and _length at its step;
+    the console's mean_return is over the last `window`), scalars by tag (`add`, `timer`: a point is the mean of the
+    values since the last point) with charts/SPS (since this process started), and the console line every
+    --log-interval seconds."""
+
+    def __init__(self, writer, progress: Progress, args, step: int, window: int = 100) -> None:
+        self.writer, self.progress, self.log_interval = writer, progress, args.log_interval
+        self.start, self.last_line, self.returns = (time.time(), step), time.time(), deque(maxlen=window)
+        self.values: dict[str, list[float]] = {}  # tag -> the values given since the last point
+
+    def games(self, games) -> None:
+        """(step, return, length) of each game that ended."""
+        for step, ret, length in games:
+            self.writer.add_scalar("charts/episodic_return", ret, step)
+            self.writer.add_scalar("charts/episodic_length", length, step)
+            self.returns.append(ret)
+
+    def add(self, scalars: dict[str, float], group: str = "") -> None:
+        for name, value in scalars.items():
+            self.values.setdefault(f"{group}/{name}" if group else name, []).append(value)
+
+    @contextlib.contextmanager
+    def timer(self, name: str):
+        start = time.perf_counter()
+        yield
+        self.add({f"timing/{name}": time.perf_counter() - start})
+
+    def point(self, step: int) -> None:
+        for tag, values in (self.values | {"charts/SPS": [self.sps(step)]}).items():
+            self.writer.add_scalar(tag, sum(values) / len(values), step)
+        self.values = {}
+
+    def line(self, step: int, details: str = "", now: bool = False) -> None:
+        if now or time.time() - self.last_line >= self.log_interval:
+            mean_return = float(np.mean(self.returns)) if self.returns else math.nan
+            self.progress.line(step, self.sps(step), mean_return, details)
+            self.last_line = time.time()
+
+    def sps(self, step: int) -> float:
+        return (step - self.start[1]) / max(time.time() - self.start[0], 1e-9)
 
 
 def given_flags(args: Args) -> set[str]:

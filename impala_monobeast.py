@@ -627,12 +627,8 @@ class Learner:
             self.inference = InferenceServer(
                 self.acting, slots, RequestPipe(), sems, max_actors, device, self.queues.stop, self.failures
             )
-        self.writer = None  # a SummaryWriter, made once the actors run (its thread is not forked)
-        self.progress: Progress | None = None  # made with the writer: the start line, console lines and summary
+        self.record: Recorder | None = None  # made once the actors run (its SummaryWriter's thread is not forked)
         self.learn_lock, self.batch_lock = threading.Lock(), threading.Lock()
-        self.recent_returns: deque[float] = deque(maxlen=50)
-        self.last_print = self.last_checkpoint = time.time()
-        self.start = (time.time(), self.global_step)  # where this process started counting SPS
 
     def run(self, thread_id: int) -> None:
         """One learner thread: updates until the budget is spent or the run stops."""
@@ -675,31 +671,33 @@ class Learner:
             if self.inference is not None:
                 timing["inference_wait"] = batch.inference_wait.mean().item()
                 timing["inference_batch_size"] = self.inference.envs / max(1, self.inference.batches)
-            self.log(batch, lr, lag, metrics, timing)
+            ends = batch.episode_end[1:]  # row 0 repeats the previous rollout's last row
+            games = zip(batch.episode_return[1:][ends].tolist(), batch.episode_length[1:][ends].tolist(), strict=True)
+            self.record.games((self.global_step, ret, length) for ret, length in games)
+            self.record.add({"policy_lag": lag, "learning_rate": lr}, "charts")
+            self.record.add(metrics, "losses")
+            self.record.add(timing, "timing")
+            self.record.point(self.global_step)
+            self.record.line(self.global_step, f"update={self.updates}/{self.num_updates} policy_lag={lag:.1f} "
+                             f"batch_wait={batch_wait:.3f}s train={timing['train']:.3f}s",
+                             now=self.updates == self.num_updates)  # fmt: skip
         return True
 
-    def log(self, batch: Rollouts, lr: float, lag: float, metrics: dict[str, float], timing: dict[str, float]) -> None:
-        """TensorBoard for this update and the games that ended in its batch; the console line and checkpoint if due."""
-        step, now, writer = self.global_step, time.time(), self.writer
-        sps = (step - self.start[1]) / (now - self.start[0])
-        ends = batch.episode_end[1:]  # row 0 repeats the previous rollout's last row
-        returns = batch.episode_return[1:][ends].tolist()
-        for ret, length in zip(returns, batch.episode_length[1:][ends].tolist(), strict=True):
-            writer.add_scalar("charts/episodic_return", ret, step)
-            writer.add_scalar("charts/episodic_length", length, step)
-        scalars = {"charts/policy_lag": lag, "charts/SPS": sps, "charts/learning_rate": lr}
-        scalars |= {f"losses/{k}": v for k, v in metrics.items()} | {f"timing/{k}": v for k, v in timing.items()}
-        for tag, value in scalars.items():
-            writer.add_scalar(tag, value, step)
-        self.recent_returns.extend(returns)
-        if now - self.last_print >= self.args.log_interval or self.updates == self.num_updates:
-            mean_return = np.mean(self.recent_returns) if self.recent_returns else math.nan
-            self.progress.line(step, sps, mean_return, f"update={self.updates}/{self.num_updates} policy_lag={lag:.1f} "
-                               f"batch_wait={timing['full_queue_get']:.3f}s train={timing['train']:.3f}s")  # fmt: skip
-            self.last_print = now
-        if self.args.checkpoint_interval and now - self.last_checkpoint >= self.args.checkpoint_interval:
-            self.save_checkpoint()
-            self.last_checkpoint = now
+    def watch(self, actors: Processes, learner_threads: list[threading.Thread]) -> None:
+        """The main thread while the learner threads train: a dead actor stops the run, and a checkpoint is written
+        every --checkpoint-interval seconds, between two updates."""
+        written = time.time()
+        try:
+            while not self.queues.stop.is_set() and any(t.is_alive() for t in learner_threads):
+                if died := actors.wait(timeout=1.0):
+                    self.failures.insert(0, f"error: {died}")  # an exception's traceback: the actor printed it
+                    return
+                if self.args.checkpoint_interval and time.time() - written >= self.args.checkpoint_interval:
+                    with self.learn_lock:
+                        self.save_checkpoint()
+                    written = time.time()
+        except WriteError as e:
+            self.failures.append(error_line(e, self.global_step, 0)[1])
 
     def save_checkpoint(self) -> None:
         state = dict(model=self.model.state_dict(), optimizer=self.optimizer.state_dict(), update=self.updates,
@@ -754,22 +752,19 @@ def main(args: Args) -> None:
         actors.start(f"actor-{i}", actor_process, i, args, env_seed + N * i, learner.buffers, queues, policy)
     try:
         tracker = start_tracking(args, run_dir)  # after the fork: no actor inherits wandb's threads and pipes
-        learner.writer = make_writer(run_dir, args)  # after wandb.init, which patches TensorBoard
-        learner.progress = Progress(
+        progress = Progress(
             run_dir, learner.num_updates * learner.steps_per_update,
             f"{learner.plan}, {args.num_actors} actors x {N} envs, {args.inference} inference, {meta['network']} "
             f"network{' + LSTM' if args.use_lstm else ''}, {args.num_buffers} buffers, {learner.device}",
         )  # fmt: skip
+        # the SummaryWriter after wandb.init, which patches TensorBoard; mean_return over the last 50 games
+        learner.record = Recorder(make_writer(run_dir, args), progress, args, learner.global_step, window=50)
         threads += [threading.Thread(target=learner.run, args=(j,), name=f"learner-{j}", daemon=True)
                     for j in range(args.num_learner_threads)]  # fmt: skip
         threads += [threading.Thread(target=inference.run, name="inference", daemon=True)] if inference else []
         for t in threads:
             t.start()
-        # the learner threads train; the main thread watches them and the actors
-        while not queues.stop.is_set() and any(t.is_alive() for t in threads[: args.num_learner_threads]):
-            if died := actors.wait(timeout=1.0):
-                learner.failures.insert(0, f"error: {died}")  # an exception's traceback: the actor printed it
-                break
+        learner.watch(actors, threads[: args.num_learner_threads])
     finally:  # every wait looks at the stop event once a second; the inference thread, in a read of its pipe, is woken
         queues.stop.set()
         if inference is not None:
@@ -783,9 +778,10 @@ def main(args: Args) -> None:
             inference.requests.close()
     failure = learner.failures[0] if learner.failures else None
     code, message = (1, failure) if failure else error_line(Stop(), learner.global_step, signals.signum)
-    finish_run(args, run_dir, learner.global_step, code, message, signals, progress=learner.progress,
-               writer=learner.writer, tracker=tracker, checkpoint=learner.save_checkpoint if failure is None else None,
-               final_model=lambda: learner.model, device=learner.device, threads=threads)  # fmt: skip
+    record, save = learner.record, learner.save_checkpoint if failure is None else None
+    finish_run(args, run_dir, learner.global_step, code, message, signals, progress=record and record.progress,
+               writer=record and record.writer, tracker=tracker, checkpoint=save, final_model=lambda: learner.model,
+               device=learner.device, threads=threads)  # fmt: skip
 
 
 # ---- run plumbing ------------------------------------------------------------------------------------------------
@@ -1192,6 +1188,49 @@ class Progress:
             print(f"      python {script} --resume {checkpoint}")
         if saved := [p for p in (model, checkpoint) if p.exists()]:  # the newer: a resumed run may leave an old model
             print(f"      python {script} --eval-only {max(saved, key=lambda p: p.stat().st_mtime)}", flush=True)
+
+
+class Recorder:
+    """A run's TensorBoard and console record: each game as it ends (charts/episodic_return and _length at its step;
+    the console's mean_return is over the last `window`), scalars by tag (`add`, `timer`: a point is the mean of the
+    values since the last point) with charts/SPS (since this process started), and the console line every
+    --log-interval seconds."""
+
+    def __init__(self, writer, progress: Progress, args, step: int, window: int = 100) -> None:
+        self.writer, self.progress, self.log_interval = writer, progress, args.log_interval
+        self.start, self.last_line, self.returns = (time.time(), step), time.time(), deque(maxlen=window)
+        self.values: dict[str, list[float]] = {}  # tag -> the values given since the last point
+
+    def games(self, games) -> None:
+        """(step, return, length) of each game that ended."""
+        for step, ret, length in games:
+            self.writer.add_scalar("charts/episodic_return", ret, step)
+            self.writer.add_scalar("charts/episodic_length", length, step)
+            self.returns.append(ret)
+
+    def add(self, scalars: dict[str, float], group: str = "") -> None:
+        for name, value in scalars.items():
+            self.values.setdefault(f"{group}/{name}" if group else name, []).append(value)
+
+    @contextlib.contextmanager
+    def timer(self, name: str):
+        start = time.perf_counter()
+        yield
+        self.add({f"timing/{name}": time.perf_counter() - start})
+
+    def point(self, step: int) -> None:
+        for tag, values in (self.values | {"charts/SPS": [self.sps(step)]}).items():
+            self.writer.add_scalar(tag, sum(values) / len(values), step)
+        self.values = {}
+
+    def line(self, step: int, details: str = "", now: bool = False) -> None:
+        if now or time.time() - self.last_line >= self.log_interval:
+            mean_return = float(np.mean(self.returns)) if self.returns else math.nan
+            self.progress.line(step, self.sps(step), mean_return, details)
+            self.last_line = time.time()
+
+    def sps(self, step: int) -> float:
+        return (step - self.start[1]) / max(time.time() - self.start[0], 1e-9)
 
 
 def given_flags(args: Args) -> set[str]:
