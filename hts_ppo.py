@@ -206,9 +206,9 @@ def ppo_loss(logits: torch.Tensor, values: torch.Tensor, actions: torch.Tensor, 
     total_loss = policy_loss + vf_coef * value_loss - ent_coef * entropy
     with torch.no_grad():
         approx_kl = ((ratio - 1.0) - log_ratio).mean()  # k3 estimator of KL(old || new)
-        clip_fraction = ((ratio - 1.0).abs() > clip_coef).float().mean()
+        clipfrac = ((ratio - 1.0).abs() > clip_coef).float().mean()
     return {"policy_loss": policy_loss, "value_loss": value_loss, "entropy": entropy, "total_loss": total_loss,
-            "approx_kl": approx_kl, "clip_fraction": clip_fraction}  # fmt: skip
+            "approx_kl": approx_kl, "clipfrac": clipfrac}  # fmt: skip
 
 
 def sample_actions(logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:

@@ -29,6 +29,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
 
 # the tags every script must write (the conventions every script follows); each test file adds its script's own
 CORE_TAGS = [
@@ -111,6 +112,29 @@ def assert_finite_tags(logged, tags):
     for tag in tags:
         assert tag in logged, (tag, sorted(logged))
         assert all(math.isfinite(v) for _, v in logged[tag]), tag
+
+
+# the tags every script logs (README, "Shared flags and the run directory"); a script's own are in the README's table
+SHARED_TAGS = {
+    "charts/episodic_return", "charts/episodic_length", "charts/SPS", "charts/learning_rate", "charts/policy_lag",
+    "losses/policy_loss", "losses/value_loss", "losses/entropy", "losses/total_loss", "losses/grad_norm",
+    "eval/episodic_return",
+}  # fmt: skip
+
+
+def documented_tags(script: str) -> set[str]:
+    """The tags README.md's tags-by-script table lists for `script`, with those of a script its row refers to."""
+    table = README.read_text().split("<!-- tags-by-script -->")[1].split("<!-- /tags-by-script -->")[0]
+    cell = dict(re.findall(r"^\| `(\w+\.py)` \| (.*) \|$", table, re.MULTILINE))[script]
+    tags = set(re.findall(r"`([a-z_]+/[\w{}]+)`", cell))
+    return tags.union(*(documented_tags(other) for other in re.findall(r"`(\w+\.py)`", cell)))
+
+
+def assert_documented_tags(script: str, logged) -> None:
+    """Every tag the run logged (`logged` from scalars()) is a shared one or in the README's row for `script`: a
+    researcher finds what a tag is without reading the code. Per-learner tags are listed as `..._{i}`."""
+    undocumented = sorted({re.sub(r"_\d+$", "_{i}", tag) for tag in logged} - SHARED_TAGS - documented_tags(script))
+    assert not undocumented, f"README.md's tags-by-script table does not list {script}'s {undocumented}"
 
 
 def children_of(pid):

@@ -29,6 +29,7 @@ from helpers import (
     FixedLogitsPolicy,
     RecordingEnv,
     alive,
+    assert_documented_tags,
     assert_eval_only_refusals,
     assert_finite_tags,
     assert_tracked_once,
@@ -293,6 +294,7 @@ REQUIRED_TAGS = [*CORE_TAGS, "timing/pull", "timing/rollout", "timing/train"]
 def check_tags(logged, update, skip=()):
     apply_tag = "timing/push" if update == "hogwild" else "timing/server_apply"
     assert_finite_tags(logged, [t for t in [*REQUIRED_TAGS, apply_tag, "charts/policy_lag_max"] if t not in skip])
+    assert_documented_tags("a3c_large_batch.py", logged)
 
 
 def mean_lag(logged, updates: int, log_frequency: int) -> float:

@@ -34,6 +34,7 @@ from helpers import (
     FakeWandb,
     RecordingEnv,
     alive,
+    assert_documented_tags,
     assert_eval_only_refusals,
     assert_finite_tags,
     assert_tracked_once,
@@ -403,6 +404,7 @@ def test_dqn_cartpole_under_torchrun_with_two_actor_ranks(dqn_torchrun_run):
     logged = scalars(run_dir)
     assert_finite_tags(logged, [*REQUIRED_TAGS, "charts/episodic_return", "charts/episodic_length",
                                 "eval/episodic_return"])  # fmt: skip
+    assert_documented_tags("apex_dqn.py", logged)
     assert max(s for s, _ in logged["charts/episodic_return"]) <= total
     assert max(s for s, _ in logged["charts/SPS"]) == total  # both ranks' steps, every one counted once
     assert logged["replay/size"][-1][1] == 1000  # every slot written (the wrap itself: the buffer test above)
@@ -479,6 +481,7 @@ def test_ddpg_pendulum_end_to_end(ddpg_run):
     logged = scalars(run_dir)
     assert_finite_tags(logged, [*REQUIRED_TAGS, "losses/policy_loss", "charts/episodic_return",
                                 "eval/episodic_return"])  # fmt: skip
+    assert_documented_tags("apex_ddpg.py", logged)
     assert max(s for s, _ in logged["charts/SPS"]) == 1200
     assert_lag_of_actors_that_never_pull(logged)
     tracked = assert_tracked_once(wandb_dir, run_dir, ("charts/episodic_return", "losses/value_loss",

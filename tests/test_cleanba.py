@@ -27,6 +27,7 @@ from helpers import (
     FixedLogitsPolicy,
     RecordingEnv,
     alive,
+    assert_documented_tags,
     assert_eval_only_refusals,
     assert_finite_tags,
     assert_one_error_line,
@@ -352,6 +353,7 @@ def expected_lags(sync: bool, updates: int = UPDATES) -> list[int]:
 def test_end_to_end_tags_policy_lag_and_console_line(mode, runs):
     run = runs[mode]
     assert_finite_tags(run.logged, [*REQUIRED_TAGS, "eval/episodic_return"])
+    assert_documented_tags("cleanba_ppo_impala.py", run.logged)
     assert values(run, "charts/policy_lag") == expected_lags(mode == "sync")
     assert [s for s, _ in run.logged["charts/SPS"]] == [128 * i for i in range(1, UPDATES + 1)]
     assert len(run.logged["eval/episodic_return"]) == 2

@@ -26,6 +26,7 @@ from helpers import (
     FixedLogitsPolicy,
     RecordingEnv,
     alive,
+    assert_documented_tags,
     assert_eval_only_refusals,
     assert_finite_tags,
     assert_tracked_once,
@@ -264,6 +265,7 @@ def test_cartpole_gossip_end_to_end_with_the_message_ages_max_staleness_0_predic
     proc, run_dir, wandb_dir = gossip_run
     logged = scalars(run_dir)
     assert_finite_tags(logged, [*REQUIRED_TAGS, *GOSSIP_TAGS, "eval/episodic_return"])
+    assert_documented_tags("gala_a2c.py", logged)
     assert max(s for s, _ in logged["charts/SPS"]) == 1200  # global step: both learners' agent steps
     assert (run_dir / "model.pt").is_file()
     lr = logged["charts/learning_rate"][0][1]

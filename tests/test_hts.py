@@ -28,6 +28,7 @@ from helpers import (
     FakeWandb,
     FixedLogitsPolicy,
     RecordingEnv,
+    assert_documented_tags,
     assert_eval_only_refusals,
     assert_finite_tags,
     assert_tracked_once,
@@ -365,6 +366,7 @@ def test_tensorboard_tags_are_logged_and_finite(tiny_run):
     script, _, run_dir, stdout, wandb_dir = tiny_run
     data = scalars(run_dir)
     assert_finite_tags(data, REQUIRED_TAGS)
+    assert_documented_tags(script, data)
     assert any(tag.startswith("hyperparameters") for tag in event_accumulator(run_dir).Tags()["tensors"])
     steps = updates(script) * 4 * TINY[script]["sync_interval"]
     assert max(step for step, _ in data["charts/SPS"]) == steps

@@ -24,6 +24,7 @@ from helpers import (
     FixedLogitsPolicy,
     RecordingEnv,
     alive,
+    assert_documented_tags,
     assert_eval_only_refusals,
     assert_finite_tags,
     assert_one_error_line,
@@ -331,6 +332,7 @@ def test_cartpole_end_to_end_batched_one_actor(tmp_path, run_main):
     run_dir = only_run_dir(tmp_path)
     logged = scalars(run_dir)
     assert_finite_tags(logged, [*REQUIRED_TAGS, *BATCHED_TAGS, "eval/episodic_return"])
+    assert_documented_tags("impala_monobeast.py", logged)
     assert [s for s, _ in logged["charts/SPS"]] == [32 * i for i in range(1, 11)]
     lrs = [v for _, v in logged["charts/learning_rate"]]
     assert lrs[0] == pytest.approx(0.00048) and lrs[-1] == pytest.approx(0.00048 * 32 / 320)
