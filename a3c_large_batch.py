@@ -288,7 +288,7 @@ class Shared:
 
     stop: Event  # the run is shutting down
     log_q: Queue  # -> main: the applied Updates
-    error_q: Queue  # -> main: the error line of a process that fails (run_child)
+    error_q: Queue  # -> main: the error line of a process that fails (worker_body)
     steps_claimed: Synchronized  # int64: agent steps handed out to rollouts (the budget counter)
     version: Synchronized  # int64: gradients applied so far (the parameters' version); server: under param_lock
     optimizer: SharedRMSprop | None = None  # hogwild: steps the shared model's parameters, `optimizer.params`
@@ -468,22 +468,6 @@ def gradient_server(model: nn.Module, args: Args, shared: Shared, device: torch.
                 return
 
 
-def run_child(who: str, error_q: Queue, body, *body_args) -> None:
-    """A worker's or the gradient server's process (through child_main): `body`, its failure sent to main as the
-    run's error line, one line for a non-finite loss or a failed write, with the traceback for anything else."""
-    try:
-        body(*body_args)
-    except Stop:
-        pass
-    except (NonFiniteLoss, WriteError) as e:
-        line = str(e) if isinstance(e, WriteError) else f"error: {e}"
-        error_q.put(f"{line} ({who}); stopping (the last good checkpoint, if any, is kept)")
-        raise SystemExit(1) from None
-    except BaseException:
-        error_q.put(f"error: {who} died:\n{traceback.format_exc()}")
-        raise SystemExit(1) from None
-
-
 # ---- Main ----
 
 
@@ -555,15 +539,6 @@ class Run:
         own = dict(model=self.model.state_dict(), optimizer=shared.optimizer.state_dict(), version=shared.version.value)
         atomic_save({**own, "global_step": self.global_step, **self.extra}, path)
 
-    def failure_line(self) -> str | None:
-        """The error line of the first child that failed: the one it sent (run_child), else how it died (a kill)."""
-        if (died := self.processes.failed()) is None:
-            return None
-        sent = any(p.exitcode is not None and p.exitcode > 0 for p in self.processes.procs.values())
-        with contextlib.suppress(queue.Empty):  # run_child's line reached the pipe before its process exited
-            return self.shared.error_q.get(timeout=2.0 if sent else 0.0)
-        return f"error: {died}; stopping the run"
-
     def shut_down(self, failure: str | None) -> str | None:
         """Stop the workers, let the gradient server apply what is queued and write the final checkpoint, then end
         every process (SIGKILL for one that does not stop in time); returns the run's error line, if any."""
@@ -574,7 +549,7 @@ class Run:
         # after a death the wait is short: a process killed while writing to a queue leaves its lock held, and the
         # others' exits would hang on it
         self.drain_while(self.workers_running, 4.0 if failure is None else 1.0)
-        failure = failure or self.failure_line()
+        failure = failure or worker_failure(self.processes, shared.error_q)
         server = self.processes.procs.get("gradient server")
         if server is not None and failure is None:
             path = str(self.record.progress.run_dir / "checkpoint.pt") if self.args.checkpoint_interval else None
@@ -582,7 +557,10 @@ class Run:
             wait = 5.0 if interrupted else 60.0  # the final checkpoint of a finished run may take a while to write
             self.drain_while(server.is_alive, wait)
             if server.exitcode != 0:  # 0: every gradient applied, the final checkpoint written
-                failure = self.failure_line() or "error: the gradient server did not finish; stopping"
+                failure = (
+                    worker_failure(self.processes, shared.error_q)
+                    or "error: the gradient server did not finish; stopping"
+                )
         killed = self.processes.stop(grace=1.0)
         with contextlib.suppress(OSError):  # the events file's error, if any, is reported by finish
             self.drain(0.0)
@@ -638,10 +616,10 @@ def main(args: Args) -> None:
     progress = Progress(run_dir, n_updates * batch, f"{plan}; {shape} steps; {args.update}, {device}")
     processes = Processes(ctx)
     if shared.grad_q is not None:  # the gradient server first, with its own copy of the model and the optimizer
-        body = (gradient_server, copy.deepcopy(model), args, shared, device, checkpoint)
-        processes.start("gradient server", run_child, "gradient server", shared.error_q, *body)
+        server = (copy.deepcopy(model), args, shared, device, checkpoint)
+        processes.start("gradient server", worker_body, gradient_server, shared.error_q, *server)
     for w in range(workers):
-        processes.start(f"worker {w}", run_child, f"worker {w}", shared.error_q, worker_loop, w, args, shared, device)
+        processes.start(f"worker {w}", worker_body, worker_loop, shared.error_q, w, args, shared, device)
     try:
         tracker = start_tracking(args, run_dir)  # after the forks: no worker inherits wandb's threads and pipes
     except SystemExit:  # wandb.init failed (its error line is printed)
@@ -654,7 +632,7 @@ def main(args: Args) -> None:
     try:  # log what the workers report, print the console line, write checkpoints and watch the processes
         while run.workers_running() and not signals.stop.is_set():
             run.drain(0.5)
-            if failure := run.failure_line():
+            if failure := worker_failure(processes, shared.error_q):
                 break
             run.console_line()
             if args.checkpoint_interval and time.time() - last_checkpoint >= args.checkpoint_interval:
@@ -737,8 +715,8 @@ def error_line(e: BaseException, step: int, signum: int, who: str = "the learner
     if isinstance(e, Stop) and not e.args:
         name = signal.Signals(signum).name if signum else ""
         return (128 + signum, f"stopped by {name} at global step {step}") if signum else (0, None)
-    if isinstance(e, Stop):
-        return 1, f"error: {e}"
+    if isinstance(e, Stop):  # its message is a worker's error line (worker_failure)
+        return 1, str(e)
     if isinstance(e, WriteError):
         return 1, f"{e}; stopping (the last good checkpoint is kept)"
     if isinstance(e, NonFiniteLoss):
@@ -1330,6 +1308,34 @@ class Processes:
             self.procs[name].kill()
             self.procs[name].join()
         return stuck
+
+
+def worker_body(loop, error_q, *loop_args) -> None:
+    """child_main's target: `loop(*loop_args)`. An exception but Stop goes to main on `error_q` as the run's error
+    line, naming this process: one line for a non-finite loss or a failed write, the traceback for anything else."""
+    name = multiprocessing.current_process().name
+    try:
+        with contextlib.suppress(Stop):
+            loop(*loop_args)
+    except (NonFiniteLoss, WriteError) as e:
+        line = str(e) if isinstance(e, WriteError) else f"error: {e}"
+        error_q.put(f"{line} ({name}); stopping (the last good checkpoint, if any, is kept)")
+        raise SystemExit(1) from None
+    except BaseException:
+        error_q.put(f"error: {name} died:\n{traceback.format_exc()}")
+        raise SystemExit(1) from None
+
+
+def worker_failure(procs: Processes, error_q) -> str | None:
+    """The error line of a dead process, or None; one killed by a signal first (others may be its lock's victims)."""
+    for name, p in procs.procs.items():
+        if p.exitcode is not None and p.exitcode < 0:
+            return f"error: {name} died (killed by signal {-p.exitcode}); stopping the run"
+    if failed := procs.failed():
+        with contextlib.suppress(queue.Empty):
+            return error_q.get(timeout=2.0)
+        return f"error: {failed}; stopping the run"
+    return None
 
 
 # -- script-specific: FLAG_RULES, RUN_SETTINGS, validate, env_spaces, checkpoint_meta, saved_model, evaluate, ... --

@@ -214,6 +214,13 @@ def td_errors(online: nn.Module, target: nn.Module, data: Transitions) -> tuple[
     return y - q, q
 
 
+def dqn_loss(online: nn.Module, target: nn.Module, data: Transitions, weights: torch.Tensor):
+    """Ape-X DQN's loss (Algorithm 2, line 7): the importance-sampling-weighted Huber loss of the n-step double-Q TD
+    errors; also the TD errors [B] (the new priorities) and Q(s, a) [B]."""
+    td, q = td_errors(online, target, data)
+    return (weights * huber(td)).mean(), td, q
+
+
 def priorities_of(td: torch.Tensor, alpha: float, eps: float) -> np.ndarray:
     """Stored priorities p^alpha with p = |delta| + eps (Schaul et al. 2016, proportional variant)."""
     return ((td.detach().abs().double() + eps) ** alpha).cpu().numpy()
@@ -837,8 +844,7 @@ class Learner:
     def update(self, data: Transitions, weights: torch.Tensor) -> tuple[np.ndarray, dict[str, float]]:
         """One gradient step on an IS-weighted Huber loss; returns the new priorities [B] and scalar statistics."""
         data = Transitions(*(t.to(self.device, non_blocking=True) for t in data))
-        td, q = td_errors(self.model, self.target, data)
-        loss = (weights.to(self.device) * huber(td)).mean()
+        loss, td, q = dqn_loss(self.model, self.target, data, weights.to(self.device))
         if not torch.isfinite(loss):
             raise NonFiniteLoss(f"non-finite loss {loss.item()} at learner update {self.version}")
         self.optimizer.zero_grad(set_to_none=True)
@@ -1207,8 +1213,8 @@ def error_line(e: BaseException, step: int, signum: int, who: str = "the learner
     if isinstance(e, Stop) and not e.args:
         name = signal.Signals(signum).name if signum else ""
         return (128 + signum, f"stopped by {name} at global step {step}") if signum else (0, None)
-    if isinstance(e, Stop):
-        return 1, f"error: {e}"
+    if isinstance(e, Stop):  # its message is a worker's error line (worker_failure)
+        return 1, str(e)
     if isinstance(e, WriteError):
         return 1, f"{e}; stopping (the last good checkpoint is kept)"
     if isinstance(e, NonFiniteLoss):
@@ -1737,6 +1743,34 @@ class Processes:
         return stuck
 
 
+def worker_body(loop, error_q, *loop_args) -> None:
+    """child_main's target: `loop(*loop_args)`. An exception but Stop goes to main on `error_q` as the run's error
+    line, naming this process: one line for a non-finite loss or a failed write, the traceback for anything else."""
+    name = multiprocessing.current_process().name
+    try:
+        with contextlib.suppress(Stop):
+            loop(*loop_args)
+    except (NonFiniteLoss, WriteError) as e:
+        line = str(e) if isinstance(e, WriteError) else f"error: {e}"
+        error_q.put(f"{line} ({name}); stopping (the last good checkpoint, if any, is kept)")
+        raise SystemExit(1) from None
+    except BaseException:
+        error_q.put(f"error: {name} died:\n{traceback.format_exc()}")
+        raise SystemExit(1) from None
+
+
+def worker_failure(procs: Processes, error_q) -> str | None:
+    """The error line of a dead process, or None; one killed by a signal first (others may be its lock's victims)."""
+    for name, p in procs.procs.items():
+        if p.exitcode is not None and p.exitcode < 0:
+            return f"error: {name} died (killed by signal {-p.exitcode}); stopping the run"
+    if failed := procs.failed():
+        with contextlib.suppress(queue.Empty):
+            return error_q.get(timeout=2.0)
+        return f"error: {failed}; stopping the run"
+    return None
+
+
 # -- torchrun ranks (the scripts that run under torchrun) --
 
 
@@ -1861,32 +1895,6 @@ def evaluate(model: nn.Module, args: Args, video_dir: Path, device: torch.device
             yield from play_episodes(args, model, env, 1, rng)
     finally:
         env.close()
-
-
-def worker_body(loop, error_q, *loop_args) -> None:
-    """child_main's target: `loop(*loop_args)`; an exception but Stop goes to main as the error line naming us."""
-    name = multiprocessing.current_process().name
-    try:
-        with contextlib.suppress(Stop):
-            loop(*loop_args)
-    except BaseException as e:
-        if isinstance(e, NonFiniteLoss):
-            error_q.put(f"error: {name}: {e}; stopping (the last checkpoint, if any, is kept)")
-        else:
-            error_q.put(f"error: {name} died:\n{traceback.format_exc()}")
-        raise SystemExit(1) from None
-
-
-def worker_failure(procs: Processes, error_q) -> str | None:
-    """The error line of a dead process, or None; one killed by a signal first (others may be its lock's victims)."""
-    for name, p in procs.procs.items():
-        if p.exitcode is not None and p.exitcode < 0:
-            return f"error: {name} died (killed by signal {-p.exitcode}); stopping the run"
-    if failed := procs.failed():
-        with contextlib.suppress(queue.Empty):
-            return error_q.get(timeout=2.0)
-        return f"error: {failed}; stopping the run"
-    return None
 
 
 def stop_processes(procs: Processes, shared: Shared, handle, grace: float) -> None:

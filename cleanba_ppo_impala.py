@@ -638,9 +638,8 @@ def main(args: Args) -> None:
     last, written_at = (learner.snapshot(), time.time()) if record and args.checkpoint_interval else (None, 0.0)
     remaining = learner.num_updates - learner.update
     work = (device, remaining, args.sync, stop)  # actor_thread's arguments after its Actor
-    threads = [
-        threading.Thread(target=actor_thread, args=(a, *work), name=f"actor-{a.index}", daemon=True) for a in actors
-    ]
+    threads = [threading.Thread(target=actor_thread, args=(a, *work), name=f"actor-{a.index}", daemon=True)
+               for a in actors]  # fmt: skip
     try:
         learner.publish(stop)  # the parameters of the actors' first rollout
         for thread in threads:
@@ -654,8 +653,8 @@ def main(args: Args) -> None:
                 if time.time() - written_at >= args.checkpoint_interval:
                     atomic_save(last, run_dir / "checkpoint.pt")
                     written_at = time.time()
-            if stop.is_set():
-                break
+            if stop.is_set():  # a signal as the update ended, or an actor's error (its line is taken below)
+                raise Stop
             if j <= remaining - (1 if args.sync else 2):  # only parameters an actor will read (it skips its 2nd get)
                 learner.publish(stop)
     except RankLost as e:  # the last whole update is the same on every rank: its checkpoint is good
@@ -667,8 +666,6 @@ def main(args: Args) -> None:
         deadline = time.time() + 8.0  # every wait wakes within a second; a rollout or minibatch ends within seconds
         for thread in threads:
             thread.join(timeout=max(0.0, deadline - time.time()))
-    if code == 0 and signals.signum:  # the signal came as an update ended: the loop's `break`
-        code, message = error_line(Stop(), learner.global_step, signals.signum)
     if code != 1 and (error := next((a.error for a in actors if a.error), None)):
         code, message = 1, error
     if code == 0 and world_size > 1 and (error := ranks_agree(model, rank, world_size)):
@@ -746,8 +743,8 @@ def error_line(e: BaseException, step: int, signum: int, who: str = "the learner
     if isinstance(e, Stop) and not e.args:
         name = signal.Signals(signum).name if signum else ""
         return (128 + signum, f"stopped by {name} at global step {step}") if signum else (0, None)
-    if isinstance(e, Stop):
-        return 1, f"error: {e}"
+    if isinstance(e, Stop):  # its message is a worker's error line (worker_failure)
+        return 1, str(e)
     if isinstance(e, WriteError):
         return 1, f"{e}; stopping (the last good checkpoint is kept)"
     if isinstance(e, NonFiniteLoss):

@@ -1203,8 +1203,8 @@ def error_line(e: BaseException, step: int, signum: int, who: str = "the learner
     if isinstance(e, Stop) and not e.args:
         name = signal.Signals(signum).name if signum else ""
         return (128 + signum, f"stopped by {name} at global step {step}") if signum else (0, None)
-    if isinstance(e, Stop):
-        return 1, f"error: {e}"
+    if isinstance(e, Stop):  # its message is a worker's error line (worker_failure)
+        return 1, str(e)
     if isinstance(e, WriteError):
         return 1, f"{e}; stopping (the last good checkpoint is kept)"
     if isinstance(e, NonFiniteLoss):

@@ -306,13 +306,6 @@ class CollectionDone(NamedTuple):
     wait_lockstep: float
 
 
-class WorkerFailed(NamedTuple):
-    """Worker -> learner (`results` queue): a worker raised; the run stops naming it."""
-
-    worker: str
-    traceback: str
-
-
 class Shared:
     """The shared memory of all processes (Fig. 1e): the published policy, the state buffer (latest obs and the
     executors' uniforms), the action buffer, and two storages of one rollout each."""
@@ -356,23 +349,11 @@ class Shared:
 # ---- Workers ---------------------------------------------------------------------------------------------------------
 
 
-def run_worker(results: Queue, body: Callable, *body_args) -> None:
-    """A worker process's body (through child_main): an exception goes to the learner with its name and traceback."""
-    torch.set_num_threads(1)
-    try:
-        body(*body_args)
-    except BaseException:
-        results.put(WorkerFailed(mp.current_process().name, traceback.format_exc()))
-        raise SystemExit(1) from None
-    finally:
-        results.close()
-        results.join_thread()  # what this worker put is in the pipe before it exits
-
-
 def executor(eid: int, args: Args, shared: Shared, commands: SimpleQueue, requests: SimpleQueue,
              action_conn: Connection, lockstep: Barrier | None, results: Queue) -> None:  # fmt: skip
     """Step this executor's envs for `sync_interval` steps per collection j from `commands`, into storage j % 2.
     `lockstep` (a barrier of all executors, `--sync` only) makes every env step wait for the slowest one (alpha = 1)."""
+    torch.set_num_threads(1)
     k = args.num_envs // args.num_executors
     lo, hi = eid * k, (eid + 1) * k
     envs = make_vector_env(args.env_id, k, args.seed + lo, protocol=args.atari_protocol, num_threads=1)
@@ -418,6 +399,7 @@ def executor(eid: int, args: Args, shared: Shared, commands: SimpleQueue, reques
 
 def actor(aid: int, args: Args, shared: Shared, requests: SimpleQueue, action_conns: list[Connection]) -> None:
     """Serve executors as their requests arrive: forward, sample with their uniforms, answer through their pipe."""
+    torch.set_num_threads(1)
     device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
     on_gpu = device.type == "cuda"
     policy, policy_version = (copy.deepcopy(shared.policy).to(device), -1) if on_gpu else (shared.policy, None)
@@ -447,7 +429,8 @@ class Workers:
     def __init__(self, args: Args, shared: Shared, start_method: str, num_collections: int) -> None:
         ctx = mp.get_context(start_method)
         E, self.num_actors, self.num_collections = args.num_executors, args.num_actors, num_collections
-        self.results: Queue = ctx.Queue()  # CollectionDone and WorkerFailed messages
+        self.results: Queue = ctx.Queue()  # CollectionDone messages
+        self.errors: Queue = ctx.Queue()  # the error line of a worker that fails (worker_body)
         self.requests: SimpleQueue = ctx.SimpleQueue()  # ids of executors waiting for actions; None stops an actor
         self.commands: list[SimpleQueue] = [ctx.SimpleQueue() for _ in range(E)]  # collections j; None stops
         # kept for the run, not only passed on: a spawned child rebuilds the barrier's semaphore from its name, which
@@ -456,11 +439,11 @@ class Workers:
         self.lockstep: Barrier | None = ctx.Barrier(E) if args.sync else None  # --sync: every env step waits for all
         self.processes = Processes(ctx)
         for e in range(E):
-            self.processes.start(f"executor {e}", run_worker, self.results, executor, e, args, shared, self.commands[e],
+            self.processes.start(f"executor {e}", worker_body, executor, self.errors, e, args, shared, self.commands[e],
                                  self.requests, self.pipes[e][0], self.lockstep, self.results)  # fmt: skip
         action_conns = [p[1] for p in self.pipes]
         for a in range(args.num_actors):
-            self.processes.start(f"actor {a}", run_worker, self.results, actor, a, args, shared, self.requests,
+            self.processes.start(f"actor {a}", worker_body, actor, self.errors, a, args, shared, self.requests,
                                  action_conns)  # fmt: skip
 
     def start_collection(self, j: int) -> None:
@@ -471,7 +454,7 @@ class Workers:
 
     def wait_collection(self, j: int, stop: threading.Event) -> tuple[list[Episode], dict[str, float]]:
         """Block until every executor finished collection j (the batch synchronization): its episodes in step order (not
-        the executors' timing-dependent one) and timing/ scalars. Stop on a signal, Stop(why) when a worker failed."""
+        the executors' timing-dependent one) and timing/ scalars. Stop on a signal; Stop(error line): a worker died."""
         E, start, done = len(self.commands), time.perf_counter(), []
         while len(done) < E:
             if stop.is_set():
@@ -479,10 +462,8 @@ class Workers:
             message = None
             with contextlib.suppress(queue.Empty):
                 message = self.results.get(timeout=0.5)
-            if isinstance(message, WorkerFailed):
-                raise Stop(f"{message.worker} failed:\n{message.traceback}")
-            if died := self.processes.failed():  # a killed actor leaves the others running: check every time
-                raise Stop(died)
+            if failure := worker_failure(self.processes, self.errors):  # a killed actor leaves the others running
+                raise Stop(failure)
             if message is not None:  # Shared.rollout checks that every transition is of collection j
                 done.append(message)
         waits = ("wait_actors", "wait_learner", "wait_lockstep")  # the executors' mean
@@ -549,6 +530,9 @@ class Learner:
             if stop.is_set() and steps < planned:
                 break
         self.cut = (steps, planned) if steps < planned else None
+        if self.cut:
+            print(f"stopping: update {self.update + 1} ends after {steps} of its {planned} minibatch steps",
+                  file=sys.stderr, flush=True)  # fmt: skip
         return {key: value * planned / steps for key, value in totals.items()} if self.cut else totals
 
     def save(self, path: Path, args: Args, meta: dict) -> None:
@@ -587,13 +571,12 @@ def main(args: Args) -> None:
     signals = StopSignals(threading.Event())
     workers = Workers(args, shared, "spawn" if device.type == "cuda" else "fork", num_collections)  # CUDA: no fork
     checkpoint_path, exit_code, message = run_dir / "checkpoint.pt", 0, None
-    writer = tracker = None  # made in the try: whatever fails from there on stops the workers
+    record = tracker = None  # made in the try: whatever fails from there on stops the workers
     progress = Progress(run_dir, num_collections * steps_per_collection,
                         f"{plan}, {args.num_executors} executors and {args.num_actors} actors, {device}")  # fmt: skip
     try:
         tracker = start_tracking(args, run_dir)  # after the forks: no worker inherits wandb's threads and pipes
-        writer = make_writer(run_dir, args)
-        record, last_checkpoint = Recorder(writer, progress, args, learner.global_step), time.time()
+        record, last_checkpoint = Recorder(make_writer(run_dir, args), progress, args, learner.global_step), time.time()
         workers.start_collection(learner.update)
         while learner.update < num_collections:
             j = learner.update
@@ -608,9 +591,6 @@ def main(args: Args) -> None:
             lr = args.learning_rate * (1.0 - j / num_collections if args.anneal_lr else 1.0)
             with record.timer("learner_update"):
                 losses = learner.step(batch, lr, args, signals.stop)
-            if learner.cut:
-                print(f"stopping: update {j + 1} ends after {learner.cut[0]} of its {learner.cut[1]} minibatch steps",
-                      file=sys.stderr, flush=True)  # fmt: skip
             # policy lag: updates between the policy that acted and the one updated
             record.add({"policy_lag": learner.update - behavior_version, "learning_rate": lr}, "charts")
             learner.update += 1
@@ -632,8 +612,9 @@ def main(args: Args) -> None:
     finally:
         workers.stop(graceful=exit_code == 0)
     save = (lambda: learner.save(checkpoint_path, args, meta)) if exit_code != 1 else None  # 1: keep the last good one
-    finish_run(args, run_dir, learner.global_step, exit_code, message, signals, progress=progress, writer=writer,
-               tracker=tracker, checkpoint=save, final_model=lambda: learner.target, device=device)  # fmt: skip
+    finish_run(args, run_dir, learner.global_step, exit_code, message, signals, progress=progress, tracker=tracker,
+               writer=record and record.writer, checkpoint=save, final_model=lambda: learner.target,
+               device=device)  # fmt: skip
 
 
 # ---- run plumbing ------------------------------------------------------------------------------------------------
@@ -703,8 +684,8 @@ def error_line(e: BaseException, step: int, signum: int, who: str = "the learner
     if isinstance(e, Stop) and not e.args:
         name = signal.Signals(signum).name if signum else ""
         return (128 + signum, f"stopped by {name} at global step {step}") if signum else (0, None)
-    if isinstance(e, Stop):
-        return 1, f"error: {e}"
+    if isinstance(e, Stop):  # its message is a worker's error line (worker_failure)
+        return 1, str(e)
     if isinstance(e, WriteError):
         return 1, f"{e}; stopping (the last good checkpoint is kept)"
     if isinstance(e, NonFiniteLoss):
@@ -1291,6 +1272,34 @@ class Processes:
             self.procs[name].kill()
             self.procs[name].join()
         return stuck
+
+
+def worker_body(loop, error_q, *loop_args) -> None:
+    """child_main's target: `loop(*loop_args)`. An exception but Stop goes to main on `error_q` as the run's error
+    line, naming this process: one line for a non-finite loss or a failed write, the traceback for anything else."""
+    name = multiprocessing.current_process().name
+    try:
+        with contextlib.suppress(Stop):
+            loop(*loop_args)
+    except (NonFiniteLoss, WriteError) as e:
+        line = str(e) if isinstance(e, WriteError) else f"error: {e}"
+        error_q.put(f"{line} ({name}); stopping (the last good checkpoint, if any, is kept)")
+        raise SystemExit(1) from None
+    except BaseException:
+        error_q.put(f"error: {name} died:\n{traceback.format_exc()}")
+        raise SystemExit(1) from None
+
+
+def worker_failure(procs: Processes, error_q) -> str | None:
+    """The error line of a dead process, or None; one killed by a signal first (others may be its lock's victims)."""
+    for name, p in procs.procs.items():
+        if p.exitcode is not None and p.exitcode < 0:
+            return f"error: {name} died (killed by signal {-p.exitcode}); stopping the run"
+    if failed := procs.failed():
+        with contextlib.suppress(queue.Empty):
+            return error_q.get(timeout=2.0)
+        return f"error: {failed}; stopping the run"
+    return None
 
 
 # -- script-specific: FLAG_RULES, RUN_SETTINGS, validate, env_spaces, checkpoint_meta, saved_model, evaluate, ... --

@@ -788,7 +788,7 @@ def test_killed_worker_stops_the_run(tmp_path, monkeypatch, capsys, in_process):
         hts_a2c.main(long_run("hts_a2c.py", tmp_path))
     assert exc.value.code == 1
     err = capsys.readouterr().err
-    assert err == "error: actor 3 died (killed by signal 9)\n", err
+    assert err == "error: actor 3 died (killed by signal 9); stopping the run\n", err
     assert len(pids) == 8 and not [pid for pid in pids if alive(pid)]
 
 
@@ -798,7 +798,7 @@ def test_killed_worker_stops_the_run(tmp_path, monkeypatch, capsys, in_process):
         (
             "hts_ppo.py",
             "CrashingCartPole-v0",
-            r"error: executor \d failed:\nTraceback(.|\n)*RuntimeError: injected env",
+            r"error: executor \d died:\nTraceback(.|\n)*RuntimeError: injected env",
         ),
         ("hts_a2c.py", "NaNCartPole-v0", r"^error: non-finite loss nan in the learner at global step \d+; stopping"),
     ],
