@@ -872,19 +872,17 @@ class Learner:
 
 class LearnerRun:
     """The learner's loop state and one iteration (take messages, train if allowed, log, check workers, checkpoint),
-    with its record: the step count, the actors' games and the evaluator's rounds as TensorBoard points, the means of
-    the learner's statistics over the last --log-frequency updates, and the console line."""
+    with its record: the actors' games and the evaluator's rounds, the learner's statistics averaged over
+    --log-frequency updates with the replay's, and the console line."""
 
-    def __init__(self, args: Args, learner: Learner, replay, shared: Shared, procs: Processes, writer,
-                 progress: Progress, global_step: int, meta: dict, num_actors: int, tracker):  # fmt: skip
+    def __init__(self, args: Args, learner: Learner, replay, shared: Shared, procs: Processes, record: Recorder,
+                 global_step: int, meta: dict, num_actors: int, tracker):  # fmt: skip
         self.args, self.learner, self.replay, self.shared, self.procs = args, learner, replay, shared, procs
-        self.writer, self.progress, self.run_dir, self.meta = writer, progress, progress.run_dir, meta
+        self.record, self.run_dir, self.meta = record, record.progress.run_dir, meta
         self.num_actors, self.tracker = num_actors, tracker  # tracker: the wandb module of --track, or None
         self.global_step = self.start_step = global_step
-        self.start_time = self.last_print = self.last_checkpoint = self.last_check = time.time()
-        self.returns: deque[float] = deque(maxlen=20)  # the console line's mean return
+        self.last_checkpoint = self.last_check = time.time()
         self.last_eval_step = -1  # the step of the newest evaluator round reported
-        self.points: list[dict[str, float]] = []  # the learner's statistics since the last TensorBoard point
         self.stale_updates, self.replay_wait = 0, 0.0
         self.actors_done: set[int] = set()
         self.failure: str | None = None
@@ -899,15 +897,12 @@ class LearnerRun:
         if isinstance(message, ActorReport):
             self.global_step += message.steps
             self.shared.global_step.value = self.global_step
-            for ret, length in message.episodes:
-                self.writer.add_scalar("charts/episodic_return", ret, self.global_step)
-                self.writer.add_scalar("charts/episodic_length", length, self.global_step)
-                self.returns.append(ret)
+            self.record.games((self.global_step, ret, length) for ret, length in message.episodes)
             if message.done:
                 self.actors_done.add(message.actor)
         elif isinstance(message, EvalReport):
             for ret in message.returns:
-                self.writer.add_scalar("eval/episodic_return", ret, message.step)
+                self.record.writer.add_scalar("eval/episodic_return", ret, message.step)
             self.last_eval_step = max(self.last_eval_step, message.step)
         else:
             self.failure = self.failure or message.error
@@ -950,8 +945,8 @@ class LearnerRun:
         priorities, values = learner.update(batch.data, batch.weights)
         self.stale_updates += self.replay.update(split_updates(batch, priorities, len(self.stats.sizes)))
         self.shared.store.publish(learner.flat_params(), learner.version)
-        self.points.append(values)
-        if len(self.points) >= args.log_frequency:
+        self.record.add({f"charts/{k}" if k == "policy_lag" else f"losses/{k}": v for k, v in values.items()})
+        if learner.version % args.log_frequency == 0:
             self.write()
 
     def wait_for_data(self) -> None:
@@ -968,39 +963,27 @@ class LearnerRun:
             for message in self.replay.exchange(self.shared.store):
                 self.handle(message)
             self.failure = self.failure or worker_failure(self.procs, self.shared.error_q)
-        if now - self.last_print >= self.args.log_interval:
-            self.console_line()
-            self.last_print = now
+        self.console_line()
         if self.args.checkpoint_interval and now - self.last_checkpoint >= self.args.checkpoint_interval:
             self.write_checkpoint()
             self.last_checkpoint = now
 
-    def sps(self) -> float:
-        return (self.global_step - self.start_step) / max(1e-9, time.time() - self.start_time)
-
     def write(self) -> None:
-        """A point of every learner scalar: the means since the last point, the speed and the replay's statistics."""
-        step, size, stats = self.global_step, self.stats.sizes.sum(), self.stats
-        for k in self.points[0] if self.points else ():
-            mean = sum(p[k] for p in self.points) / len(self.points)
-            self.writer.add_scalar(f"charts/{k}" if k == "policy_lag" else f"losses/{k}", mean, step)
-        self.points = []
-        self.writer.add_scalar("charts/SPS", self.sps(), step)
-        self.writer.add_scalar("charts/learning_rate", self.learner.learning_rate, step)
-        self.writer.add_scalar("replay/size", size, step)
-        self.writer.add_scalar("replay/priority_mean", stats.priority_sums.sum() / max(1.0, size), step)
-        self.writer.add_scalar("replay/stale_updates", self.stale_updates, step)
-        self.writer.add_scalar("timing/replay_wait", self.replay_wait, step)
+        """A TensorBoard point: the learner's statistics since the last one, and the replay's."""
+        size = self.stats.sizes.sum()
+        self.record.add({"charts/learning_rate": self.learner.learning_rate, "timing/replay_wait": self.replay_wait})
+        self.record.add({"size": size, "priority_mean": self.stats.priority_sums.sum() / max(1.0, size),
+                         "stale_updates": self.stale_updates}, "replay")  # fmt: skip
+        self.record.point(self.global_step)
 
-    def console_line(self) -> None:
-        mean_return = float(np.mean(self.returns)) if self.returns else math.nan
-        self.progress.line(self.global_step, self.sps(), mean_return,
-                           f"updates={self.learner.version} replay={int(self.stats.sizes.sum())}")  # fmt: skip
+    def console_line(self, now: bool = False) -> None:
+        details = f"updates={self.learner.version} replay={int(self.stats.sizes.sum())}"
+        self.record.line(self.global_step, details, now)
 
     def last_point(self) -> None:
         """The final step's TensorBoard point (whatever the update count) and console line."""
         self.write()
-        self.console_line()
+        self.console_line(now=True)
 
     def write_checkpoint(self) -> None:
         """{run_dir}/checkpoint.pt: the learner's state (the model's state_dict at "model"), step, RNG, Args, meta."""
@@ -1059,7 +1042,8 @@ def start_learner(args: Args, world_size: int, signals: StopSignals) -> LearnerR
     writer = make_writer(run_dir, args)
     rng = np.random.default_rng([args.seed, 0])
     replay = RemoteReplay(args, world_size) if distributed else LocalReplay(shared.buffers, rng)
-    return LearnerRun(args, learner, replay, shared, procs, writer, progress, global_step, meta, num_actors, tracker)
+    record = Recorder(writer, progress, args, global_step, window=20)
+    return LearnerRun(args, learner, replay, shared, procs, record, global_step, meta, num_actors, tracker)
 
 
 def main(args: Args) -> None:
@@ -1109,8 +1093,9 @@ def main(args: Args) -> None:
                 run.failure = run.failure or run.shared.error_q.get_nowait()
         if run.failure and code != 1:  # the line a process sent (an actor, the evaluator) ended the run
             code, message = 1, run.failure
-        finish_run(args, run.run_dir, run.global_step, code, message, signals, progress=run.progress,
-                   writer=run.writer, tracker=run.tracker, checkpoint=run.write_checkpoint if code != 1 else None,
+        save = run.write_checkpoint if code != 1 else None
+        finish_run(args, run.run_dir, run.global_step, code, message, signals, progress=run.record.progress,
+                   writer=run.record.writer, tracker=run.tracker, checkpoint=save,
                    final_model=lambda: saved_model(args, run.meta, run.learner.model.state_dict()),
                    last_point=run.last_point)  # fmt: skip
     finally:
@@ -1541,6 +1526,49 @@ class Progress:
             print(f"      python {script} --resume {checkpoint}")
         if saved := [p for p in (model, checkpoint) if p.exists()]:  # the newer: a resumed run may leave an old model
             print(f"      python {script} --eval-only {max(saved, key=lambda p: p.stat().st_mtime)}", flush=True)
+
+
+class Recorder:
+    """A run's TensorBoard and console record: each game as it ends (charts/episodic_return and _length at its step;
+    the console's mean_return is over the last `window`), scalars by tag (`add`, `timer`: a point is the mean of the
+    values since the last point) with charts/SPS (since this process started), and the console line every
+    --log-interval seconds."""
+
+    def __init__(self, writer, progress: Progress, args, step: int, window: int = 100) -> None:
+        self.writer, self.progress, self.log_interval = writer, progress, args.log_interval
+        self.start, self.last_line, self.returns = (time.time(), step), time.time(), deque(maxlen=window)
+        self.values: dict[str, list[float]] = {}  # tag -> the values given since the last point
+
+    def games(self, games) -> None:
+        """(step, return, length) of each game that ended."""
+        for step, ret, length in games:
+            self.writer.add_scalar("charts/episodic_return", ret, step)
+            self.writer.add_scalar("charts/episodic_length", length, step)
+            self.returns.append(ret)
+
+    def add(self, scalars: dict[str, float], group: str = "") -> None:
+        for name, value in scalars.items():
+            self.values.setdefault(f"{group}/{name}" if group else name, []).append(value)
+
+    @contextlib.contextmanager
+    def timer(self, name: str):
+        start = time.perf_counter()
+        yield
+        self.add({f"timing/{name}": time.perf_counter() - start})
+
+    def point(self, step: int) -> None:
+        for tag, values in (self.values | {"charts/SPS": [self.sps(step)]}).items():
+            self.writer.add_scalar(tag, sum(values) / len(values), step)
+        self.values = {}
+
+    def line(self, step: int, details: str = "", now: bool = False) -> None:
+        if now or time.time() - self.last_line >= self.log_interval:
+            mean_return = float(np.mean(self.returns)) if self.returns else math.nan
+            self.progress.line(step, self.sps(step), mean_return, details)
+            self.last_line = time.time()
+
+    def sps(self, step: int) -> float:
+        return (step - self.start[1]) / max(time.time() - self.start[0], 1e-9)
 
 
 def given_flags(args: Args) -> set[str]:

@@ -877,46 +877,38 @@ def save_checkpoint(run: Run, states: list[dict]) -> None:
 
 
 class Logger:
-    """Turns learner records into TensorBoard scalars and console lines. Global step = agent steps summed over all
-    learners (exact on one machine; under torchrun rank 0 writes the exact sum at every sync point)."""
+    """The learners' Records into the run's Recorder (TensorBoard, and the console where the process has the run's
+    Progress: the main process, rank 0), each Record one point. Global step = agent steps summed over all learners
+    (exact on one machine; under torchrun rank 0 writes the exact sum at every sync point)."""
 
     def __init__(self, writer, run: Run, progress: Progress | None = None):
-        self.writer, self.args, self.progress = writer, run.args, progress  # writer: a TensorBoard SummaryWriter
         self.global_step = self.start_step = run.checkpoint["global_step"] if run.checkpoint else 0
-        self.start_time = self.last_print = time.time()
-        self.recent: deque[float] = deque(maxlen=20)
+        self.record, self.mode = Recorder(writer, progress, run.args, self.start_step, window=20), run.args.mode
         self.learner_sps: list[float | None] = [None] * run.n  # under torchrun a rank sees only its own records
         self.staleness, self.policy_lag = 0.0, math.nan
 
-    def sps(self) -> float:
-        return (self.global_step - self.start_step) / max(1e-9, time.time() - self.start_time)
-
     def handle(self, r: Record) -> None:
-        i = r.learner
-        self.global_step += r.steps
-        for ret, length in r.episodes:
-            self.recent.append(ret)
-            for tag, value in (("charts/episodic_return", ret), ("charts/episodic_length", length),
-                               (f"per_learner/episodic_return_{i}", ret)):  # fmt: skip
-                self.writer.add_scalar(tag, value, self.global_step)
-        scalars = r.scalars | {"charts/SPS": self.sps(), f"per_learner/SPS_{i}": r.sps}
-        if "gossip/consensus_distance" in scalars:
-            scalars[f"per_learner/consensus_distance_{i}"] = scalars["gossip/consensus_distance"]
-        for tag, value in scalars.items():
-            self.writer.add_scalar(tag, value, self.global_step)
+        i, step = r.learner, self.global_step + r.steps
+        self.global_step = step
+        self.record.games((step, ret, length) for ret, length in r.episodes)
+        for ret, _ in r.episodes:
+            self.record.writer.add_scalar(f"per_learner/episodic_return_{i}", ret, step)
+        own = {f"per_learner/SPS_{i}": r.sps}
+        if "gossip/consensus_distance" in r.scalars:
+            own[f"per_learner/consensus_distance_{i}"] = r.scalars["gossip/consensus_distance"]
+        self.record.add(r.scalars | own)
+        self.record.point(step)
         self.learner_sps[i], self.staleness = r.sps, r.scalars.get("gossip/staleness", 0.0)
         self.policy_lag = r.scalars.get("charts/policy_lag", self.policy_lag)
 
     def maybe_print(self, force: bool = False) -> None:
-        """The console line every --log-interval seconds, where the run has its Progress (the main process, rank 0);
-        the gossip fields are glossed on the start line (start_progress)."""
-        if self.progress is not None and (force or time.time() - self.last_print >= self.args.log_interval):
-            mean_return = np.mean(self.recent) if self.recent else math.nan
+        """The console line every --log-interval seconds, where the run has its Progress; the gossip fields are glossed
+        on the start line (start_progress)."""
+        if self.record.progress is not None:
             details = "learner_sps=" + "/".join("-" if s is None else f"{s:.0f}" for s in self.learner_sps)
-            if self.args.mode == "gossip":  # allreduce: no messages, both are 0
+            if self.mode == "gossip":  # allreduce: no messages, both are 0
                 details += f" staleness={self.staleness:.2f} peer_lag={self.policy_lag:.2f}"
-            self.progress.line(self.global_step, self.sps(), mean_return, details)
-            self.last_print = time.time()
+            self.record.line(self.global_step, details, force)
 
 
 def start_progress(run: Run, device: torch.device) -> Progress:
@@ -1542,6 +1534,49 @@ class Progress:
             print(f"      python {script} --eval-only {max(saved, key=lambda p: p.stat().st_mtime)}", flush=True)
 
 
+class Recorder:
+    """A run's TensorBoard and console record: each game as it ends (charts/episodic_return and _length at its step;
+    the console's mean_return is over the last `window`), scalars by tag (`add`, `timer`: a point is the mean of the
+    values since the last point) with charts/SPS (since this process started), and the console line every
+    --log-interval seconds."""
+
+    def __init__(self, writer, progress: Progress, args, step: int, window: int = 100) -> None:
+        self.writer, self.progress, self.log_interval = writer, progress, args.log_interval
+        self.start, self.last_line, self.returns = (time.time(), step), time.time(), deque(maxlen=window)
+        self.values: dict[str, list[float]] = {}  # tag -> the values given since the last point
+
+    def games(self, games) -> None:
+        """(step, return, length) of each game that ended."""
+        for step, ret, length in games:
+            self.writer.add_scalar("charts/episodic_return", ret, step)
+            self.writer.add_scalar("charts/episodic_length", length, step)
+            self.returns.append(ret)
+
+    def add(self, scalars: dict[str, float], group: str = "") -> None:
+        for name, value in scalars.items():
+            self.values.setdefault(f"{group}/{name}" if group else name, []).append(value)
+
+    @contextlib.contextmanager
+    def timer(self, name: str):
+        start = time.perf_counter()
+        yield
+        self.add({f"timing/{name}": time.perf_counter() - start})
+
+    def point(self, step: int) -> None:
+        for tag, values in (self.values | {"charts/SPS": [self.sps(step)]}).items():
+            self.writer.add_scalar(tag, sum(values) / len(values), step)
+        self.values = {}
+
+    def line(self, step: int, details: str = "", now: bool = False) -> None:
+        if now or time.time() - self.last_line >= self.log_interval:
+            mean_return = float(np.mean(self.returns)) if self.returns else math.nan
+            self.progress.line(step, self.sps(step), mean_return, details)
+            self.last_line = time.time()
+
+    def sps(self, step: int) -> float:
+        return (step - self.start[1]) / max(time.time() - self.start[0], 1e-9)
+
+
 def given_flags(args: Args) -> set[str]:
     """The flags a command line gave (parse_args keeps their names in `args.given`); for an Args built in code, the
     flags it sets away from their defaults."""
@@ -1909,8 +1944,8 @@ def end_run(run: Run, logger: Logger | None, states: list, ending: tuple[int, st
     save = (lambda: save_checkpoint(run, states)) if code != 1 and complete else None
     final = (lambda: averaged_model(run, states)) if finished and complete else None
     step = logger.global_step if logger else run.checkpoint["global_step"] if run.checkpoint else 0
-    finish_run(run.args, run.run_dir, step, code, message, signals, progress=progress, writer=logger and logger.writer,
-               tracker=tracker, checkpoint=save, final_model=final, teardown=teardown,
+    finish_run(run.args, run.run_dir, step, code, message, signals, progress=progress, tracker=tracker,
+               writer=logger and logger.record.writer, checkpoint=save, final_model=final, teardown=teardown,
                last_point=logger and (lambda: logger.maybe_print(force=True)))  # fmt: skip
 
 

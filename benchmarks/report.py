@@ -193,10 +193,13 @@ def manifest_record(side: dict, results: Path) -> dict:
     return [r for r in load(results / side["manifest"])["runs"] if r["label"] == side["exp"]][-1]
 
 
-def without_log_dir(command: list[str]) -> list[str]:
-    """A command less `--log-dir DIR`: where a run wrote on its machine is no setting of it."""
-    i = command.index("--log-dir") if "--log-dir" in command else len(command)
-    return command[:i] + command[i + 2 :]
+def without_paths(command: list[str]) -> list[str]:
+    """A command less `--log-dir DIR` and `--resume PATH`: where a run wrote on its machine, and the checkpoint its last
+    piece continued from, are no settings of it."""
+    for name in ("--log-dir", "--resume"):
+        i = command.index(name) if name in command else len(command)
+        command = command[:i] + command[i + 2 :]
+    return command
 
 
 def steps_reached(run: dict, record: dict) -> str:
@@ -231,7 +234,7 @@ def pong_references_table(results: Path) -> str:
                 + " | ".join(at_frames(run, b) for b in budgets)
                 + f" | {steps_reached(run, record)} | {num(run['sps_mean'])} | "
                 f"{num(statistics.median(run['running_seconds']) / 60)} | "
-                f"`python {' '.join(without_log_dir(record['command']))}`"
+                f"`python {' '.join(without_paths(record['command']))}`"
             )
     header = ("family | run | code | machine | "
               + " | ".join(f"final return at {b / 1e6:g}M frames (last 20 episodes)" for b in budgets)

@@ -94,8 +94,9 @@ def at_frames(*means):
 
 
 def test_pong_references_table_takes_each_family_from_its_plot_json_and_each_command_from_its_source(tmp_path):
-    """Two families from pong_references.json: our runs' commands from their manifests (less --log-dir), a
-    reference's from the references JSON itself; the machine is the side's own plus its manifest's."""
+    """Two families from pong_references.json: our runs' commands from their manifests (less --log-dir and a last
+    piece's --resume), a reference's from the references JSON itself; the machine is the side's own plus its
+    manifest's."""
     write(tmp_path / "pong_ref_ppo.json", {"runs": [
         learning_run("cleanba_ppo", agent_steps=[1_299_456], sps_mean=2847.99, running_seconds=[456.27],
                      at_frames=at_frames(-6.94, None)),
@@ -109,7 +110,8 @@ def test_pong_references_table_takes_each_family_from_its_plot_json_and_each_com
     (tmp_path / "pong_ref_ppo_ALE_Pong-v5.png").write_bytes(b"")
     ours = manifest_run("cleanba_ppo", "--num-envs", "8") | dict(stopped_at_time_limit=True)
     write(tmp_path / "gpu_manifest.json", {"suite": "atari-smoke", "machine": "16 CPU cores", "runs": [ours]})
-    write(tmp_path / "cpu_manifest.json", {"machine": "2 CPU cores", "runs": [manifest_run("impala_batched")]})
+    resumed = manifest_run("impala_batched", "--resume", "/runs/x/checkpoint.pt")  # its last piece's command
+    write(tmp_path / "cpu_manifest.json", {"machine": "2 CPU cores", "runs": [resumed]})
     reference_command = ["run_ppo_atari.py", "--env-id", "PongNoFrameskip-v4", "--total-timesteps", "2500000"]
     write(tmp_path / report.REFERENCES, {"at_frames": [4_000_000, 10_000_000], "families": [
         {"family": "PPO", "plot": "pong_ref_ppo.json", "env": "ALE_Pong-v5", "runs": [
