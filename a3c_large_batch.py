@@ -600,12 +600,7 @@ def main(args: Args) -> None:
     model = make_model(obs_space, act_space, args.network)  # hogwild: the shared model; server: main's view of it
     shared = make_shared(args, ctx, signals.stop, model, checkpoint)
     extra = dict(update=args.update, args=asdict(args), torch_rng=torch.get_rng_state(), meta=meta)
-    if signals.stop.is_set():  # Ctrl+C while setting up: stop before any process starts, leave nothing behind
-        if not checkpoint:
-            (run_dir / ".lock").unlink(missing_ok=True)  # claim_run_dir's: the directory held nothing else
-            run_dir.rmdir()
-        print("interrupted during start-up", file=sys.stderr)
-        raise SystemExit(128 + signals.signum)
+    stop_if_signalled(signals, run_dir, resumed=checkpoint is not None)  # no process started yet
     write_run_args(run_dir, args, meta)
     start_step = shared.steps_claimed.value
     n_updates, plan = planned_updates(args.total_timesteps, batch)
@@ -1123,6 +1118,16 @@ def resumed_args(args: Args) -> Args:
     default, given = asdict(Args()), given_flags(args)
     kept = {k: saved[k] for k in default if k in saved and k not in given and k not in ("resume", "eval_only")}
     return replace(args, **{k: tuple(v) if isinstance(default[k], tuple) else v for k, v in kept.items()})
+
+
+def stop_if_signalled(signals: StopSignals, run_dir: Path, resumed: bool) -> None:
+    """Ctrl+C or SIGTERM during start-up: exit before any process starts, leaving no new run directory behind."""
+    if signals.signum:  # set by the handler itself: the event is set a moment later, from a thread
+        if not resumed:
+            (run_dir / ".lock").unlink(missing_ok=True)  # claim_run_dir's: the directory held nothing else
+            run_dir.rmdir()
+        print("interrupted during start-up", file=sys.stderr)
+        raise SystemExit(128 + signals.signum)
 
 
 def claim_run_dir(run_dir: Path) -> None:

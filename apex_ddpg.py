@@ -1104,16 +1104,6 @@ def main(args: Args) -> None:
         signals.restore()
 
 
-def stop_if_signalled(signals: StopSignals, run_dir: Path, resumed: bool) -> None:
-    """Ctrl+C or SIGTERM during start-up: exit before any process starts, leaving no new run directory behind."""
-    if signals.signum:  # set by the handler itself: the event is set a moment later, from a thread
-        if not resumed:
-            (run_dir / ".lock").unlink(missing_ok=True)  # claim_run_dir's: the directory held nothing else
-            run_dir.rmdir()
-        print("interrupted during start-up", file=sys.stderr)
-        raise SystemExit(128 + signals.signum)
-
-
 def start_warnings(args: Args, start_step: int) -> list[str]:
     """What a run from `start_step` will not do though its flags may suggest it, as `warning:` lines: a resumed run
     too short to refill the replay (empty on --resume) to --learning-starts trains no more; a budget with no multiple
@@ -1599,6 +1589,16 @@ def resumed_args(args: Args) -> Args:
     default, given = asdict(Args()), given_flags(args)
     kept = {k: saved[k] for k in default if k in saved and k not in given and k not in ("resume", "eval_only")}
     return replace(args, **{k: tuple(v) if isinstance(default[k], tuple) else v for k, v in kept.items()})
+
+
+def stop_if_signalled(signals: StopSignals, run_dir: Path, resumed: bool) -> None:
+    """Ctrl+C or SIGTERM during start-up: exit before any process starts, leaving no new run directory behind."""
+    if signals.signum:  # set by the handler itself: the event is set a moment later, from a thread
+        if not resumed:
+            (run_dir / ".lock").unlink(missing_ok=True)  # claim_run_dir's: the directory held nothing else
+            run_dir.rmdir()
+        print("interrupted during start-up", file=sys.stderr)
+        raise SystemExit(128 + signals.signum)
 
 
 def claim_run_dir(run_dir: Path) -> None:

@@ -667,3 +667,29 @@ def test_full_disk_stops_cleanly_and_keeps_the_last_checkpoint(tmp_path):
         assert torch.load(checkpoint, weights_only=False)["global_step"] > 0  # the last good one, intact
         assert not list(checkpoint.parent.glob("*.tmp"))
         wait_for(lambda: not any(alive(pid) for pid in workers), "no worker left (no orphans)")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_signal_during_start_up_stops_cleanly(sig, tmp_path, monkeypatch, capsys):
+    """The signal arrives once the run directory exists, before any process starts: no process, no directory left,
+    exit 128 + signal (the plumbing's stop_if_signalled, as in apex)."""
+    new_run_dir = a3c.new_run_dir
+
+    def signalled(args):
+        run_dir = new_run_dir(args)
+        os.kill(os.getpid(), sig)
+        return run_dir
+
+    monkeypatch.setattr(a3c, "new_run_dir", signalled)
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}  # main changes them
+    threads = torch.get_num_threads()
+    try:
+        with pytest.raises(SystemExit) as e:
+            a3c.main(a3c.Args(env_id="CartPole-v1", log_dir=str(tmp_path), num_workers=2))
+    finally:
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
+        torch.set_num_threads(threads)
+    assert e.value.code == 128 + sig
+    assert "interrupted during start-up" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir()) and not multiprocessing.active_children()
