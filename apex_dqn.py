@@ -1080,6 +1080,7 @@ def main(args: Args) -> None:
                     run.wait_for_data()
                 run.housekeeping()
             run.wait_for_evaluation(signals.stop)
+            run.stats = run.replay.stats()  # for the last point: every actor has appended its last transitions
         except WorkerError as e:
             code, message = 1, f"error: {e}"
         except Exception as e:  # a signal, a failed write, a non-finite loss, a bug; or a process died: its line
