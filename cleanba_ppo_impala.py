@@ -668,7 +668,8 @@ def main(args: Args) -> None:
             thread.join(timeout=max(0.0, deadline - time.time()))
     if code != 1 and (error := next((a.error for a in actors if a.error), None)):
         code, message = 1, error
-    if code == 0 and world_size > 1 and (error := ranks_agree(model, rank, world_size)):
+    finished = learner.update == learner.num_updates  # on every rank, or on none: a stop is agreed at an all-reduce
+    if code == 0 and finished and world_size > 1 and (error := ranks_agree(model, rank, world_size)):
         code, message = 1, error
     save = (lambda: atomic_save(last, run_dir / "checkpoint.pt")) if last and (code != 1 or keep_last) else None
     finish_run(args, run_dir, learner.global_step, code, message, signals, progress=record and record.progress,

@@ -979,3 +979,17 @@ def test_killing_the_launcher_stops_its_ranks_with_a_checkpoint(tmp_path):
         end_launch(proc, pids)
     assert "the torchrun launcher" in out and "is gone" in out, out[-3000:]
     assert torch.load(only_run_dir(tmp_path) / "checkpoint.pt", weights_only=False)["global_step"] > 0
+
+
+def test_a_stop_requested_by_the_other_rank_alone_ends_rank_0_with_its_checkpoint(tmp_path):
+    """SIGTERM to rank 1 only: the ranks agree on the stop at an all-reduce, and rank 0, which got no signal itself,
+    stops there too: it writes the checkpoint of its last whole update and does not wait for rank 1 in the end-of-run
+    parameter check (only a run that spent its budget has one, on every rank)."""
+    proc, pids = launch_two_ranks(tmp_path)
+    try:
+        os.kill(pids[1], signal.SIGTERM)
+        out, _ = proc.communicate(timeout=90)
+    finally:
+        end_launch(proc, pids)
+    assert "stopped by SIGTERM at global step" in out and "[rank0]: Traceback" not in out, out[-3000:]
+    assert torch.load(only_run_dir(tmp_path) / "checkpoint.pt", weights_only=False)["global_step"] > 0
