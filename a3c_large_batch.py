@@ -570,8 +570,9 @@ class Run:
 
     def last_point(self) -> None:
         """After the processes stopped: main's view of the shared model made the latest published version (gradient
-        server), then the last TensorBoard point and console line."""
-        if self.shared.grad_q is not None:
+        server; not after a kill: the process may have died holding its lock), then the last point and console line."""
+        killed = any(p.exitcode is not None and p.exitcode < 0 for p in self.processes.procs.values())
+        if self.shared.grad_q is not None and not killed:  # a killed run ends with an error: the view is not used
             pull(self.shared, list(self.model.parameters()))
         self.write()
         self.console_line(now=True)

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 from pathlib import Path
 
 import numpy as np
@@ -693,3 +694,29 @@ def test_signal_during_start_up_stops_cleanly(sig, tmp_path, monkeypatch, capsys
     assert e.value.code == 128 + sig
     assert "interrupted during start-up" in capsys.readouterr().err
     assert not any(tmp_path.iterdir()) and not multiprocessing.active_children()
+
+
+def hold_until_killed(lock, held) -> None:
+    lock.acquire()
+    held.set()
+    time.sleep(600)
+
+
+def test_the_last_point_does_not_wait_for_the_lock_of_a_killed_worker():
+    """A server-mode worker killed (kill -9) inside `pull` leaves the published parameters' lock held for good: the
+    end of the run (Run.last_point) must not wait for it (a loaded CI run hung there for its 60 s)."""
+    ctx = multiprocessing.get_context("fork")
+    lock, held = ctx.Lock(), ctx.Event()
+    worker = ctx.Process(target=hold_until_killed, args=(lock, held), daemon=True)
+    worker.start()
+    assert held.wait(30)
+    os.kill(worker.pid, signal.SIGKILL)
+    worker.join()
+    shared, processes = types.SimpleNamespace(grad_q=ctx.Queue(), param_lock=lock), types.SimpleNamespace(procs={})
+    processes.procs["worker 1"] = worker
+    run = types.SimpleNamespace(shared=shared, processes=processes, model=nn.Linear(1, 1), write=lambda: None,
+                                console_line=lambda now=False: None)  # fmt: skip
+    ended = threading.Thread(target=a3c.Run.last_point, args=(run,), daemon=True)
+    ended.start()
+    ended.join(timeout=20)
+    assert not ended.is_alive(), "Run.last_point waits for a lock a killed process held"
