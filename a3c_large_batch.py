@@ -474,9 +474,9 @@ def gradient_server(model: nn.Module, args: Args, shared: Shared, device: torch.
 @dataclass
 class Run:
     """Main's side of the run once the processes run: the record of what they report on `log_q` (TensorBoard:
-    episodes as they end; lag, losses and timings averaged over --log-frequency updates; the console line),
+    episodes as they end; lag, losses and timings averaged over --log-frequency updates; the console line) and
     checkpoints (in server mode written by the gradient server, which owns the model and optimizer: main sends it
-    SaveCheckpoint), the watch over the processes and their shutdown."""
+    SaveCheckpoint); shut_down ends the processes."""
 
     args: Args
     model: nn.Module  # hogwild: the shared model; server: main's view of it
@@ -514,16 +514,6 @@ class Run:
             while True:
                 self.handle(self.shared.log_q.get_nowait())
 
-    def drain_while(self, busy, seconds: float) -> None:
-        """Handle the messages on `log_q` while `busy()` holds, for at most `seconds` (a process that stops exits only
-        once its queued messages are in the pipe). The events file's errors are the caller's to report."""
-        deadline = time.monotonic() + seconds
-        while busy() and time.monotonic() < deadline:
-            try:
-                self.drain(0.2)
-            except OSError:
-                time.sleep(0.2)
-
     def workers_running(self) -> bool:
         """A worker exits once its budget is spent and what it queued is in the pipe (or once the run stops)."""
         return any(p.is_alive() for name, p in self.processes.procs.items() if name.startswith("worker"))
@@ -538,35 +528,6 @@ class Run:
             return
         own = dict(model=self.model.state_dict(), optimizer=shared.optimizer.state_dict(), version=shared.version.value)
         atomic_save({**own, "global_step": self.global_step, **self.extra}, path)
-
-    def shut_down(self, failure: str | None) -> str | None:
-        """Stop the workers, let the gradient server apply what is queued and write the final checkpoint, then end
-        every process (SIGKILL for one that does not stop in time); returns the run's error line, if any."""
-        shared, interrupted = self.shared, bool(self.signals.signum)
-        if interrupted:
-            print("interrupted: shutting down", file=sys.stderr, flush=True)
-        shared.stop.set()
-        # after a death the wait is short: a process killed while writing to a queue leaves its lock held, and the
-        # others' exits would hang on it
-        self.drain_while(self.workers_running, 4.0 if failure is None else 1.0)
-        failure = failure or worker_failure(self.processes, shared.error_q)
-        server = self.processes.procs.get("gradient server")
-        if server is not None and failure is None:
-            path = str(self.record.progress.run_dir / "checkpoint.pt") if self.args.checkpoint_interval else None
-            shared.grad_q.put(SaveCheckpoint(path, self.extra, final=True))  # behind the exited workers' gradients
-            wait = 5.0 if interrupted else 60.0  # the final checkpoint of a finished run may take a while to write
-            self.drain_while(server.is_alive, wait)
-            if server.exitcode != 0:  # 0: every gradient applied, the final checkpoint written
-                failure = (
-                    worker_failure(self.processes, shared.error_q)
-                    or "error: the gradient server did not finish; stopping"
-                )
-        killed = self.processes.stop(grace=1.0)
-        with contextlib.suppress(OSError):  # the events file's error, if any, is reported by finish
-            self.drain(0.0)
-        if interrupted and killed:  # e.g. Ctrl+C while a worker was still starting up: not a crash
-            print(f"{', '.join(killed)} did not stop in time after the interrupt: killed", file=sys.stderr)
-        return failure
 
     def last_point(self) -> None:
         """After the processes stopped: main's view of the shared model made the latest published version (gradient
@@ -637,7 +598,7 @@ def main(args: Args) -> None:
     except (WriteError, OSError) as e:  # a checkpoint or the TensorBoard events
         failure = error_line(e, run.global_step, signals.signum)[1]
     finally:  # whatever ended the loop, no process outlives it
-        failure = run.shut_down(failure)
+        failure = shut_down(run, failure)
     code, message = (1, failure) if failure else error_line(Stop(), run.global_step, signals.signum)
     save = run.write_checkpoint if failure is None and shared.grad_q is None else None  # the server wrote its own
     finish_run(args, run_dir, run.global_step, code, message, signals, progress=progress, writer=record.writer,
@@ -1440,6 +1401,46 @@ def evaluate(model: nn.Module, args: Args, video_dir: Path, device: torch.device
             if played < args.eval_episodes:  # no reset after the last game: it would record an empty video
                 obs, _ = env.reset()
     env.close()
+
+
+def shut_down(run: Run, failure: str | None) -> str | None:
+    """Stop the workers, let the gradient server apply what is queued and write the final checkpoint, then end every
+    process (SIGKILL for one that does not stop in time); returns the run's error line, if any."""
+    shared, interrupted = run.shared, bool(run.signals.signum)
+    if interrupted:
+        print("interrupted: shutting down", file=sys.stderr, flush=True)
+    shared.stop.set()
+    # after a death the wait is short: a process killed while writing to a queue leaves its lock held, and the others'
+    # exits would hang on it
+    drain_while(run, run.workers_running, 4.0 if failure is None else 1.0)
+    failure = failure or worker_failure(run.processes, shared.error_q)
+    server = run.processes.procs.get("gradient server")
+    if server is not None and failure is None:
+        path = str(run.record.progress.run_dir / "checkpoint.pt") if run.args.checkpoint_interval else None
+        shared.grad_q.put(SaveCheckpoint(path, run.extra, final=True))  # behind the exited workers' gradients
+        wait = 5.0 if interrupted else 60.0  # the final checkpoint of a finished run may take a while to write
+        drain_while(run, server.is_alive, wait)
+        if server.exitcode != 0:  # 0: every gradient applied, the final checkpoint written
+            failure = (
+                worker_failure(run.processes, shared.error_q) or "error: the gradient server did not finish; stopping"
+            )
+    killed = run.processes.stop(grace=1.0)
+    with contextlib.suppress(OSError):  # the events file's error, if any, is reported by finish_run
+        run.drain(0.0)
+    if interrupted and killed:  # e.g. Ctrl+C while a worker was still starting up: not a crash
+        print(f"{', '.join(killed)} did not stop in time after the interrupt: killed", file=sys.stderr)
+    return failure
+
+
+def drain_while(run: Run, busy, seconds: float) -> None:
+    """Handle the messages on `log_q` while `busy()` holds, for at most `seconds` (a process that stops exits only once
+    its queued messages are in the pipe). The events file's errors are the caller's to report."""
+    deadline = time.monotonic() + seconds
+    while busy() and time.monotonic() < deadline:
+        try:
+            run.drain(0.2)
+        except OSError:
+            time.sleep(0.2)
 
 
 if __name__ == "__main__":

@@ -217,6 +217,70 @@ def soft_update(target: nn.Module, online: nn.Module, tau: float) -> None:
         t.lerp_(o, tau)
 
 
+class Learner:
+    """Ape-X DPG's learner: actor and critic, their target networks and Adam optimizers; `step` is one pass of the
+    learner's loop (Ape-X's Algorithm 2 with DDPG's update), in the paper's order."""
+
+    def __init__(self, args: Args, obs_space, act_space, device: torch.device):
+        self.args, self.device = args, device
+        self.model = build_model(args, obs_space, act_space).to(device)
+        self.target = build_model(args, obs_space, act_space).to(device)
+        self.target.load_state_dict(self.model.state_dict())
+        self.target.requires_grad_(False)
+        self.version = 0  # learner updates so far
+        self.learning_rate = args.critic_learning_rate  # charts/learning_rate (the critic's)
+        self.optimizers = {
+            "critic": torch.optim.Adam(self.model.critic.parameters(), args.critic_learning_rate, eps=args.adam_eps),
+            "actor": torch.optim.Adam(self.model.actor.parameters(), args.actor_learning_rate, eps=args.adam_eps),
+        }
+
+    def step(self, replay, beta: float, rng: np.random.Generator, stats: ReplayStats) -> dict[str, float]:
+        """Algorithm 2, lines 4-10: sample a prioritized batch across the buffers, take one critic step on its
+        IS-weighted squared TD error and one actor step on the deterministic policy gradient, write the batch's new
+        priorities back, and move the target networks (a soft update every step, DDPG's). (Line 11, RemoveToFit, has
+        nothing to do: each buffer is a ring that overwrites its oldest transitions.) Returns the update's
+        statistics; `stale_updates` counts the priorities not written because their slots were overwritten."""
+        args = self.args
+        batch = sample_batch(replay, args.batch_size, beta, rng, stats)  # id, tau <- Replay.Sample()
+        data = Transitions(*(t.to(self.device, non_blocking=True) for t in batch.data))
+        value_loss, td, q = critic_loss(self.model, self.target, data, batch.weights.to(self.device))
+        grad_norm = self.gradient_step("critic", value_loss)  # theta_t+1 <- UpdateParameters(l_t; theta_t)
+        policy_loss = actor_loss(self.model, data.obs)
+        self.gradient_step("actor", policy_loss)
+        priorities = priorities_of(td, args.priority_alpha, args.priority_eps)  # p <- ComputePriorities()
+        stale = replay.update(split_updates(batch, priorities, len(stats.sizes)))  # Replay.SetPriority(id, p)
+        soft_update(self.target, self.model, args.tau)  # the target networks
+        lag = self.version - data.policy_version.double().mean()  # updates between the acting parameters and this
+        values = dict(value_loss=value_loss, policy_loss=policy_loss, total_loss=value_loss + policy_loss,
+                      grad_norm=grad_norm, q_values=q.mean(), policy_lag=lag)  # fmt: skip
+        stats = dict(zip(values, torch.stack([v.detach().double() for v in values.values()]).tolist(), strict=True))
+        self.version += 1
+        return dict(stats, stale_updates=stale)
+
+    def gradient_step(self, name: str, loss: torch.Tensor) -> torch.Tensor:
+        """One clipped Adam step of the `name` network (critic or actor); its gradient norm before clipping."""
+        self.optimizers[name].zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = nn.utils.clip_grad_norm_(getattr(self.model, name).parameters(), self.args.max_grad_norm)
+        self.optimizers[name].step()
+        return grad_norm.detach()
+
+    def flat_params(self) -> torch.Tensor:
+        return torch.cat([p.detach().reshape(-1) for p in self.model.parameters()])  # logical order, any layout
+
+    def state_dict(self) -> dict:
+        optimizers = {k: o.state_dict() for k, o in self.optimizers.items()}
+        return dict(model=self.model.state_dict(), target=self.target.state_dict(), optimizers=optimizers,
+                    version=self.version)  # fmt: skip
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.target.load_state_dict(state["target"])
+        for k, o in self.optimizers.items():
+            o.load_state_dict(state["optimizers"][k])
+        self.version = state["version"]
+
+
 def noise_scales(num_actors: int, sigma: float) -> list[float]:
     """Actors' noise scales, evenly spread from sigma (actor 0) down to sigma / N (the last actor)."""
     return [sigma * (num_actors - i) / num_actors for i in range(num_actors)]
@@ -814,64 +878,6 @@ def serve_actor_host(rank: int, world_size: int) -> None:
 # ---- Learner ----
 
 
-class Learner:
-    """Actor and critic, their target networks and Adam optimizers; `update` is one Ape-X DPG learner step."""
-
-    def __init__(self, args: Args, obs_space, act_space, device: torch.device):
-        self.args, self.device = args, device
-        self.model = build_model(args, obs_space, act_space).to(device)
-        self.target = build_model(args, obs_space, act_space).to(device)
-        self.target.load_state_dict(self.model.state_dict())
-        self.target.requires_grad_(False)
-        self.version = 0  # learner updates so far
-        self.learning_rate = args.critic_learning_rate  # charts/learning_rate (the critic's)
-        self.optimizers = {
-            "critic": torch.optim.Adam(self.model.critic.parameters(), args.critic_learning_rate, eps=args.adam_eps),
-            "actor": torch.optim.Adam(self.model.actor.parameters(), args.actor_learning_rate, eps=args.adam_eps),
-        }
-
-    def flat_params(self) -> torch.Tensor:
-        return torch.cat([p.detach().reshape(-1) for p in self.model.parameters()])  # logical order, any layout
-
-    def update(self, data: Transitions, weights: torch.Tensor) -> tuple[np.ndarray, dict[str, float]]:
-        """One critic step on the IS-weighted squared TD error, one actor step on the deterministic policy gradient,
-        a soft target update; returns the new priorities [B] and scalar statistics."""
-        data = Transitions(*(t.to(self.device, non_blocking=True) for t in data))
-        value_loss, td, q = critic_loss(self.model, self.target, data, weights.to(self.device))
-        grad_norm = self.step("critic", value_loss)
-        policy_loss = actor_loss(self.model, data.obs)
-        self.step("actor", policy_loss)
-        soft_update(self.target, self.model, self.args.tau)
-        lag = self.version - data.policy_version.double().mean()  # updates between the acting parameters and this
-        values = dict(value_loss=value_loss, policy_loss=policy_loss, total_loss=value_loss + policy_loss,
-                      grad_norm=grad_norm, q_values=q.mean(), policy_lag=lag)  # fmt: skip
-        stats = dict(zip(values, torch.stack([v.detach().double() for v in values.values()]).tolist(), strict=True))
-        self.version += 1
-        return priorities_of(td, self.args.priority_alpha, self.args.priority_eps), stats
-
-    def step(self, name: str, loss: torch.Tensor) -> torch.Tensor:
-        """One clipped Adam step of the `name` network (critic or actor); its gradient norm before clipping."""
-        if not torch.isfinite(loss):
-            raise NonFiniteLoss(f"non-finite {name} loss {loss.item()} at learner update {self.version}")
-        self.optimizers[name].zero_grad(set_to_none=True)
-        loss.backward()
-        grad_norm = nn.utils.clip_grad_norm_(getattr(self.model, name).parameters(), self.args.max_grad_norm)
-        self.optimizers[name].step()
-        return grad_norm.detach()
-
-    def state_dict(self) -> dict:
-        optimizers = {k: o.state_dict() for k, o in self.optimizers.items()}
-        return dict(model=self.model.state_dict(), target=self.target.state_dict(), optimizers=optimizers,
-                    version=self.version)  # fmt: skip
-
-    def load_state_dict(self, state: dict) -> None:
-        self.model.load_state_dict(state["model"])
-        self.target.load_state_dict(state["target"])
-        for k, o in self.optimizers.items():
-            o.load_state_dict(state["optimizers"][k])
-        self.version = state["version"]
-
-
 class LearnerRun:
     """The learner's loop state and one iteration (take messages, train if allowed, log, check workers, checkpoint),
     with its record: the actors' games and the evaluator's rounds, the learner's statistics averaged over
@@ -934,7 +940,8 @@ class LearnerRun:
         return not args.replay_ratio or self.learn_step < 0 or sampled < args.replay_ratio * steps
 
     def learn(self) -> None:
-        """One update: sample across the buffers, train, write the new priorities back, publish the parameters."""
+        """One learner update (Learner.step: Algorithm 2's pass), checked for a NaN or infinite loss or gradient norm
+        before its parameters reach the actors, then published and recorded."""
         args, learner = self.args, self.learner
         if self.learn_step < 0:  # the first update: the rate limiter's origin, the actors' side in shared memory
             self.learn_step, self.learn_version = self.global_step, learner.version
@@ -943,9 +950,11 @@ class LearnerRun:
                 self.shared.learn_start.value = claimed - learner.version * args.batch_size / args.replay_ratio
         drain_into(self.shared.log_q, self.handle, 0.0)
         beta = importance_exponent(args.priority_beta, args.anneal_beta, self.global_step / args.total_timesteps)
-        batch = sample_batch(self.replay, args.batch_size, beta, self.rng, self.stats)
-        priorities, values = learner.update(batch.data, batch.weights)
-        self.stale_updates += self.replay.update(split_updates(batch, priorities, len(self.stats.sizes)))
+        values = learner.step(self.replay, beta, self.rng, self.stats)
+        if not (math.isfinite(values["total_loss"]) and math.isfinite(values["grad_norm"])):  # before the actors
+            raise NonFiniteLoss(f"non-finite loss {values['total_loss']:g} (gradient norm {values['grad_norm']:g}) "
+                                f"at learner update {learner.version}")  # fmt: skip
+        self.stale_updates += values.pop("stale_updates")
         self.shared.store.publish(learner.flat_params(), learner.version)
         self.record.add({f"charts/{k}" if k == "policy_lag" else f"losses/{k}": v for k, v in values.items()})
         if learner.version % args.log_frequency == 0:

@@ -226,6 +226,64 @@ def priorities_of(td: torch.Tensor, alpha: float, eps: float) -> np.ndarray:
     return ((td.detach().abs().double() + eps) ** alpha).cpu().numpy()
 
 
+class Learner:
+    """Ape-X DQN's learner: the dueling Q-network, its target network and optimizer; `step` is one pass of the
+    learner's loop (Algorithm 2), in the paper's order."""
+
+    def __init__(self, args: Args, obs_space, act_space, device: torch.device):
+        self.args, self.device = args, device
+        self.model = build_model(args, obs_space, act_space).to(device)
+        self.target = build_model(args, obs_space, act_space).to(device)
+        self.target.load_state_dict(self.model.state_dict())
+        self.target.requires_grad_(False)
+        self.version = 0  # learner updates so far
+        self.learning_rate = args.learning_rate  # charts/learning_rate
+        if args.optimizer == "rmsprop":  # Ape-X: centered RMSProp
+            self.optimizer = torch.optim.RMSprop(
+                self.model.parameters(), args.learning_rate, alpha=args.rmsprop_alpha, eps=args.rmsprop_eps,
+                centered=True,
+            )  # fmt: skip
+        else:
+            self.optimizer = torch.optim.Adam(self.model.parameters(), args.learning_rate, eps=args.adam_eps)
+
+    def step(self, replay, beta: float, rng: np.random.Generator, stats: ReplayStats) -> dict[str, float]:
+        """Algorithm 2, lines 4-10: sample a prioritized batch across the buffers, take one gradient step on its
+        IS-weighted loss, write the batch's new priorities back, and copy the target network every
+        --target-network-frequency updates. (Line 11, RemoveToFit, has nothing to do: each buffer is a ring that
+        overwrites its oldest transitions.) Returns the update's statistics; `stale_updates` counts the priorities
+        not written because their slots were overwritten meanwhile."""
+        args = self.args
+        batch = sample_batch(replay, args.batch_size, beta, rng, stats)  # id, tau <- Replay.Sample()
+        data = Transitions(*(t.to(self.device, non_blocking=True) for t in batch.data))
+        loss, td, q = dqn_loss(self.model, self.target, data, batch.weights.to(self.device))  # l_t <- ComputeLoss
+        self.optimizer.zero_grad(set_to_none=True)  # theta_t+1 <- UpdateParameters(l_t; theta_t)
+        loss.backward()
+        grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), args.max_grad_norm)
+        self.optimizer.step()
+        priorities = priorities_of(td, args.priority_alpha, args.priority_eps)  # p <- ComputePriorities()
+        stale = replay.update(split_updates(batch, priorities, len(stats.sizes)))  # Replay.SetPriority(id, p)
+        if (self.version + 1) % args.target_network_frequency == 0:  # theta^- <- theta, periodically
+            self.target.load_state_dict(self.model.state_dict())
+        lag = self.version - data.policy_version.double().mean()  # updates between the acting parameters and this
+        values = dict(value_loss=loss, total_loss=loss, grad_norm=grad_norm, q_values=q.mean(), policy_lag=lag)
+        stats = dict(zip(values, torch.stack([v.detach().double() for v in values.values()]).tolist(), strict=True))
+        self.version += 1
+        return dict(stats, stale_updates=stale)
+
+    def flat_params(self) -> torch.Tensor:
+        return torch.cat([p.detach().reshape(-1) for p in self.model.parameters()])  # logical order, any layout
+
+    def state_dict(self) -> dict:
+        return dict(model=self.model.state_dict(), target=self.target.state_dict(),
+                    optimizer=self.optimizer.state_dict(), version=self.version)  # fmt: skip
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.target.load_state_dict(state["target"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.version = state["version"]
+
+
 def apex_epsilons(num_actors: int, epsilon: float = 0.4, alpha: float = 7.0) -> list[float]:
     """Horgan et al. 2018, Section 4.1: actor i of N explores with eps_i = eps^(1 + i alpha / (N - 1)); 1 actor: eps."""
     return [epsilon ** (1 + i * alpha / max(1, num_actors - 1)) for i in range(num_actors)]
@@ -819,57 +877,6 @@ def serve_actor_host(rank: int, world_size: int) -> None:
 # ---- Learner ----
 
 
-class Learner:
-    """The dueling Q-network, its target network and optimizer; `update` is one Ape-X DQN learner step."""
-
-    def __init__(self, args: Args, obs_space, act_space, device: torch.device):
-        self.args, self.device = args, device
-        self.model = build_model(args, obs_space, act_space).to(device)
-        self.target = build_model(args, obs_space, act_space).to(device)
-        self.target.load_state_dict(self.model.state_dict())
-        self.target.requires_grad_(False)
-        self.version = 0  # learner updates so far
-        self.learning_rate = args.learning_rate  # charts/learning_rate
-        if args.optimizer == "rmsprop":  # Ape-X: centered RMSProp
-            self.optimizer = torch.optim.RMSprop(
-                self.model.parameters(), args.learning_rate, alpha=args.rmsprop_alpha, eps=args.rmsprop_eps,
-                centered=True,
-            )  # fmt: skip
-        else:
-            self.optimizer = torch.optim.Adam(self.model.parameters(), args.learning_rate, eps=args.adam_eps)
-
-    def flat_params(self) -> torch.Tensor:
-        return torch.cat([p.detach().reshape(-1) for p in self.model.parameters()])  # logical order, any layout
-
-    def update(self, data: Transitions, weights: torch.Tensor) -> tuple[np.ndarray, dict[str, float]]:
-        """One gradient step on an IS-weighted Huber loss; returns the new priorities [B] and scalar statistics."""
-        data = Transitions(*(t.to(self.device, non_blocking=True) for t in data))
-        loss, td, q = dqn_loss(self.model, self.target, data, weights.to(self.device))
-        if not torch.isfinite(loss):
-            raise NonFiniteLoss(f"non-finite loss {loss.item()} at learner update {self.version}")
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), self.args.max_grad_norm)
-        self.optimizer.step()
-        if (self.version + 1) % self.args.target_network_frequency == 0:
-            self.target.load_state_dict(self.model.state_dict())
-        lag = self.version - data.policy_version.double().mean()  # updates between the acting parameters and this
-        values = dict(value_loss=loss, total_loss=loss, grad_norm=grad_norm, q_values=q.mean(), policy_lag=lag)
-        stats = dict(zip(values, torch.stack([v.detach().double() for v in values.values()]).tolist(), strict=True))
-        self.version += 1
-        return priorities_of(td, self.args.priority_alpha, self.args.priority_eps), stats
-
-    def state_dict(self) -> dict:
-        return dict(model=self.model.state_dict(), target=self.target.state_dict(),
-                    optimizer=self.optimizer.state_dict(), version=self.version)  # fmt: skip
-
-    def load_state_dict(self, state: dict) -> None:
-        self.model.load_state_dict(state["model"])
-        self.target.load_state_dict(state["target"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.version = state["version"]
-
-
 class LearnerRun:
     """The learner's loop state and one iteration (take messages, train if allowed, log, check workers, checkpoint),
     with its record: the actors' games and the evaluator's rounds, the learner's statistics averaged over
@@ -932,7 +939,8 @@ class LearnerRun:
         return not args.replay_ratio or self.learn_step < 0 or sampled < args.replay_ratio * steps
 
     def learn(self) -> None:
-        """One update: sample across the buffers, train, write the new priorities back, publish the parameters."""
+        """One learner update (Learner.step: Algorithm 2's pass), checked for a NaN or infinite loss or gradient norm
+        before its parameters reach the actors, then published and recorded."""
         args, learner = self.args, self.learner
         if self.learn_step < 0:  # the first update: the rate limiter's origin, the actors' side in shared memory
             self.learn_step, self.learn_version = self.global_step, learner.version
@@ -941,9 +949,11 @@ class LearnerRun:
                 self.shared.learn_start.value = claimed - learner.version * args.batch_size / args.replay_ratio
         drain_into(self.shared.log_q, self.handle, 0.0)
         beta = importance_exponent(args.priority_beta, args.anneal_beta, self.global_step / args.total_timesteps)
-        batch = sample_batch(self.replay, args.batch_size, beta, self.rng, self.stats)
-        priorities, values = learner.update(batch.data, batch.weights)
-        self.stale_updates += self.replay.update(split_updates(batch, priorities, len(self.stats.sizes)))
+        values = learner.step(self.replay, beta, self.rng, self.stats)
+        if not (math.isfinite(values["total_loss"]) and math.isfinite(values["grad_norm"])):  # before the actors
+            raise NonFiniteLoss(f"non-finite loss {values['total_loss']:g} (gradient norm {values['grad_norm']:g}) "
+                                f"at learner update {learner.version}")  # fmt: skip
+        self.stale_updates += values.pop("stale_updates")
         self.shared.store.publish(learner.flat_params(), learner.version)
         self.record.add({f"charts/{k}" if k == "policy_lag" else f"losses/{k}": v for k, v in values.items()})
         if learner.version % args.log_frequency == 0:

@@ -552,54 +552,8 @@ class Learner:
             raise Stop
         copy_flat_into(grads, flat.div_(W))
 
-    def snapshot(self) -> dict:
-        """A copy of everything a checkpoint holds, taken between updates (a stop may cut the next update half way)."""
-        state = dict(model=self.model.state_dict(), optimizer=self.optimizer.state_dict(), args=asdict(self.args))
-        state.update(update=self.update, global_step=self.global_step, meta=self.meta)
-        state.update(learner_rng=self.generator.get_state(), actor_rngs=[a.generator.get_state() for a in self.actors])
-        return copy.deepcopy(state)
-
-
-def start_record(args: Args, run_dir: Path, world_size: int, learner: Learner, network: str) -> Recorder:
-    """Rank 0's record of the run, from its start line (the plan); the console's mean_return is over the last 20
-    games."""
-    writer = make_writer(run_dir, args)
-    writer.add_text("world_size", str(world_size))  # the ranks' envs all count in the global step
-    plan = f"{learner.plan}; an update is {world_size} rank(s) x {args.num_envs} envs x {args.num_steps} steps"
-    mode = f"{'sync' if args.sync else 'cleanba'} {args.algo}, {network} network, {learner.device}"
-    progress = Progress(run_dir, learner.num_updates * learner.steps_per_update, f"{plan}; {mode}")
-    return Recorder(writer, progress, args, learner.global_step, window=20)
-
-
-def record_update(record: Recorder, learner: Learner, scalars: dict[str, float], episodes: list) -> None:
-    """Every update's games and scalars to TensorBoard; the console line with its policy lag and queue waits."""
-    step, lag = learner.global_step, scalars["charts/policy_lag"]
-    record.games((step, ret, length) for ret, length in episodes)
-    record.add(scalars)
-    record.point(step)
-    waits = f"rollout_wait={scalars['timing/rollout_queue_get']:.3f} param_wait={scalars['timing/param_queue_get']:.3f}"
-    record.line(step, f"update={learner.update}/{learner.num_updates} policy_lag={lag} {waits}",
-                now=learner.update == learner.num_updates)  # fmt: skip
-
 
 # ---- Main ----
-
-
-def init_torch(args: Args, rank: int, world_size: int) -> torch.device:
-    use_cuda = args.cuda and torch.cuda.is_available()
-    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if use_cuda else "cpu")
-    if world_size > 1:  # collectives fail after a bounded wait for a peer (gloo's default: 30 min); the learner's
-        timeout = datetime.timedelta(seconds=args.rank_timeout + 30)  # own wait names the peer first (wait_for_ranks)
-        dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world_size, timeout=timeout)
-    if args.torch_threads:
-        torch.set_num_threads(args.torch_threads)
-    torch.manual_seed(args.seed)  # identical initial parameters on every rank
-    torch.backends.cudnn.deterministic = args.torch_deterministic
-    torch.use_deterministic_algorithms(args.torch_deterministic, warn_only=True)
-    # deterministic mode would also fill every new tensor with NaN: nothing here reads uninitialised memory, and the
-    # fill is a large share of the learner's time on CPU
-    torch.utils.deterministic.fill_uninitialized_memory = False
-    return device
 
 
 def main(args: Args) -> None:
@@ -635,7 +589,7 @@ def main(args: Args) -> None:
     who = f"rank {rank}" if world_size > 1 else "the learner"
     record = start_record(args, run_dir, world_size, learner, meta["network"]) if rank == 0 else None
     # rank 0, with --checkpoint-interval: the last whole update's state, the checkpoint a stop or a lost rank writes
-    last, written_at = (learner.snapshot(), time.time()) if record and args.checkpoint_interval else (None, 0.0)
+    last, written_at = (checkpoint_state(learner), time.time()) if record and args.checkpoint_interval else (None, 0.0)
     remaining = learner.num_updates - learner.update
     work = (device, remaining, args.sync, stop)  # actor_thread's arguments after its Actor
     threads = [threading.Thread(target=actor_thread, args=(a, *work), name=f"actor-{a.index}", daemon=True)
@@ -649,7 +603,7 @@ def main(args: Args) -> None:
             if record is not None:
                 record_update(record, learner, scalars, episodes)
             if last is not None:
-                last = learner.snapshot()
+                last = checkpoint_state(learner)
                 if time.time() - written_at >= args.checkpoint_interval:
                     atomic_save(last, run_dir / "checkpoint.pt")
                     written_at = time.time()
@@ -1463,6 +1417,56 @@ def leave(code: int, threads: list = (), teardown: bool = True) -> None:
         os._exit(code)
     if code:
         raise SystemExit(code)
+
+
+def init_torch(args: Args, rank: int, world_size: int) -> torch.device:
+    """This rank's device; under torchrun its process group; torch's threads, seed and determinism settings."""
+    use_cuda = args.cuda and torch.cuda.is_available()
+    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if use_cuda else "cpu")
+    if world_size > 1:  # collectives fail after a bounded wait for a peer (gloo's default: 30 min); the learner's
+        timeout = datetime.timedelta(seconds=args.rank_timeout + 30)  # own wait names the peer first (wait_for_ranks)
+        dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world_size, timeout=timeout)
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
+    torch.manual_seed(args.seed)  # identical initial parameters on every rank
+    torch.backends.cudnn.deterministic = args.torch_deterministic
+    torch.use_deterministic_algorithms(args.torch_deterministic, warn_only=True)
+    # deterministic mode would also fill every new tensor with NaN: nothing here reads uninitialised memory, and the
+    # fill is a large share of the learner's time on CPU
+    torch.utils.deterministic.fill_uninitialized_memory = False
+    return device
+
+
+def start_record(args: Args, run_dir: Path, world_size: int, learner: Learner, network: str) -> Recorder:
+    """Rank 0's record of the run, from its start line (the plan); the console's mean_return is over the last 20
+    games."""
+    writer = make_writer(run_dir, args)
+    writer.add_text("world_size", str(world_size))  # the ranks' envs all count in the global step
+    plan = f"{learner.plan}; an update is {world_size} rank(s) x {args.num_envs} envs x {args.num_steps} steps"
+    mode = f"{'sync' if args.sync else 'cleanba'} {args.algo}, {network} network, {learner.device}"
+    progress = Progress(run_dir, learner.num_updates * learner.steps_per_update, f"{plan}; {mode}")
+    return Recorder(writer, progress, args, learner.global_step, window=20)
+
+
+def record_update(record: Recorder, learner: Learner, scalars: dict[str, float], episodes: list) -> None:
+    """Every update's games and scalars to TensorBoard; the console line with its policy lag and queue waits."""
+    step, lag = learner.global_step, scalars["charts/policy_lag"]
+    record.games((step, ret, length) for ret, length in episodes)
+    record.add(scalars)
+    record.point(step)
+    waits = f"rollout_wait={scalars['timing/rollout_queue_get']:.3f} param_wait={scalars['timing/param_queue_get']:.3f}"
+    record.line(step, f"update={learner.update}/{learner.num_updates} policy_lag={lag} {waits}",
+                now=learner.update == learner.num_updates)  # fmt: skip
+
+
+def checkpoint_state(learner: Learner) -> dict:
+    """A copy of everything a checkpoint holds, taken between updates (a stop may cut the next update half way)."""
+    state = dict(model=learner.model.state_dict(), optimizer=learner.optimizer.state_dict(), args=asdict(learner.args))
+    state.update(update=learner.update, global_step=learner.global_step, meta=learner.meta)
+    state.update(
+        learner_rng=learner.generator.get_state(), actor_rngs=[a.generator.get_state() for a in learner.actors]
+    )
+    return copy.deepcopy(state)
 
 
 if __name__ == "__main__":

@@ -369,7 +369,7 @@ def actor(aid: int, args: Args, shared: Shared, requests: SimpleQueue, action_co
 
 
 class Workers:
-    """The executor and actor processes, the queues between them and the learner, and how they stop."""
+    """The executor and actor processes and the queues between them and the learner (stop_workers ends them)."""
 
     def __init__(self, args: Args, shared: Shared, start_method: str, num_collections: int) -> None:
         ctx = mp.get_context(start_method)
@@ -416,17 +416,6 @@ class Workers:
         timings["learner_wait_executors"] = time.perf_counter() - start
         return sorted(e for m in done for e in m.episodes), timings
 
-    def stop(self, graceful: bool) -> None:
-        """After a clean finish the workers are idle: the sentinels they wait for end them (SIGKILL after 3 s). After a
-        signal or a failure they are killed at once: the learner holds all of the run's state, and a sentinel could
-        wait forever on a queue's lock that a killed worker held."""
-        if graceful:
-            for q in self.commands:
-                q.put(None)
-            for _ in range(self.num_actors):
-                self.requests.put(None)
-        self.processes.stop(3.0 if graceful else 0.0)
-
 
 # ---- Learner ---------------------------------------------------------------------------------------------------------
 
@@ -464,12 +453,6 @@ class Learner:
             raise NonFiniteLoss(f"non-finite loss {losses['total_loss'].item()}")
         grad_norm = gradient_step(self.behavior, self.optimizer, losses["total_loss"], args.max_grad_norm)
         return {k: v.item() for k, v in losses.items()} | {"grad_norm": grad_norm.item()}
-
-    def save(self, path: Path, args: Args, meta: dict) -> None:
-        """Write everything needed to continue the run (atomically); executors reseed per collection."""
-        atomic_save({"model": self.target.state_dict(), "optimizer": self.optimizer.state_dict(),
-                     "global_step": self.global_step, "update": self.update,
-                     "rng": {"torch": torch.get_rng_state()}, "args": asdict(args), "meta": meta}, path)  # fmt: skip
 
 
 # ---- Main ------------------------------------------------------------------------------------------------------------
@@ -535,13 +518,14 @@ def main(args: Args) -> None:
                 record.point(learner.global_step)
             record.line(learner.global_step, f"update={learner.update}/{num_collections}", now=done)
             if args.checkpoint_interval > 0 and time.time() - last_checkpoint >= args.checkpoint_interval:
-                learner.save(checkpoint_path, args, meta)
+                write_checkpoint(learner, checkpoint_path, args, meta)
                 last_checkpoint = time.time()
     except Exception as e:  # a signal, a dead worker, a failed write, a non-finite loss, a bug
         exit_code, message = error_line(e, learner.global_step, signals.signum)
     finally:
-        workers.stop(graceful=exit_code == 0)
-    save = (lambda: learner.save(checkpoint_path, args, meta)) if exit_code != 1 else None  # 1: keep the last good one
+        stop_workers(workers, graceful=exit_code == 0)
+    # exit status 1: keep the last good checkpoint
+    save = (lambda: write_checkpoint(learner, checkpoint_path, args, meta)) if exit_code != 1 else None
     finish_run(args, run_dir, learner.global_step, exit_code, message, signals, progress=progress, tracker=tracker,
                writer=record and record.writer, checkpoint=save, final_model=lambda: learner.target,
                device=device)  # fmt: skip
@@ -1317,6 +1301,25 @@ def evaluate(model: nn.Module, args: Args, video_dir: Path, device: torch.device
             if played < args.eval_episodes:  # no reset after the last game: it would record an empty video
                 obs, _ = env.reset()
     env.close()
+
+
+def write_checkpoint(learner: Learner, path: Path, args: Args, meta: dict) -> None:
+    """Write everything needed to continue the run (atomically); executors reseed per collection."""
+    atomic_save({"model": learner.target.state_dict(), "optimizer": learner.optimizer.state_dict(),
+                 "global_step": learner.global_step, "update": learner.update,
+                 "rng": {"torch": torch.get_rng_state()}, "args": asdict(args), "meta": meta}, path)  # fmt: skip
+
+
+def stop_workers(workers: Workers, graceful: bool) -> None:
+    """After a clean finish the workers are idle: the sentinels they wait for end them (SIGKILL after 3 s). After a
+    signal or a failure they are killed at once: the learner holds all of the run's state, and a sentinel could wait
+    forever on a queue's lock that a killed worker held."""
+    if graceful:
+        for q in workers.commands:
+            q.put(None)
+        for _ in range(workers.num_actors):
+            workers.requests.put(None)
+    workers.processes.stop(3.0 if graceful else 0.0)
 
 
 if __name__ == "__main__":

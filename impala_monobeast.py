@@ -683,34 +683,8 @@ class Learner:
                              now=self.updates == self.num_updates)  # fmt: skip
         return True
 
-    def watch(self, actors: Processes, learner_threads: list[threading.Thread]) -> None:
-        """The main thread while the learner threads train: a dead actor stops the run, and a checkpoint is written
-        every --checkpoint-interval seconds, between two updates."""
-        written = time.time()
-        try:
-            while not self.queues.stop.is_set() and any(t.is_alive() for t in learner_threads):
-                if died := actors.wait(timeout=1.0):
-                    self.failures.insert(0, f"error: {died}")  # an exception's traceback: the actor printed it
-                    return
-                if self.args.checkpoint_interval and time.time() - written >= self.args.checkpoint_interval:
-                    with self.learn_lock:
-                        self.save_checkpoint()
-                    written = time.time()
-        except WriteError as e:
-            self.failures.append(error_line(e, self.global_step, 0)[1])
-
-    def save_checkpoint(self) -> None:
-        state = dict(model=self.model.state_dict(), optimizer=self.optimizer.state_dict(), update=self.updates,
-                     global_step=self.global_step, torch_rng=torch.get_rng_state(), args=asdict(self.args),
-                     meta=self.meta)  # fmt: skip
-        atomic_save(state, self.run_dir / "checkpoint.pt")
-
 
 # ---- Main ------------------------------------------------------------------------------------------------------------
-
-
-def num_buffers_of(args: Args) -> int:
-    return args.num_buffers if args.num_buffers is not None else max(2 * args.num_actors, args.batch_size)
 
 
 def model_options(args: Args) -> dict:
@@ -764,21 +738,12 @@ def main(args: Args) -> None:
         threads += [threading.Thread(target=inference.run, name="inference", daemon=True)] if inference else []
         for t in threads:
             t.start()
-        learner.watch(actors, threads[: args.num_learner_threads])
-    finally:  # every wait looks at the stop event once a second; the inference thread, in a read of its pipe, is woken
-        queues.stop.set()
-        if inference is not None:
-            inference.requests.put(RequestPipe.WAKE)
-        deadline = time.monotonic() + 8.0  # an update in progress ends within seconds
-        for t in threads:
-            t.join(timeout=max(0.0, deadline - time.monotonic()))
-        actors.stop(grace=3.0)
-        queues.close()
-        if inference is not None:
-            inference.requests.close()
+        watch_actors(learner, actors, threads[: args.num_learner_threads])
+    finally:
+        stop_threads_and_actors(queues, inference, threads, actors)
     failure = learner.failures[0] if learner.failures else None
     code, message = (1, failure) if failure else error_line(Stop(), learner.global_step, signals.signum)
-    record, save = learner.record, learner.save_checkpoint if failure is None else None
+    record, save = learner.record, (lambda: write_checkpoint(learner)) if failure is None else None
     finish_run(args, run_dir, learner.global_step, code, message, signals, progress=record and record.progress,
                writer=record and record.writer, tracker=tracker, checkpoint=save, final_model=lambda: learner.model,
                device=learner.device, threads=threads)  # fmt: skip
@@ -1559,6 +1524,51 @@ def evaluate(model: nn.Module, args: Args, video_dir: Path, device: torch.device
             if played < args.eval_episodes:  # no reset after the last game: it would record an empty video
                 obs, _ = env.reset()
     env.close()
+
+
+def watch_actors(learner: Learner, actors: Processes, learner_threads: list[threading.Thread]) -> None:
+    """The main thread while the learner threads train: a dead actor stops the run, and a checkpoint is written every
+    --checkpoint-interval seconds, between two updates (under the learn lock)."""
+    written = time.time()
+    try:
+        while not learner.queues.stop.is_set() and any(t.is_alive() for t in learner_threads):
+            if died := actors.wait(timeout=1.0):
+                learner.failures.insert(0, f"error: {died}")  # an exception's traceback: the actor printed it
+                return
+            if learner.args.checkpoint_interval and time.time() - written >= learner.args.checkpoint_interval:
+                with learner.learn_lock:
+                    write_checkpoint(learner)
+                written = time.time()
+    except WriteError as e:
+        learner.failures.append(error_line(e, learner.global_step, 0)[1])
+
+
+def write_checkpoint(learner: Learner) -> None:
+    """{run_dir}/checkpoint.pt: the model, the optimizer, the update and step counts, the RNG, Args and meta."""
+    state = dict(model=learner.model.state_dict(), optimizer=learner.optimizer.state_dict(), update=learner.updates,
+                 global_step=learner.global_step, torch_rng=torch.get_rng_state(), args=asdict(learner.args),
+                 meta=learner.meta)  # fmt: skip
+    atomic_save(state, learner.run_dir / "checkpoint.pt")
+
+
+def stop_threads_and_actors(queues: Queues, inference, threads: list[threading.Thread], actors: Processes) -> None:
+    """The end of a run: every wait looks at the stop event once a second, and the inference thread, in a read of its
+    pipe, is woken; an update in progress ends within seconds (8 for them all), then the actors get 3."""
+    queues.stop.set()
+    if inference is not None:
+        inference.requests.put(RequestPipe.WAKE)
+    deadline = time.monotonic() + 8.0
+    for t in threads:
+        t.join(timeout=max(0.0, deadline - time.monotonic()))
+    actors.stop(grace=3.0)
+    queues.close()
+    if inference is not None:
+        inference.requests.close()
+
+
+def num_buffers_of(args: Args) -> int:
+    """--num-buffers, or TorchBeast's choice where it is None: max(2 x actors, batch size)."""
+    return args.num_buffers if args.num_buffers is not None else max(2 * args.num_actors, args.batch_size)
 
 
 if __name__ == "__main__":

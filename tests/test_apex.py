@@ -17,6 +17,7 @@ import json
 import math
 import multiprocessing
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -972,6 +973,41 @@ def test_full_disk_stops_cleanly_and_keeps_the_last_checkpoint(tmp_path):
         assert torch.load(checkpoint, weights_only=False)["global_step"] > 0  # the last good one, intact
         assert not list(checkpoint.parent.glob("*.tmp"))
         wait_for(lambda: not any(alive(pid) for pid in workers), "no worker left (no orphans)")
+
+
+@script_ids
+def test_a_non_finite_update_stops_the_run_before_the_actors_get_its_parameters(m, tmp_path, monkeypatch, capsys,
+                                                                                 process_state):  # fmt: skip
+    """The learner's loop checks each update's loss and gradient norm: the 7th update's NaN loss (injected into the
+    algorithm's loss function) stops the run with the error line, the parameters it made are never published to the
+    actors, and the checkpoint on disk is the last good one."""
+    name = "dqn_loss" if m is apex_dqn else "critic_loss"
+    loss_of, calls, published = getattr(m, name), [], []
+
+    def poisoned(*args):
+        loss, td, q = loss_of(*args)
+        calls.append(1)
+        return (loss * math.nan if len(calls) == 7 else loss), td, q
+
+    publish = m.ParamStore.publish
+
+    def recorded(store, flat, version):
+        published.append((version, bool(torch.isfinite(flat).all())))
+        publish(store, flat, version)
+
+    monkeypatch.setattr(m, name, poisoned)
+    monkeypatch.setattr(m.ParamStore, "publish", recorded)
+    env = ["--env-id", "CartPole-v1", *TINY_DQN] if m is apex_dqn else ["--env-id", "Pendulum-v1", *TINY_DDPG]
+    argv = [*env, "--total-timesteps", "100000000", "--checkpoint-interval", "0.001", "--log-dir", str(tmp_path)]
+    with pytest.raises(SystemExit) as e:
+        m.main(m.parse_args(argv))
+    err = capsys.readouterr().err
+    assert e.value.code == 1 and "Traceback" not in err, err
+    line = r"^error: non-finite loss nan \(gradient norm nan\) at learner update 7 in the learner at global step \d+"
+    assert re.search(line, err, re.M), err
+    assert published == [(v, True) for v in range(7)]  # the initial parameters and the 6 good updates
+    checkpoint = torch.load(only_run_dir(tmp_path) / "checkpoint.pt", weights_only=False)
+    assert checkpoint["version"] <= 6 and all(torch.isfinite(w).all() for w in checkpoint["model"].values())
 
 
 @pytest.mark.parametrize("script", ["apex_dqn.py", "apex_ddpg.py"])

@@ -27,6 +27,7 @@ SCRIPT_SPECIFIC = {
     "checkpoint_meta": "what a checkpoint must share with the run that resumes it",
     "saved_model": "how the script builds its model from the saved run's settings",
     "evaluate": "how the script's policy picks an action in the end-of-run evaluation",
+    "write_checkpoint": "what the script's checkpoint holds (its learner's state)",
 }
 
 # Plumbing that one script alone has, each for the reason given; any other plumbing name is shared by two scripts or
@@ -37,6 +38,15 @@ SCRIPT_ONLY = {
     "end_run": "gala: rank 0 gathers every learner's end (its step, error line, checkpoint) before it ends the run",
     "averaged_model": "gala: the final model is the average of the learners' parameters (Sec. 4), built at the end",
     "ignored_flags": "impala: the flags that TorchBeast has and that this script accepts without effect",
+    "num_buffers_of": "impala: --num-buffers None is TorchBeast's max(2 x actors, batch size)",
+    "watch_actors": "impala: the main thread watches the actors while learner threads (not processes) train",
+    "stop_threads_and_actors": "impala: the learner and inference threads end before the actors that feed them",
+    "shut_down": "a3c: the gradient server applies the gradients queued before the stop and writes the checkpoint",
+    "init_torch": "cleanba: the process group of its torchrun ranks, made before the model (NCCL needs the device)",
+    "start_record": "cleanba: rank 0 alone records; its start line names the ranks x envs x steps of an update",
+    "record_update": "cleanba: the learner loop's update, recorded with its queue waits on the console line",
+    "checkpoint_state": "cleanba: a copy taken between updates, since a stop may cut the next update half way",
+    "drain_while": "a3c: main takes the workers' reports until they exit (a queued message holds a process's exit)",
 }
 
 # Names the algorithm section may not use (as a name, attribute, argument or keyword), and where each belongs instead.
@@ -44,7 +54,7 @@ NOT_IN_ALGORITHM = {
     "stop": "a stop event: the learner loop checks it between steps",
     "Stop": "a stop: the learner loop raises and catches it",
     "signals": "signal handling: the run's plumbing",
-    "NonFiniteLoss": "the finite check: the learner loop makes it before the optimizer step",
+    "NonFiniteLoss": "the finite check: the learner loop makes it before the update's parameters are used",
     "world_size": "torchrun ranks: the learner loop all-reduces",
     "rank": "torchrun ranks: the learner loop all-reduces",
     "all_reduce": "torchrun ranks: the learner loop all-reduces",
