@@ -605,16 +605,6 @@ class Shared:
         self.parent_pid = os.getpid()
 
 
-def drain_into(q, handle, timeout: float) -> None:
-    """Handle every queued message, waiting up to `timeout` for the first."""
-    try:
-        handle(q.get(timeout=timeout) if timeout else q.get_nowait())
-        while True:
-            handle(q.get_nowait())
-    except queue.Empty:
-        pass
-
-
 # ---- Workers ----
 
 
@@ -779,6 +769,181 @@ def evaluator_loop(args: Args, shared: Shared, obs_space, act_space) -> None:
         env.close()
 
 
+# ---- Learner ----
+
+
+class LearnerRun:
+    """The learner's loop state: Ape-X's replay-ratio limiter (`can_learn`) and one learner update (`learn`), which
+    main runs between the plumbing's waits for data and housekeeping (the actors' reports, the processes, the console
+    line and checkpoints)."""
+
+    def __init__(self, args: Args, learner: Learner, replay, shared: Shared, procs: Processes, record: Recorder,
+                 global_step: int, meta: dict, num_actors: int, tracker):  # fmt: skip
+        self.args, self.learner, self.replay, self.shared, self.procs = args, learner, replay, shared, procs
+        self.record, self.run_dir, self.meta = record, record.progress.run_dir, meta
+        self.num_actors, self.tracker = num_actors, tracker  # tracker: the wandb module of --track, or None
+        self.global_step = self.start_step = global_step
+        self.last_checkpoint = self.last_check = time.time()
+        self.last_eval_step = -1  # the step of the newest evaluator round reported
+        self.stale_updates, self.replay_wait = 0, 0.0
+        self.actors_done: set[int] = set()
+        self.failure: str | None = None
+        self.learn_step, self.learn_version = -1, 0  # the rate limiter's origin: step and version at the 1st update
+        self.stats = ReplayStats(np.zeros(1), np.ones(1), np.zeros(1, dtype=np.int64))  # until the loop reads it
+        self.rng = np.random.default_rng([args.seed, 1])
+
+    def running(self) -> bool:
+        return len(self.actors_done) < self.num_actors and self.failure is None
+
+    def can_learn(self) -> bool:
+        """Enough transitions in the replay, and the learner is not ahead of the actors: --replay-ratio's learner side
+        (the actors' side is wait_for_learner), like Reverb's SampleToInsertRatio, samples at most --replay-ratio
+        transitions per agent step from the first update on."""
+        args = self.args
+        if self.stats.sizes.sum() < max(args.learning_starts, 1):
+            return False
+        sampled = (self.learner.version - self.learn_version) * args.batch_size
+        steps = self.global_step - self.learn_step
+        return not args.replay_ratio or self.learn_step < 0 or sampled < args.replay_ratio * steps
+
+    def learn(self) -> None:
+        """One learner update (Learner.step: Algorithm 2's pass), checked for a NaN or infinite loss or gradient norm
+        before its parameters reach the actors, then published and recorded."""
+        args, learner = self.args, self.learner
+        if self.learn_step < 0:  # the first update: the rate limiter's origin, the actors' side in shared memory
+            self.learn_step, self.learn_version = self.global_step, learner.version
+            if args.replay_ratio:  # steps_claimed read without its lock (actors hold it)
+                claimed = self.shared.steps_claimed.get_obj().value
+                self.shared.learn_start.value = claimed - learner.version * args.batch_size / args.replay_ratio
+        drain_into(self.shared.log_q, functools.partial(take_report, self), 0.0)
+        beta = importance_exponent(args.priority_beta, args.anneal_beta, self.global_step / args.total_timesteps)
+        values = learner.step(self.replay, beta, self.rng, self.stats)
+        if not (math.isfinite(values["total_loss"]) and math.isfinite(values["grad_norm"])):  # before the actors
+            raise NonFiniteLoss(f"non-finite loss {values['total_loss']:g} (gradient norm {values['grad_norm']:g}) "
+                                f"at learner update {learner.version}")  # fmt: skip
+        self.stale_updates += values.pop("stale_updates")
+        self.shared.store.publish(learner.flat_params(), learner.version)
+        self.record.add({f"charts/{k}" if k == "policy_lag" else f"losses/{k}": v for k, v in values.items()})
+        if learner.version % args.log_frequency == 0:
+            write_point(self)
+
+
+# ---- Main ----
+
+
+def start_workers(procs: Processes, args: Args, shared: Shared, spaces, *, first_actor: int, num_total: int,
+                  evaluator: bool) -> None:  # fmt: skip
+    """This machine's actors, one per buffer in `shared` (global ids from `first_actor`), and the evaluator if asked."""
+    for a in range(len(shared.buffers)):
+        name = f"actor {first_actor + a}"
+        procs.start(name, worker_body, actor_loop, shared.error_q, a, first_actor + a, num_total, args, shared)
+    if evaluator:
+        procs.start("evaluator", worker_body, evaluator_loop, shared.error_q, args, shared, *spaces)
+
+
+def start_learner(args: Args, world_size: int, signals: StopSignals) -> LearnerRun:
+    """Rank 0: the run directory, the learner, this machine's processes, the replay (local or over rpc), tracking."""
+    spaces, distributed = env_spaces(args), world_size > 1
+    meta = checkpoint_meta(args, *spaces)
+    checkpoint = load_checkpoint(args.resume, meta, args, 1) if args.resume else None
+    device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
+    run_dir = Path(args.resume).parent if checkpoint else new_run_dir(args)
+    global_step = checkpoint["global_step"] if checkpoint else 0
+    num_actors = args.num_actors * (world_size - 1 if distributed else 1)
+    ctx = mp.get_context("spawn" if device.type == "cuda" else "fork")  # CUDA cannot be used in forked children
+    shared = Shared(args, ctx, spaces, num_buffers=0 if distributed else args.num_actors, num_total=num_actors,
+                    steps_limit=args.total_timesteps, start_step=global_step)  # fmt: skip
+    learner = Learner(args, *spaces, device)
+    if checkpoint:
+        learner.load_state_dict(checkpoint)
+        torch.set_rng_state(checkpoint["torch_rng"])
+    shared.store.publish(learner.flat_params(), learner.version)
+    stop_if_signalled(signals, run_dir, resumed=checkpoint is not None)
+    write_run_args(run_dir, args, meta)
+    for warning in start_warnings(args, global_step):
+        print(f"warning: {warning}", file=sys.stderr, flush=True)
+    plan = (f"{ALGORITHM}: {num_actors} actors x {args.num_envs_per_actor} envs, replay {args.buffer_size:,} in "
+            f"{num_actors} buffers, learning from {max(args.learning_starts, 1):,} transitions, learner on {device}"
+            f"{f', {world_size - 1} actor ranks over rpc' if distributed else ''}")  # fmt: skip
+    progress = Progress(run_dir, args.total_timesteps, plan)
+    procs = Processes(ctx)
+    start_workers(procs, args, shared, spaces, first_actor=0, num_total=num_actors, evaluator=args.eval_interval > 0)
+    try:  # after the forks: no child inherits wandb's threads
+        tracker = start_tracking(args, run_dir)
+    except SystemExit:  # wandb.init failed: the children ignore the SIGTERM of the interpreter's exit
+        stop_processes(procs, shared, lambda message: None, grace=1.0)
+        raise
+    # rank 0's writer (slow to start under --track's TensorBoard sync) before the actor ranks start acting, so that
+    # they do not run ahead of a learner still starting up
+    writer = make_writer(run_dir, args)
+    rng = np.random.default_rng([args.seed, 0])
+    replay = RemoteReplay(args, world_size) if distributed else LocalReplay(shared.buffers, rng)
+    record = Recorder(writer, progress, args, global_step, window=20)
+    return LearnerRun(args, learner, replay, shared, procs, record, global_step, meta, num_actors, tracker)
+
+
+def main(args: Args) -> None:
+    """The learner (single machine, or rank 0 under torchrun), or an actor rank under torchrun."""
+    world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    args = resumed_args(args) if args.resume else args
+    if args.torch_threads >= 1:  # before validation builds a model: oversubscribed threads make that slow too
+        torch.set_num_threads(args.torch_threads)
+    if error := validate(args, world_size):
+        fail(error)
+    if args.eval_only:
+        return main_eval_only(args)
+    flag_warnings(args)
+    watch_launcher()
+    torch.manual_seed(args.seed)
+    torch.backends.cudnn.deterministic = args.torch_deterministic
+    torch.use_deterministic_algorithms(args.torch_deterministic, warn_only=True)
+    # deterministic mode would also NaN-fill every new tensor; nothing here reads uninitialised memory
+    torch.utils.deterministic.fill_uninitialized_memory = False
+    if rank > 0:
+        return serve_actor_host(rank, world_size)
+    signals = StopSignals(threading.Event())
+    try:
+        run = start_learner(args, world_size, signals)
+        code, message = 0, None
+        try:
+            while run.running():
+                if signals.stop.is_set():
+                    raise Stop
+                run.stats = run.replay.stats()
+                if run.can_learn():
+                    run.learn()
+                else:
+                    wait_for_data(run)
+                housekeeping(run)
+            wait_for_evaluation(run, signals.stop)
+            run.stats = run.replay.stats()  # for the last point: every actor has appended its last transitions
+        except WorkerError as e:
+            code, message = 1, f"error: {e}"
+        except Exception as e:  # a signal, a failed write, a non-finite loss, a bug; or a process died: its line
+            code, message = error_line(e, run.global_step, signals.signum)
+            if code == 1:
+                message = worker_failure(run.procs, run.shared.error_q) or message
+        finally:  # the processes and actor hosts; an error a process sent before the stop is the failure, if none yet
+            stop_processes(
+                run.procs,
+                run.shared,
+                functools.partial(take_report, run),
+                grace=4.0 if code != 1 and not run.failure else 1.0,
+            )
+            run.replay.close()
+            with contextlib.suppress(queue.Empty):
+                run.failure = run.failure or run.shared.error_q.get_nowait()
+        if run.failure and code != 1:  # the line a process sent (an actor, the evaluator) ended the run
+            code, message = 1, run.failure
+        save = (lambda: write_checkpoint(run)) if code != 1 else None
+        finish_run(args, run.run_dir, run.global_step, code, message, signals, progress=run.record.progress,
+                   writer=run.record.writer, tracker=run.tracker, checkpoint=save,
+                   final_model=lambda: saved_model(args, run.meta, run.learner.model.state_dict()),
+                   last_point=lambda: last_point(run))  # fmt: skip
+    finally:
+        signals.restore()
+
+
 # ---- Actor ranks (torchrun) ----
 
 
@@ -873,264 +1038,6 @@ def serve_actor_host(rank: int, world_size: int) -> None:
     except RuntimeError as e:
         print(f"error: actor rank {rank} lost the learner (rank 0): {e}", file=sys.stderr)
         raise SystemExit(1) from None
-
-
-# ---- Learner ----
-
-
-class LearnerRun:
-    """The learner's loop state and one iteration (take messages, train if allowed, log, check workers, checkpoint),
-    with its record: the actors' games and the evaluator's rounds, the learner's statistics averaged over
-    --log-frequency updates with the replay's, and the console line."""
-
-    def __init__(self, args: Args, learner: Learner, replay, shared: Shared, procs: Processes, record: Recorder,
-                 global_step: int, meta: dict, num_actors: int, tracker):  # fmt: skip
-        self.args, self.learner, self.replay, self.shared, self.procs = args, learner, replay, shared, procs
-        self.record, self.run_dir, self.meta = record, record.progress.run_dir, meta
-        self.num_actors, self.tracker = num_actors, tracker  # tracker: the wandb module of --track, or None
-        self.global_step = self.start_step = global_step
-        self.last_checkpoint = self.last_check = time.time()
-        self.last_eval_step = -1  # the step of the newest evaluator round reported
-        self.stale_updates, self.replay_wait = 0, 0.0
-        self.actors_done: set[int] = set()
-        self.failure: str | None = None
-        self.learn_step, self.learn_version = -1, 0  # the rate limiter's origin: step and version at the 1st update
-        self.stats = ReplayStats(np.zeros(1), np.ones(1), np.zeros(1, dtype=np.int64))  # until the loop reads it
-        self.rng = np.random.default_rng([args.seed, 1])
-
-    def running(self) -> bool:
-        return len(self.actors_done) < self.num_actors and self.failure is None
-
-    def handle(self, message: ActorReport | EvalReport | WorkerFailed) -> None:
-        if isinstance(message, ActorReport):
-            self.global_step += message.steps
-            self.shared.global_step.value = self.global_step
-            self.record.games((self.global_step, ret, length) for ret, length in message.episodes)
-            if message.done:
-                self.actors_done.add(message.actor)
-        elif isinstance(message, EvalReport):
-            for ret in message.returns:
-                self.record.writer.add_scalar("eval/episodic_return", ret, message.step)
-            self.last_eval_step = max(self.last_eval_step, message.step)
-        else:
-            self.failure = self.failure or message.error
-
-    def wait_for_evaluation(self, stop: threading.Event) -> None:
-        """The budget is spent: take messages and check on the processes until no evaluator round is due, that is
-        until one has reported from at or after the last --eval-interval boundary the run crossed. The evaluator is
-        triggered by the step count, so a slow machine delays a round (it plays the newest parameters when it gets
-        there) but the run waits for it rather than dropping it."""
-        interval = self.args.eval_interval
-        boundary = (self.global_step - 1) // interval * interval if interval else -1  # the last one before the end
-        while self.failure is None and boundary > self.start_step and self.last_eval_step < boundary:
-            if stop.is_set():
-                raise Stop
-            drain_into(self.shared.log_q, self.handle, RPC_PERIOD)
-            self.housekeeping()
-
-    def can_learn(self) -> bool:
-        """Enough transitions in the replay, and the learner is not ahead of the actors: --replay-ratio's learner side
-        (the actors' side is wait_for_learner), like Reverb's SampleToInsertRatio, samples at most --replay-ratio
-        transitions per agent step from the first update on."""
-        args = self.args
-        if self.stats.sizes.sum() < max(args.learning_starts, 1):
-            return False
-        sampled = (self.learner.version - self.learn_version) * args.batch_size
-        steps = self.global_step - self.learn_step
-        return not args.replay_ratio or self.learn_step < 0 or sampled < args.replay_ratio * steps
-
-    def learn(self) -> None:
-        """One learner update (Learner.step: Algorithm 2's pass), checked for a NaN or infinite loss or gradient norm
-        before its parameters reach the actors, then published and recorded."""
-        args, learner = self.args, self.learner
-        if self.learn_step < 0:  # the first update: the rate limiter's origin, the actors' side in shared memory
-            self.learn_step, self.learn_version = self.global_step, learner.version
-            if args.replay_ratio:  # steps_claimed read without its lock (actors hold it)
-                claimed = self.shared.steps_claimed.get_obj().value
-                self.shared.learn_start.value = claimed - learner.version * args.batch_size / args.replay_ratio
-        drain_into(self.shared.log_q, self.handle, 0.0)
-        beta = importance_exponent(args.priority_beta, args.anneal_beta, self.global_step / args.total_timesteps)
-        values = learner.step(self.replay, beta, self.rng, self.stats)
-        if not (math.isfinite(values["total_loss"]) and math.isfinite(values["grad_norm"])):  # before the actors
-            raise NonFiniteLoss(f"non-finite loss {values['total_loss']:g} (gradient norm {values['grad_norm']:g}) "
-                                f"at learner update {learner.version}")  # fmt: skip
-        self.stale_updates += values.pop("stale_updates")
-        self.shared.store.publish(learner.flat_params(), learner.version)
-        self.record.add({f"charts/{k}" if k == "policy_lag" else f"losses/{k}": v for k, v in values.items()})
-        if learner.version % args.log_frequency == 0:
-            self.write()
-
-    def wait_for_data(self) -> None:
-        """Too little data (or the rate limiter): block on the actors' reports."""
-        t0 = time.perf_counter()
-        drain_into(self.shared.log_q, self.handle, RPC_PERIOD)
-        self.replay_wait += time.perf_counter() - t0
-
-    def housekeeping(self) -> None:
-        """Exchange with the actor hosts and check on the processes every RPC_PERIOD; console line; checkpoint."""
-        now = time.time()
-        if now - self.last_check >= RPC_PERIOD:
-            self.last_check = now
-            for message in self.replay.exchange(self.shared.store):
-                self.handle(message)
-            self.failure = self.failure or worker_failure(self.procs, self.shared.error_q)
-        self.console_line()
-        if self.args.checkpoint_interval and now - self.last_checkpoint >= self.args.checkpoint_interval:
-            self.write_checkpoint()
-            self.last_checkpoint = now
-
-    def write(self) -> None:
-        """A TensorBoard point: the learner's statistics since the last one, and the replay's."""
-        size = self.stats.sizes.sum()
-        self.record.add({"charts/learning_rate": self.learner.learning_rate, "timing/replay_wait": self.replay_wait})
-        self.record.add({"size": size, "priority_mean": self.stats.priority_sums.sum() / max(1.0, size),
-                         "stale_updates": self.stale_updates}, "replay")  # fmt: skip
-        self.record.point(self.global_step)
-
-    def console_line(self, now: bool = False) -> None:
-        details = f"updates={self.learner.version} replay={int(self.stats.sizes.sum())}"
-        self.record.line(self.global_step, details, now)
-
-    def last_point(self) -> None:
-        """The final step's TensorBoard point (whatever the update count) and console line."""
-        self.write()
-        self.console_line(now=True)
-
-    def write_checkpoint(self) -> None:
-        """{run_dir}/checkpoint.pt: the learner's state (the model's state_dict at "model"), step, RNG, Args, meta."""
-        state = dict(self.learner.state_dict(), global_step=self.global_step, args=asdict(self.args),
-                     torch_rng=torch.get_rng_state(), meta=self.meta)  # fmt: skip
-        atomic_save(state, self.run_dir / "checkpoint.pt")
-
-
-# ---- Main ----
-
-
-def start_workers(procs: Processes, args: Args, shared: Shared, spaces, *, first_actor: int, num_total: int,
-                  evaluator: bool) -> None:  # fmt: skip
-    """This machine's actors, one per buffer in `shared` (global ids from `first_actor`), and the evaluator if asked."""
-    for a in range(len(shared.buffers)):
-        name = f"actor {first_actor + a}"
-        procs.start(name, worker_body, actor_loop, shared.error_q, a, first_actor + a, num_total, args, shared)
-    if evaluator:
-        procs.start("evaluator", worker_body, evaluator_loop, shared.error_q, args, shared, *spaces)
-
-
-def start_learner(args: Args, world_size: int, signals: StopSignals) -> LearnerRun:
-    """Rank 0: the run directory, the learner, this machine's processes, the replay (local or over rpc), tracking."""
-    spaces, distributed = env_spaces(args), world_size > 1
-    meta = checkpoint_meta(args, *spaces)
-    checkpoint = load_checkpoint(args.resume, meta, args, 1) if args.resume else None
-    device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
-    run_dir = Path(args.resume).parent if checkpoint else new_run_dir(args)
-    global_step = checkpoint["global_step"] if checkpoint else 0
-    num_actors = args.num_actors * (world_size - 1 if distributed else 1)
-    ctx = mp.get_context("spawn" if device.type == "cuda" else "fork")  # CUDA cannot be used in forked children
-    shared = Shared(args, ctx, spaces, num_buffers=0 if distributed else args.num_actors, num_total=num_actors,
-                    steps_limit=args.total_timesteps, start_step=global_step)  # fmt: skip
-    learner = Learner(args, *spaces, device)
-    if checkpoint:
-        learner.load_state_dict(checkpoint)
-        torch.set_rng_state(checkpoint["torch_rng"])
-    shared.store.publish(learner.flat_params(), learner.version)
-    stop_if_signalled(signals, run_dir, resumed=checkpoint is not None)
-    write_run_args(run_dir, args, meta)
-    for warning in start_warnings(args, global_step):
-        print(f"warning: {warning}", file=sys.stderr, flush=True)
-    plan = (f"{ALGORITHM}: {num_actors} actors x {args.num_envs_per_actor} envs, replay {args.buffer_size:,} in "
-            f"{num_actors} buffers, learning from {max(args.learning_starts, 1):,} transitions, learner on {device}"
-            f"{f', {world_size - 1} actor ranks over rpc' if distributed else ''}")  # fmt: skip
-    progress = Progress(run_dir, args.total_timesteps, plan)
-    procs = Processes(ctx)
-    start_workers(procs, args, shared, spaces, first_actor=0, num_total=num_actors, evaluator=args.eval_interval > 0)
-    try:  # after the forks: no child inherits wandb's threads
-        tracker = start_tracking(args, run_dir)
-    except SystemExit:  # wandb.init failed: the children ignore the SIGTERM of the interpreter's exit
-        stop_processes(procs, shared, lambda message: None, grace=1.0)
-        raise
-    # rank 0's writer (slow to start under --track's TensorBoard sync) before the actor ranks start acting, so that
-    # they do not run ahead of a learner still starting up
-    writer = make_writer(run_dir, args)
-    rng = np.random.default_rng([args.seed, 0])
-    replay = RemoteReplay(args, world_size) if distributed else LocalReplay(shared.buffers, rng)
-    record = Recorder(writer, progress, args, global_step, window=20)
-    return LearnerRun(args, learner, replay, shared, procs, record, global_step, meta, num_actors, tracker)
-
-
-def main(args: Args) -> None:
-    """The learner (single machine, or rank 0 under torchrun), or an actor rank under torchrun."""
-    world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
-    args = resumed_args(args) if args.resume else args
-    if args.torch_threads >= 1:  # before validation builds a model: oversubscribed threads make that slow too
-        torch.set_num_threads(args.torch_threads)
-    if error := validate(args, world_size):
-        fail(error)
-    if args.eval_only:
-        return main_eval_only(args)
-    flag_warnings(args)
-    watch_launcher()
-    torch.manual_seed(args.seed)
-    torch.backends.cudnn.deterministic = args.torch_deterministic
-    torch.use_deterministic_algorithms(args.torch_deterministic, warn_only=True)
-    # deterministic mode would also NaN-fill every new tensor; nothing here reads uninitialised memory
-    torch.utils.deterministic.fill_uninitialized_memory = False
-    if rank > 0:
-        return serve_actor_host(rank, world_size)
-    signals = StopSignals(threading.Event())
-    try:
-        run = start_learner(args, world_size, signals)
-        code, message = 0, None
-        try:
-            while run.running():
-                if signals.stop.is_set():
-                    raise Stop
-                run.stats = run.replay.stats()
-                if run.can_learn():
-                    run.learn()
-                else:
-                    run.wait_for_data()
-                run.housekeeping()
-            run.wait_for_evaluation(signals.stop)
-            run.stats = run.replay.stats()  # for the last point: every actor has appended its last transitions
-        except WorkerError as e:
-            code, message = 1, f"error: {e}"
-        except Exception as e:  # a signal, a failed write, a non-finite loss, a bug; or a process died: its line
-            code, message = error_line(e, run.global_step, signals.signum)
-            if code == 1:
-                message = worker_failure(run.procs, run.shared.error_q) or message
-        finally:  # the processes and actor hosts; an error a process sent before the stop is the failure, if none yet
-            stop_processes(run.procs, run.shared, run.handle, grace=4.0 if code != 1 and not run.failure else 1.0)
-            run.replay.close()
-            with contextlib.suppress(queue.Empty):
-                run.failure = run.failure or run.shared.error_q.get_nowait()
-        if run.failure and code != 1:  # the line a process sent (an actor, the evaluator) ended the run
-            code, message = 1, run.failure
-        save = run.write_checkpoint if code != 1 else None
-        finish_run(args, run.run_dir, run.global_step, code, message, signals, progress=run.record.progress,
-                   writer=run.record.writer, tracker=run.tracker, checkpoint=save,
-                   final_model=lambda: saved_model(args, run.meta, run.learner.model.state_dict()),
-                   last_point=run.last_point)  # fmt: skip
-    finally:
-        signals.restore()
-
-
-def start_warnings(args: Args, start_step: int) -> list[str]:
-    """What a run from `start_step` will not do though its flags may suggest it, as `warning:` lines: a resumed run
-    too short to refill the replay (empty on --resume) to --learning-starts trains no more; a budget with no multiple
-    of --eval-interval in it has no evaluation round (the combination can be intended: the default --eval-interval on
-    a short run). A --resume of a finished run is refused by load_checkpoint."""
-    total, interval = args.total_timesteps, args.eval_interval
-    warnings = []
-    if start_step and total - start_step <= args.learning_starts:
-        warnings.append(f"--resume: the {total - start_step} agent steps left to --total-timesteps {total} cannot "
-                        f"refill the replay (empty on --resume) to --learning-starts {args.learning_starts}: the "
-                        f"learner will not update again; give a larger --total-timesteps")  # fmt: skip
-    if interval and (total - 1) // interval * interval <= start_step:  # LearnerRun.wait_for_evaluation's last boundary
-        after = f" after the resumed step {start_step}" if start_step else ""
-        warnings.append(f"--eval-interval {interval} puts no evaluation round{after} before --total-timesteps {total} "
-                        f"(rounds run at its multiples): the run evaluates nothing during training; give a smaller "
-                        f"--eval-interval, or 0 for no rounds")  # fmt: skip
-    return warnings
 
 
 # ---- run plumbing ------------------------------------------------------------------------------------------------
@@ -1945,6 +1852,114 @@ def stop_processes(procs: Processes, shared: Shared, handle, grace: float) -> No
     procs.stop(max(0.0, deadline - time.monotonic()))
     with contextlib.suppress(OSError):
         drain_into(shared.log_q, handle, 0.0)
+
+
+def take_report(run: LearnerRun, message: ActorReport | EvalReport | WorkerFailed) -> None:
+    """A message on log_q (or from an actor host): an actor's steps and games, an evaluator round, a failure."""
+    if isinstance(message, ActorReport):
+        run.global_step += message.steps
+        run.shared.global_step.value = run.global_step
+        run.record.games((run.global_step, ret, length) for ret, length in message.episodes)
+        if message.done:
+            run.actors_done.add(message.actor)
+    elif isinstance(message, EvalReport):
+        for ret in message.returns:
+            run.record.writer.add_scalar("eval/episodic_return", ret, message.step)
+        run.last_eval_step = max(run.last_eval_step, message.step)
+    else:
+        run.failure = run.failure or message.error
+
+
+def wait_for_evaluation(run: LearnerRun, stop: threading.Event) -> None:
+    """The budget is spent: take messages and check on the processes until no evaluator round is due, that is
+    until one has reported from at or after the last --eval-interval boundary the run crossed. The evaluator is
+    triggered by the step count, so a slow machine delays a round (it plays the newest parameters when it gets
+    there) but the run waits for it rather than dropping it."""
+    interval = run.args.eval_interval
+    boundary = (run.global_step - 1) // interval * interval if interval else -1  # the last one before the end
+    while run.failure is None and boundary > run.start_step and run.last_eval_step < boundary:
+        if stop.is_set():
+            raise Stop
+        drain_into(run.shared.log_q, functools.partial(take_report, run), RPC_PERIOD)
+        housekeeping(run)
+
+
+def wait_for_data(run: LearnerRun) -> None:
+    """Too little data (or the rate limiter): block on the actors' reports."""
+    t0 = time.perf_counter()
+    drain_into(run.shared.log_q, functools.partial(take_report, run), RPC_PERIOD)
+    run.replay_wait += time.perf_counter() - t0
+
+
+def housekeeping(run: LearnerRun) -> None:
+    """Exchange with the actor hosts and check on the processes every RPC_PERIOD; console line; checkpoint."""
+    now = time.time()
+    if now - run.last_check >= RPC_PERIOD:
+        run.last_check = now
+        for message in run.replay.exchange(run.shared.store):
+            take_report(run, message)
+        run.failure = run.failure or worker_failure(run.procs, run.shared.error_q)
+    console_line(run)
+    if run.args.checkpoint_interval and now - run.last_checkpoint >= run.args.checkpoint_interval:
+        write_checkpoint(run)
+        run.last_checkpoint = now
+
+
+def write_point(run: LearnerRun) -> None:
+    """A TensorBoard point: the learner's statistics since the last one, and the replay's."""
+    size = run.stats.sizes.sum()
+    run.record.add({"charts/learning_rate": run.learner.learning_rate, "timing/replay_wait": run.replay_wait})
+    run.record.add({"size": size, "priority_mean": run.stats.priority_sums.sum() / max(1.0, size),
+                     "stale_updates": run.stale_updates}, "replay")  # fmt: skip
+    run.record.point(run.global_step)
+
+
+def console_line(run: LearnerRun, now: bool = False) -> None:
+    """The console line every --log-interval seconds (`now`: at once), with the updates and the replay's size."""
+    details = f"updates={run.learner.version} replay={int(run.stats.sizes.sum())}"
+    run.record.line(run.global_step, details, now)
+
+
+def last_point(run: LearnerRun) -> None:
+    """The final step's TensorBoard point (whatever the update count) and console line."""
+    write_point(run)
+    console_line(run, now=True)
+
+
+def write_checkpoint(run: LearnerRun) -> None:
+    """{run_dir}/checkpoint.pt: the learner's state (the model's state_dict at "model"), step, RNG, Args, meta."""
+    state = dict(run.learner.state_dict(), global_step=run.global_step, args=asdict(run.args),
+                 torch_rng=torch.get_rng_state(), meta=run.meta)  # fmt: skip
+    atomic_save(state, run.run_dir / "checkpoint.pt")
+
+
+def start_warnings(args: Args, start_step: int) -> list[str]:
+    """What a run from `start_step` will not do though its flags may suggest it, as `warning:` lines: a resumed run
+    too short to refill the replay (empty on --resume) to --learning-starts trains no more; a budget with no multiple
+    of --eval-interval in it has no evaluation round (the combination can be intended: the default --eval-interval on
+    a short run). A --resume of a finished run is refused by load_checkpoint."""
+    total, interval = args.total_timesteps, args.eval_interval
+    warnings = []
+    if start_step and total - start_step <= args.learning_starts:
+        warnings.append(f"--resume: the {total - start_step} agent steps left to --total-timesteps {total} cannot "
+                        f"refill the replay (empty on --resume) to --learning-starts {args.learning_starts}: the "
+                        f"learner will not update again; give a larger --total-timesteps")  # fmt: skip
+    if interval and (total - 1) // interval * interval <= start_step:  # wait_for_evaluation's last boundary
+        after = f" after the resumed step {start_step}" if start_step else ""
+        warnings.append(f"--eval-interval {interval} puts no evaluation round{after} before --total-timesteps {total} "
+                        f"(rounds run at its multiples): the run evaluates nothing during training; give a smaller "
+                        f"--eval-interval, or 0 for no rounds")  # fmt: skip
+    return warnings
+
+
+def drain_into(q, handle, timeout: float) -> None:
+    """Handle every queued message, waiting up to `timeout` for the first."""
+    try:
+        handle(q.get(timeout=timeout) if timeout else q.get_nowait())
+        while True:
+            handle(q.get_nowait())
+    except queue.Empty:
+        pass
 
 
 if __name__ == "__main__":

@@ -453,115 +453,6 @@ SENT_AT_SYNC = 1.0
 SENT_LAST = 2.0
 
 
-class DistributedEndpoint(GossipEndpoint):
-    """torchrun: a sender thread sends the newest snapshot to every out-peer with blocking `dist.send` (a newer
-    snapshot replaces one still waiting), one receiver thread per in-peer `dist.recv`s and keeps only the newest
-    message. gloo's isend/irecv handles cannot be polled (`is_completed` stays False until `wait`), so the threads are
-    what makes the learner's side non-blocking. The messages travel on a process group of their own (`group`), so
-    these threads never issue operations on the communicator that the main thread's sync-point all-reduces use (NCCL
-    and gloo expect one thread's order of operations per communicator)."""
-
-    def __init__(self, learner: int, n: int, num_peers: int, tau: int, numel: int, device: torch.device, group,
-                 stop: threading.Event, timeout: float):  # fmt: skip
-        super().__init__(learner, n, num_peers, False, tau, threading.Condition())
-        self.numel, self.device, self.group, self.stop, self.timeout = numel, device, group, stop, timeout
-        self.latest = torch.zeros(num_peers, numel, device=device)  # newest message per in-peer, allocated once
-        self.stamps = [0] * num_peers
-        self.fresh, self.done = [False] * num_peers, [False] * num_peers
-        self.parked = [False] * num_peers  # the in-peer's newest message came from a sync point, where it now waits
-        self.snapshot, self.pending = torch.zeros(numel + 2, device=device), False
-        self.errors: list[str] = []  # tracebacks of the threads, raised in the learner's thread (check)
-        loops = {"gossip-send": (self._send_loop,)}
-        loops |= {f"gossip-recv-{j}": (self._recv_loop, k, j) for k, j in enumerate(self.in_peers(0))}
-        self.threads = [threading.Thread(target=self._guarded, args=a, name=n, daemon=True) for n, a in loops.items()]
-        for t in self.threads:
-            t.start()
-
-    def _guarded(self, loop, *args) -> None:
-        try:
-            loop(*args)
-        except BaseException:
-            self.errors.append(traceback.format_exc())
-
-    def check(self) -> None:
-        """No Stop here: ranks stop together, at sync points; a gossip thread's exception is raised here."""
-        if self.errors:
-            raise RuntimeError(f"gossip thread died:\n{self.errors[0]}")
-
-    def wait_ready(self, peers: list[int]) -> None:
-        """Blocked for in-peers past tau: Stop once this rank is asked to stop (iterate goes on without mixing, and
-        the ranks agree on the stop at the next sync point); RankLost once an in-peer sent nothing for `timeout` s."""
-        start = time.monotonic()
-        with self.cond:
-            while not self.ready(peers) and not self.any_silent(peers):
-                self.check()
-                if self.stop.is_set():
-                    raise Stop
-                if time.monotonic() - start >= self.timeout:
-                    late = ", ".join(
-                        f"rank {j}" for j, fresh in zip(self.in_peers(0), self.fresh, strict=True) if not fresh
-                    )
-                    raise RankLost(f"rank {self.learner}: {late} sent no gossip message within {self.timeout:.0f} s "
-                                   "(stopped, hung, or out of step)")  # fmt: skip
-                self.cond.wait(timeout=1.0)
-
-    def _send_loop(self) -> None:
-        out = torch.zeros(self.numel + 2, device=self.device)
-        while out[self.numel].item() != SENT_LAST:
-            with self.cond:
-                while not self.pending:
-                    self.cond.wait()
-                out.copy_(self.snapshot)
-                self.pending = False
-            for dst in ((self.learner + s) % self.n for s in peer_offsets(self.n, self.num_peers)):
-                dist.send(out, dst=dst, group=self.group)
-
-    def _recv_loop(self, k: int, src: int) -> None:
-        buf = torch.zeros(self.numel + 2, device=self.device)
-        while not self.done[k]:
-            dist.recv(buf, src=src, group=self.group)
-            flag, stamp = buf[self.numel :].tolist()
-            with self.cond:
-                self.latest[k].copy_(buf[: self.numel])
-                self.fresh[k], self.stamps[k] = True, int(stamp)
-                self.done[k], self.parked[k] = flag == SENT_LAST, flag == SENT_AT_SYNC
-                self.cond.notify_all()
-
-    def publish(self, x: torch.Tensor, iteration: int, at_sync: bool = False, last: bool = False) -> None:
-        with self.cond:
-            self.snapshot[: self.numel].copy_(x)
-            self.snapshot[self.numel] = SENT_LAST if last else SENT_AT_SYNC if at_sync else 0.0
-            self.snapshot[self.numel + 1] = iteration
-            self.pending = True
-            self.cond.notify_all()
-
-    def ready(self, peers: list[int]) -> bool:
-        return all(self.fresh)
-
-    def any_silent(self, peers: list[int]) -> bool:
-        """An in-peer will send nothing new before this learner moves on, and its newest message is read: it finished,
-        or it waits at the next sync point for this learner (waiting for it here would deadlock the ranks)."""
-        return any((d or p) and not f for d, p, f in zip(self.done, self.parked, self.fresh, strict=True))
-
-    def take(self, peers: list[int]) -> tuple[list[torch.Tensor], list[int]]:
-        with self.cond:
-            self.fresh = [False] * self.num_peers
-            return [m.clone() for m in self.latest], list(self.stamps)
-
-    def average(self, x: torch.Tensor, link: RankLink) -> torch.Tensor:
-        """The learners' average (a collective: every rank calls it at the same sync point)."""
-        total = x.clone()
-        link.all_reduce(total, "the consensus all-reduce")
-        return total.div_(self.n)
-
-    def finish(self, x: torch.Tensor, iteration: int) -> None:
-        """Send the last message and wait until every in-peer's last one arrived (no send or recv left pending)."""
-        self.publish(x, iteration, last=True)
-        for t in self.threads:
-            t.join()
-        self.check()
-
-
 @dataclass
 class Shared:
     """What the main process shares with its learner processes (single-machine launch)."""
@@ -675,34 +566,30 @@ class Learner:
 
     def iterate(self, gossip: GossipEndpoint | None, at_sync: bool, link: LocalLink | RankLink) -> None:
         """Algorithm 1, one iteration: a rollout, an update, and (gossip) lines 5-8; its numbers go to `stats`."""
-        t0 = time.perf_counter()
-        self.rollout()
-        t1 = time.perf_counter()
-        loss = self.backward()
-        t2 = time.perf_counter()
-        if self.args.mode == "allreduce":
-            self.average_gradients(link)
-        t3 = time.perf_counter()
-        loss = loss._replace(grad_norm=self.optimizer_step())
-        t4 = time.perf_counter()
+        timing: dict[str, float] = {}  # seconds in each part of the iteration
+        with timed(timing, "rollout"):  # the simulators and the actions (Algorithm 1, line 2)
+            self.rollout()
+        with timed(timing, "train"):  # the forward and backward passes, and (below) the optimizer step
+            loss = self.backward()
+        with timed(timing, "allreduce"):  # averaging the gradients
+            if self.args.mode == "allreduce":
+                self.average_gradients(link)
+        with timed(timing, "train"):
+            loss = loss._replace(grad_norm=self.optimizer_step())
         mix = Mix(False, 0.0, lags=(0,))  # allreduce: every update is of the policy that acted
-        if gossip is not None:
-            try:
-                mix = gossip.step(self.flat_params(), self.iteration, at_sync)
-            except Stop:  # stopped while blocked for in-peers: this iteration's update stands, the link says stop
-                mix = Mix(False, 0.0)
-            if mix.mixed:
-                unflatten_into(self.params, self.x)
-        t5 = time.perf_counter()
+        with timed(timing, "gossip"):  # publishing and mixing, less the wait for in-peers (gossip_wait)
+            if gossip is not None:
+                try:
+                    mix = gossip.step(self.flat_params(), self.iteration, at_sync)
+                except Stop:  # stopped while blocked for in-peers: this iteration's update stands, the link says stop
+                    mix = Mix(False, 0.0)
+                if mix.mixed:
+                    unflatten_into(self.params, self.x)
         self.iteration += 1
         losses = torch.stack([v.detach() for v in loss]).tolist()  # as floats, with one device sync
         values = {f"losses/{k}": v for k, v in zip(Losses._fields, losses, strict=True)}
-        # seconds in each part: the simulators and the actions (Algorithm 1, line 2), the forward and backward passes
-        # and the optimizer step, averaging the gradients (allreduce), publishing and mixing (without the wait for
-        # in-peers, which gossip_wait is), the whole iteration
-        values |= {"timing/rollout": t1 - t0, "timing/train": (t2 - t1) + (t4 - t3), "timing/allreduce": t3 - t2,
-                   "timing/gossip": t5 - t4 - mix.waited, "timing/gossip_wait": mix.waited,
-                   "timing/iteration": t5 - t0}  # fmt: skip
+        timing |= dict(iteration=sum(timing.values()), gossip=timing["gossip"] - mix.waited, gossip_wait=mix.waited)
+        values |= {f"timing/{k}": v for k, v in timing.items()}
         if gossip is not None:  # staleness: iterations since the last mix
             values |= {"gossip/staleness": gossip.staleness, "gossip/mix_rate": float(mix.mixed)}
         self.stats.iterations += 1
@@ -778,52 +665,6 @@ class LocalLink:
             self.shared.log_q.put(State(record.learner, self.last_request, state_to_bytes(state)))
 
 
-class RankLink:
-    """One torchrun rank's side of the run: every --sync-interval iterations (and at its last) all ranks meet in the
-    same collectives: the stop and checkpoint flags (rank 0's clock decides when a checkpoint is due), the exact global
-    step, and rank 0 gathers the states to save."""
-
-    def __init__(self, run: Run, rank: int, device: torch.device, stop: threading.Event, logger: Logger):
-        self.run, self.rank, self.device, self.stop, self.logger = run, rank, device, stop, logger
-        self.last_checkpoint = time.time()
-        self.write_failure: str | None = None
-
-    def after_iteration(self, learner: Learner, at_sync: bool) -> bool:
-        """At sync points only (ranks stop together): report, with the state if a checkpoint is due; True: stop."""
-        if not at_sync:
-            return False
-        interval = self.run.args.checkpoint_interval
-        due = self.rank == 0 and interval > 0 and time.time() - self.last_checkpoint >= interval
-        flags = torch.tensor([float(self.stop.is_set()), float(due)], device=self.device)
-        self.all_reduce(flags, f"the sync point of iteration {learner.iteration}")
-        self.report(learner.record(), learner.state() if flags[1].item() > 0 else None)
-        return flags[0].item() > 0
-
-    def all_reduce(self, tensor: torch.Tensor, what: str) -> None:
-        """The sum over the ranks' `tensor`, in place, waited for in slices: a signal is handled while a peer is late,
-        and a peer that does not join within --rank-timeout (stopped, hung, out of step) is named (RankLost)."""
-        work = dist.all_reduce(tensor, async_op=True)
-        wait_for_ranks(work, what, self.stop, self.rank, self.run.n, self.run.args.rank_timeout)
-
-    def report(self, record: Record, state: dict | None) -> None:
-        """Every rank calls this at the same sync points (collectives)."""
-        states = [None] * self.run.n if self.rank == 0 else None
-        dist.gather_object(state, states, dst=0)
-        total = torch.tensor([float(record.steps)], device=self.device)
-        self.all_reduce(total, "the global step's all-reduce")  # exact global step: all ranks' agent steps
-        try:
-            self.logger.handle(record._replace(steps=int(total.item())))
-            if self.rank == 0 and states[0] is not None:
-                self.last_checkpoint = time.time()
-                save_checkpoint(self.run, states)
-            if self.rank == 0:
-                self.logger.maybe_print()
-        except (WriteError, OSError) as e:
-            self.write_failure = self.write_failure or error_line(e, self.logger.global_step, 0)[1]
-        if self.write_failure:
-            self.stop.set()  # all ranks stop together at the next sync point
-
-
 def learner_process(index: int, n: int, args: Args, device_name: str, shared: Shared, state: dict | None) -> None:
     """A learner of the single-machine launch (started through child_main), from `state` (--resume) or afresh: its
     records, states and error line go to the main process; nothing raises past here."""
@@ -866,130 +707,6 @@ class Run:
 
     def num_params(self) -> int:
         return sum(p.numel() for p in make_model(self.obs_space, self.act_space, self.args.network).parameters())
-
-
-def save_checkpoint(run: Run, states: list[dict]) -> None:
-    """The learners' states, and their average as "model", to {run_dir}/checkpoint.pt atomically (WriteError)."""
-    steps = sum(s["iteration"] for s in states) * run.args.num_envs * run.args.num_steps
-    checkpoint = dict(model=average_model(states), learners=states, global_step=steps, args=asdict(run.args),
-                      torch_rng=torch.get_rng_state(), meta=run.meta)  # fmt: skip
-    atomic_save(checkpoint, run.run_dir / "checkpoint.pt")
-
-
-class Logger:
-    """The learners' Records into the run's Recorder (TensorBoard, and the console where the process has the run's
-    Progress: the main process, rank 0), each Record one point. Global step = agent steps summed over all learners
-    (exact on one machine; under torchrun rank 0 writes the exact sum at every sync point)."""
-
-    def __init__(self, writer, run: Run, progress: Progress | None = None):
-        self.global_step = self.start_step = run.checkpoint["global_step"] if run.checkpoint else 0
-        self.record, self.mode = Recorder(writer, progress, run.args, self.start_step, window=20), run.args.mode
-        self.learner_sps: list[float | None] = [None] * run.n  # under torchrun a rank sees only its own records
-        self.staleness, self.policy_lag = 0.0, math.nan
-
-    def handle(self, r: Record) -> None:
-        i, step = r.learner, self.global_step + r.steps
-        self.global_step = step
-        self.record.games((step, ret, length) for ret, length in r.episodes)
-        for ret, _ in r.episodes:
-            self.record.writer.add_scalar(f"per_learner/episodic_return_{i}", ret, step)
-        own = {f"per_learner/SPS_{i}": r.sps}
-        if "gossip/consensus_distance" in r.scalars:
-            own[f"per_learner/consensus_distance_{i}"] = r.scalars["gossip/consensus_distance"]
-        self.record.add(r.scalars | own)
-        self.record.point(step)
-        self.learner_sps[i], self.staleness = r.sps, r.scalars.get("gossip/staleness", 0.0)
-        self.policy_lag = r.scalars.get("charts/policy_lag", self.policy_lag)
-
-    def maybe_print(self, force: bool = False) -> None:
-        """The console line every --log-interval seconds, where the run has its Progress; the gossip fields are glossed
-        on the start line (start_progress)."""
-        if self.record.progress is not None:
-            details = "learner_sps=" + "/".join("-" if s is None else f"{s:.0f}" for s in self.learner_sps)
-            if self.mode == "gossip":  # allreduce: no messages, both are 0
-                details += f" staleness={self.staleness:.2f} peer_lag={self.policy_lag:.2f}"
-            self.record.line(self.global_step, details, force)
-
-
-def start_progress(run: Run, device: torch.device) -> Progress:
-    """The run's Progress and its start line: the updates (one update = one iteration of every learner), learners,
-    mode and device and, in gossip mode, what the console's staleness and peer_lag (charts/policy_lag) mean."""
-    args, n, gossip = run.args, run.n, run.args.mode == "gossip"
-    num_updates, plan = planned_updates(args.total_timesteps, n * args.num_envs * args.num_steps)
-    ring = f", {args.num_peers}-peer {'time-varying ' * args.time_varying}ring, tau {args.max_staleness}" * gossip
-    plan += f" ({n} learners x {args.num_envs} envs x {args.num_steps} steps), {args.mode}{ring}, {device}"
-    if gossip:
-        plan += ("; console: staleness = updates since a learner last mixed, peer_lag = its updates minus its "
-                 "in-peer's when that peer sent the parameters it mixed (negative: the in-peer is ahead)")  # fmt: skip
-    # resumed, a gossip learner that is already past the budget does no more updates, and the others catch up
-    done = [s["iteration"] for s in run.checkpoint["learners"]] if run.checkpoint else [0] * n
-    total = sum(max(i, num_updates) for i in done) * args.num_envs * args.num_steps
-    return Progress(run.run_dir, total, plan)
-
-
-class Monitor:
-    """The main process's side of the single-machine launch's queues: records to TensorBoard, checkpoint states
-    assembled into checkpoints (one per request, once every learner answered it), final states kept, error lines."""
-
-    def __init__(self, run: Run, shared: Shared):
-        self.run, self.log_q, self.error_q, self.logger = run, shared.log_q, shared.error_q, None
-        self.finals: dict[int, dict] = {}
-        self.latest: list[dict | None] = list(run.checkpoint["learners"]) if run.checkpoint else [None] * run.n
-        self.pending: dict[int, dict[int, dict]] = {}  # checkpoint request -> {learner: state}
-        self.write_failure: str | None = None  # a checkpoint or TensorBoard write failed: the run stops
-
-    def handle(self, message: Record | State) -> None:
-        try:
-            if isinstance(message, Record):
-                if self.logger is not None and self.write_failure is None:
-                    self.logger.handle(message)
-                return
-            i, state = message.learner, torch.load(io.BytesIO(message.data), weights_only=False)
-            if message.request == 0:
-                self.finals[i] = self.latest[i] = state
-            else:
-                got = self.pending.setdefault(message.request, {})
-                got[i] = state
-                if len(got) == self.run.n:
-                    self.pending.clear()
-                    self.latest[:] = [got[j] for j in range(self.run.n)]
-                    save_checkpoint(self.run, self.latest)
-        except (WriteError, OSError) as e:
-            self.write_failure = self.write_failure or error_line(e, self.logger.global_step, 0)[1]
-
-    def final_states(self, gossip: SharedMemoryGossip | None) -> list[dict | None]:
-        """The newest state of each learner: its final one, or the one of the last checkpoint (or --resume); for a
-        gossip learner killed at the stop before it sent any, its last published parameters from its send buffer
-        (read without its lock, which it may have held when killed): its optimizer statistics restart on resume."""
-        states = list(self.latest)
-        for j in (j for j, s in enumerate(states) if s is None and gossip is not None and gossip.versions[j]):
-            model = make_model(self.run.obs_space, self.run.act_space, self.run.args.network)
-            unflatten_into(list(model.parameters()), gossip.buffers[j].cpu())
-            states[j] = dict(model=model.state_dict(), iteration=gossip.stamps[j] + 1)
-            what = f"learner {j}'s last published parameters (iteration {states[j]['iteration']}, no optimizer state)"
-            print(f"warning: the final checkpoint keeps {what}", file=sys.stderr)
-        if missing := [f"learner {j}" for j, s in enumerate(states) if s is None]:
-            print(f"warning: no final checkpoint: {', '.join(missing)} sent no state before the stop", file=sys.stderr)
-        return states
-
-    def learner_failure(self, died: str | None) -> str | None:
-        """The error line of a learner process that died (`died`: Processes.failed's description): its own, with its
-        traceback, if it lived to send one on `error_q`."""
-        if died is None:
-            return None
-        try:
-            return self.error_q.get(timeout=2.0)
-        except queue.Empty:
-            return f"error: {died}; stopping the run"
-
-    def drain(self, timeout: float) -> None:
-        """Handle every message on `log_q`, waiting up to `timeout` seconds for the first."""
-        try:
-            self.handle(self.log_q.get(timeout=timeout) if timeout else self.log_q.get_nowait())
-            while True:
-                self.handle(self.log_q.get_nowait())
-        except queue.Empty:
-            pass
 
 
 def main(args: Args) -> None:
@@ -1072,6 +789,164 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# ---- Multi-node (torchrun): one learner per rank, gossip over point-to-point messages ------------------------------
+
+
+class DistributedEndpoint(GossipEndpoint):
+    """torchrun: a sender thread sends the newest snapshot to every out-peer with blocking `dist.send` (a newer
+    snapshot replaces one still waiting), one receiver thread per in-peer `dist.recv`s and keeps only the newest
+    message. gloo's isend/irecv handles cannot be polled (`is_completed` stays False until `wait`), so the threads are
+    what makes the learner's side non-blocking. The messages travel on a process group of their own (`group`), so
+    these threads never issue operations on the communicator that the main thread's sync-point all-reduces use (NCCL
+    and gloo expect one thread's order of operations per communicator)."""
+
+    def __init__(self, learner: int, n: int, num_peers: int, tau: int, numel: int, device: torch.device, group,
+                 stop: threading.Event, timeout: float):  # fmt: skip
+        super().__init__(learner, n, num_peers, False, tau, threading.Condition())
+        self.numel, self.device, self.group, self.stop, self.timeout = numel, device, group, stop, timeout
+        self.latest = torch.zeros(num_peers, numel, device=device)  # newest message per in-peer, allocated once
+        self.stamps = [0] * num_peers
+        self.fresh, self.done = [False] * num_peers, [False] * num_peers
+        self.parked = [False] * num_peers  # the in-peer's newest message came from a sync point, where it now waits
+        self.snapshot, self.pending = torch.zeros(numel + 2, device=device), False
+        self.errors: list[str] = []  # tracebacks of the threads, raised in the learner's thread (check)
+        loops = {"gossip-send": (self._send_loop,)}
+        loops |= {f"gossip-recv-{j}": (self._recv_loop, k, j) for k, j in enumerate(self.in_peers(0))}
+        self.threads = [threading.Thread(target=self._guarded, args=a, name=n, daemon=True) for n, a in loops.items()]
+        for t in self.threads:
+            t.start()
+
+    def _guarded(self, loop, *args) -> None:
+        try:
+            loop(*args)
+        except BaseException:
+            self.errors.append(traceback.format_exc())
+
+    def check(self) -> None:
+        """No Stop here: ranks stop together, at sync points; a gossip thread's exception is raised here."""
+        if self.errors:
+            raise RuntimeError(f"gossip thread died:\n{self.errors[0]}")
+
+    def wait_ready(self, peers: list[int]) -> None:
+        """Blocked for in-peers past tau: Stop once this rank is asked to stop (iterate goes on without mixing, and
+        the ranks agree on the stop at the next sync point); RankLost once an in-peer sent nothing for `timeout` s."""
+        start = time.monotonic()
+        with self.cond:
+            while not self.ready(peers) and not self.any_silent(peers):
+                self.check()
+                if self.stop.is_set():
+                    raise Stop
+                if time.monotonic() - start >= self.timeout:
+                    late = ", ".join(
+                        f"rank {j}" for j, fresh in zip(self.in_peers(0), self.fresh, strict=True) if not fresh
+                    )
+                    raise RankLost(f"rank {self.learner}: {late} sent no gossip message within {self.timeout:.0f} s "
+                                   "(stopped, hung, or out of step)")  # fmt: skip
+                self.cond.wait(timeout=1.0)
+
+    def _send_loop(self) -> None:
+        out = torch.zeros(self.numel + 2, device=self.device)
+        while out[self.numel].item() != SENT_LAST:
+            with self.cond:
+                while not self.pending:
+                    self.cond.wait()
+                out.copy_(self.snapshot)
+                self.pending = False
+            for dst in ((self.learner + s) % self.n for s in peer_offsets(self.n, self.num_peers)):
+                dist.send(out, dst=dst, group=self.group)
+
+    def _recv_loop(self, k: int, src: int) -> None:
+        buf = torch.zeros(self.numel + 2, device=self.device)
+        while not self.done[k]:
+            dist.recv(buf, src=src, group=self.group)
+            flag, stamp = buf[self.numel :].tolist()
+            with self.cond:
+                self.latest[k].copy_(buf[: self.numel])
+                self.fresh[k], self.stamps[k] = True, int(stamp)
+                self.done[k], self.parked[k] = flag == SENT_LAST, flag == SENT_AT_SYNC
+                self.cond.notify_all()
+
+    def publish(self, x: torch.Tensor, iteration: int, at_sync: bool = False, last: bool = False) -> None:
+        with self.cond:
+            self.snapshot[: self.numel].copy_(x)
+            self.snapshot[self.numel] = SENT_LAST if last else SENT_AT_SYNC if at_sync else 0.0
+            self.snapshot[self.numel + 1] = iteration
+            self.pending = True
+            self.cond.notify_all()
+
+    def ready(self, peers: list[int]) -> bool:
+        return all(self.fresh)
+
+    def any_silent(self, peers: list[int]) -> bool:
+        """An in-peer will send nothing new before this learner moves on, and its newest message is read: it finished,
+        or it waits at the next sync point for this learner (waiting for it here would deadlock the ranks)."""
+        return any((d or p) and not f for d, p, f in zip(self.done, self.parked, self.fresh, strict=True))
+
+    def take(self, peers: list[int]) -> tuple[list[torch.Tensor], list[int]]:
+        with self.cond:
+            self.fresh = [False] * self.num_peers
+            return [m.clone() for m in self.latest], list(self.stamps)
+
+    def average(self, x: torch.Tensor, link: RankLink) -> torch.Tensor:
+        """The learners' average (a collective: every rank calls it at the same sync point)."""
+        total = x.clone()
+        link.all_reduce(total, "the consensus all-reduce")
+        return total.div_(self.n)
+
+    def finish(self, x: torch.Tensor, iteration: int) -> None:
+        """Send the last message and wait until every in-peer's last one arrived (no send or recv left pending)."""
+        self.publish(x, iteration, last=True)
+        for t in self.threads:
+            t.join()
+        self.check()
+
+
+class RankLink:
+    """One torchrun rank's side of the run: every --sync-interval iterations (and at its last) all ranks meet in the
+    same collectives: the stop and checkpoint flags (rank 0's clock decides when a checkpoint is due), the exact global
+    step, and rank 0 gathers the states to save."""
+
+    def __init__(self, run: Run, rank: int, device: torch.device, stop: threading.Event, logger: Logger):
+        self.run, self.rank, self.device, self.stop, self.logger = run, rank, device, stop, logger
+        self.last_checkpoint = time.time()
+        self.write_failure: str | None = None
+
+    def after_iteration(self, learner: Learner, at_sync: bool) -> bool:
+        """At sync points only (ranks stop together): report, with the state if a checkpoint is due; True: stop."""
+        if not at_sync:
+            return False
+        interval = self.run.args.checkpoint_interval
+        due = self.rank == 0 and interval > 0 and time.time() - self.last_checkpoint >= interval
+        flags = torch.tensor([float(self.stop.is_set()), float(due)], device=self.device)
+        self.all_reduce(flags, f"the sync point of iteration {learner.iteration}")
+        self.report(learner.record(), learner.state() if flags[1].item() > 0 else None)
+        return flags[0].item() > 0
+
+    def all_reduce(self, tensor: torch.Tensor, what: str) -> None:
+        """The sum over the ranks' `tensor`, in place, waited for in slices: a signal is handled while a peer is late,
+        and a peer that does not join within --rank-timeout (stopped, hung, out of step) is named (RankLost)."""
+        work = dist.all_reduce(tensor, async_op=True)
+        wait_for_ranks(work, what, self.stop, self.rank, self.run.n, self.run.args.rank_timeout)
+
+    def report(self, record: Record, state: dict | None) -> None:
+        """Every rank calls this at the same sync points (collectives)."""
+        states = [None] * self.run.n if self.rank == 0 else None
+        dist.gather_object(state, states, dst=0)
+        total = torch.tensor([float(record.steps)], device=self.device)
+        self.all_reduce(total, "the global step's all-reduce")  # exact global step: all ranks' agent steps
+        try:
+            self.logger.handle(record._replace(steps=int(total.item())))
+            if self.rank == 0 and states[0] is not None:
+                self.last_checkpoint = time.time()
+                write_checkpoint(self.run, states)
+            if self.rank == 0:
+                self.logger.maybe_print()
+        except (WriteError, OSError) as e:
+            self.write_failure = self.write_failure or error_line(e, self.logger.global_step, 0)[1]
+        if self.write_failure:
+            self.stop.set()  # all ranks stop together at the next sync point
 
 
 def main_distributed(run: Run) -> None:
@@ -1941,7 +1816,7 @@ def end_run(run: Run, logger: Logger | None, states: list, ending: tuple[int, st
     learners' average); `ending` is error_line's (code, message), `finished`: every learner reached the budget."""
     code, message = ending
     complete = bool(states) and None not in states
-    save = (lambda: save_checkpoint(run, states)) if code != 1 and complete else None
+    save = (lambda: write_checkpoint(run, states)) if code != 1 and complete else None
     final = (lambda: averaged_model(run, states)) if finished and complete else None
     step = logger.global_step if logger else run.checkpoint["global_step"] if run.checkpoint else 0
     finish_run(run.args, run.run_dir, step, code, message, signals, progress=progress, tracker=tracker,
@@ -1949,10 +1824,142 @@ def end_run(run: Run, logger: Logger | None, states: list, ending: tuple[int, st
                last_point=logger and (lambda: logger.maybe_print(force=True)))  # fmt: skip
 
 
+@contextlib.contextmanager
+def timed(totals: dict[str, float], name: str):
+    """Add the seconds the block takes to totals[name] (a learner's parts of one iteration)."""
+    start = time.perf_counter()
+    yield
+    totals[name] = totals.get(name, 0.0) + time.perf_counter() - start
+
+
 def averaged_model(run: Run, states: list[dict]) -> nn.Module:
     model = make_model(run.obs_space, run.act_space, run.args.network)
     model.load_state_dict(average_model(states))
     return model
+
+
+def write_checkpoint(run: Run, states: list[dict]) -> None:
+    """The learners' states, and their average as "model", to {run_dir}/checkpoint.pt atomically (WriteError)."""
+    steps = sum(s["iteration"] for s in states) * run.args.num_envs * run.args.num_steps
+    checkpoint = dict(model=average_model(states), learners=states, global_step=steps, args=asdict(run.args),
+                      torch_rng=torch.get_rng_state(), meta=run.meta)  # fmt: skip
+    atomic_save(checkpoint, run.run_dir / "checkpoint.pt")
+
+
+class Logger:
+    """The learners' Records into the run's Recorder (TensorBoard, and the console where the process has the run's
+    Progress: the main process, rank 0), each Record one point. Global step = agent steps summed over all learners
+    (exact on one machine; under torchrun rank 0 writes the exact sum at every sync point)."""
+
+    def __init__(self, writer, run: Run, progress: Progress | None = None):
+        self.global_step = self.start_step = run.checkpoint["global_step"] if run.checkpoint else 0
+        self.record, self.mode = Recorder(writer, progress, run.args, self.start_step, window=20), run.args.mode
+        self.learner_sps: list[float | None] = [None] * run.n  # under torchrun a rank sees only its own records
+        self.staleness, self.policy_lag = 0.0, math.nan
+
+    def handle(self, r: Record) -> None:
+        i, step = r.learner, self.global_step + r.steps
+        self.global_step = step
+        self.record.games((step, ret, length) for ret, length in r.episodes)
+        for ret, _ in r.episodes:
+            self.record.writer.add_scalar(f"per_learner/episodic_return_{i}", ret, step)
+        own = {f"per_learner/SPS_{i}": r.sps}
+        if "gossip/consensus_distance" in r.scalars:
+            own[f"per_learner/consensus_distance_{i}"] = r.scalars["gossip/consensus_distance"]
+        self.record.add(r.scalars | own)
+        self.record.point(step)
+        self.learner_sps[i], self.staleness = r.sps, r.scalars.get("gossip/staleness", 0.0)
+        self.policy_lag = r.scalars.get("charts/policy_lag", self.policy_lag)
+
+    def maybe_print(self, force: bool = False) -> None:
+        """The console line every --log-interval seconds, where the run has its Progress; the gossip fields are glossed
+        on the start line (start_progress)."""
+        if self.record.progress is not None:
+            details = "learner_sps=" + "/".join("-" if s is None else f"{s:.0f}" for s in self.learner_sps)
+            if self.mode == "gossip":  # allreduce: no messages, both are 0
+                details += f" staleness={self.staleness:.2f} peer_lag={self.policy_lag:.2f}"
+            self.record.line(self.global_step, details, force)
+
+
+def start_progress(run: Run, device: torch.device) -> Progress:
+    """The run's Progress and its start line: the updates (one update = one iteration of every learner), learners,
+    mode and device and, in gossip mode, what the console's staleness and peer_lag (charts/policy_lag) mean."""
+    args, n, gossip = run.args, run.n, run.args.mode == "gossip"
+    num_updates, plan = planned_updates(args.total_timesteps, n * args.num_envs * args.num_steps)
+    ring = f", {args.num_peers}-peer {'time-varying ' * args.time_varying}ring, tau {args.max_staleness}" * gossip
+    plan += f" ({n} learners x {args.num_envs} envs x {args.num_steps} steps), {args.mode}{ring}, {device}"
+    if gossip:
+        plan += ("; console: staleness = updates since a learner last mixed, peer_lag = its updates minus its "
+                 "in-peer's when that peer sent the parameters it mixed (negative: the in-peer is ahead)")  # fmt: skip
+    # resumed, a gossip learner that is already past the budget does no more updates, and the others catch up
+    done = [s["iteration"] for s in run.checkpoint["learners"]] if run.checkpoint else [0] * n
+    total = sum(max(i, num_updates) for i in done) * args.num_envs * args.num_steps
+    return Progress(run.run_dir, total, plan)
+
+
+class Monitor:
+    """The main process's side of the single-machine launch's queues: records to TensorBoard, checkpoint states
+    assembled into checkpoints (one per request, once every learner answered it), final states kept, error lines."""
+
+    def __init__(self, run: Run, shared: Shared):
+        self.run, self.log_q, self.error_q, self.logger = run, shared.log_q, shared.error_q, None
+        self.finals: dict[int, dict] = {}
+        self.latest: list[dict | None] = list(run.checkpoint["learners"]) if run.checkpoint else [None] * run.n
+        self.pending: dict[int, dict[int, dict]] = {}  # checkpoint request -> {learner: state}
+        self.write_failure: str | None = None  # a checkpoint or TensorBoard write failed: the run stops
+
+    def handle(self, message: Record | State) -> None:
+        try:
+            if isinstance(message, Record):
+                if self.logger is not None and self.write_failure is None:
+                    self.logger.handle(message)
+                return
+            i, state = message.learner, torch.load(io.BytesIO(message.data), weights_only=False)
+            if message.request == 0:
+                self.finals[i] = self.latest[i] = state
+            else:
+                got = self.pending.setdefault(message.request, {})
+                got[i] = state
+                if len(got) == self.run.n:
+                    self.pending.clear()
+                    self.latest[:] = [got[j] for j in range(self.run.n)]
+                    write_checkpoint(self.run, self.latest)
+        except (WriteError, OSError) as e:
+            self.write_failure = self.write_failure or error_line(e, self.logger.global_step, 0)[1]
+
+    def final_states(self, gossip: SharedMemoryGossip | None) -> list[dict | None]:
+        """The newest state of each learner: its final one, or the one of the last checkpoint (or --resume); for a
+        gossip learner killed at the stop before it sent any, its last published parameters from its send buffer
+        (read without its lock, which it may have held when killed): its optimizer statistics restart on resume."""
+        states = list(self.latest)
+        for j in (j for j, s in enumerate(states) if s is None and gossip is not None and gossip.versions[j]):
+            model = make_model(self.run.obs_space, self.run.act_space, self.run.args.network)
+            unflatten_into(list(model.parameters()), gossip.buffers[j].cpu())
+            states[j] = dict(model=model.state_dict(), iteration=gossip.stamps[j] + 1)
+            what = f"learner {j}'s last published parameters (iteration {states[j]['iteration']}, no optimizer state)"
+            print(f"warning: the final checkpoint keeps {what}", file=sys.stderr)
+        if missing := [f"learner {j}" for j, s in enumerate(states) if s is None]:
+            print(f"warning: no final checkpoint: {', '.join(missing)} sent no state before the stop", file=sys.stderr)
+        return states
+
+    def learner_failure(self, died: str | None) -> str | None:
+        """The error line of a learner process that died (`died`: Processes.failed's description): its own, with its
+        traceback, if it lived to send one on `error_q`."""
+        if died is None:
+            return None
+        try:
+            return self.error_q.get(timeout=2.0)
+        except queue.Empty:
+            return f"error: {died}; stopping the run"
+
+    def drain(self, timeout: float) -> None:
+        """Handle every message on `log_q`, waiting up to `timeout` seconds for the first."""
+        try:
+            self.handle(self.log_q.get(timeout=timeout) if timeout else self.log_q.get_nowait())
+            while True:
+                self.handle(self.log_q.get_nowait())
+        except queue.Empty:
+            pass
 
 
 if __name__ == "__main__":

@@ -46,6 +46,10 @@ SCRIPT_ONLY = {
     "start_record": "cleanba: rank 0 alone records; its start line names the ranks x envs x steps of an update",
     "record_update": "cleanba: the learner loop's update, recorded with its queue waits on the console line",
     "checkpoint_state": "cleanba: a copy taken between updates, since a stop may cut the next update half way",
+    "Logger": "gala: each learner's Record (its own SPS, staleness and peer lag) into the run's Recorder",
+    "Monitor": "gala: main's side of the learners' queues, and checkpoints assembled from every learner's state",
+    "start_progress": "gala: the start line glosses the gossip fields of the console line",
+    "timed": "gala: the parts of a learner process's iteration, summed per iteration for its Record",
     "drain_while": "a3c: main takes the workers' reports until they exit (a queued message holds a process's exit)",
 }
 
