@@ -666,28 +666,22 @@ class LocalLink:
 
 
 def learner_process(index: int, n: int, args: Args, device_name: str, shared: Shared, state: dict | None) -> None:
-    """A learner of the single-machine launch (started through child_main), from `state` (--resume) or afresh: its
-    records, states and error line go to the main process; nothing raises past here."""
-    learner = None
+    """A learner of the single-machine launch (worker_body runs it, under child_main), from `state` (--resume) or
+    afresh: its records and states go to the main process, its error line (worker_body's) too."""
+    gossip = None
+    if args.mode == "allreduce":
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{shared.port}", rank=index, world_size=n)
+    else:
+        ring = (args.num_peers, args.time_varying, args.max_staleness)
+        gossip = SharedMemoryEndpoint(shared.gossip, index, *ring, shared.stop)
+    learner = Learner(index, n, args, torch.device(device_name), state)
     try:
-        gossip = None
-        if args.mode == "allreduce":
-            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{shared.port}", rank=index, world_size=n)
-        else:
-            ring = (args.num_peers, args.time_varying, args.max_staleness)
-            gossip = SharedMemoryEndpoint(shared.gossip, index, *ring, shared.stop)
-        learner = Learner(index, n, args, torch.device(device_name), state)
         final = learner.train(gossip, LocalLink(args, shared))
-        shared.log_q.put(State(index, 0, state_to_bytes(final)))
-        if args.mode == "allreduce":
-            dist.destroy_process_group()
-    except BaseException as e:
-        step = learner.iteration * n * args.num_envs * args.num_steps if learner is not None else 0
-        shared.error_q.put(error_line(e, step, 0, f"learner {index}")[1] or f"error: learner {index} stopped early")
-        raise SystemExit(1) from None
     finally:
-        if learner is not None:
-            learner.envs.close()
+        learner.envs.close()
+    shared.log_q.put(State(index, 0, state_to_bytes(final)))
+    if args.mode == "allreduce":
+        dist.destroy_process_group()
 
 
 # ---- Main ----------------------------------------------------------------------------------------------------------
@@ -754,7 +748,8 @@ def main_single_machine(run: Run) -> None:
     signals, learners, monitor = StopSignals(shared.stop), Processes(ctx), Monitor(run, shared)
     states = run.checkpoint["learners"] if run.checkpoint else [None] * n
     for i in range(n):
-        learners.start(f"learner {i}", learner_process, i, n, args, str(device), shared, states[i])
+        learners.start(f"learner {i}", worker_body, learner_process, shared.error_q, i, n, args, str(device), shared,
+                       states[i])  # fmt: skip
     tracker, failure, last_checkpoint = None, None, time.time()
     try:  # whatever fails from here on stops the learners
         tracker = start_tracking(args, run.run_dir)  # after the forks: no learner inherits wandb's threads and pipes
@@ -762,7 +757,7 @@ def main_single_machine(run: Run) -> None:
         while len(monitor.finals) < n and not signals.signum and not failure:
             monitor.drain(0.25)
             monitor.logger.maybe_print()
-            failure = monitor.write_failure or monitor.learner_failure(learners.failed())
+            failure = monitor.write_failure or worker_failure(learners, shared.error_q)
             if args.checkpoint_interval and time.time() - last_checkpoint >= args.checkpoint_interval:
                 with shared.checkpoint_requests.get_lock():
                     shared.checkpoint_requests.value += 1
@@ -774,7 +769,7 @@ def main_single_machine(run: Run) -> None:
         deadline = time.monotonic() + STOP_GRACE
         while any(p.exitcode is None for p in learners.procs.values()) and time.monotonic() < deadline:
             monitor.drain(0.1)
-        failure = failure or monitor.learner_failure(learners.failed()) or monitor.write_failure
+        failure = failure or worker_failure(learners, shared.error_q) or monitor.write_failure
         if stuck := learners.stop(max(0.0, deadline - time.monotonic())):  # stuck, or blocked on a peer that is
             print(f"warning: {', '.join(stuck)} did not stop within {STOP_GRACE:.0f} s; killed", file=sys.stderr)
         monitor.drain(0.0)
@@ -1652,6 +1647,34 @@ class Processes:
         return stuck
 
 
+def worker_body(loop, error_q, *loop_args) -> None:
+    """child_main's target: `loop(*loop_args)`. An exception but Stop goes to main on `error_q` as the run's error
+    line, naming this process: one line for a non-finite loss or a failed write, the traceback for anything else."""
+    name = multiprocessing.current_process().name
+    try:
+        with contextlib.suppress(Stop):
+            loop(*loop_args)
+    except (NonFiniteLoss, WriteError) as e:
+        line = str(e) if isinstance(e, WriteError) else f"error: {e}"
+        error_q.put(f"{line} ({name}); stopping (the last good checkpoint, if any, is kept)")
+        raise SystemExit(1) from None
+    except BaseException:
+        error_q.put(f"error: {name} died:\n{traceback.format_exc()}")
+        raise SystemExit(1) from None
+
+
+def worker_failure(procs: Processes, error_q) -> str | None:
+    """The error line of a dead process, or None; one killed by a signal first (others may be its lock's victims)."""
+    for name, p in procs.procs.items():
+        if p.exitcode is not None and p.exitcode < 0:
+            return f"error: {name} died (killed by signal {-p.exitcode}); stopping the run"
+    if failed := procs.failed():
+        with contextlib.suppress(queue.Empty):
+            return error_q.get(timeout=2.0)
+        return f"error: {failed}; stopping the run"
+    return None
+
+
 # -- torchrun ranks (the scripts that run under torchrun) --
 
 
@@ -1941,16 +1964,6 @@ class Monitor:
         if missing := [f"learner {j}" for j, s in enumerate(states) if s is None]:
             print(f"warning: no final checkpoint: {', '.join(missing)} sent no state before the stop", file=sys.stderr)
         return states
-
-    def learner_failure(self, died: str | None) -> str | None:
-        """The error line of a learner process that died (`died`: Processes.failed's description): its own, with its
-        traceback, if it lived to send one on `error_q`."""
-        if died is None:
-            return None
-        try:
-            return self.error_q.get(timeout=2.0)
-        except queue.Empty:
-            return f"error: {died}; stopping the run"
 
     def drain(self, timeout: float) -> None:
         """Handle every message on `log_q`, waiting up to `timeout` seconds for the first."""
