@@ -471,74 +471,6 @@ def gradient_server(model: nn.Module, args: Args, shared: Shared, device: torch.
 # ---- Main ----
 
 
-@dataclass
-class Run:
-    """Main's side of the run once the processes run: the record of what they report on `log_q` (TensorBoard:
-    episodes as they end; lag, losses and timings averaged over --log-frequency updates; the console line) and
-    checkpoints (in server mode written by the gradient server, which owns the model and optimizer: main sends it
-    SaveCheckpoint); shut_down ends the processes."""
-
-    args: Args
-    model: nn.Module  # hogwild: the shared model; server: main's view of it
-    shared: Shared
-    processes: Processes
-    signals: StopSignals
-    extra: dict  # what main adds to every checkpoint: the Args, meta and its RNG state
-    record: Recorder  # made after the forks: its SummaryWriter runs a thread
-    global_step: int
-    updates: int = 0
-    lag: int = 0  # of the latest update
-
-    def handle(self, update: Update) -> None:
-        self.global_step += update.steps
-        self.updates += 1
-        # the policy lag: updates applied to the shared model between this rollout's pull and this gradient
-        self.lag = update.version - 1 - update.pulled
-        self.record.games((self.global_step, ret, length) for ret, length in update.episodes)
-        self.record.add({"policy_lag": self.lag, "learning_rate": update.lr}, "charts")
-        self.record.add(update.losses, "losses")
-        self.record.add(update.timing, "timing")
-        if self.updates % self.args.log_frequency == 0:
-            self.write()
-
-    def write(self) -> None:
-        """One TensorBoard point (the means over the updates since the last one, and the largest lag among them)."""
-        if lags := self.record.values.get("charts/policy_lag"):
-            self.record.add({"charts/policy_lag_max": max(lags)})
-            self.record.point(self.global_step)
-
-    def drain(self, timeout: float) -> None:
-        """Handle every message on `log_q`, waiting up to `timeout` seconds for the first."""
-        with contextlib.suppress(queue.Empty):
-            self.handle(self.shared.log_q.get(timeout=timeout))
-            while True:
-                self.handle(self.shared.log_q.get_nowait())
-
-    def workers_running(self) -> bool:
-        """A worker exits once its budget is spent and what it queued is in the pipe (or once the run stops)."""
-        return any(p.is_alive() for name, p in self.processes.procs.items() if name.startswith("worker"))
-
-    def console_line(self, now: bool = False) -> None:
-        self.record.line(self.global_step, f"updates={self.updates} policy_lag={self.lag}", now)
-
-    def write_checkpoint(self) -> None:
-        path, shared = self.record.progress.run_dir / "checkpoint.pt", self.shared
-        if shared.grad_q is not None:
-            shared.grad_q.put(SaveCheckpoint(str(path), self.extra))
-            return
-        own = dict(model=self.model.state_dict(), optimizer=shared.optimizer.state_dict(), version=shared.version.value)
-        atomic_save({**own, "global_step": self.global_step, **self.extra}, path)
-
-    def last_point(self) -> None:
-        """After the processes stopped: main's view of the shared model made the latest published version (gradient
-        server; not after a kill: the process may have died holding its lock), then the last point and console line."""
-        killed = any(p.exitcode is not None and p.exitcode < 0 for p in self.processes.procs.values())
-        if self.shared.grad_q is not None and not killed:  # a killed run ends with an error: the view is not used
-            pull(self.shared, list(self.model.parameters()))
-        self.write()
-        self.console_line(now=True)
-
-
 def main(args: Args) -> None:
     args = resumed_args(args) if args.resume else args
     if error := validate(args):
@@ -584,7 +516,7 @@ def main(args: Args) -> None:
         processes.stop(grace=0.0)
         raise
     record = Recorder(make_writer(run_dir, args), progress, args, start_step, window=20)
-    run = Run(args, model, shared, processes, signals, extra, record, start_step)
+    run = Watch(args, model, shared, processes, signals, extra, record, start_step)
     failure, last_checkpoint = None, time.time()
     try:  # log what the workers report, print the console line, write checkpoints and watch the processes
         while run.workers_running() and not signals.stop.is_set():
@@ -1403,7 +1335,75 @@ def evaluate(model: nn.Module, args: Args, video_dir: Path, device: torch.device
     env.close()
 
 
-def shut_down(run: Run, failure: str | None) -> str | None:
+@dataclass
+class Watch:
+    """Main's side of the run once the processes run: the record of what they report on `log_q` (TensorBoard:
+    episodes as they end; lag, losses and timings averaged over --log-frequency updates; the console line) and
+    checkpoints (in server mode written by the gradient server, which owns the model and optimizer: main sends it
+    SaveCheckpoint); shut_down ends the processes."""
+
+    args: Args
+    model: nn.Module  # hogwild: the shared model; server: main's view of it
+    shared: Shared
+    processes: Processes
+    signals: StopSignals
+    extra: dict  # what main adds to every checkpoint: the Args, meta and its RNG state
+    record: Recorder  # made after the forks: its SummaryWriter runs a thread
+    global_step: int
+    updates: int = 0
+    lag: int = 0  # of the latest update
+
+    def handle(self, update: Update) -> None:
+        self.global_step += update.steps
+        self.updates += 1
+        # the policy lag: updates applied to the shared model between this rollout's pull and this gradient
+        self.lag = update.version - 1 - update.pulled
+        self.record.games((self.global_step, ret, length) for ret, length in update.episodes)
+        self.record.add({"policy_lag": self.lag, "learning_rate": update.lr}, "charts")
+        self.record.add(update.losses, "losses")
+        self.record.add(update.timing, "timing")
+        if self.updates % self.args.log_frequency == 0:
+            self.write()
+
+    def write(self) -> None:
+        """One TensorBoard point (the means over the updates since the last one, and the largest lag among them)."""
+        if lags := self.record.values.get("charts/policy_lag"):
+            self.record.add({"charts/policy_lag_max": max(lags)})
+            self.record.point(self.global_step)
+
+    def drain(self, timeout: float) -> None:
+        """Handle every message on `log_q`, waiting up to `timeout` seconds for the first."""
+        with contextlib.suppress(queue.Empty):
+            self.handle(self.shared.log_q.get(timeout=timeout))
+            while True:
+                self.handle(self.shared.log_q.get_nowait())
+
+    def workers_running(self) -> bool:
+        """A worker exits once its budget is spent and what it queued is in the pipe (or once the run stops)."""
+        return any(p.is_alive() for name, p in self.processes.procs.items() if name.startswith("worker"))
+
+    def console_line(self, now: bool = False) -> None:
+        self.record.line(self.global_step, f"updates={self.updates} policy_lag={self.lag}", now)
+
+    def write_checkpoint(self) -> None:
+        path, shared = self.record.progress.run_dir / "checkpoint.pt", self.shared
+        if shared.grad_q is not None:
+            shared.grad_q.put(SaveCheckpoint(str(path), self.extra))
+            return
+        own = dict(model=self.model.state_dict(), optimizer=shared.optimizer.state_dict(), version=shared.version.value)
+        atomic_save({**own, "global_step": self.global_step, **self.extra}, path)
+
+    def last_point(self) -> None:
+        """After the processes stopped: main's view of the shared model made the latest published version (gradient
+        server; not after a kill: the process may have died holding its lock), then the last point and console line."""
+        killed = any(p.exitcode is not None and p.exitcode < 0 for p in self.processes.procs.values())
+        if self.shared.grad_q is not None and not killed:  # a killed run ends with an error: the view is not used
+            pull(self.shared, list(self.model.parameters()))
+        self.write()
+        self.console_line(now=True)
+
+
+def shut_down(run: Watch, failure: str | None) -> str | None:
     """Stop the workers, let the gradient server apply what is queued and write the final checkpoint, then end every
     process (SIGKILL for one that does not stop in time); returns the run's error line, if any."""
     shared, interrupted = run.shared, bool(run.signals.signum)
@@ -1432,7 +1432,7 @@ def shut_down(run: Run, failure: str | None) -> str | None:
     return failure
 
 
-def drain_while(run: Run, busy, seconds: float) -> None:
+def drain_while(run: Watch, busy, seconds: float) -> None:
     """Handle the messages on `log_q` while `busy()` holds, for at most `seconds` (a process that stops exits only once
     its queued messages are in the pipe). The events file's errors are the caller's to report."""
     deadline = time.monotonic() + seconds

@@ -41,6 +41,7 @@ SCRIPT_ONLY = {
     "num_buffers_of": "impala: --num-buffers None is TorchBeast's max(2 x actors, batch size)",
     "watch_actors": "impala: the main thread watches the actors while learner threads (not processes) train",
     "stop_threads_and_actors": "impala: the learner and inference threads end before the actors that feed them",
+    "Watch": "a3c: main's record of the workers' updates on log_q, its checkpoints (or the server's) and its watch",
     "shut_down": "a3c: the gradient server applies the gradients queued before the stop and writes the checkpoint",
     "init_torch": "cleanba: the process group of its torchrun ranks, made before the model (NCCL needs the device)",
     "start_record": "cleanba: rank 0 alone records; its start line names the ranks x envs x steps of an update",
