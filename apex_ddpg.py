@@ -243,7 +243,7 @@ class Learner:
         args = self.args
         batch = sample_batch(replay, args.batch_size, beta, rng, stats)  # id, tau <- Replay.Sample()
         data = Transitions(*(t.to(self.device, non_blocking=True) for t in batch.data))
-        value_loss, td, q = critic_loss(self.model, self.target, data, batch.weights.to(self.device))
+        value_loss, td, q = critic_loss(self.model, self.target, data, batch.weights.to(self.device))  # l_t
         grad_norm = self.gradient_step("critic", value_loss)  # theta_t+1 <- UpdateParameters(l_t; theta_t)
         policy_loss = actor_loss(self.model, data.obs)
         self.gradient_step("actor", policy_loss)
@@ -253,9 +253,9 @@ class Learner:
         lag = self.version - data.policy_version.double().mean()  # updates between the acting parameters and this
         values = dict(value_loss=value_loss, policy_loss=policy_loss, total_loss=value_loss + policy_loss,
                       grad_norm=grad_norm, q_values=q.mean(), policy_lag=lag)  # fmt: skip
-        stats = dict(zip(values, torch.stack([v.detach().double() for v in values.values()]).tolist(), strict=True))
+        scalars = dict(zip(values, torch.stack([v.detach().double() for v in values.values()]).tolist(), strict=True))
         self.version += 1
-        return dict(stats, stale_updates=stale)
+        return dict(scalars, stale_updates=stale)
 
     def gradient_step(self, name: str, loss: torch.Tensor) -> torch.Tensor:
         """One clipped Adam step of the `name` network (critic or actor); its gradient norm before clipping."""

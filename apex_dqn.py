@@ -266,9 +266,9 @@ class Learner:
             self.target.load_state_dict(self.model.state_dict())
         lag = self.version - data.policy_version.double().mean()  # updates between the acting parameters and this
         values = dict(value_loss=loss, total_loss=loss, grad_norm=grad_norm, q_values=q.mean(), policy_lag=lag)
-        stats = dict(zip(values, torch.stack([v.detach().double() for v in values.values()]).tolist(), strict=True))
+        scalars = dict(zip(values, torch.stack([v.detach().double() for v in values.values()]).tolist(), strict=True))
         self.version += 1
-        return dict(stats, stale_updates=stale)
+        return dict(scalars, stale_updates=stale)
 
     def flat_params(self) -> torch.Tensor:
         return torch.cat([p.detach().reshape(-1) for p in self.model.parameters()])  # logical order, any layout
