@@ -507,7 +507,7 @@ class Learner:
         metrics = []
         for losses in self.update_rule(self.model, data, self.args, self.generator):
             metrics.append(self.step(losses, stop, requested))
-            if stop.is_set():  # an actor died or Ctrl+C: end here (the snapshot is of the last whole update)
+            if stop.is_set():  # an actor died or Ctrl+C: end here (checkpoint_state holds the last whole update)
                 raise Stop
         scalars = {"charts/policy_lag": (self.update - 1) - rollouts[0].version, "charts/learning_rate": lr}
         scalars |= {f"losses/{k}": torch.stack([m[k] for m in metrics]).mean().item() for k in metrics[0]}
