@@ -704,7 +704,7 @@ def hold_until_killed(lock, held) -> None:
 
 def test_the_last_point_does_not_wait_for_the_lock_of_a_killed_worker():
     """A server-mode worker killed (kill -9) inside `pull` leaves the published parameters' lock held for good: the
-    end of the run (Run.last_point) must not wait for it (a loaded CI run hung there for its 60 s)."""
+    end of the run (Watch.last_point) must not wait for it (a loaded CI run hung there for its 60 s)."""
     ctx = multiprocessing.get_context("fork")
     lock, held = ctx.Lock(), ctx.Event()
     worker = ctx.Process(target=hold_until_killed, args=(lock, held), daemon=True)
@@ -716,7 +716,7 @@ def test_the_last_point_does_not_wait_for_the_lock_of_a_killed_worker():
     processes.procs["worker 1"] = worker
     run = types.SimpleNamespace(shared=shared, processes=processes, model=nn.Linear(1, 1), write=lambda: None,
                                 console_line=lambda now=False: None)  # fmt: skip
-    ended = threading.Thread(target=a3c.Run.last_point, args=(run,), daemon=True)
+    ended = threading.Thread(target=a3c.Watch.last_point, args=(run,), daemon=True)
     ended.start()
     ended.join(timeout=20)
-    assert not ended.is_alive(), "Run.last_point waits for a lock a killed process held"
+    assert not ended.is_alive(), "Watch.last_point waits for a lock a killed process held"
