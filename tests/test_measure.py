@@ -138,7 +138,7 @@ def test_straggler_step_times_have_the_requested_mean_and_std(monkeypatch):
 def test_run_command_stops_with_sigint_and_times_console_lines(tmp_path):
     code = (  # one second of start-up before the first console line, which the clock must not count
         "import time\ntry:\n    time.sleep(1.0)\n    for i in range(1000):\n"
-        "        print(f'global_step={i} SPS=1 mean_return=0')\n        time.sleep(0.05)\n"
+        "        print(f'global_step={i} SPS=1 mean_return=0\\n', end='')\n        time.sleep(0.05)\n"  # one write
         "except KeyboardInterrupt:\n    print('interrupted')\n    raise SystemExit(130)\n"
     )
     run = measure.run_command([sys.executable, "-c", code], 1.5, cwd=tmp_path, log_dir=tmp_path, interval=0.2)
