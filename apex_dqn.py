@@ -428,22 +428,6 @@ class WorkerFailed(NamedTuple):  # actor host -> rank 0: the error line of one o
     error: str
 
 
-class LockTimeout(Exception):
-    """A shared lock held for LOCK_TIMEOUT seconds: most likely a process died holding it."""
-
-
-@contextlib.contextmanager
-def hold(lock, what: str):
-    """`with lock`, given up after LOCK_TIMEOUT seconds: a process killed while holding a shared lock leaves it held,
-    and the learner must then stop the run instead of hanging."""
-    if not lock.acquire(timeout=LOCK_TIMEOUT):
-        raise LockTimeout(f"{what}'s lock was held for {LOCK_TIMEOUT:.0f} s (a process died holding it?)")
-    try:
-        yield
-    finally:
-        lock.release()
-
-
 class PrioritizedBuffer:
     """A ring buffer of n-step transitions with a sum-tree and a min-tree over priorities p^alpha, in shared memory
     (preallocated tensors; the trees are flat [2P] float64 arrays) behind one lock of its own. `slot_version[i]` is
@@ -640,19 +624,6 @@ def play_episodes(args: Args, model: nn.Module, env, episodes: int, rng: np.rand
     return returns
 
 
-def should_stop(shared: Shared) -> bool:
-    """The run is stopping, or the main process is gone (then no one would ever tell us)."""
-    return bool(shared.stop.value) or os.getppid() != shared.parent_pid
-
-
-def sleep_until(shared: Shared, ready, period: float) -> None:
-    """Sleep `period` at a time until `ready()`; raise Stop if the run stops meanwhile."""
-    while not ready():
-        time.sleep(period)
-        if should_stop(shared):
-            raise Stop
-
-
 def claim_steps(shared: Shared, steps: int) -> bool:
     """Reserve agent steps within this machine's budget; False when none are left."""
     with shared.steps_claimed.get_lock():
@@ -814,7 +785,7 @@ class LearnerRun:
             if args.replay_ratio:  # steps_claimed read without its lock (actors hold it)
                 claimed = self.shared.steps_claimed.get_obj().value
                 self.shared.learn_start.value = claimed - learner.version * args.batch_size / args.replay_ratio
-        drain_into(self.shared.log_q, functools.partial(take_report, self), 0.0)
+        drain_reports(self, 0.0)
         beta = importance_exponent(args.priority_beta, args.anneal_beta, self.global_step / args.total_timesteps)
         values = learner.step(self.replay, beta, self.rng, self.stats)
         if not (math.isfinite(values["total_loss"]) and math.isfinite(values["grad_norm"])):  # before the actors
@@ -898,7 +869,7 @@ def main(args: Args) -> None:
     torch.use_deterministic_algorithms(args.torch_deterministic, warn_only=True)
     # deterministic mode would also NaN-fill every new tensor; nothing here reads uninitialised memory
     torch.utils.deterministic.fill_uninitialized_memory = False
-    if rank > 0:
+    if rank > 0:  # an actor host under torchrun (its transports end the file); rank 0 learns
         return serve_actor_host(rank, world_size)
     signals = StopSignals(threading.Event())
     try:
@@ -941,102 +912,6 @@ def main(args: Args) -> None:
                    last_point=lambda: last_point(run))  # fmt: skip
     finally:
         signals.restore()
-
-
-# ---- Actor ranks (torchrun) ----
-
-
-class ActorHost(LocalReplay):
-    """An actor rank under torchrun: its actors and their buffers, built when rank 0 asks (`rpc.remote`), then
-    driven by rank 0's calls, one at a time: LocalReplay's methods, `relay` and `close`."""
-
-    def __init__(self, args: Args, rank: int, world_size: int):
-        hosts, total, spaces, ctx = world_size - 1, args.total_timesteps, env_spaces(args), mp.get_context("fork")
-        self.rank, self.procs = rank, Processes(ctx)
-        self.shared = Shared(args, ctx, spaces, num_buffers=args.num_actors, num_total=hosts * args.num_actors,
-                             steps_limit=total // hosts + (total % hosts if rank == 1 else 0))  # fmt: skip
-        super().__init__(self.shared.buffers, np.random.default_rng([args.seed, rank]))
-        start_workers(self.procs, args, self.shared, spaces, first_actor=(rank - 1) * args.num_actors,
-                      num_total=hosts * args.num_actors, evaluator=False)  # fmt: skip
-
-    def relay(self, flat: torch.Tensor | None, version: int) -> list[ActorReport | WorkerFailed]:
-        """Publish rank 0's newer parameters (if any) to the actors; return their reports and any failure."""
-        if flat is not None:
-            self.shared.store.publish(flat, version)
-        messages = []
-        drain_into(self.shared.log_q, messages.append, 0.0)
-        if failure := worker_failure(self.procs, self.shared.error_q):
-            messages.append(WorkerFailed(f"{failure} (on rank {self.rank})"))
-        return messages
-
-    def close(self) -> None:
-        stop_processes(self.procs, self.shared, lambda message: None, grace=4.0)
-
-
-class WorkerError(Exception):
-    """An actor host failed or stopped answering (torchrun): the run stops, with the message in its error line."""
-
-
-class RemoteReplay:
-    """Rank 0's view of the buffers on the actor ranks (rank r holds buffers [(r-1) K, r K)), as LocalReplay's."""
-
-    def __init__(self, args: Args, world_size: int):
-        rpc.init_rpc("rank0", rank=0, world_size=world_size)
-        self.hosts = [rpc.remote(f"rank{r}", ActorHost, args=(args, r, world_size)) for r in range(1, world_size)]
-        self.per_host, self.sent_version = args.num_actors, -1
-        self.call("stats", timeout=HOST_SETUP_TIMEOUT)  # returns once every host is built
-
-    def call(self, method: str, per_host: list[tuple] | None = None, timeout: float = 60.0) -> list:
-        futures = [getattr(host.rpc_async(timeout=timeout), method)(*(per_host[i] if per_host else ()))
-                   for i, host in enumerate(self.hosts)]  # fmt: skip
-        results = []
-        for rank, future in enumerate(futures, start=1):
-            try:
-                results.append(future.wait())
-            except Exception as e:  # the host's own error, or a lost connection
-                reason = (str(e).strip().splitlines() or [type(e).__name__])[-1][:300]
-                raise WorkerError(f"actor host rank {rank} failed: {reason}; stopping the run") from None
-        return results
-
-    def chunks(self, items: list) -> list[tuple]:
-        return [(list(items[i * self.per_host : (i + 1) * self.per_host]),) for i in range(len(self.hosts))]
-
-    def stats(self) -> ReplayStats:
-        return ReplayStats.concat(self.call("stats"))
-
-    def sample(self, counts) -> list[Sample | None]:
-        return [part for parts in self.call("sample", self.chunks([int(c) for c in counts])) for part in parts]
-
-    def update(self, parts: list[PriorityUpdate | None]) -> int:
-        return sum(self.call("update", self.chunks(parts)))
-
-    def exchange(self, store: ParamStore) -> list[ActorReport | WorkerFailed]:
-        """Newer parameters out (a copy: rpc may send a tensor after the call returns), reports back."""
-        version = store.version.value
-        flat = store.flat.clone() if version > self.sent_version else None
-        self.sent_version = version
-        return [m for messages in self.call("relay", [(flat, version)] * len(self.hosts)) for m in messages]
-
-    def close(self) -> None:
-        """Stop the hosts' actors, then rpc: gracefully (waiting for every rank) if every host answered."""
-        try:
-            self.call("close", timeout=10.0)
-        except WorkerError:  # a host is gone already (torchrun tears down failed ranks)
-            rpc.shutdown(graceful=False)
-            return
-        rpc.shutdown()
-
-
-def serve_actor_host(rank: int, world_size: int) -> None:
-    """An actor rank's main thread: rank 0 builds an ActorHost here over rpc and drives it; this thread waits for the
-    end. Ctrl+C reaches every rank of a terminal's launch and rank 0 stops the run, so actor ranks ignore it."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    rpc.init_rpc(f"rank{rank}", rank=rank, world_size=world_size)
-    try:
-        rpc.shutdown()  # returns once every rank has shut down
-    except RuntimeError as e:
-        print(f"error: actor rank {rank} lost the learner (rank 0): {e}", file=sys.stderr)
-        raise SystemExit(1) from None
 
 
 # ---- run plumbing ------------------------------------------------------------------------------------------------
@@ -1882,14 +1757,14 @@ def wait_for_evaluation(run: LearnerRun, stop: threading.Event) -> None:
     while run.failure is None and boundary > run.start_step and run.last_eval_step < boundary:
         if stop.is_set():
             raise Stop
-        drain_into(run.shared.log_q, functools.partial(take_report, run), RPC_PERIOD)
+        drain_reports(run, RPC_PERIOD)
         housekeeping(run)
 
 
 def wait_for_data(run: LearnerRun) -> None:
     """Too little data (or the rate limiter): block on the actors' reports."""
     t0 = time.perf_counter()
-    drain_into(run.shared.log_q, functools.partial(take_report, run), RPC_PERIOD)
+    drain_reports(run, RPC_PERIOD)
     run.replay_wait += time.perf_counter() - t0
 
 
@@ -1954,6 +1829,11 @@ def start_warnings(args: Args, start_step: int) -> list[str]:
     return warnings
 
 
+def drain_reports(run: LearnerRun, timeout: float) -> None:
+    """take_report every message queued on log_q, waiting up to `timeout` for the first."""
+    drain_into(run.shared.log_q, functools.partial(take_report, run), timeout)
+
+
 def drain_into(q, handle, timeout: float) -> None:
     """Handle every queued message, waiting up to `timeout` for the first."""
     try:
@@ -1962,6 +1842,134 @@ def drain_into(q, handle, timeout: float) -> None:
             handle(q.get_nowait())
     except queue.Empty:
         pass
+
+
+# -- Ape-X processes: the stop-aware sleep of actors and evaluator, the replay buffers' lock with a timeout --
+
+
+def should_stop(shared: Shared) -> bool:
+    """The run is stopping, or the main process is gone (then no one would ever tell us)."""
+    return bool(shared.stop.value) or os.getppid() != shared.parent_pid
+
+
+def sleep_until(shared: Shared, ready, period: float) -> None:
+    """Sleep `period` at a time until `ready()`; raise Stop if the run stops meanwhile."""
+    while not ready():
+        time.sleep(period)
+        if should_stop(shared):
+            raise Stop
+
+
+class LockTimeout(Exception):
+    """A shared lock held for LOCK_TIMEOUT seconds: most likely a process died holding it."""
+
+
+@contextlib.contextmanager
+def hold(lock, what: str):
+    """`with lock`, given up after LOCK_TIMEOUT seconds: a process killed while holding a shared lock leaves it held,
+    and the learner must then stop the run instead of hanging."""
+    if not lock.acquire(timeout=LOCK_TIMEOUT):
+        raise LockTimeout(f"{what}'s lock was held for {LOCK_TIMEOUT:.0f} s (a process died holding it?)")
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+# -- actor ranks (torchrun): rank 0 drives each actor host's buffers and actors over rpc --
+
+
+class ActorHost(LocalReplay):
+    """An actor rank under torchrun: its actors and their buffers, built when rank 0 asks (`rpc.remote`), then
+    driven by rank 0's calls, one at a time: LocalReplay's methods, `relay` and `close`."""
+
+    def __init__(self, args: Args, rank: int, world_size: int):
+        hosts, total, spaces, ctx = world_size - 1, args.total_timesteps, env_spaces(args), mp.get_context("fork")
+        self.rank, self.procs = rank, Processes(ctx)
+        self.shared = Shared(args, ctx, spaces, num_buffers=args.num_actors, num_total=hosts * args.num_actors,
+                             steps_limit=total // hosts + (total % hosts if rank == 1 else 0))  # fmt: skip
+        super().__init__(self.shared.buffers, np.random.default_rng([args.seed, rank]))
+        start_workers(self.procs, args, self.shared, spaces, first_actor=(rank - 1) * args.num_actors,
+                      num_total=hosts * args.num_actors, evaluator=False)  # fmt: skip
+
+    def relay(self, flat: torch.Tensor | None, version: int) -> list[ActorReport | WorkerFailed]:
+        """Publish rank 0's newer parameters (if any) to the actors; return their reports and any failure."""
+        if flat is not None:
+            self.shared.store.publish(flat, version)
+        messages = []
+        drain_into(self.shared.log_q, messages.append, 0.0)
+        if failure := worker_failure(self.procs, self.shared.error_q):
+            messages.append(WorkerFailed(f"{failure} (on rank {self.rank})"))
+        return messages
+
+    def close(self) -> None:
+        stop_processes(self.procs, self.shared, lambda message: None, grace=4.0)
+
+
+class WorkerError(Exception):
+    """An actor host failed or stopped answering (torchrun): the run stops, with the message in its error line."""
+
+
+class RemoteReplay:
+    """Rank 0's view of the buffers on the actor ranks (rank r holds buffers [(r-1) K, r K)), as LocalReplay's."""
+
+    def __init__(self, args: Args, world_size: int):
+        rpc.init_rpc("rank0", rank=0, world_size=world_size)
+        self.hosts = [rpc.remote(f"rank{r}", ActorHost, args=(args, r, world_size)) for r in range(1, world_size)]
+        self.per_host, self.sent_version = args.num_actors, -1
+        self.call("stats", timeout=HOST_SETUP_TIMEOUT)  # returns once every host is built
+
+    def call(self, method: str, per_host: list[tuple] | None = None, timeout: float = 60.0) -> list:
+        futures = [getattr(host.rpc_async(timeout=timeout), method)(*(per_host[i] if per_host else ()))
+                   for i, host in enumerate(self.hosts)]  # fmt: skip
+        results = []
+        for rank, future in enumerate(futures, start=1):
+            try:
+                results.append(future.wait())
+            except Exception as e:  # the host's own error, or a lost connection
+                reason = (str(e).strip().splitlines() or [type(e).__name__])[-1][:300]
+                raise WorkerError(f"actor host rank {rank} failed: {reason}; stopping the run") from None
+        return results
+
+    def chunks(self, items: list) -> list[tuple]:
+        return [(list(items[i * self.per_host : (i + 1) * self.per_host]),) for i in range(len(self.hosts))]
+
+    def stats(self) -> ReplayStats:
+        return ReplayStats.concat(self.call("stats"))
+
+    def sample(self, counts) -> list[Sample | None]:
+        return [part for parts in self.call("sample", self.chunks([int(c) for c in counts])) for part in parts]
+
+    def update(self, parts: list[PriorityUpdate | None]) -> int:
+        return sum(self.call("update", self.chunks(parts)))
+
+    def exchange(self, store: ParamStore) -> list[ActorReport | WorkerFailed]:
+        """Newer parameters out (a copy: rpc may send a tensor after the call returns), reports back."""
+        version = store.version.value
+        flat = store.flat.clone() if version > self.sent_version else None
+        self.sent_version = version
+        return [m for messages in self.call("relay", [(flat, version)] * len(self.hosts)) for m in messages]
+
+    def close(self) -> None:
+        """Stop the hosts' actors, then rpc: gracefully (waiting for every rank) if every host answered."""
+        try:
+            self.call("close", timeout=10.0)
+        except WorkerError:  # a host is gone already (torchrun tears down failed ranks)
+            rpc.shutdown(graceful=False)
+            return
+        rpc.shutdown()
+
+
+def serve_actor_host(rank: int, world_size: int) -> None:
+    """An actor rank's main thread: rank 0 builds an ActorHost here over rpc and drives it; this thread waits for the
+    end. Ctrl+C reaches every rank of a terminal's launch and rank 0 stops the run, so actor ranks ignore it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    rpc.init_rpc(f"rank{rank}", rank=rank, world_size=world_size)
+    try:
+        rpc.shutdown()  # returns once every rank has shut down
+    except RuntimeError as e:
+        print(f"error: actor rank {rank} lost the learner (rank 0): {e}", file=sys.stderr)
+        raise SystemExit(1) from None
 
 
 if __name__ == "__main__":

@@ -524,33 +524,12 @@ class Learner:
         loss.backward()
         self.steps += 1
         if self.world_size > 1:
-            self.average_gradients(stop, requested)
+            average_gradients(self, stop, requested)  # torchrun: the ranks' mean gradient (the end of the file)
         grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), self.args.max_grad_norm)
         if not (torch.isfinite(loss) & torch.isfinite(grad_norm)):  # one device sync for both
             raise NonFiniteLoss(f"non-finite loss {loss.item()} (gradient norm {grad_norm.item()})")
         self.optimizer.step()
         return {**{k: v.detach() for k, v in losses.items()}, "grad_norm": grad_norm}
-
-    def average_gradients(self, stop: threading.Event, requested: threading.Event) -> None:
-        """The ranks' mean gradient, in one all-reduce that also carries each rank's step count and stop request (a
-        slot per rank): ranks whose counts differ are out of step (a rank-local decision changed the number of
-        steps), and a stop requested on any rank stops every rank here, at the same step."""
-        W, r = self.world_size, self.rank
-        grads = [p.grad for p in self.model.parameters()]
-        tail = torch.zeros(2 * W, device=self.device)
-        tail[r], tail[W + r] = self.steps, float(requested.is_set())
-        flat = flatten([*grads, tail])
-        work = dist.all_reduce(flat, async_op=True)
-        wait_for_ranks(work, f"the all-reduce of update {self.update}", requested, r, W, self.args.rank_timeout)
-        steps, stops = flat[-2 * W : -W].tolist(), flat[-W:].tolist()
-        if len(set(steps)) > 1:
-            at = ", ".join(f"rank {i} at step {int(s)}" for i, s in enumerate(steps))
-            raise RankLost(f"rank {r}: the ranks are out of step at the all-reduce of update {self.update} ({at}): "
-                           "each must take the same optimizer steps")  # fmt: skip
-        if any(stops):
-            stop.set()
-            raise Stop
-        copy_flat_into(grads, flat.div_(W))
 
 
 # ---- Main ----
@@ -583,7 +562,7 @@ def main(args: Args) -> None:
     learner = Learner(args, model, actors, device, rank, world_size, meta, checkpoint)
     stop = threading.Event()  # ends the learner's and every actor thread's loop
     # a signal stops one process at once; under torchrun it is this rank's request, and the ranks stop together at
-    # the all-reduce where they agree on it (Learner.average_gradients)
+    # the all-reduce where they agree on it (average_gradients)
     requested = threading.Event() if world_size > 1 else stop
     signals, code, message, keep_last = StopSignals(requested), 0, None, False  # before the start line (a signal)
     who = f"rank {rank}" if world_size > 1 else "the learner"
@@ -1467,6 +1446,31 @@ def checkpoint_state(learner: Learner) -> dict:
         learner_rng=learner.generator.get_state(), actor_rngs=[a.generator.get_state() for a in learner.actors]
     )
     return copy.deepcopy(state)
+
+
+# -- torchrun ranks: the gradient all-reduce of Learner.step --
+
+
+def average_gradients(learner: Learner, stop: threading.Event, requested: threading.Event) -> None:
+    """Learner.step under torchrun: the ranks' mean gradient, in one all-reduce that also carries each rank's step
+    count and stop request (a slot per rank). Ranks whose counts differ are out of step (a rank-local decision changed
+    the number of steps), and a stop requested on any rank stops every rank here, at the same step."""
+    W, r = learner.world_size, learner.rank
+    grads = [p.grad for p in learner.model.parameters()]
+    tail = torch.zeros(2 * W, device=learner.device)
+    tail[r], tail[W + r] = learner.steps, float(requested.is_set())
+    flat = flatten([*grads, tail])
+    work = dist.all_reduce(flat, async_op=True)
+    wait_for_ranks(work, f"the all-reduce of update {learner.update}", requested, r, W, learner.args.rank_timeout)
+    steps, stops = flat[-2 * W : -W].tolist(), flat[-W:].tolist()
+    if len(set(steps)) > 1:
+        at = ", ".join(f"rank {i} at step {int(s)}" for i, s in enumerate(steps))
+        raise RankLost(f"rank {r}: the ranks are out of step at the all-reduce of update {learner.update} ({at}): "
+                       "each must take the same optimizer steps")  # fmt: skip
+    if any(stops):
+        stop.set()
+        raise Stop
+    copy_flat_into(grads, flat.div_(W))
 
 
 if __name__ == "__main__":

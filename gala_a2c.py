@@ -446,13 +446,6 @@ class SharedMemoryEndpoint(GossipEndpoint):
             self.cond.notify_all()
 
 
-# A torchrun gossip message is [P + 2]: the parameters, then a flag and the sender's iteration (exact in float32 below
-# 2^24 iterations). Flags: 0 an ordinary message, SENT_AT_SYNC sent right before a sync point (where the sender now
-# waits for the other ranks), SENT_LAST the sender's last message (it finished its run).
-SENT_AT_SYNC = 1.0
-SENT_LAST = 2.0
-
-
 @dataclass
 class Shared:
     """What the main process shares with its learner processes (single-machine launch)."""
@@ -727,7 +720,7 @@ def main(args: Args) -> None:
         write_run_args(run_dir, args, meta)
     run = Run(args, n, run_dir, obs_space, act_space, meta, checkpoint)
     if world_size > 1:
-        main_distributed(run)
+        main_distributed(run)  # one learner per torchrun rank: the transports end the file
     else:
         main_single_machine(run)
 
@@ -777,225 +770,6 @@ def main_single_machine(run: Run) -> None:
     code, message = (1, failure) if failure else error_line(Stop(), step, signals.signum)
     states = monitor.final_states(gossip) if failure is None and args.checkpoint_interval else monitor.latest
     end_run(run, monitor.logger, states, (code, message), signals, tracker, progress, len(monitor.finals) == n)
-
-
-def free_port() -> int:
-    """A free TCP port on localhost for the allreduce learners' gloo rendezvous."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-# ---- Multi-node (torchrun): one learner per rank, gossip over point-to-point messages ------------------------------
-
-
-class DistributedEndpoint(GossipEndpoint):
-    """torchrun: a sender thread sends the newest snapshot to every out-peer with blocking `dist.send` (a newer
-    snapshot replaces one still waiting), one receiver thread per in-peer `dist.recv`s and keeps only the newest
-    message. gloo's isend/irecv handles cannot be polled (`is_completed` stays False until `wait`), so the threads are
-    what makes the learner's side non-blocking. The messages travel on a process group of their own (`group`), so
-    these threads never issue operations on the communicator that the main thread's sync-point all-reduces use (NCCL
-    and gloo expect one thread's order of operations per communicator)."""
-
-    def __init__(self, learner: int, n: int, num_peers: int, tau: int, numel: int, device: torch.device, group,
-                 stop: threading.Event, timeout: float):  # fmt: skip
-        super().__init__(learner, n, num_peers, False, tau, threading.Condition())
-        self.numel, self.device, self.group, self.stop, self.timeout = numel, device, group, stop, timeout
-        self.latest = torch.zeros(num_peers, numel, device=device)  # newest message per in-peer, allocated once
-        self.stamps = [0] * num_peers
-        self.fresh, self.done = [False] * num_peers, [False] * num_peers
-        self.parked = [False] * num_peers  # the in-peer's newest message came from a sync point, where it now waits
-        self.snapshot, self.pending = torch.zeros(numel + 2, device=device), False
-        self.errors: list[str] = []  # tracebacks of the threads, raised in the learner's thread (check)
-        loops = {"gossip-send": (self._send_loop,)}
-        loops |= {f"gossip-recv-{j}": (self._recv_loop, k, j) for k, j in enumerate(self.in_peers(0))}
-        self.threads = [threading.Thread(target=self._guarded, args=a, name=n, daemon=True) for n, a in loops.items()]
-        for t in self.threads:
-            t.start()
-
-    def _guarded(self, loop, *args) -> None:
-        try:
-            loop(*args)
-        except BaseException:
-            self.errors.append(traceback.format_exc())
-
-    def check(self) -> None:
-        """No Stop here: ranks stop together, at sync points; a gossip thread's exception is raised here."""
-        if self.errors:
-            raise RuntimeError(f"gossip thread died:\n{self.errors[0]}")
-
-    def wait_ready(self, peers: list[int]) -> None:
-        """Blocked for in-peers past tau: Stop once this rank is asked to stop (iterate goes on without mixing, and
-        the ranks agree on the stop at the next sync point); RankLost once an in-peer sent nothing for `timeout` s."""
-        start = time.monotonic()
-        with self.cond:
-            while not self.ready(peers) and not self.any_silent(peers):
-                self.check()
-                if self.stop.is_set():
-                    raise Stop
-                if time.monotonic() - start >= self.timeout:
-                    late = ", ".join(
-                        f"rank {j}" for j, fresh in zip(self.in_peers(0), self.fresh, strict=True) if not fresh
-                    )
-                    raise RankLost(f"rank {self.learner}: {late} sent no gossip message within {self.timeout:.0f} s "
-                                   "(stopped, hung, or out of step)")  # fmt: skip
-                self.cond.wait(timeout=1.0)
-
-    def _send_loop(self) -> None:
-        out = torch.zeros(self.numel + 2, device=self.device)
-        while out[self.numel].item() != SENT_LAST:
-            with self.cond:
-                while not self.pending:
-                    self.cond.wait()
-                out.copy_(self.snapshot)
-                self.pending = False
-            for dst in ((self.learner + s) % self.n for s in peer_offsets(self.n, self.num_peers)):
-                dist.send(out, dst=dst, group=self.group)
-
-    def _recv_loop(self, k: int, src: int) -> None:
-        buf = torch.zeros(self.numel + 2, device=self.device)
-        while not self.done[k]:
-            dist.recv(buf, src=src, group=self.group)
-            flag, stamp = buf[self.numel :].tolist()
-            with self.cond:
-                self.latest[k].copy_(buf[: self.numel])
-                self.fresh[k], self.stamps[k] = True, int(stamp)
-                self.done[k], self.parked[k] = flag == SENT_LAST, flag == SENT_AT_SYNC
-                self.cond.notify_all()
-
-    def publish(self, x: torch.Tensor, iteration: int, at_sync: bool = False, last: bool = False) -> None:
-        with self.cond:
-            self.snapshot[: self.numel].copy_(x)
-            self.snapshot[self.numel] = SENT_LAST if last else SENT_AT_SYNC if at_sync else 0.0
-            self.snapshot[self.numel + 1] = iteration
-            self.pending = True
-            self.cond.notify_all()
-
-    def ready(self, peers: list[int]) -> bool:
-        return all(self.fresh)
-
-    def any_silent(self, peers: list[int]) -> bool:
-        """An in-peer will send nothing new before this learner moves on, and its newest message is read: it finished,
-        or it waits at the next sync point for this learner (waiting for it here would deadlock the ranks)."""
-        return any((d or p) and not f for d, p, f in zip(self.done, self.parked, self.fresh, strict=True))
-
-    def take(self, peers: list[int]) -> tuple[list[torch.Tensor], list[int]]:
-        with self.cond:
-            self.fresh = [False] * self.num_peers
-            return [m.clone() for m in self.latest], list(self.stamps)
-
-    def average(self, x: torch.Tensor, link: RankLink) -> torch.Tensor:
-        """The learners' average (a collective: every rank calls it at the same sync point)."""
-        total = x.clone()
-        link.all_reduce(total, "the consensus all-reduce")
-        return total.div_(self.n)
-
-    def finish(self, x: torch.Tensor, iteration: int) -> None:
-        """Send the last message and wait until every in-peer's last one arrived (no send or recv left pending)."""
-        self.publish(x, iteration, last=True)
-        for t in self.threads:
-            t.join()
-        self.check()
-
-
-class RankLink:
-    """One torchrun rank's side of the run: every --sync-interval iterations (and at its last) all ranks meet in the
-    same collectives: the stop and checkpoint flags (rank 0's clock decides when a checkpoint is due), the exact global
-    step, and rank 0 gathers the states to save."""
-
-    def __init__(self, run: Run, rank: int, device: torch.device, stop: threading.Event, logger: Logger):
-        self.run, self.rank, self.device, self.stop, self.logger = run, rank, device, stop, logger
-        self.last_checkpoint = time.time()
-        self.write_failure: str | None = None
-
-    def after_iteration(self, learner: Learner, at_sync: bool) -> bool:
-        """At sync points only (ranks stop together): report, with the state if a checkpoint is due; True: stop."""
-        if not at_sync:
-            return False
-        interval = self.run.args.checkpoint_interval
-        due = self.rank == 0 and interval > 0 and time.time() - self.last_checkpoint >= interval
-        flags = torch.tensor([float(self.stop.is_set()), float(due)], device=self.device)
-        self.all_reduce(flags, f"the sync point of iteration {learner.iteration}")
-        self.report(learner.record(), learner.state() if flags[1].item() > 0 else None)
-        return flags[0].item() > 0
-
-    def all_reduce(self, tensor: torch.Tensor, what: str) -> None:
-        """The sum over the ranks' `tensor`, in place, waited for in slices: a signal is handled while a peer is late,
-        and a peer that does not join within --rank-timeout (stopped, hung, out of step) is named (RankLost)."""
-        work = dist.all_reduce(tensor, async_op=True)
-        wait_for_ranks(work, what, self.stop, self.rank, self.run.n, self.run.args.rank_timeout)
-
-    def report(self, record: Record, state: dict | None) -> None:
-        """Every rank calls this at the same sync points (collectives)."""
-        states = [None] * self.run.n if self.rank == 0 else None
-        dist.gather_object(state, states, dst=0)
-        total = torch.tensor([float(record.steps)], device=self.device)
-        self.all_reduce(total, "the global step's all-reduce")  # exact global step: all ranks' agent steps
-        try:
-            self.logger.handle(record._replace(steps=int(total.item())))
-            if self.rank == 0 and states[0] is not None:
-                self.last_checkpoint = time.time()
-                write_checkpoint(self.run, states)
-            if self.rank == 0:
-                self.logger.maybe_print()
-        except (WriteError, OSError) as e:
-            self.write_failure = self.write_failure or error_line(e, self.logger.global_step, 0)[1]
-        if self.write_failure:
-            self.stop.set()  # all ranks stop together at the next sync point
-
-
-def main_distributed(run: Run) -> None:
-    """One torchrun rank = one learner; rank 0 also writes the run's charts and checkpoints."""
-    args, n, checkpoint = run.args, run.n, run.checkpoint
-    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
-    use_cuda = args.cuda and torch.cuda.is_available()
-    device = torch.device(f"cuda:{local_rank % torch.cuda.device_count()}" if use_cuda else "cpu")
-    watch_launcher()
-    tracker = start_tracking(args, run.run_dir) if rank == 0 else None  # before the rendezvous, as main's run directory
-    # collectives fail after a bounded wait for a peer (gloo's default: 30 min); RankLink's own wait names it first
-    timeout = datetime.timedelta(seconds=args.rank_timeout + 30)
-    dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=n, timeout=timeout)
-    names = [str(run.run_dir)]
-    dist.broadcast_object_list(names, src=0)  # one run directory, named by rank 0
-    run.run_dir = Path(names[0])
-    signals = StopSignals(threading.Event())
-    writer = make_writer(run.run_dir if rank == 0 else run.run_dir / f"learner{rank}", args)
-    progress = start_progress(run, device) if rank == 0 else None  # rank 0 prints the console
-    logger = Logger(writer, run, progress)
-    link, gossip, failure, states = RankLink(run, rank, device, signals.stop, logger), None, None, None
-    if args.mode == "gossip":
-        group = dist.new_group(backend="nccl" if use_cuda else "gloo", timeout=timeout)  # every rank, in one order
-        ring = (args.num_peers, args.max_staleness, run.num_params(), device, group, signals.stop, args.rank_timeout)
-        gossip = DistributedEndpoint(rank, n, *ring)
-    try:
-        learner = Learner(rank, n, args, device, checkpoint["learners"][rank] if checkpoint else None)
-        final = learner.train(gossip, link)
-        learner.envs.close()
-        states = [None] * n if rank == 0 else None
-        dist.gather_object(final, states, dst=0)
-        if args.mode == "allreduce":  # every learner must hold the same parameters (identical averaged gradients)
-            flat = torch.cat([p.reshape(-1) for p in final["model"].values()]).to(device)
-            reference = flat.clone()
-            dist.broadcast(reference, src=0)
-            divergence = (flat - reference).abs().max()
-            dist.all_reduce(divergence, op=dist.ReduceOp.MAX)
-            if rank == 0:
-                print(f"max |parameter difference| across {n} learners: {divergence.item():.3g}")
-        dist.barrier()  # no rank leaves the group while a peer may still be sending to it
-        dist.destroy_process_group()
-    except Stop:  # a signal while a peer did not answer: the ranks' final states cannot be gathered
-        if rank == 0 and args.checkpoint_interval:
-            print("warning: no final checkpoint (it needs every rank's state); the last one, if any, is kept",
-                  file=sys.stderr)  # fmt: skip
-    except Exception as e:  # the other ranks would wait for this one forever: torchrun stops them when it exits 1
-        failure = error_line(e, logger.global_step, signals.signum, f"learner {rank} (rank {rank})", rank, n)[1]
-    failure = failure or link.write_failure
-    code, message = (1, failure) if failure else error_line(Stop(), logger.global_step, signals.signum)
-    # rank 0: the final checkpoint, --save-model, --eval-episodes; every rank: its writer, its exit status, without
-    # the interpreter's teardown: gloo's transport and worker threads (`gloo_tcp_loop`, `pt_gloo_runloop`) and the
-    # gossip receivers inside `dist.recv` may still be alive, and destroying them while joinable aborts the rank
-    # ("terminate called without an active exception", SIGABRT) or hangs it
-    end_run(run, logger, states or [], (code, message), signals, tracker, progress, rank == 0, teardown=False)
 
 
 # ---- run plumbing ------------------------------------------------------------------------------------------------
@@ -1973,6 +1747,231 @@ class Monitor:
                 self.handle(self.log_q.get_nowait())
         except queue.Empty:
             pass
+
+
+def free_port() -> int:
+    """A free TCP port on localhost for the allreduce learners' gloo rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# -- multi-node (torchrun): one learner per rank, gossip over point-to-point messages; main_distributed runs a rank --
+
+# A torchrun gossip message is [P + 2]: the parameters, then a flag and the sender's iteration (exact in float32 below
+# 2^24 iterations). Flags: 0 an ordinary message, SENT_AT_SYNC sent right before a sync point (where the sender now
+# waits for the other ranks), SENT_LAST the sender's last message (it finished its run).
+SENT_AT_SYNC = 1.0
+SENT_LAST = 2.0
+
+
+class DistributedEndpoint(GossipEndpoint):
+    """torchrun: a sender thread sends the newest snapshot to every out-peer with blocking `dist.send` (a newer
+    snapshot replaces one still waiting), one receiver thread per in-peer `dist.recv`s and keeps only the newest
+    message. gloo's isend/irecv handles cannot be polled (`is_completed` stays False until `wait`), so the threads are
+    what makes the learner's side non-blocking. The messages travel on a process group of their own (`group`), so
+    these threads never issue operations on the communicator that the main thread's sync-point all-reduces use (NCCL
+    and gloo expect one thread's order of operations per communicator)."""
+
+    def __init__(self, learner: int, n: int, num_peers: int, tau: int, numel: int, device: torch.device, group,
+                 stop: threading.Event, timeout: float):  # fmt: skip
+        super().__init__(learner, n, num_peers, False, tau, threading.Condition())
+        self.numel, self.device, self.group, self.stop, self.timeout = numel, device, group, stop, timeout
+        self.latest = torch.zeros(num_peers, numel, device=device)  # newest message per in-peer, allocated once
+        self.stamps = [0] * num_peers
+        self.fresh, self.done = [False] * num_peers, [False] * num_peers
+        self.parked = [False] * num_peers  # the in-peer's newest message came from a sync point, where it now waits
+        self.snapshot, self.pending = torch.zeros(numel + 2, device=device), False
+        self.errors: list[str] = []  # tracebacks of the threads, raised in the learner's thread (check)
+        loops = {"gossip-send": (self._send_loop,)}
+        loops |= {f"gossip-recv-{j}": (self._recv_loop, k, j) for k, j in enumerate(self.in_peers(0))}
+        self.threads = [threading.Thread(target=self._guarded, args=a, name=n, daemon=True) for n, a in loops.items()]
+        for t in self.threads:
+            t.start()
+
+    def _guarded(self, loop, *args) -> None:
+        try:
+            loop(*args)
+        except BaseException:
+            self.errors.append(traceback.format_exc())
+
+    def check(self) -> None:
+        """No Stop here: ranks stop together, at sync points; a gossip thread's exception is raised here."""
+        if self.errors:
+            raise RuntimeError(f"gossip thread died:\n{self.errors[0]}")
+
+    def wait_ready(self, peers: list[int]) -> None:
+        """Blocked for in-peers past tau: Stop once this rank is asked to stop (iterate goes on without mixing, and
+        the ranks agree on the stop at the next sync point); RankLost once an in-peer sent nothing for `timeout` s."""
+        start = time.monotonic()
+        with self.cond:
+            while not self.ready(peers) and not self.any_silent(peers):
+                self.check()
+                if self.stop.is_set():
+                    raise Stop
+                if time.monotonic() - start >= self.timeout:
+                    late = ", ".join(
+                        f"rank {j}" for j, fresh in zip(self.in_peers(0), self.fresh, strict=True) if not fresh
+                    )
+                    raise RankLost(f"rank {self.learner}: {late} sent no gossip message within {self.timeout:.0f} s "
+                                   "(stopped, hung, or out of step)")  # fmt: skip
+                self.cond.wait(timeout=1.0)
+
+    def _send_loop(self) -> None:
+        out = torch.zeros(self.numel + 2, device=self.device)
+        while out[self.numel].item() != SENT_LAST:
+            with self.cond:
+                while not self.pending:
+                    self.cond.wait()
+                out.copy_(self.snapshot)
+                self.pending = False
+            for dst in ((self.learner + s) % self.n for s in peer_offsets(self.n, self.num_peers)):
+                dist.send(out, dst=dst, group=self.group)
+
+    def _recv_loop(self, k: int, src: int) -> None:
+        buf = torch.zeros(self.numel + 2, device=self.device)
+        while not self.done[k]:
+            dist.recv(buf, src=src, group=self.group)
+            flag, stamp = buf[self.numel :].tolist()
+            with self.cond:
+                self.latest[k].copy_(buf[: self.numel])
+                self.fresh[k], self.stamps[k] = True, int(stamp)
+                self.done[k], self.parked[k] = flag == SENT_LAST, flag == SENT_AT_SYNC
+                self.cond.notify_all()
+
+    def publish(self, x: torch.Tensor, iteration: int, at_sync: bool = False, last: bool = False) -> None:
+        with self.cond:
+            self.snapshot[: self.numel].copy_(x)
+            self.snapshot[self.numel] = SENT_LAST if last else SENT_AT_SYNC if at_sync else 0.0
+            self.snapshot[self.numel + 1] = iteration
+            self.pending = True
+            self.cond.notify_all()
+
+    def ready(self, peers: list[int]) -> bool:
+        return all(self.fresh)
+
+    def any_silent(self, peers: list[int]) -> bool:
+        """An in-peer will send nothing new before this learner moves on, and its newest message is read: it finished,
+        or it waits at the next sync point for this learner (waiting for it here would deadlock the ranks)."""
+        return any((d or p) and not f for d, p, f in zip(self.done, self.parked, self.fresh, strict=True))
+
+    def take(self, peers: list[int]) -> tuple[list[torch.Tensor], list[int]]:
+        with self.cond:
+            self.fresh = [False] * self.num_peers
+            return [m.clone() for m in self.latest], list(self.stamps)
+
+    def average(self, x: torch.Tensor, link: RankLink) -> torch.Tensor:
+        """The learners' average (a collective: every rank calls it at the same sync point)."""
+        total = x.clone()
+        link.all_reduce(total, "the consensus all-reduce")
+        return total.div_(self.n)
+
+    def finish(self, x: torch.Tensor, iteration: int) -> None:
+        """Send the last message and wait until every in-peer's last one arrived (no send or recv left pending)."""
+        self.publish(x, iteration, last=True)
+        for t in self.threads:
+            t.join()
+        self.check()
+
+
+class RankLink:
+    """One torchrun rank's side of the run: every --sync-interval iterations (and at its last) all ranks meet in the
+    same collectives: the stop and checkpoint flags (rank 0's clock decides when a checkpoint is due), the exact global
+    step, and rank 0 gathers the states to save."""
+
+    def __init__(self, run: Run, rank: int, device: torch.device, stop: threading.Event, logger: Logger):
+        self.run, self.rank, self.device, self.stop, self.logger = run, rank, device, stop, logger
+        self.last_checkpoint = time.time()
+        self.write_failure: str | None = None
+
+    def after_iteration(self, learner: Learner, at_sync: bool) -> bool:
+        """At sync points only (ranks stop together): report, with the state if a checkpoint is due; True: stop."""
+        if not at_sync:
+            return False
+        interval = self.run.args.checkpoint_interval
+        due = self.rank == 0 and interval > 0 and time.time() - self.last_checkpoint >= interval
+        flags = torch.tensor([float(self.stop.is_set()), float(due)], device=self.device)
+        self.all_reduce(flags, f"the sync point of iteration {learner.iteration}")
+        self.report(learner.record(), learner.state() if flags[1].item() > 0 else None)
+        return flags[0].item() > 0
+
+    def all_reduce(self, tensor: torch.Tensor, what: str) -> None:
+        """The sum over the ranks' `tensor`, in place, waited for in slices: a signal is handled while a peer is late,
+        and a peer that does not join within --rank-timeout (stopped, hung, out of step) is named (RankLost)."""
+        work = dist.all_reduce(tensor, async_op=True)
+        wait_for_ranks(work, what, self.stop, self.rank, self.run.n, self.run.args.rank_timeout)
+
+    def report(self, record: Record, state: dict | None) -> None:
+        """Every rank calls this at the same sync points (collectives)."""
+        states = [None] * self.run.n if self.rank == 0 else None
+        dist.gather_object(state, states, dst=0)
+        total = torch.tensor([float(record.steps)], device=self.device)
+        self.all_reduce(total, "the global step's all-reduce")  # exact global step: all ranks' agent steps
+        try:
+            self.logger.handle(record._replace(steps=int(total.item())))
+            if self.rank == 0 and states[0] is not None:
+                self.last_checkpoint = time.time()
+                write_checkpoint(self.run, states)
+            if self.rank == 0:
+                self.logger.maybe_print()
+        except (WriteError, OSError) as e:
+            self.write_failure = self.write_failure or error_line(e, self.logger.global_step, 0)[1]
+        if self.write_failure:
+            self.stop.set()  # all ranks stop together at the next sync point
+
+
+def main_distributed(run: Run) -> None:
+    """One torchrun rank = one learner; rank 0 also writes the run's charts and checkpoints."""
+    args, n, checkpoint = run.args, run.n, run.checkpoint
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    use_cuda = args.cuda and torch.cuda.is_available()
+    device = torch.device(f"cuda:{local_rank % torch.cuda.device_count()}" if use_cuda else "cpu")
+    watch_launcher()
+    tracker = start_tracking(args, run.run_dir) if rank == 0 else None  # before the rendezvous, as main's run directory
+    # collectives fail after a bounded wait for a peer (gloo's default: 30 min); RankLink's own wait names it first
+    timeout = datetime.timedelta(seconds=args.rank_timeout + 30)
+    dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=n, timeout=timeout)
+    names = [str(run.run_dir)]
+    dist.broadcast_object_list(names, src=0)  # one run directory, named by rank 0
+    run.run_dir = Path(names[0])
+    signals = StopSignals(threading.Event())
+    writer = make_writer(run.run_dir if rank == 0 else run.run_dir / f"learner{rank}", args)
+    progress = start_progress(run, device) if rank == 0 else None  # rank 0 prints the console
+    logger = Logger(writer, run, progress)
+    link, gossip, failure, states = RankLink(run, rank, device, signals.stop, logger), None, None, None
+    if args.mode == "gossip":
+        group = dist.new_group(backend="nccl" if use_cuda else "gloo", timeout=timeout)  # every rank, in one order
+        ring = (args.num_peers, args.max_staleness, run.num_params(), device, group, signals.stop, args.rank_timeout)
+        gossip = DistributedEndpoint(rank, n, *ring)
+    try:
+        learner = Learner(rank, n, args, device, checkpoint["learners"][rank] if checkpoint else None)
+        final = learner.train(gossip, link)
+        learner.envs.close()
+        states = [None] * n if rank == 0 else None
+        dist.gather_object(final, states, dst=0)
+        if args.mode == "allreduce":  # every learner must hold the same parameters (identical averaged gradients)
+            flat = torch.cat([p.reshape(-1) for p in final["model"].values()]).to(device)
+            reference = flat.clone()
+            dist.broadcast(reference, src=0)
+            divergence = (flat - reference).abs().max()
+            dist.all_reduce(divergence, op=dist.ReduceOp.MAX)
+            if rank == 0:
+                print(f"max |parameter difference| across {n} learners: {divergence.item():.3g}")
+        dist.barrier()  # no rank leaves the group while a peer may still be sending to it
+        dist.destroy_process_group()
+    except Stop:  # a signal while a peer did not answer: the ranks' final states cannot be gathered
+        if rank == 0 and args.checkpoint_interval:
+            print("warning: no final checkpoint (it needs every rank's state); the last one, if any, is kept",
+                  file=sys.stderr)  # fmt: skip
+    except Exception as e:  # the other ranks would wait for this one forever: torchrun stops them when it exits 1
+        failure = error_line(e, logger.global_step, signals.signum, f"learner {rank} (rank {rank})", rank, n)[1]
+    failure = failure or link.write_failure
+    code, message = (1, failure) if failure else error_line(Stop(), logger.global_step, signals.signum)
+    # rank 0: the final checkpoint, --save-model, --eval-episodes; every rank: its writer, its exit status, without
+    # the interpreter's teardown: gloo's transport and worker threads (`gloo_tcp_loop`, `pt_gloo_runloop`) and the
+    # gossip receivers inside `dist.recv` may still be alive, and destroying them while joinable aborts the rank
+    # ("terminate called without an active exception", SIGABRT) or hangs it
+    end_run(run, logger, states or [], (code, message), signals, tracker, progress, rank == 0, teardown=False)
 
 
 if __name__ == "__main__":

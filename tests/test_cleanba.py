@@ -895,18 +895,18 @@ def test_the_gradient_all_reduce_carries_the_ranks_step_counts_and_stop_requests
     model.weight.grad, model.bias.grad = torch.ones(1, 2), torch.ones(1)
     stop, requested = threading.Event(), threading.Event()
     learner.steps = 1
-    learner.average_gradients(stop, requested)
+    cleanba_ppo_impala.average_gradients(learner, stop, requested)
     assert torch.equal(model.weight.grad, torch.full((1, 2), 2.0)) and torch.equal(model.bias.grad, torch.tensor([2.0]))
     learner, model = two_rank_learner(monkeypatch, peer_stops=True)
     model.weight.grad, model.bias.grad = torch.ones(1, 2), torch.ones(1)
     with pytest.raises(cleanba_ppo_impala.Stop):
-        learner.average_gradients(stop, requested)
+        cleanba_ppo_impala.average_gradients(learner, stop, requested)
     assert stop.is_set()
     learner, model = two_rank_learner(monkeypatch, peer_step_offset=1)
     model.weight.grad, model.bias.grad = torch.ones(1, 2), torch.ones(1)
     learner.steps = 4
     with pytest.raises(cleanba_ppo_impala.RankLost, match=r"out of step .*rank 0 at step 4, rank 1 at step 5"):
-        learner.average_gradients(threading.Event(), threading.Event())
+        cleanba_ppo_impala.average_gradients(learner, threading.Event(), threading.Event())
 
 
 def test_waiting_for_a_silent_rank_ends_with_a_stop_or_a_line_naming_it():

@@ -52,6 +52,11 @@ SCRIPT_ONLY = {
     "start_progress": "gala: the start line glosses the gossip fields of the console line",
     "timed": "gala: the parts of a learner process's iteration, summed per iteration for its Record",
     "drain_while": "a3c: main takes the workers' reports until they exit (a queued message holds a process's exit)",
+    "free_port": "gala: the allreduce learners of one machine meet at a gloo rendezvous on a free localhost port",
+    "DistributedEndpoint": "gala: the torchrun transport of gossip (sender and receiver threads, point-to-point)",
+    "RankLink": "gala: a torchrun rank's sync points (stop, checkpoint, global step) and its reports to rank 0",
+    "main_distributed": "gala: one learner per torchrun rank; rank 0 writes the charts and checkpoints",
+    "average_gradients": "cleanba: the ranks' gradient all-reduce, which also carries their step counts and stops",
 }
 
 # Names the algorithm section may not use (as a name, attribute, argument or keyword), and where each belongs instead.
