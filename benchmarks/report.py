@@ -140,7 +140,6 @@ def pong_cpu_files(results: Path) -> list[str]:
 # cleanba_ppo_impala.py's defaults are Cleanba's (IMPALA ResNet, 128 envs x 2 actor threads); these runs ran at
 # CleanRL ppo_atari's size (8 envs, one actor thread; the Nature CNN, which `auto` picked for PPO).
 RAN_WITH = {
-    ("pong_cpu_cleanba2.json", "cleanba_ppo"): ["--network", "nature", "--num-actor-threads", "1"],
     ("pong_cpu_impala2.json", "cleanba_impala_nature"): ["--num-envs", "8", "--num-actor-threads", "1"],
     ("pong_h100.json", "cleanba_ppo"): ["--network", "nature", "--num-actor-threads", "1"],
     ("pong_h100_eps0.01.json", "cleanba_ppo"): ["--network", "nature", "--num-actor-threads", "1"],
