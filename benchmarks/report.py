@@ -220,12 +220,20 @@ def pong_references_table(results: Path) -> str:
     refs = load(results / REFERENCES)
     budgets, rows, curves, names = refs["at_frames"], [], [], [REFERENCES]
     for family in refs["families"]:
-        plot_runs = {r["exp"]: r for r in load(results / family["plot"])["runs"]}
-        names += [family["plot"]] + [side["manifest"] for side in family["runs"] if "manifest" in side]
+        names += [family["plot"]]
         png = f"{family['plot'].removesuffix('.json')}_{family['env']}.png"
         curves.append(f"{family['family']}: {figure(results, family['plot'], family['env'], png)}")
         for side in family["runs"]:
-            run, record = plot_runs[side["exp"]], manifest_record(side, results)
+            # a side whose curve is not in the family's figure (the other runs' event files were gone when it
+            # finished) names its own plot.py JSON and figure
+            plot = side.get("plot", family["plot"])
+            if plot != family["plot"]:
+                names.append(plot)
+                png = f"{plot.removesuffix('.json')}_{family['env']}.png"
+                curves.append(f"{family['family']}, `{side['exp']}`: {figure(results, plot, family['env'], png)}")
+            names += [side["manifest"]] if "manifest" in side else []
+            run = {r["exp"]: r for r in load(results / plot)["runs"]}[side["exp"]]
+            record = manifest_record(side, results)
             manifest_machine = load(results / side["manifest"]).get("machine") if "manifest" in side else None
             machine = ", ".join(m for m in (side["machine"], manifest_machine) if m)
             rows.append(

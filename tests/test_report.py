@@ -118,8 +118,16 @@ def test_pong_references_table_takes_each_family_from_its_plot_json_and_each_com
             {"exp": "cleanba_ppo", "code": "ours.py", "machine": "GPU machine", "manifest": "gpu_manifest.json"},
             {"exp": "cleanrl_ppo_atari", "code": "CleanRL", "machine": "2-core VM", "command": reference_command}]},
         {"family": "IMPALA", "plot": "pong_ref_impala.json", "env": "ALE_Pong-v5", "runs": [
-            {"exp": "impala_batched", "code": "mono.py", "machine": "", "manifest": "cpu_manifest.json"}]},
+            {"exp": "impala_batched", "code": "mono.py", "machine": "", "manifest": "cpu_manifest.json"},
+            {"exp": "impala_small", "code": "mono.py", "machine": "2-core VM", "command": ["small.py"],
+             "plot": "pong_ref_impala_small.json"}]},
     ]})  # fmt: skip
+    # a side drawn in its own figure: its row from its own plot JSON, not the family's (which has no such run)
+    write(tmp_path / "pong_ref_impala_small.json", {"runs": [
+        learning_run("impala_small", agent_steps=[2_500_000], sps_mean=300.0, running_seconds=[8_400.0],
+                     at_frames=at_frames(-19.5, 3.26)),
+    ]})  # fmt: skip
+    (tmp_path / "pong_ref_impala_small_ALE_Pong-v5.png").write_bytes(b"")
 
     text = report.pong_references_table(tmp_path)
     ours_command = ("`python cleanba_ppo.py --env-id ALE/Pong-v5 --seed 1 --total-timesteps 2500000 --exp-name "
@@ -133,15 +141,19 @@ def test_pong_references_table_takes_each_family_from_its_plot_json_and_each_com
         ["IMPALA", "`impala_batched`", "mono.py", "2 CPU cores", "—", "—", "650,000 of 2,500,000", "500", "22",
          "`python impala_batched.py --env-id ALE/Pong-v5 --seed 1 --total-timesteps 2500000 --exp-name impala_batched "
          "--atari-protocol deepmind --checkpoint-interval 600`"],
+        ["IMPALA", "`impala_small`", "mono.py", "2-core VM", "-19.5", "3.3", "2,500,000", "300", "140",
+         "`python small.py`"],
     ]  # fmt: skip
     assert "final return at 4M frames (last 20 episodes) | final return at 10M frames (last 20 episodes)" in text
-    assert "Curves: PPO: [pong_ref_ppo_ALE_Pong-v5.png](results/pong_ref_ppo_ALE_Pong-v5.png); IMPALA: —." in text
+    assert ("Curves: PPO: [pong_ref_ppo_ALE_Pong-v5.png](results/pong_ref_ppo_ALE_Pong-v5.png); IMPALA: —; IMPALA, "
+            "`impala_small`: [pong_ref_impala_small_ALE_Pong-v5.png](results/pong_ref_impala_small_ALE_Pong-v5.png)."
+            in text)  # fmt: skip
     assert text.endswith(
         "JSON: [`pong_references.json`](results/pong_references.json); "
         "[`pong_ref_ppo.json`](results/pong_ref_ppo.json); "
         "[`gpu_manifest.json`](results/gpu_manifest.json) (16 CPU cores); "
         "[`pong_ref_impala.json`](results/pong_ref_impala.json); [`cpu_manifest.json`](results/cpu_manifest.json) "
-        "(2 CPU cores)."
+        "(2 CPU cores); [`pong_ref_impala_small.json`](results/pong_ref_impala_small.json)."
     )
 
 
