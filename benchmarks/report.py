@@ -4,8 +4,8 @@ A table sits between `<!-- report:NAME -->` and `<!-- /report:NAME -->`: report.
 markers and nothing else, so the prose around a table is written by hand and its numbers are not. Each table ends
 with the JSON files its rows come from. Which JSON is current is data here (`CLASSIC_SOURCES`, ...): a row from a
 later file replaces the row of the same run from an earlier one. The Pong table takes every `pong_cpu*.json` there
-is, so a new Pong result is its JSON and manifest plus a re-run of this tool; the table of Pong beside the reference
-implementations takes its families from `pong_references.json`.
+is (less the runs `REPLACED_BY` names), so a new Pong result is its JSON and manifest plus a re-run of this tool;
+the table of Pong beside the reference implementations takes its families from `pong_references.json`.
 
     python benchmarks/report.py            # rewrite the tables in README.md and benchmarks/RESULTS.md
     python benchmarks/report.py --check    # exit 1, naming the tables that differ from what report.py would write
@@ -136,6 +136,19 @@ def pong_cpu_files(results: Path) -> list[str]:
     return sorted(p.name for p in results.glob(PONG_CPU_GLOB) if not p.name.endswith("_manifest.json"))
 
 
+# A Pong run that a later run of the same label replaces, and the JSON of the later run. The older JSON stays as
+# plot.py wrote it, its figure with it; its row leaves the Pong table and the summary once the later JSON holds the
+# label. impala_batched_small: cut at 1.46M agent steps on older code, then run again to the budget on current code.
+REPLACED_BY = {("pong_cpu_impala2.json", "impala_batched_small"): "pong_cpu_impala_small.json"}
+
+
+def pong_cpu_runs(results: Path) -> list[tuple[str, dict]]:
+    """(JSON name, run) for every run of every pong_cpu*.json, less those a later run replaces (REPLACED_BY)."""
+    found = [(name, r) for name in pong_cpu_files(results) for r in load(results / name)["runs"]]
+    labels = {(name, r["exp"]) for name, r in found}
+    return [(name, r) for name, r in found if (REPLACED_BY.get((name, r["exp"])), r["exp"]) not in labels]
+
+
 # Runs whose command left a flag at a default the script has since changed: the values they ran with.
 # cleanba_ppo_impala.py's defaults are Cleanba's (IMPALA ResNet, 128 envs x 2 actor threads); these runs ran at
 # CleanRL ppo_atari's size (8 envs, one actor thread; the Nature CNN, which `auto` picked for PPO).
@@ -155,8 +168,7 @@ def run_flags(results: Path, name: str, label: str) -> str:
 
 
 def pong_cpu_table(results: Path) -> str:
-    names = pong_cpu_files(results)
-    found = [(name, r) for name in names for r in load(results / name)["runs"]]
+    found = pong_cpu_runs(results)
     rows = []
     for name, r in sorted(found, key=lambda item: (script_of(item[1]["exp"]), item[1]["exp"], item[0])):
         steps = statistics.median(r["agent_steps"])
@@ -167,7 +179,7 @@ def pong_cpu_table(results: Path) -> str:
         )
     header = ("run | script | flags | agent steps | final return (last 20 episodes) | agent steps/s | "
               "running time (min) | JSON | curves")  # fmt: skip
-    return table(header, "lllrrrrll", rows) + sources(results, names)
+    return table(header, "lllrrrrll", rows) + sources(results, sorted({name for name, _ in found}))
 
 
 def pong_h100_table(results: Path) -> str:
@@ -609,7 +621,7 @@ def summary_table(results: Path) -> str:
     rel = "benchmarks/RESULTS.md#"
     peers = against_peers(results)
     classic = {r["exp"]: r for r, _ in learning_runs(results, CLASSIC_SOURCES)}
-    pong = [r for n in pong_cpu_files(results) for r in load(results / n)["runs"]]
+    pong = [r for _, r in pong_cpu_runs(results)]
     speed = breakout_throughput(results)
     rows = []
     for script, label, prefix in SUMMARY_ROWS:

@@ -86,6 +86,37 @@ def test_pong_table_takes_every_pong_json_with_hand_computed_values(tmp_path):
     assert rows[0][3:7] == ["900,000", "5.0", "300", "50"]
 
 
+def test_pong_table_drops_a_run_only_once_its_replacing_json_holds_the_label(tmp_path, monkeypatch):
+    monkeypatch.setattr(report, "REPLACED_BY", {("pong_cpu_old.json", "hts_ppo"): "pong_cpu_new.json"})
+    for path in (ROOT / "benchmarks" / "results").glob("*.json"):  # the summary's other sources; no Pong run
+        if not path.name.startswith("pong_cpu"):
+            (tmp_path / path.name).write_text(path.read_text())
+    write(tmp_path / "pong_cpu_old.json", {"runs": [
+        learning_run("hts_ppo", agent_steps=[1_400_000], final_return_mean=-10.6),
+        learning_run("gala_gossip", agent_steps=[2_500_000], final_return_mean=2.5),
+    ]})  # fmt: skip
+    # the replacing JSON is not there yet, then holds another label: the old run keeps its row
+    for runs in ([], [learning_run("hts_a2c", agent_steps=[2_500_000], final_return_mean=17.9)]):
+        if runs:
+            write(tmp_path / "pong_cpu_new.json", {"runs": runs})
+        rows = table_rows(report.pong_cpu_table(tmp_path))
+        assert ["`hts_ppo`", "-10.6"] in [[r[0], r[4]] for r in rows]
+    write(tmp_path / "pong_cpu_new.json", {"runs": [
+        learning_run("hts_ppo", agent_steps=[2_500_000], final_return_mean=12.0),
+    ]})  # fmt: skip
+    rows = table_rows(report.pong_cpu_table(tmp_path))
+    assert [[r[0], r[4], r[7]] for r in rows] == [
+        ["`gala_gossip`", "2.5", "[`pong_cpu_old.json`](results/pong_cpu_old.json)"],
+        ["`hts_ppo`", "12.0", "[`pong_cpu_new.json`](results/pong_cpu_new.json)"],
+    ]
+    # the summary's hts_ppo.py run is the later one, though the replaced one's -10.6 is higher
+    write(tmp_path / "pong_cpu_new.json", {"runs": [
+        learning_run("hts_ppo", agent_steps=[2_500_000], final_return_mean=-15.0),
+    ]})  # fmt: skip
+    summary = {r[0]: r for r in table_rows(report.summary_table(tmp_path))}
+    assert summary["`hts_ppo.py`"][2].startswith("[-15.0 after 2.50M steps]")
+
+
 def at_frames(*means):
     """plot.py --at-frames records of one seed: a mean per budget (None: the run stopped before it)."""
     budgets = (4_000_000, 10_000_000)
