@@ -102,10 +102,11 @@ def sources(results: Path, names: list[str]) -> str:
     return "\n\nJSON: " + "; ".join(parts) + "."
 
 
-def figure(results: Path, name: str, env: str, text: str = "curves") -> str:
-    """plot.py's figure beside a learning JSON, `{stem}_{env}.png`, as a link ('—' when there is none)."""
+def figure(results: Path, name: str, env: str, text: str | None = "curves") -> str:
+    """plot.py's figure beside a learning JSON, `{stem}_{env}.png`, as a link named `text` or, if None, the file name
+    ('—' when there is none)."""
     png = f"{name.removesuffix('.json')}_{env}.png"
-    return f"[{text}](results/{png})" if (results / png).exists() else "—"
+    return f"[{text or png}](results/{png})" if (results / png).exists() else "—"
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -190,7 +191,7 @@ def pong_h100_table(results: Path) -> str:
         for r, _ in learning_runs(results, [name])
     ]
     header = "run | script | flags | agent steps | final return (last 20 episodes) | agent steps/s"
-    curves = f"\n\nCurves: {figure(results, name, 'ALE_Pong-v5', 'pong_h100_ALE_Pong-v5.png')}."
+    curves = f"\n\nCurves: {figure(results, name, 'ALE_Pong-v5', None)}."
     return table(header, "lllrrr", rows) + curves + sources(results, [name])
 
 
@@ -233,16 +234,14 @@ def pong_references_table(results: Path) -> str:
     budgets, rows, curves, names = refs["at_frames"], [], [], [REFERENCES]
     for family in refs["families"]:
         names += [family["plot"]]
-        png = f"{family['plot'].removesuffix('.json')}_{family['env']}.png"
-        curves.append(f"{family['family']}: {figure(results, family['plot'], family['env'], png)}")
+        curves.append(f"{family['family']}: {figure(results, family['plot'], family['env'], None)}")
         for side in family["runs"]:
             # a side whose curve is not in the family's figure (the other runs' event files were gone when it
             # finished) names its own plot.py JSON and figure
             plot = side.get("plot", family["plot"])
             if plot != family["plot"]:
                 names.append(plot)
-                png = f"{plot.removesuffix('.json')}_{family['env']}.png"
-                curves.append(f"{family['family']}, `{side['exp']}`: {figure(results, plot, family['env'], png)}")
+                curves.append(f"{family['family']}, `{side['exp']}`: {figure(results, plot, family['env'], None)}")
             names += [side["manifest"]] if "manifest" in side else []
             run = {r["exp"]: r for r in load(results / plot)["runs"]}[side["exp"]]
             record = manifest_record(side, results)
