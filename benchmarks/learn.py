@@ -167,6 +167,11 @@ PONG_GPU = [
 # RMSpropTFLike puts eps inside the square root and starts its average at 1 (torch's RMSprop here: outside, at 0).
 PONG_A2C_REFERENCE = [pong("hts_a2c_sync_sb3", "hts_a2c.py", [*DEEPMIND, "--sync", "--vf-coef", "0.25"])]
 
+# HTS-PPO's one-step-delayed gradient (Eq. 6) against none: the atari-smoke entry `hts_ppo` with `--sync`, synchronous
+# PPO on the same processes (policy lag 0, the executors wait for each update). The pair shows what the delay costs
+# per frame at CleanRL ppo_atari's settings (RESULTS, Pong beside the references).
+PONG_PPO_SYNC = [pong("hts_ppo_sync", "hts_ppo.py", [*DEEPMIND, "--num-envs", "8", "--torch-threads", "2", "--sync"])]
+
 # The A3C eps diagnosis on Pong (README, Results): hogwild at 1, 2 and 4 workers and the gradient server, RMSprop
 # eps 1e-5 against 1e-4 and 1e-3, CPU workers; a few hundred thousand steps show whether the value loss falls from
 # its constant-value level (about 0.065) or stays there. Each run's checkpoint holds its final model.
@@ -216,6 +221,7 @@ SUITES = {
     "pong-cpu-impala": (lambda: PONG_CPU_IMPALA, None),
     "pong-gpu": (lambda: PONG_GPU, None),
     "pong-a2c-reference": (lambda: PONG_A2C_REFERENCE, None),
+    "pong-ppo-sync": (lambda: PONG_PPO_SYNC, None),
     "a3c-eps": (lambda: A3C_EPS_SWEEP, None),
     "atari-paper": (atari_paper, None),
 }

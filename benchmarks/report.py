@@ -139,8 +139,12 @@ def pong_cpu_files(results: Path) -> list[str]:
 
 # A Pong run that a later run of the same label replaces, and the JSON of the later run. The older JSON stays as
 # plot.py wrote it, its figure with it; its row leaves the Pong table and the summary once the later JSON holds the
-# label. impala_batched_small: cut at 1.46M agent steps on older code, then run again to the budget on current code.
-REPLACED_BY = {("pong_cpu_impala2.json", "impala_batched_small"): "pong_cpu_impala_small.json"}
+# label. impala_batched_small and hts_ppo: cut short (at 1.46M and 1.40M agent steps) on older code, then run again to
+# the budget on current code.
+REPLACED_BY = {
+    ("pong_cpu_impala2.json", "impala_batched_small"): "pong_cpu_impala_small.json",
+    ("pong_cpu_hts_ppo8.json", "hts_ppo"): "pong_cpu_hts_ppo.json",
+}
 
 
 def pong_cpu_runs(results: Path) -> list[tuple[str, dict]]:
