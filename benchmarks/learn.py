@@ -277,19 +277,24 @@ def run_all(
                     stopped.add(proc.pid)
             for item in [r for r in running if r[0].poll() is not None]:
                 running.remove(item)
-                proc, e, seed, cmd, log, t0 = item
-                rec = dict(label=e.label, seed=seed, env_id=e.env_id, command=cmd[1:], log=str(log))
-                rec.update(returncode=proc.returncode, wall_seconds=round(time.time() - t0, 1))
-                rec.update(stopped_at_time_limit=proc.pid in stopped)
-                done.append(rec)
-                print(f"[learn] done  {e.label} seed {seed}: exit {proc.returncode} in {rec['wall_seconds']} s")
-    except KeyboardInterrupt:
+                done.append(rec := run_record(item, stopped))
+                print(f"[learn] done  {rec['label']} seed {rec['seed']}: exit {rec['returncode']} in "
+                      f"{rec['wall_seconds']} s")  # fmt: skip
+    except KeyboardInterrupt:  # a piece of a long run ends here: its record goes in the manifest too (exit 130)
         print("[learn] interrupted: stopping the running scripts", flush=True)
         for proc, *_ in running:
             proc.send_signal(signal.SIGINT)
-        for proc, *_ in running:
-            proc.wait(timeout=30)
+        for item in running:
+            item[0].wait(timeout=30)
+            done.append(run_record(item, stopped))
         raise
+
+
+def run_record(item: tuple, stopped: set[int]) -> dict:
+    """The manifest's record of an ended run: `item` is run_all's (process, entry, seed, command, log, start time)."""
+    proc, e, seed, cmd, log, t0 = item
+    return dict(label=e.label, seed=seed, env_id=e.env_id, command=cmd[1:], log=str(log), returncode=proc.returncode,
+                wall_seconds=round(time.time() - t0, 1), stopped_at_time_limit=proc.pid in stopped)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,6 +5,7 @@ import importlib
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -382,3 +383,31 @@ def test_learn_resume_continues_each_run_from_its_newest_checkpoint(tmp_path, ca
     assert "--resume" not in lines[1]  # seed 2 has none (hts_a2c_x is another label)
     assert learn.main(argv) == 0
     assert "--resume" not in capsys.readouterr().out  # without --resume, fresh runs
+
+
+def test_learn_records_a_run_that_ctrl_c_stopped_in_the_manifest(tmp_path, monkeypatch):
+    """A long run taken in pieces ends each piece with Ctrl+C: that piece's command and exit status belong in
+    manifest.json like a finished run's (report.py reads a run's command from its last piece)."""
+    child = tmp_path / "child.py"  # a stand-in script: exits 130 on SIGINT, as the scripts do
+    child.write_text(
+        "import pathlib, signal, sys, time\n"
+        "signal.signal(signal.SIGINT, lambda signum, frame: sys.exit(130))\n"
+        "pathlib.Path(sys.argv[sys.argv.index('--log-dir') + 1], 'started').touch()\n"
+        "time.sleep(120)\n"
+    )
+    out, real_sleep, pressed = tmp_path / "out", time.sleep, []
+
+    def sleep_until_started(seconds):  # Ctrl+C arrives once, when the child runs (and handles SIGINT)
+        real_sleep(min(seconds, 0.05))
+        if (out / "started").exists() and not pressed:
+            pressed.append(True)
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(learn.time, "sleep", sleep_until_started)
+    done = []
+    with pytest.raises(KeyboardInterrupt):
+        learn.run_all([(learn.Entry("piece", str(child), "CartPole-v1", 1000), 1)], out, 1, done)
+    assert [(r["label"], r["seed"], r["returncode"], r["stopped_at_time_limit"]) for r in done] == [
+        ("piece", 1, 130, False)
+    ]
+    assert done[0]["command"][:3] == [str(child), "--env-id", "CartPole-v1"]
