@@ -48,6 +48,7 @@ from torch import nn
 
 import hts_a2c
 import hts_ppo
+from common.models import make_model
 
 MODULES = {"hts_a2c.py": hts_a2c, "hts_ppo.py": hts_ppo}
 REQUIRED_TAGS = [
@@ -224,6 +225,72 @@ def test_ppo_clipped_value_loss_is_the_max_of_unclipped_and_clipped():
     assert hts_ppo.Args().clip_vloss
     unclipped = hts_ppo.ppo_loss(logits, values, actions, old_log_probs, advantages, returns, eps, 0.5, 0.0)
     assert unclipped["value_loss"].item() == pytest.approx(0.5 * ((returns - values) ** 2).mean().item())
+
+
+def test_ppo_minibatches_match_a_per_sample_loop_over_the_rollout():
+    """hts_ppo's update from a rollout: pi_old, V_old and the bootstrap values of the behavior network, GAE per env,
+    and each minibatch's losses, against a loop over the samples one at a time (the paper's equations written out).
+    The second minibatch comes after the parameters moved, so ratios, value clipping and the advantages' alignment
+    with their samples all count."""
+    T, B, A = 3, 3, 3
+    args = hts_ppo.Args(num_envs=B, sync_interval=T, num_minibatches=3, update_epochs=1, gamma=0.9, gae_lambda=0.8,
+                        clip_coef=0.05, vf_coef=0.5, ent_coef=0.01)  # fmt: skip
+    g = torch.Generator().manual_seed(11)
+    batch = hts_ppo.Rollout(obs=torch.randn(T + 1, B, 4, generator=g), actions=torch.randint(0, A, (T, B), generator=g),
+                            rewards=torch.randn(T, B, generator=g),
+                            dones=torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 0.0], [1.0, 0.0, 0.0]]))  # fmt: skip
+    torch.manual_seed(0)
+    model = make_model(gym.spaces.Box(-1, 1, (4,), np.float32), gym.spaces.Discrete(A), "mlp")
+    behavior = copy.deepcopy(model)
+    torch.manual_seed(5)
+    order = torch.randperm(T * B).tolist()
+    torch.manual_seed(5)  # minibatch_losses draws the same order
+    minibatches = hts_ppo.minibatch_losses(model, batch, args)
+    first = next(minibatches)
+    with torch.no_grad():  # an optimizer step's worth of change before the second minibatch
+        for p in model.parameters():
+            p.add_(0.2 * torch.randn(p.shape, generator=g))
+    second = next(minibatches)
+
+    def one(net, t, b):  # one observation at a time: (log pi(.|s) as a list, V(s))
+        with torch.no_grad():
+            logits, value = net(batch.obs[t, b][None])
+        return torch.log_softmax(logits[0].double(), -1).tolist(), value.item()
+
+    old = {(t, b): one(behavior, t, b) for t in range(T + 1) for b in range(B)}
+    advantage = {}
+    for b in range(B):
+        for t in range(T):  # A_t = sum_l (gamma lam)^l delta_{t+l}, cut at the episode's end
+            total = 0.0
+            for k in range(t, T):
+                not_done = 1.0 - batch.dones[k, b].item()
+                delta = batch.rewards[k, b].item() + 0.9 * not_done * old[k + 1, b][1] - old[k, b][1]
+                total += 0.72 ** (k - t) * delta
+                if not not_done:
+                    break
+            advantage[t, b] = total
+
+    def expected(net, samples):
+        adv = np.array([advantage[s] for s in samples])
+        norm = (adv - adv.mean()) / (adv.std() + 1e-8)
+        pl = vl = ent = 0.0
+        for i, (t, b) in enumerate(samples):
+            log_probs, value = one(net, t, b)
+            a, (old_log_probs, old_value) = batch.actions[t, b].item(), old[t, b]
+            ratio = math.exp(log_probs[a] - old_log_probs[a])
+            pl -= min(ratio * norm[i], min(max(ratio, 0.95), 1.05) * norm[i]) / len(samples)
+            ret = advantage[t, b] + old_value
+            clipped = old_value + min(max(value - old_value, -0.05), 0.05)
+            vl += 0.5 * max((value - ret) ** 2, (clipped - ret) ** 2) / len(samples)
+            ent -= sum(math.exp(lp) * lp for lp in log_probs) / len(samples)
+        return {"policy_loss": pl, "value_loss": vl, "entropy": ent, "total_loss": pl + 0.5 * vl - 0.01 * ent}
+
+    for losses, net, rows in ((first, behavior, order[:3]), (second, model, order[3:6])):
+        want = expected(net, [divmod(i, B) for i in rows])  # flat sample i is (t, b) = (i // B, i % B)
+        for key, value in want.items():
+            assert losses[key].item() == pytest.approx(value, rel=1e-4, abs=1e-6), key
+    assert first["approx_kl"].item() == pytest.approx(0.0, abs=1e-6)  # the behavior policy itself: ratio 1
+    assert second["clipfrac"].item() > 0
 
 
 def test_sample_actions_is_the_inverse_cdf():
