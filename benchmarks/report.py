@@ -239,13 +239,14 @@ def pong_references_table(results: Path) -> str:
     for family in refs["families"]:
         names += [family["plot"]]
         curves.append(f"{family['family']}: {figure(results, family['plot'], family['env'], None)}")
+        own: dict[str, list[str]] = {}  # a figure of their own -> the sides drawn in it, linked once
         for side in family["runs"]:
             # a side whose curve is not in the family's figure (the other runs' event files were gone when it
-            # finished) names its own plot.py JSON and figure
+            # finished) names its own plot.py JSON and figure, which later sides may share
             plot = side.get("plot", family["plot"])
             if plot != family["plot"]:
-                names.append(plot)
-                curves.append(f"{family['family']}, `{side['exp']}`: {figure(results, plot, family['env'], None)}")
+                names += [] if plot in own else [plot]
+                own.setdefault(plot, []).append(f"`{side['exp']}`")
             names += [side["manifest"]] if "manifest" in side else []
             run = {r["exp"]: r for r in load(results / plot)["runs"]}[side["exp"]]
             record = manifest_record(side, results)
@@ -258,6 +259,9 @@ def pong_references_table(results: Path) -> str:
                 f"{num(statistics.median(run['running_seconds']) / 60)} | "
                 f"`python {' '.join(without_paths(record['command']))}`"
             )
+        for plot, exps in own.items():
+            drawn = " and ".join([", ".join(exps[:-1]), exps[-1]] if len(exps) > 1 else exps)
+            curves.append(f"{family['family']}, {drawn}: {figure(results, plot, family['env'], None)}")
     header = ("family | run | code | machine | "
               + " | ".join(f"final return at {b / 1e6:g}M frames (last 20 episodes)" for b in budgets)
               + " | agent steps reached | agent steps/s | wall time (min) | command")  # fmt: skip

@@ -151,12 +151,17 @@ def test_pong_references_table_takes_each_family_from_its_plot_json_and_each_com
         {"family": "IMPALA", "plot": "pong_ref_impala.json", "env": "ALE_Pong-v5", "runs": [
             {"exp": "impala_batched", "code": "mono.py", "machine": "", "manifest": "cpu_manifest.json"},
             {"exp": "impala_small", "code": "mono.py", "machine": "2-core VM", "command": ["small.py"],
+             "plot": "pong_ref_impala_small.json"},
+            {"exp": "impala_small_sync", "code": "mono.py", "machine": "2-core VM", "command": ["small.py", "--sync"],
              "plot": "pong_ref_impala_small.json"}]},
     ]})  # fmt: skip
-    # a side drawn in its own figure: its row from its own plot JSON, not the family's (which has no such run)
+    # sides drawn in a figure of their own: their rows from its plot JSON, not the family's (which has no such run),
+    # and one link to it
     write(tmp_path / "pong_ref_impala_small.json", {"runs": [
         learning_run("impala_small", agent_steps=[2_500_000], sps_mean=300.0, running_seconds=[8_400.0],
                      at_frames=at_frames(-19.5, 3.26)),
+        learning_run("impala_small_sync", agent_steps=[1_000_000], sps_mean=150.0, running_seconds=[6_600.0],
+                     at_frames=at_frames(1.24, None)),
     ]})  # fmt: skip
     (tmp_path / "pong_ref_impala_small_ALE_Pong-v5.png").write_bytes(b"")
 
@@ -174,11 +179,13 @@ def test_pong_references_table_takes_each_family_from_its_plot_json_and_each_com
          "--atari-protocol deepmind --checkpoint-interval 600`"],
         ["IMPALA", "`impala_small`", "mono.py", "2-core VM", "-19.5", "3.3", "2,500,000", "300", "140",
          "`python small.py`"],
+        ["IMPALA", "`impala_small_sync`", "mono.py", "2-core VM", "1.2", "—", "1,000,000", "150", "110",
+         "`python small.py --sync`"],
     ]  # fmt: skip
     assert "final return at 4M frames (last 20 episodes) | final return at 10M frames (last 20 episodes)" in text
+    small = "[pong_ref_impala_small_ALE_Pong-v5.png](results/pong_ref_impala_small_ALE_Pong-v5.png)"
     assert ("Curves: PPO: [pong_ref_ppo_ALE_Pong-v5.png](results/pong_ref_ppo_ALE_Pong-v5.png); IMPALA: —; IMPALA, "
-            "`impala_small`: [pong_ref_impala_small_ALE_Pong-v5.png](results/pong_ref_impala_small_ALE_Pong-v5.png)."
-            in text)  # fmt: skip
+            f"`impala_small` and `impala_small_sync`: {small}." in text)  # fmt: skip
     assert text.endswith(
         "JSON: [`pong_references.json`](results/pong_references.json); "
         "[`pong_ref_ppo.json`](results/pong_ref_ppo.json); "
