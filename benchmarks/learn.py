@@ -149,6 +149,12 @@ PONG_CPU_IMPALA = [
     pong("impala_batched_small", "impala_monobeast.py", [*DEEPMIND, *IMPALA_CARTPOLE]),
 ]
 
+# The Pong gate (every seed system: a last-20-games mean of +18 within 5M agent steps, 20M frames): each script at its
+# atari-smoke settings with the budget doubled, so a learning-rate schedule, where a script has one, anneals over the
+# gate's budget. A run may be stopped at its first crossing of +18.
+GATE_STEPS = 5_000_000
+PONG_GATE = [Entry(e.label, e.script, e.env_id, GATE_STEPS, e.args) for e in ATARI_SMOKE if e.label == "gala_gossip"]
+
 # Pong on a GPU machine (16 cores, `benchmarks/gpu_pong.sh`): PPO at the 32 envs of the GPU throughput table, whose
 # ~7,000 agent steps/s reach the 2.5M-step budget inside one device call. Besides the envs it keeps the cleanba_ppo
 # entry's settings, so a rollout holds 4x the samples (32 x 128) for the same 4 epochs x 4 minibatches.
@@ -222,6 +228,7 @@ SUITES = {
     "pong-gpu": (lambda: PONG_GPU, None),
     "pong-a2c-reference": (lambda: PONG_A2C_REFERENCE, None),
     "pong-ppo-sync": (lambda: PONG_PPO_SYNC, None),
+    "pong-gate": (lambda: PONG_GATE, 18.0),
     "a3c-eps": (lambda: A3C_EPS_SWEEP, None),
     "atari-paper": (atari_paper, None),
 }
