@@ -159,7 +159,9 @@ class Args:
 
 
 def n_step_returns(rewards: torch.Tensor, dones: torch.Tensor, bootstrap: torch.Tensor, gamma: float) -> torch.Tensor:
-    """R_t = r_t + gamma r_{t+1} + ... + gamma^{N-t} V(s_N), cut at episode ends (Mnih et al. 2016, Algorithm S3).
+    """n-step returns R_t = r_t + gamma (1 - d_t) R_{t+1}, R_T = V(s_T): each step's discounted rewards up to the end
+    of the rollout plus the discounted value of the observation after it, cut at episode ends (Mnih et al. 2016,
+    Algorithm S3).
 
     rewards, dones: [T, B], dones[t] says the episode ended with transition t (nothing is bootstrapped past it);
     bootstrap: [B], V of the observation after the last step. Returns [T, B].
@@ -174,24 +176,25 @@ def n_step_returns(rewards: torch.Tensor, dones: torch.Tensor, bootstrap: torch.
 
 
 def sample_actions(logits: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """Gumbel-max sampling from a seeded generator: [B, A] logits -> [B] actions."""
+    """Gumbel-max sampling from a seeded generator (thread-safe, reproducible): [B, A] logits -> [B] actions."""
     u = torch.rand(logits.shape, generator=generator, device=logits.device).clamp_(min=1e-20)
     return torch.argmax(logits - torch.log(-torch.log(u)), dim=1)
 
 
-def a2c_loss(
-    logits: torch.Tensor, values: torch.Tensor, actions: torch.Tensor, returns: torch.Tensor, ent_coef, vf_coef
-) -> dict[str, torch.Tensor]:
-    """The A2C/A3C loss on a [M] batch: -log pi(a|s) (R - V) - ent_coef H(pi) + vf_coef (R - V)^2, means over M
-    (Mnih et al. 2016, Algorithm S3; the value loss is the mean squared error, as in baselines' A2C behind Table 2)."""
-    logp_all = torch.log_softmax(logits, dim=-1)  # [M, A]
-    logp = logp_all.gather(-1, actions[:, None]).squeeze(-1)  # [M]
-    entropy = -(logp_all.exp() * logp_all).sum(-1).mean()
-    advantages = (returns - values).detach()
-    policy_loss = -(logp * advantages).mean()
-    value_loss = ((returns - values) ** 2).mean()
-    total = policy_loss - ent_coef * entropy + vf_coef * value_loss
-    return dict(total_loss=total, policy_loss=policy_loss, value_loss=value_loss, entropy=entropy)
+def a2c_loss(logits: torch.Tensor, values: torch.Tensor, actions: torch.Tensor, returns: torch.Tensor, vf_coef: float,
+             ent_coef: float) -> dict[str, torch.Tensor]:  # fmt: skip
+    """The A2C/A3C loss on a batch of M samples (Mnih et al. 2016, Algorithm S3, batched as A2C): logits [M, A],
+    values/actions/returns [M] -> scalars. The policy gradient's -log pi(a|s) (R - V) with the advantage held fixed,
+    the value loss (R - V)^2 (the mean squared error, as baselines' and Kostrikov's A2C) and the entropy of pi, each a
+    mean over M; total = policy + vf_coef value - ent_coef entropy."""
+    log_probs = torch.log_softmax(logits, dim=-1)  # [M, A]
+    action_log_probs = log_probs.gather(1, actions.long().unsqueeze(1)).squeeze(1)  # [M]
+    advantages = returns - values  # [M]
+    value_loss = advantages.pow(2).mean()
+    policy_loss = -(advantages.detach() * action_log_probs).mean()
+    entropy = -(log_probs.exp() * log_probs).sum(-1).mean()
+    total_loss = policy_loss + vf_coef * value_loss - ent_coef * entropy
+    return {"policy_loss": policy_loss, "value_loss": value_loss, "entropy": entropy, "total_loss": total_loss}
 
 
 class SharedRMSprop:
@@ -416,8 +419,8 @@ def worker_loop(worker: int, args: Args, shared: Shared, device: torch.device) -
             values = values.reshape(T + 1, n)
             returns = n_step_returns(rewards.to(device), dones.to(device), values[T].detach(), args.gamma)
             losses = a2c_loss(
-                logits[: T * n], values[:T].reshape(-1), actions.reshape(-1), returns.reshape(-1), args.ent_coef,
-                args.vf_coef,
+                logits[: T * n], values[:T].reshape(-1), actions.reshape(-1), returns.reshape(-1), args.vf_coef,
+                args.ent_coef,
             )  # fmt: skip
             model.zero_grad(set_to_none=False)
             losses["total_loss"].backward()

@@ -183,7 +183,7 @@ class Args:
 # ---- Algorithm ----
 
 
-def td_errors(online: nn.Module, target: nn.Module, data: Transitions) -> tuple[torch.Tensor, torch.Tensor]:
+def critic_td_errors(online: nn.Module, target: nn.Module, data: Transitions) -> tuple[torch.Tensor, torch.Tensor]:
     """n-step TD errors [B] of the critic, y = R + gamma^n Q'(s', mu'(s')) (Ape-X DPG), and Q(s, a) [B],
     differentiable through `online`'s critic. The learner passes its target networks; an actor computing initial
     priorities passes its one local copy twice."""
@@ -196,7 +196,7 @@ def td_errors(online: nn.Module, target: nn.Module, data: Transitions) -> tuple[
 def critic_loss(online: nn.Module, target: nn.Module, data: Transitions, weights: torch.Tensor):
     """The critic's loss (Ape-X DPG): the importance-sampling-weighted squared n-step TD error; also the TD errors [B]
     (the new priorities) and Q(s, a) [B]."""
-    td, q = td_errors(online, target, data)
+    td, q = critic_td_errors(online, target, data)
     return 0.5 * (weights * td.pow(2)).mean(), td, q
 
 
@@ -715,7 +715,7 @@ def append_prioritised(args: Args, model: nn.Module, buffer: PrioritizedBuffer, 
         policy_version=torch.full((len(pending),), version, dtype=torch.int64),
     )
     with torch.no_grad():
-        td, _ = td_errors(model, model, data)
+        td, _ = critic_td_errors(model, model, data)
     priorities = priorities_of(td, args.priority_alpha, args.priority_eps)
     if not np.isfinite(priorities).all():  # a NaN would poison the sum-tree, and with it every later sample
         raise NonFiniteLoss("non-finite n-step TD error (reward or network output) for an initial priority")

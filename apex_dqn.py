@@ -203,7 +203,7 @@ def huber(x: torch.Tensor, delta: float = 1.0) -> torch.Tensor:
     return torch.where(a <= delta, 0.5 * x * x, delta * (a - 0.5 * delta))
 
 
-def td_errors(online: nn.Module, target: nn.Module, data: Transitions) -> tuple[torch.Tensor, torch.Tensor]:
+def double_q_td_errors(online: nn.Module, target: nn.Module, data: Transitions) -> tuple[torch.Tensor, torch.Tensor]:
     """n-step TD errors [B] and Q(s, a) [B], differentiable through `online`'s Q(s, a). The learner passes its target
     network; an actor computing initial priorities passes its one local copy twice (double Q reduces to max)."""
     q = online(data.obs).gather(1, data.actions[:, None]).squeeze(1)  # [B]
@@ -217,7 +217,7 @@ def td_errors(online: nn.Module, target: nn.Module, data: Transitions) -> tuple[
 def dqn_loss(online: nn.Module, target: nn.Module, data: Transitions, weights: torch.Tensor):
     """Ape-X DQN's loss (Algorithm 2, line 7): the importance-sampling-weighted Huber loss of the n-step double-Q TD
     errors; also the TD errors [B] (the new priorities) and Q(s, a) [B]."""
-    td, q = td_errors(online, target, data)
+    td, q = double_q_td_errors(online, target, data)
     return (weights * huber(td)).mean(), td, q
 
 
@@ -714,7 +714,7 @@ def append_prioritised(args: Args, model: nn.Module, buffer: PrioritizedBuffer, 
         policy_version=torch.full((len(pending),), version, dtype=torch.int64),
     )
     with torch.no_grad():
-        td, _ = td_errors(model, model, data)
+        td, _ = double_q_td_errors(model, model, data)
     priorities = priorities_of(td, args.priority_alpha, args.priority_eps)
     if not np.isfinite(priorities).all():  # a NaN would poison the sum-tree, and with it every later sample
         raise NonFiniteLoss("non-finite n-step TD error (reward or network output) for an initial priority")

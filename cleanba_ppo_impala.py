@@ -174,9 +174,11 @@ class Args:
 # ---- Algorithm ----
 
 
-def gae(rewards, values, dones, next_value, gamma: float, lam: float) -> torch.Tensor:
-    """Generalized advantage estimation (Schulman et al. 2016, Eq. 11-16), all [T, B]: dones[t] says the episode ended
-    with transition t (no bootstrap past it); next_value [B] is the value of the observation after the last step."""
+def gae(rewards: torch.Tensor, values: torch.Tensor, dones: torch.Tensor, next_value: torch.Tensor, gamma: float,
+        lam: float) -> torch.Tensor:  # fmt: skip
+    """Generalized advantage estimation (Schulman et al. 2016, Eq. 11-16): rewards, values, dones [T, B], dones[t] says
+    the episode ended with transition t (no bootstrap past it); next_value [B], V of the observation after the last
+    step. delta_t = r_t + gamma (1 - d_t) V_{t+1} - V_t, A_t = delta_t + gamma lam (1 - d_t) A_{t+1} -> A [T, B]."""
     T = rewards.shape[0]
     advantages = torch.zeros_like(rewards)
     not_done = 1.0 - dones.to(rewards.dtype)
@@ -190,14 +192,15 @@ def gae(rewards, values, dones, next_value, gamma: float, lam: float) -> torch.T
 
 
 def vtrace(
-    behaviour_logprob, target_logprob, rewards, values, dones, next_value, gamma, rho_bar, c_bar, pg_rho_bar
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """V-trace targets v_s and policy-gradient advantages (Espeholt et al. 2018, Eq. 1, Section 4.2), [T, B] without
-    gradient, as all inputs but next_value [B]. The discount gamma * (1 - dones[t]) stops traces at episode ends."""
+    behaviour_logprob: torch.Tensor, target_logprob: torch.Tensor, rewards: torch.Tensor, values: torch.Tensor,
+    dones: torch.Tensor, next_value: torch.Tensor, gamma: float, rho_bar: float, c_bar: float, pg_rho_bar: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """V-trace targets v_s and policy-gradient advantages (Espeholt et al. 2018, Eq. 1 and Section 4.2). Time-major
+    inputs [T, B, ...] except next_value [B, ...]; the discount gamma * (1 - dones[t]) cuts every trace at an episode
+    end. Returns (vs, pg_advantages), both [T, B, ...] and without gradient."""
     with torch.no_grad():
         ratio = torch.exp(target_logprob - behaviour_logprob)
-        rho = ratio.clamp(max=rho_bar)
-        c = ratio.clamp(max=c_bar)
+        rho, c = ratio.clamp(max=rho_bar), ratio.clamp(max=c_bar)
         discounts = gamma * (1.0 - dones.to(rewards.dtype))
         values_next = torch.cat([values[1:], next_value[None]], dim=0)  # V(x_{t+1})
         deltas = rho * (rewards + discounts * values_next - values)
@@ -237,12 +240,11 @@ def ppo_loss(
     )
 
 
-def impala_loss(
-    target_logprob, entropy, values, vs, pg_advantages, ent_coef: float, vf_coef: float
-) -> dict[str, torch.Tensor]:
-    """IMPALA's loss (Espeholt et al. 2018, Section 4.2) summed over the [T, B] unroll batch, as Cleanba's
-    cleanba_impala.py (rlax per-step means x T, summed over B) and the paper's own code sum it: RMSprop's eps and the
-    clip norm are set for gradients of that size. `entropy` is returned as the mean per step, for the logs."""
+def impala_loss(target_logprob: torch.Tensor, entropy: torch.Tensor, values: torch.Tensor, vs: torch.Tensor,
+                pg_advantages: torch.Tensor, vf_coef: float, ent_coef: float) -> dict[str, torch.Tensor]:  # fmt: skip
+    """IMPALA's loss (Espeholt et al. 2018, Section 4.2) summed over the [T, B] batch, as the paper's code, TorchBeast
+    and Cleanba's cleanba_impala.py (rlax's per-step means x T, summed over B) sum it: the learning rate, RMSprop's eps
+    and the clip norm are set for gradients of that size. `entropy` is returned as the mean per step, for the logs."""
     policy_loss = -(target_logprob * pg_advantages).sum()
     value_loss = 0.5 * ((vs - values) ** 2).sum()
     entropy_sum = entropy.sum()
@@ -314,7 +316,7 @@ def impala_update(model: nn.Module, data: Rollout, args: Args, generator) -> Ite
         target_logprob, entropy = logprob_entropy(logits[: T * B].reshape(T, B, -1), data.actions[:, cols])
         mu, rewards, dones = data.logprobs[:, cols], data.rewards[:, cols], data.dones[:, cols]
         vs, pg_adv = vtrace(mu, target_logprob.detach(), rewards, values.detach(), dones, next_value.detach(), *bars)
-        yield impala_loss(target_logprob, entropy, values, vs, pg_adv, args.ent_coef, args.vf_coef)
+        yield impala_loss(target_logprob, entropy, values, vs, pg_adv, args.vf_coef, args.ent_coef)
 
 
 # ---- Storage and messages ----
@@ -393,12 +395,10 @@ def stack_rollouts(rollouts: list[Rollout], device: torch.device) -> Rollout:
 # ---- Actor threads ----
 
 
-def sample_actions(logits: torch.Tensor, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gumbel-max sampling from a seeded generator (thread-safe, reproducible). [B, A] -> actions [B], logprob [B]."""
+def sample_actions(logits: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Gumbel-max sampling from a seeded generator (thread-safe, reproducible): [B, A] logits -> [B] actions."""
     u = torch.rand(logits.shape, generator=generator, device=logits.device).clamp_(min=1e-20)
-    actions = torch.argmax(logits - torch.log(-torch.log(u)), dim=1)
-    logprob = torch.log_softmax(logits, dim=1).gather(1, actions[:, None]).squeeze(1)
-    return actions, logprob
+    return torch.argmax(logits - torch.log(-torch.log(u)), dim=1)
 
 
 def actor_thread(actor: Actor, device: torch.device, iterations: int, sync: bool, stop: threading.Event) -> None:
@@ -422,7 +422,8 @@ def actor_thread(actor: Actor, device: torch.device, iterations: int, sync: bool
                 buf.obs[t].copy_(obs)
                 with torch.inference_mode():
                     logits, value = actor.model(obs.to(device, non_blocking=True))
-                    actions, logprob = sample_actions(logits, actor.generator)
+                    actions = sample_actions(logits, actor.generator)
+                    logprob = torch.log_softmax(logits, dim=1).gather(1, actions[:, None]).squeeze(1)  # mu(a|s)
                 actions = actions.cpu()
                 buf.actions[t].copy_(actions)
                 buf.logprobs[t].copy_(logprob)
@@ -1356,7 +1357,7 @@ def evaluate(model: nn.Module, args: Args, video_dir: Path, device: torch.device
     while played < args.eval_episodes:
         with torch.inference_mode():
             logits, _ = model(torch.as_tensor(obs[None], device=device))
-        action = logits.argmax(dim=1) if args.eval_greedy else sample_actions(logits, generator)[0]
+        action = logits.argmax(dim=1) if args.eval_greedy else sample_actions(logits, generator)
         obs, _, terminated, truncated, info = env.step(int(action[0]))
         if terminated or truncated:
             played += 1

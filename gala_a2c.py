@@ -181,9 +181,12 @@ class Args:
 
 
 def n_step_returns(rewards: torch.Tensor, dones: torch.Tensor, bootstrap: torch.Tensor, gamma: float) -> torch.Tensor:
-    """G_t = sum_{i<N-t} gamma^i r_{t+i} + gamma^{N-t} V(s_N), cut at episode ends (Algorithm 1, line 3).
+    """n-step returns R_t = r_t + gamma (1 - d_t) R_{t+1}, R_T = V(s_T): each step's discounted rewards up to the end
+    of the rollout plus the discounted value of the observation after it, cut at episode ends (Mnih et al. 2016,
+    Algorithm S3).
 
-    rewards, dones: [T, B], dones[t] says the episode ended with transition t; bootstrap: [B]. Returns [T, B].
+    rewards, dones: [T, B], dones[t] says the episode ended with transition t (nothing is bootstrapped past it);
+    bootstrap: [B], V of the observation after the last step. Returns [T, B].
     """
     returns = torch.zeros_like(rewards)
     running = bootstrap
@@ -195,31 +198,25 @@ def n_step_returns(rewards: torch.Tensor, dones: torch.Tensor, bootstrap: torch.
 
 
 def sample_actions(logits: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """Gumbel-max sampling from a seeded generator: [B, A] logits -> [B] actions."""
+    """Gumbel-max sampling from a seeded generator (thread-safe, reproducible): [B, A] logits -> [B] actions."""
     u = torch.rand(logits.shape, generator=generator, device=logits.device).clamp_(min=1e-20)
     return torch.argmax(logits - torch.log(-torch.log(u)), dim=1)
 
 
-class Losses(NamedTuple):
-    """The losses/ tags of one update (tensors), with the gradient norm once the backward pass has run."""
-
-    total_loss: torch.Tensor
-    policy_loss: torch.Tensor
-    value_loss: torch.Tensor
-    entropy: torch.Tensor
-    grad_norm: torch.Tensor | None = None
-
-
-def a2c_loss(logits, values, actions, returns, ent_coef: float, vf_coef: float) -> Losses:
-    """A2C on an [M] batch: the batched policy gradient (Eq. 4) and TD value loss (Eq. 1) minus the entropy bonus."""
-    logp_all = torch.log_softmax(logits, dim=-1)  # [M, A]
-    logp = logp_all.gather(-1, actions[:, None]).squeeze(-1)  # [M]
-    entropy = -(logp_all.exp() * logp_all).sum(-1).mean()
-    advantages = (returns - values).detach()
-    policy_loss = -(logp * advantages).mean()
-    value_loss = ((returns - values) ** 2).mean()
-    total = policy_loss - ent_coef * entropy + vf_coef * value_loss
-    return Losses(total_loss=total, policy_loss=policy_loss, value_loss=value_loss, entropy=entropy)
+def a2c_loss(logits: torch.Tensor, values: torch.Tensor, actions: torch.Tensor, returns: torch.Tensor, vf_coef: float,
+             ent_coef: float) -> dict[str, torch.Tensor]:  # fmt: skip
+    """The A2C/A3C loss on a batch of M samples (Mnih et al. 2016, Algorithm S3, batched as A2C): logits [M, A],
+    values/actions/returns [M] -> scalars. The policy gradient's -log pi(a|s) (R - V) with the advantage held fixed,
+    the value loss (R - V)^2 (the mean squared error, as baselines' and Kostrikov's A2C) and the entropy of pi, each a
+    mean over M; total = policy + vf_coef value - ent_coef entropy."""
+    log_probs = torch.log_softmax(logits, dim=-1)  # [M, A]
+    action_log_probs = log_probs.gather(1, actions.long().unsqueeze(1)).squeeze(1)  # [M]
+    advantages = returns - values  # [M]
+    value_loss = advantages.pow(2).mean()
+    policy_loss = -(advantages.detach() * action_log_probs).mean()
+    entropy = -(log_probs.exp() * log_probs).sum(-1).mean()
+    total_loss = policy_loss + vf_coef * value_loss - ent_coef * entropy
+    return {"policy_loss": policy_loss, "value_loss": value_loss, "entropy": entropy, "total_loss": total_loss}
 
 
 def make_optimizer(params: list[torch.Tensor], lr: float, args: Args) -> torch.optim.Optimizer:
@@ -520,7 +517,7 @@ class Learner:
             self.dones[t].copy_(torch.from_numpy(terminated | truncated))
             self.stats.episodes += finished_episodes(info)
 
-    def backward(self) -> Losses:
+    def backward(self) -> dict[str, torch.Tensor]:
         """Lines 3-4 up to the gradient: n-step returns and the A2C loss from one batched forward pass over the T x E
         observations and the E bootstrap ones."""
         E, T = self.args.num_envs, self.args.num_steps
@@ -528,13 +525,13 @@ class Learner:
         values = values.reshape(T + 1, E)
         returns = n_step_returns(self.rewards, self.dones, values[T].detach(), self.args.gamma)
         loss = a2c_loss(
-            logits[: T * E], values[:T].reshape(-1), self.actions.reshape(-1), returns.reshape(-1), self.args.ent_coef,
-            self.args.vf_coef,
+            logits[: T * E], values[:T].reshape(-1), self.actions.reshape(-1), returns.reshape(-1), self.args.vf_coef,
+            self.args.ent_coef,
         )  # fmt: skip
-        if not torch.isfinite(loss.total_loss):
-            raise NonFiniteLoss(f"non-finite loss {loss.total_loss.item()} at iteration {self.iteration + 1}")
+        if not torch.isfinite(loss["total_loss"]):
+            raise NonFiniteLoss(f"non-finite loss {loss['total_loss'].item()} at iteration {self.iteration + 1}")
         self.optimizer.zero_grad(set_to_none=False)
-        loss.total_loss.backward()
+        loss["total_loss"].backward()
         return loss
 
     def average_gradients(self, link: LocalLink | RankLink) -> None:
@@ -568,7 +565,7 @@ class Learner:
             if self.args.mode == "allreduce":
                 self.average_gradients(link)
         with timed(timing, "train"):
-            loss = loss._replace(grad_norm=self.optimizer_step())
+            loss["grad_norm"] = self.optimizer_step()
         mix = Mix(False, 0.0, lags=(0,))  # allreduce: every update is of the policy that acted
         with timed(timing, "gossip"):  # publishing and mixing, less the wait for in-peers (gossip_wait)
             if gossip is not None:
@@ -579,8 +576,8 @@ class Learner:
                 if mix.mixed:
                     unflatten_into(self.params, self.x)
         self.iteration += 1
-        losses = torch.stack([v.detach() for v in loss]).tolist()  # as floats, with one device sync
-        values = {f"losses/{k}": v for k, v in zip(Losses._fields, losses, strict=True)}
+        losses = torch.stack([v.detach() for v in loss.values()]).tolist()  # as floats, with one device sync
+        values = {f"losses/{k}": v for k, v in zip(loss, losses, strict=True)}
         timing |= dict(iteration=sum(timing.values()), gossip=timing["gossip"] - mix.waited, gossip_wait=mix.waited)
         values |= {f"timing/{k}": v for k, v in timing.items()}
         if gossip is not None:  # staleness: iterations since the last mix

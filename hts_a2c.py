@@ -155,24 +155,31 @@ class Args:
 
 
 def n_step_returns(rewards: torch.Tensor, dones: torch.Tensor, bootstrap: torch.Tensor, gamma: float) -> torch.Tensor:
-    """Bootstrapped discounted returns R_t = r_t + gamma (1 - d_t) R_{t+1}, R_T = V(s_T) (A2C, Mnih et al. 2016).
+    """n-step returns R_t = r_t + gamma (1 - d_t) R_{t+1}, R_T = V(s_T): each step's discounted rewards up to the end
+    of the rollout plus the discounted value of the observation after it, cut at episode ends (Mnih et al. 2016,
+    Algorithm S3).
 
-    rewards, dones: [T, B] (dones[t]: the episode ended with transition t); bootstrap: [B] -> returns [T, B].
+    rewards, dones: [T, B], dones[t] says the episode ended with transition t (nothing is bootstrapped past it);
+    bootstrap: [B], V of the observation after the last step. Returns [T, B].
     """
-    returns = torch.empty_like(rewards)
+    returns = torch.zeros_like(rewards)
     running = bootstrap
+    not_done = 1.0 - dones.to(rewards.dtype)
     for t in reversed(range(rewards.shape[0])):
-        running = rewards[t] + gamma * (1.0 - dones[t]) * running
+        running = rewards[t] + gamma * not_done[t] * running
         returns[t] = running
     return returns
 
 
 def a2c_loss(logits: torch.Tensor, values: torch.Tensor, actions: torch.Tensor, returns: torch.Tensor, vf_coef: float,
              ent_coef: float) -> dict[str, torch.Tensor]:  # fmt: skip
-    """A2C loss of Kostrikov's implementation: logits [N, A], values/actions/returns [N] -> scalar losses."""
-    log_probs = torch.log_softmax(logits, dim=-1)  # [N, A]
-    action_log_probs = log_probs.gather(1, actions.long().unsqueeze(1)).squeeze(1)  # [N]
-    advantages = returns - values  # [N]
+    """The A2C/A3C loss on a batch of M samples (Mnih et al. 2016, Algorithm S3, batched as A2C): logits [M, A],
+    values/actions/returns [M] -> scalars. The policy gradient's -log pi(a|s) (R - V) with the advantage held fixed,
+    the value loss (R - V)^2 (the mean squared error, as baselines' and Kostrikov's A2C) and the entropy of pi, each a
+    mean over M; total = policy + vf_coef value - ent_coef entropy."""
+    log_probs = torch.log_softmax(logits, dim=-1)  # [M, A]
+    action_log_probs = log_probs.gather(1, actions.long().unsqueeze(1)).squeeze(1)  # [M]
+    advantages = returns - values  # [M]
     value_loss = advantages.pow(2).mean()
     policy_loss = -(advantages.detach() * action_log_probs).mean()
     entropy = -(log_probs.exp() * log_probs).sum(-1).mean()
@@ -180,7 +187,7 @@ def a2c_loss(logits: torch.Tensor, values: torch.Tensor, actions: torch.Tensor, 
     return {"policy_loss": policy_loss, "value_loss": value_loss, "entropy": entropy, "total_loss": total_loss}
 
 
-def sample_actions(logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+def sample_actions_from_uniforms(logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """Inverse-CDF sampling from softmax(logits) [B, A] with executor-supplied uniforms [B] in [0, 1) -> [B].
 
     Sec. 4.1: randomness is deferred to the executors, so the action does not depend on which actor served it.
@@ -362,7 +369,7 @@ def actor(aid: int, args: Args, shared: Shared, requests: SimpleQueue, action_co
         lo, hi = eid * k, (eid + 1) * k
         with torch.no_grad():  # one executor's batch per forward: same shapes whatever the timing (determinism)
             logits, _ = policy(shared.state_obs[lo:hi].to(device))
-            actions = sample_actions(logits.cpu(), shared.state_uniforms[lo:hi])
+            actions = sample_actions_from_uniforms(logits.cpu(), shared.state_uniforms[lo:hi])
         shared.actions[lo:hi] = actions
         shared.action_versions[lo:hi] = version
         action_conns[eid].send_bytes(b"")
@@ -1293,7 +1300,7 @@ def evaluate(model: nn.Module, args: Args, video_dir: Path, device: torch.device
         with torch.no_grad():
             logits, _ = model(torch.as_tensor(np.asarray(obs)).unsqueeze(0).to(device))
         uniforms = torch.rand(1, generator=generator)
-        action = logits.argmax(dim=1) if args.eval_greedy else sample_actions(logits.cpu(), uniforms)
+        action = logits.argmax(dim=1) if args.eval_greedy else sample_actions_from_uniforms(logits.cpu(), uniforms)
         obs, _, terminated, truncated, info = env.step(int(action.item()))
         if terminated or truncated:
             played += 1

@@ -167,30 +167,31 @@ class Args:
 # ---- Algorithm -------------------------------------------------------------------------------------------------------
 
 
-def gae(rewards: torch.Tensor, dones: torch.Tensor, values: torch.Tensor, gamma: float,
-        lam: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """Generalized advantage estimation (Schulman et al. 2016, Eq. 11-16).
+def gae(rewards: torch.Tensor, values: torch.Tensor, dones: torch.Tensor, next_value: torch.Tensor, gamma: float,
+        lam: float) -> torch.Tensor:  # fmt: skip
+    """Generalized advantage estimation (Schulman et al. 2016, Eq. 11-16): rewards, values, dones [T, B], dones[t] says
+    the episode ended with transition t (no bootstrap past it); next_value [B], V of the observation after the last
+    step. delta_t = r_t + gamma (1 - d_t) V_{t+1} - V_t, A_t = delta_t + gamma lam (1 - d_t) A_{t+1} -> A [T, B]."""
+    T = rewards.shape[0]
+    advantages = torch.zeros_like(rewards)
+    not_done = 1.0 - dones.to(rewards.dtype)
+    last = torch.zeros_like(next_value)
+    for t in reversed(range(T)):
+        v_next = next_value if t == T - 1 else values[t + 1]
+        delta = rewards[t] + gamma * v_next * not_done[t] - values[t]
+        last = delta + gamma * lam * not_done[t] * last
+        advantages[t] = last
+    return advantages
 
-    rewards, dones: [T, B] (dones[t]: the episode ended with transition t); values: [T+1, B] (values[T] bootstraps).
-    delta_t = r_t + gamma (1 - d_t) V_{t+1} - V_t, A_t = delta_t + gamma lam (1 - d_t) A_{t+1} -> advantages, returns
-    [T, B] with returns = advantages + V.
-    """
-    advantages = torch.empty_like(rewards)
-    running = torch.zeros_like(rewards[0])
-    for t in reversed(range(rewards.shape[0])):
-        not_done = 1.0 - dones[t]
-        delta = rewards[t] + gamma * not_done * values[t + 1] - values[t]
-        running = delta + gamma * lam * not_done * running
-        advantages[t] = running
-    return advantages, advantages + values[:-1]
 
-
-def ppo_loss(logits: torch.Tensor, values: torch.Tensor, actions: torch.Tensor, old_log_probs: torch.Tensor,
-             advantages: torch.Tensor, returns: torch.Tensor, clip_coef: float, vf_coef: float, ent_coef: float,
-             old_values: torch.Tensor | None = None) -> dict[str, torch.Tensor]:  # fmt: skip
-    """PPO clipped surrogate (Schulman et al. 2017, Eq. 7) on a minibatch: logits [M, A], the rest [M]. Advantages
-    are normalized per minibatch (CleanRL's ppo_atari); given the behavior policy's values `old_values`, the value loss
-    is clipped around them (--clip-vloss: Kostrikov's PPO, use_clipped_value_loss, on which HTS-RL's code builds)."""
+def ppo_loss_value_clipped(logits: torch.Tensor, values: torch.Tensor, actions: torch.Tensor,
+                           old_log_probs: torch.Tensor, advantages: torch.Tensor, returns: torch.Tensor,
+                           clip_coef: float, vf_coef: float, ent_coef: float,
+                           old_values: torch.Tensor | None = None) -> dict[str, torch.Tensor]:  # fmt: skip
+    """PPO clipped surrogate (Schulman et al. 2017, Eq. 7) on a minibatch: logits [M, A], the rest [M]. Where it
+    differs from a plain `ppo_loss` (cleanba_ppo_impala.py's), its name says: given the behavior policy's values
+    `old_values`, the value loss is clipped around them (--clip-vloss: Kostrikov's PPO, use_clipped_value_loss, on
+    which HTS-RL's code builds); and the advantages are always normalized per minibatch (CleanRL's ppo_atari)."""
     log_probs = torch.log_softmax(logits, dim=-1)  # [M, A]
     new_log_probs = log_probs.gather(1, actions.long().unsqueeze(1)).squeeze(1)  # [M]
     log_ratio = new_log_probs - old_log_probs
@@ -211,7 +212,7 @@ def ppo_loss(logits: torch.Tensor, values: torch.Tensor, actions: torch.Tensor, 
             "approx_kl": approx_kl, "clipfrac": clipfrac}  # fmt: skip
 
 
-def sample_actions(logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+def sample_actions_from_uniforms(logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """Inverse-CDF sampling from softmax(logits) [B, A] with executor-supplied uniforms [B] in [0, 1) -> [B].
 
     Sec. 4.1: randomness is deferred to the executors, so the action does not depend on which actor served it.
@@ -253,7 +254,8 @@ def minibatch_losses(behavior: nn.Module, batch: Rollout, args: Args) -> Iterato
                 log_probs = torch.log_softmax(logits[:acted], -1)
                 taken = flat_actions[start : start + acted, None]
                 old_log_probs[start : start + acted] = log_probs.gather(1, taken).squeeze(1)
-        advantages, returns = gae(rewards, dones, values, args.gamma, args.gae_lambda)  # [T, B]
+        advantages = gae(rewards, values[:T], dones, values[T], args.gamma, args.gae_lambda)  # [T, B]
+        returns = advantages + values[:T]
     advantages, returns = advantages.reshape(-1), returns.reshape(-1)
     old_values = values[:T].reshape(-1)  # [T B]: V of the behavior policy, the centre of the value clipping
     for _ in range(args.update_epochs):
@@ -261,9 +263,9 @@ def minibatch_losses(behavior: nn.Module, batch: Rollout, args: Args) -> Iterato
         for start in range(0, T * B, minibatch_size):
             idx = order[start : start + minibatch_size].to(flat_obs.device)
             new_logits, new_values = behavior(flat_obs[idx])
-            yield ppo_loss(new_logits, new_values, flat_actions[idx], old_log_probs[idx], advantages[idx], returns[idx],
-                           args.clip_coef, args.vf_coef, args.ent_coef,
-                           old_values[idx] if args.clip_vloss else None)  # fmt: skip
+            yield ppo_loss_value_clipped(new_logits, new_values, flat_actions[idx], old_log_probs[idx],
+                                         advantages[idx], returns[idx], args.clip_coef, args.vf_coef, args.ent_coef,
+                                         old_values[idx] if args.clip_vloss else None)  # fmt: skip
 
 
 def gradient_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss: torch.Tensor, max_grad_norm: float):
@@ -417,7 +419,7 @@ def actor(aid: int, args: Args, shared: Shared, requests: SimpleQueue, action_co
         lo, hi = eid * k, (eid + 1) * k
         with torch.no_grad():  # one executor's batch per forward: same shapes whatever the timing (determinism)
             logits, _ = policy(shared.state_obs[lo:hi].to(device))
-            actions = sample_actions(logits.cpu(), shared.state_uniforms[lo:hi])
+            actions = sample_actions_from_uniforms(logits.cpu(), shared.state_uniforms[lo:hi])
         shared.actions[lo:hi] = actions
         shared.action_versions[lo:hi] = version
         action_conns[eid].send_bytes(b"")
@@ -1361,7 +1363,7 @@ def evaluate(model: nn.Module, args: Args, video_dir: Path, device: torch.device
         with torch.no_grad():
             logits, _ = model(torch.as_tensor(np.asarray(obs)).unsqueeze(0).to(device))
         uniforms = torch.rand(1, generator=generator)
-        action = logits.argmax(dim=1) if args.eval_greedy else sample_actions(logits.cpu(), uniforms)
+        action = logits.argmax(dim=1) if args.eval_greedy else sample_actions_from_uniforms(logits.cpu(), uniforms)
         obs, _, terminated, truncated, info = env.step(int(action.item()))
         if terminated or truncated:
             played += 1

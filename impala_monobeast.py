@@ -203,15 +203,18 @@ def logprob_entropy(logits: torch.Tensor, actions: torch.Tensor) -> tuple[torch.
     return logp.gather(-1, actions[..., None]).squeeze(-1), -(logp.exp() * logp).sum(-1)
 
 
-def impala_loss(
-    target_logprob: torch.Tensor, entropy: torch.Tensor, values: torch.Tensor, vs: torch.Tensor,
-    pg_advantages: torch.Tensor, vf_coef: float, ent_coef: float,
-) -> dict[str, torch.Tensor]:  # fmt: skip
-    """IMPALA's loss (Section 4.2) summed over the [T, B] batch, as TorchBeast sums it (its lr assumes sums)."""
+def impala_loss(target_logprob: torch.Tensor, entropy: torch.Tensor, values: torch.Tensor, vs: torch.Tensor,
+                pg_advantages: torch.Tensor, vf_coef: float, ent_coef: float) -> dict[str, torch.Tensor]:  # fmt: skip
+    """IMPALA's loss (Espeholt et al. 2018, Section 4.2) summed over the [T, B] batch, as the paper's code, TorchBeast
+    and Cleanba's cleanba_impala.py (rlax's per-step means x T, summed over B) sum it: the learning rate, RMSprop's eps
+    and the clip norm are set for gradients of that size. `entropy` is returned as the mean per step, for the logs."""
     policy_loss = -(target_logprob * pg_advantages).sum()
     value_loss = 0.5 * ((vs - values) ** 2).sum()
-    total = policy_loss + vf_coef * value_loss - ent_coef * entropy.sum()
-    return dict(total_loss=total, policy_loss=policy_loss, value_loss=value_loss, entropy=entropy.mean())
+    entropy_sum = entropy.sum()
+    total = policy_loss - ent_coef * entropy_sum + vf_coef * value_loss
+    return dict(
+        total_loss=total, policy_loss=policy_loss, value_loss=value_loss, entropy=entropy_sum.detach() / entropy.numel()
+    )
 
 
 def linear_lr(base: float, steps_done: int, total_steps: int) -> float:
@@ -245,7 +248,7 @@ def vtrace_losses(model: nn.Module, batch: Rollouts, args: Args, device: torch.d
 
 def gradient_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss: torch.Tensor, max_grad_norm: float):
     """One optimizer step on `loss`, its gradient clipped to norm max_grad_norm; returns the norm before clipping."""
-    optimizer.zero_grad(set_to_none=False)
+    optimizer.zero_grad(set_to_none=True)
     loss.backward()
     grad_norm = nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
     optimizer.step()

@@ -93,7 +93,7 @@ REQUIRED_TAGS = ["charts/SPS", "charts/learning_rate", "charts/policy_lag", "los
                  "losses/grad_norm", "losses/q_values", "replay/size", "replay/priority_mean", "replay/stale_updates",
                  "timing/replay_wait"]  # fmt: skip
 # what differs between the two scripts: their flags, their algorithm and the code that calls it
-DIFFERENT = {"ALGORITHM", "RUN_SETTINGS", "Args", "RENAMED_FLAGS", "validate", "td_errors", "new_buffer",
+DIFFERENT = {"ALGORITHM", "RUN_SETTINGS", "Args", "RENAMED_FLAGS", "validate", "new_buffer", "append_prioritised",
              "build_model", "act", "play_episodes", "actor_loop", "evaluator_loop", "Learner", "FLAG_RULES",
              "env_spaces", "checkpoint_meta", "saved_model", "evaluate"}  # fmt: skip
 script_ids = pytest.mark.parametrize("m", SCRIPTS, ids=lambda m: m.__name__)

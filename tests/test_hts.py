@@ -135,8 +135,9 @@ def test_n_step_returns_match_discounted_sums():
 def test_gae_matches_sum_of_discounted_td_errors():
     rewards, dones, values = random_rollout(seed=1)
     gamma, lam = 0.99, 0.9
-    advantages, returns = hts_ppo.gae(rewards, dones, values, gamma, lam)
     T, B = rewards.shape
+    advantages = hts_ppo.gae(rewards, values[:T], dones, values[T], gamma, lam)
+    returns = advantages + values[:T]
     for b in range(B):
         for t in range(T):  # A_t = sum_l (gamma lam)^l delta_{t+l}, cut at the episode end (GAE paper, Eq. 16)
             total = 0.0
@@ -148,7 +149,7 @@ def test_gae_matches_sum_of_discounted_td_errors():
             assert advantages[t, b].item() == pytest.approx(total, abs=1e-10)
             assert returns[t, b].item() == pytest.approx(total + values[t, b].item(), abs=1e-10)
     # lambda = 1 gives the n-step returns of A2C
-    _, returns_1 = hts_ppo.gae(rewards, dones, values, gamma, 1.0)
+    returns_1 = hts_ppo.gae(rewards, values[:T], dones, values[T], gamma, 1.0) + values[:T]
     torch.testing.assert_close(returns_1, hts_a2c.n_step_returns(rewards, dones, values[-1], gamma))
 
 
@@ -186,7 +187,7 @@ def test_ppo_loss_matches_per_sample_formula():
     actions = torch.randint(0, 3, (M,), generator=g)
     old_log_probs = torch.log(torch.rand(M, generator=g).double() * 0.8 + 0.1)
     advantages, returns = torch.randn(M, generator=g).double(), torch.randn(M, generator=g).double()
-    out = hts_ppo.ppo_loss(logits, values, actions, old_log_probs, advantages, returns, 0.1, 0.5, 0.003)
+    out = hts_ppo.ppo_loss_value_clipped(logits, values, actions, old_log_probs, advantages, returns, 0.1, 0.5, 0.003)
     probs = softmax_rows(logits)
     adv = advantages.numpy()
     norm = (adv - adv.mean()) / (adv.std() + 1e-8)
@@ -212,7 +213,9 @@ def test_ppo_clipped_value_loss_is_the_max_of_unclipped_and_clipped():
     old_log_probs = torch.log(torch.rand(M, generator=g).double() * 0.8 + 0.1)
     advantages, returns = torch.randn(M, generator=g).double(), torch.randn(M, generator=g).double()
     old_values = values + 0.3 * torch.randn(M, generator=g).double()  # some |V - V_old| above eps, some below
-    out = hts_ppo.ppo_loss(logits, values, actions, old_log_probs, advantages, returns, eps, 0.5, 0.0, old_values)
+    out = hts_ppo.ppo_loss_value_clipped(
+        logits, values, actions, old_log_probs, advantages, returns, eps, 0.5, 0.0, old_values
+    )
     vl, clipped_wins = 0.0, 0
     for i in range(M):
         v, v_old, r = values[i].item(), old_values[i].item(), returns[i].item()
@@ -223,7 +226,9 @@ def test_ppo_clipped_value_loss_is_the_max_of_unclipped_and_clipped():
     assert out["value_loss"].item() == pytest.approx(vl)
     assert out["total_loss"].item() == pytest.approx(out["policy_loss"].item() + 0.5 * vl)
     assert hts_ppo.Args().clip_vloss
-    unclipped = hts_ppo.ppo_loss(logits, values, actions, old_log_probs, advantages, returns, eps, 0.5, 0.0)
+    unclipped = hts_ppo.ppo_loss_value_clipped(
+        logits, values, actions, old_log_probs, advantages, returns, eps, 0.5, 0.0
+    )
     assert unclipped["value_loss"].item() == pytest.approx(0.5 * ((returns - values) ** 2).mean().item())
 
 
@@ -297,7 +302,7 @@ def test_sample_actions_is_the_inverse_cdf():
     logits = torch.tensor([[0.0, 1.0, -1.0], [2.0, 0.0, 0.0]])
     probs = softmax_rows(logits)
     for u in np.linspace(0.0, 0.999, 37):
-        actions = hts_a2c.sample_actions(logits, torch.tensor([u, u]))
+        actions = hts_a2c.sample_actions_from_uniforms(logits, torch.tensor([u, u]))
         for b in range(2):  # smallest a with P(A <= a) > u
             cumulative, expected = 0.0, None
             for a, p in enumerate(probs[b]):
@@ -308,7 +313,7 @@ def test_sample_actions_is_the_inverse_cdf():
             assert actions[b].item() == expected
     # a uniform grid of u reproduces the softmax probabilities
     u = (torch.arange(10_000) + 0.5) / 10_000
-    counts = torch.bincount(hts_a2c.sample_actions(logits[:1].expand(10_000, 3), u), minlength=3) / 10_000
+    counts = torch.bincount(hts_a2c.sample_actions_from_uniforms(logits[:1].expand(10_000, 3), u), minlength=3) / 10_000
     np.testing.assert_allclose(counts.numpy(), probs[0], atol=2e-4)
 
 

@@ -59,6 +59,17 @@ SCRIPT_ONLY = {
     "average_gradients": "cleanba: the ranks' gradient all-reduce, which also carries their step counts and stops",
 }
 
+# Algorithm helpers that several scripts define under one name though they differ by design, each for the reason
+# given. Any other function or class that two scripts define in their `# ---- Algorithm` sections is one text in both
+# (`vtrace`, `gae`, `n_step_returns`, `a2c_loss`, `impala_loss`, `gradient_step`, `sample_actions`, ...): a change
+# pasted from one script into another means the same there. Where two computations truly differ, their names say how
+# (hts_ppo's `ppo_loss_value_clipped` beside cleanba's `ppo_loss`, HTS-RL's `sample_actions_from_uniforms` beside the
+# Gumbel-max `sample_actions`, Ape-X's `double_q_td_errors` and `critic_td_errors`).
+ALGORITHM_DIFFERENT = {
+    "make_optimizer": "each paper's optimizer and its settings (RMSprop, Adam; GALA's per-learner learning rate)",
+    "Learner": "Ape-X's learner step (Algorithm 2) around each script's update: DQN's double Q, DDPG's actor-critic",
+}
+
 # Names the algorithm section may not use (as a name, attribute, argument or keyword), and where each belongs instead.
 NOT_IN_ALGORITHM = {
     "stop": "a stop event: the learner loop checks it between steps",
@@ -97,17 +108,24 @@ def plumbing_of(text: str) -> tuple[int, dict[str, str]]:
     return starts[0], {n.name: ast.get_source_segment(text, n) for n in defs}
 
 
-def drift(texts: dict[str, str]) -> list[str]:
-    """For each plumbing name that several scripts define and that is not script-specific: one line per script whose
-    text differs from the text most scripts share, naming the script and the function, with the first lines of the
-    difference."""
+def algorithm_of(text: str) -> dict[str, str]:
+    """{name: source text} of every top-level function and class of the `# ---- Algorithm` section."""
+    first, last = section_lines(text, "Algorithm")
+    nodes = (n for n in ast.parse(text).body if isinstance(n, (ast.FunctionDef, ast.ClassDef)))
+    return {n.name: ast.get_source_segment(text, n) for n in nodes if first <= n.lineno <= last}
+
+
+def drift(texts: dict[str, str], section=lambda text: plumbing_of(text)[1], differ=SCRIPT_SPECIFIC) -> list[str]:
+    """For each name that several scripts define in `section` (by default the plumbing) and that is not in `differ`:
+    one line per script whose text differs from the text most scripts share, naming the script and the function, with
+    the first lines of the difference."""
     by_name: dict[str, dict[str, str]] = collections.defaultdict(dict)
     for script, text in texts.items():
-        for name, source in plumbing_of(text)[1].items():
+        for name, source in section(text).items():
             by_name[name][script] = source
     problems = []
     for name, sources in sorted(by_name.items()):
-        if name in SCRIPT_SPECIFIC or len(sources) < 2:
+        if name in differ or len(sources) < 2:
             continue
         majority, _ = collections.Counter(sources.values()).most_common(1)[0]
         for script, source in sorted(sources.items()):
@@ -228,3 +246,23 @@ def test_drift_in_one_script_is_named():
     source = plumbing_of(texts[victim])[1]["validate"]
     texts[victim] = texts[victim].replace(source, source + "\n    # an edit")
     assert len(drift(texts)) == 1
+
+
+def test_an_algorithm_helper_is_one_text_wherever_it_has_its_name():
+    texts = {p.name: p.read_text() for p in SCRIPTS}
+    problems = drift(texts, algorithm_of, ALGORITHM_DIFFERENT)
+    assert not problems, "one name, one text (or a name that says how it differs):\n" + "\n".join(problems)
+
+
+def test_an_algorithm_helper_changed_by_one_character_in_one_script_is_named():
+    """The check itself can fail: one character changed in GALA's copy of the n-step returns (a discount of 2 - d) is
+    reported with the script's and the function's name."""
+    texts = {p.name: p.read_text() for p in SCRIPTS}
+    source = algorithm_of(texts["gala_a2c.py"])["n_step_returns"]
+    edited = source.replace("not_done = 1.0 - dones", "not_done = 2.0 - dones", 1)
+    assert sum(a != b for a, b in zip(source, edited, strict=True)) == 1
+    texts["gala_a2c.py"] = texts["gala_a2c.py"].replace(source, edited)
+    assert drift(texts, algorithm_of, ALGORITHM_DIFFERENT) == [
+        "gala_a2c.py: `n_step_returns` differs from the other scripts' text: "
+        "-    not_done = 1.0 - dones.to(rewards.dtype) | +    not_done = 2.0 - dones.to(rewards.dtype)"
+    ]
