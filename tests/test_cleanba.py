@@ -247,7 +247,9 @@ def test_impala_loss_is_summed_over_the_unroll_batch_as_cleanba():
 def test_impala_loss_by_hand():
     """T = 2, B = 1: policy -(-1 x 2 + -0.5 x -1) = 1.5, baseline 0.5 (1 + 4) = 2.5, entropy 0.3 + 0.5 = 0.8."""
     col = lambda *x: torch.tensor(x, dtype=torch.float64)[:, None]  # noqa: E731
-    out = impala_loss(col(-1.0, -0.5), col(0.3, 0.5), col(0.0, 1.0), col(1.0, -1.0), col(2.0, -1.0), 0.1, 0.5)
+    out = impala_loss(
+        col(-1.0, -0.5), col(0.3, 0.5), col(0.0, 1.0), col(1.0, -1.0), col(2.0, -1.0), vf_coef=0.5, ent_coef=0.1
+    )
     assert out["policy_loss"].item() == pytest.approx(1.5)
     assert out["value_loss"].item() == pytest.approx(2.5)
     assert out["total_loss"].item() == pytest.approx(1.5 + 0.5 * 2.5 - 0.1 * 0.8)
