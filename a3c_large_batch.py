@@ -363,7 +363,8 @@ def push(shared: Shared, grads: list[torch.Tensor], update: Update) -> None:
     with shared.version.get_lock():  # the counter only, not the parameters
         shared.version.value += 1
         version = shared.version.value
-    shared.log_q.put(update._replace(version=version, timing={**update.timing, "push": time.perf_counter() - t0}))
+    timing = {**update.timing, "timing/push": time.perf_counter() - t0}
+    shared.log_q.put(update._replace(version=version, timing=timing))
 
 
 # ---- Workers ----
@@ -431,7 +432,7 @@ def worker_loop(worker: int, args: Args, shared: Shared, device: torch.device) -
             lr = args.learning_rate * (1.0 - (global_step - batch) / args.total_timesteps if args.anneal_lr else 1.0)
             obs_buf[0].copy_(obs_buf[T])
             t3 = time.perf_counter()
-            timing = dict(pull=t1 - t0, rollout=t2 - t1, train=t3 - t2)
+            timing = {"timing/pull": t1 - t0, "timing/rollout": t2 - t1, "timing/train": t3 - t2}
             push(shared, [p.grad for p in params], Update(worker, batch, pulled, 0, lr, stats, episodes, timing))
     finally:
         envs.close()
@@ -460,7 +461,7 @@ def gradient_server(model: nn.Module, args: Args, shared: Shared, device: torch.
                 shared.version.value += 1
                 version = shared.version.value
             global_step += update.steps
-            timing = {**update.timing, "server_apply": time.perf_counter() - t0}
+            timing = {**update.timing, "timing/server_apply": time.perf_counter() - t0}
             shared.log_q.put(update._replace(version=version, timing=timing))
         else:  # SaveCheckpoint
             if message.path is not None:
@@ -964,15 +965,16 @@ class Recorder:
             self.writer.add_scalar("charts/episodic_length", length, step)
             self.returns.append(ret)
 
-    def add(self, scalars: dict[str, float], group: str = "") -> None:
-        for name, value in scalars.items():
-            self.values.setdefault(f"{group}/{name}" if group else name, []).append(value)
+    def add(self, scalars: dict[str, float]) -> None:
+        """Values by TensorBoard tag, each tag written out in full by the caller (it greps to the line recording it)."""
+        for tag, value in scalars.items():
+            self.values.setdefault(tag, []).append(value)
 
     @contextlib.contextmanager
-    def timer(self, name: str):
+    def timer(self, tag: str):
         start = time.perf_counter()
         yield
-        self.add({f"timing/{name}": time.perf_counter() - start})
+        self.add({tag: time.perf_counter() - start})
 
     def point(self, step: int) -> None:
         for tag, values in (self.values | {"charts/SPS": [self.sps(step)]}).items():
@@ -1362,9 +1364,12 @@ class Watch:
         # the policy lag: updates applied to the shared model between this rollout's pull and this gradient
         self.lag = update.version - 1 - update.pulled
         self.record.games((self.global_step, ret, length) for ret, length in update.episodes)
-        self.record.add({"policy_lag": self.lag, "learning_rate": update.lr}, "charts")
-        self.record.add(update.losses, "losses")
-        self.record.add(update.timing, "timing")
+        self.record.add({"charts/policy_lag": self.lag, "charts/learning_rate": update.lr})
+        losses = update.losses
+        self.record.add({"losses/policy_loss": losses["policy_loss"], "losses/value_loss": losses["value_loss"],
+                         "losses/entropy": losses["entropy"], "losses/total_loss": losses["total_loss"],
+                         "losses/grad_norm": losses["grad_norm"]})  # fmt: skip
+        self.record.add(update.timing)
         if self.updates % self.args.log_frequency == 0:
             self.write()
 

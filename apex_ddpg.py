@@ -251,8 +251,9 @@ class Learner:
         stale = replay.update(split_updates(batch, priorities, len(stats.sizes)))  # Replay.SetPriority(id, p)
         soft_update(self.target, self.model, args.tau)  # the target networks
         lag = self.version - data.policy_version.double().mean()  # updates between the acting parameters and this
-        values = dict(value_loss=value_loss, policy_loss=policy_loss, total_loss=value_loss + policy_loss,
-                      grad_norm=grad_norm, q_values=q.mean(), policy_lag=lag)  # fmt: skip
+        values = {"losses/value_loss": value_loss, "losses/policy_loss": policy_loss,
+                  "losses/total_loss": value_loss + policy_loss, "losses/grad_norm": grad_norm,
+                  "losses/q_values": q.mean(), "charts/policy_lag": lag}  # fmt: skip
         scalars = dict(zip(values, torch.stack([v.detach().double() for v in values.values()]).tolist(), strict=True))
         self.version += 1
         return dict(scalars, stale_updates=stale)
@@ -789,12 +790,13 @@ class LearnerRun:
         drain_reports(self, 0.0)
         beta = importance_exponent(args.priority_beta, args.anneal_beta, self.global_step / args.total_timesteps)
         values = learner.step(self.replay, beta, self.rng, self.stats)
-        if not (math.isfinite(values["total_loss"]) and math.isfinite(values["grad_norm"])):  # before the actors
-            raise NonFiniteLoss(f"non-finite loss {values['total_loss']:g} (gradient norm {values['grad_norm']:g}) "
+        loss, grad_norm = values["losses/total_loss"], values["losses/grad_norm"]
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):  # before the actors
+            raise NonFiniteLoss(f"non-finite loss {loss:g} (gradient norm {grad_norm:g}) "
                                 f"at learner update {learner.version}")  # fmt: skip
         self.stale_updates += values.pop("stale_updates")
         self.shared.store.publish(learner.flat_params(), learner.version)
-        self.record.add({f"charts/{k}" if k == "policy_lag" else f"losses/{k}": v for k, v in values.items()})
+        self.record.add(values)
         if learner.version % args.log_frequency == 0:
             write_point(self)
 
@@ -1330,15 +1332,16 @@ class Recorder:
             self.writer.add_scalar("charts/episodic_length", length, step)
             self.returns.append(ret)
 
-    def add(self, scalars: dict[str, float], group: str = "") -> None:
-        for name, value in scalars.items():
-            self.values.setdefault(f"{group}/{name}" if group else name, []).append(value)
+    def add(self, scalars: dict[str, float]) -> None:
+        """Values by TensorBoard tag, each tag written out in full by the caller (it greps to the line recording it)."""
+        for tag, value in scalars.items():
+            self.values.setdefault(tag, []).append(value)
 
     @contextlib.contextmanager
-    def timer(self, name: str):
+    def timer(self, tag: str):
         start = time.perf_counter()
         yield
-        self.add({f"timing/{name}": time.perf_counter() - start})
+        self.add({tag: time.perf_counter() - start})
 
     def point(self, step: int) -> None:
         for tag, values in (self.values | {"charts/SPS": [self.sps(step)]}).items():
@@ -1784,8 +1787,8 @@ def write_point(run: LearnerRun) -> None:
     """A TensorBoard point: the learner's statistics since the last one, and the replay's."""
     size = run.stats.sizes.sum()
     run.record.add({"charts/learning_rate": run.learner.learning_rate, "timing/replay_wait": run.replay_wait})
-    run.record.add({"size": size, "priority_mean": run.stats.priority_sums.sum() / max(1.0, size),
-                     "stale_updates": run.stale_updates}, "replay")  # fmt: skip
+    run.record.add({"replay/size": size, "replay/priority_mean": run.stats.priority_sums.sum() / max(1.0, size),
+                     "replay/stale_updates": run.stale_updates})  # fmt: skip
     run.record.point(run.global_step)
 
 

@@ -511,7 +511,12 @@ class Learner:
             if stop.is_set():  # an actor died or Ctrl+C: end here (checkpoint_state holds the last whole update)
                 raise Stop
         scalars = {"charts/policy_lag": (self.update - 1) - rollouts[0].version, "charts/learning_rate": lr}
-        scalars |= {f"losses/{k}": torch.stack([m[k] for m in metrics]).mean().item() for k in metrics[0]}
+        mean = {k: torch.stack([m[k] for m in metrics]).mean().item() for k in metrics[0]}  # over the minibatches
+        scalars |= {"losses/policy_loss": mean["policy_loss"], "losses/value_loss": mean["value_loss"],
+                    "losses/entropy": mean["entropy"], "losses/total_loss": mean["total_loss"],
+                    "losses/grad_norm": mean["grad_norm"]}  # fmt: skip
+        if self.args.algo == "ppo":
+            scalars |= {"losses/approx_kl": mean["approx_kl"], "losses/clipfrac": mean["clipfrac"]}
         scalars |= {"timing/rollout_queue_get": rollout_wait, "timing/train": time.perf_counter() - start}
         scalars["timing/param_queue_get"] = max(r.param_wait for r in rollouts)  # the slowest actor's
         self.global_step += self.steps_per_update
@@ -1018,15 +1023,16 @@ class Recorder:
             self.writer.add_scalar("charts/episodic_length", length, step)
             self.returns.append(ret)
 
-    def add(self, scalars: dict[str, float], group: str = "") -> None:
-        for name, value in scalars.items():
-            self.values.setdefault(f"{group}/{name}" if group else name, []).append(value)
+    def add(self, scalars: dict[str, float]) -> None:
+        """Values by TensorBoard tag, each tag written out in full by the caller (it greps to the line recording it)."""
+        for tag, value in scalars.items():
+            self.values.setdefault(tag, []).append(value)
 
     @contextlib.contextmanager
-    def timer(self, name: str):
+    def timer(self, tag: str):
         start = time.perf_counter()
         yield
-        self.add({f"timing/{name}": time.perf_counter() - start})
+        self.add({tag: time.perf_counter() - start})
 
     def point(self, step: int) -> None:
         for tag, values in (self.values | {"charts/SPS": [self.sps(step)]}).items():

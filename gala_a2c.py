@@ -576,10 +576,13 @@ class Learner:
                 if mix.mixed:
                     unflatten_into(self.params, self.x)
         self.iteration += 1
-        losses = torch.stack([v.detach() for v in loss.values()]).tolist()  # as floats, with one device sync
-        values = {f"losses/{k}": v for k, v in zip(loss, losses, strict=True)}
-        timing |= dict(iteration=sum(timing.values()), gossip=timing["gossip"] - mix.waited, gossip_wait=mix.waited)
-        values |= {f"timing/{k}": v for k, v in timing.items()}
+        names = ("policy_loss", "value_loss", "entropy", "total_loss", "grad_norm")
+        policy, value, entropy, total, grad_norm = torch.stack([loss[k].detach() for k in names]).tolist()  # one sync
+        values = {"losses/policy_loss": policy, "losses/value_loss": value, "losses/entropy": entropy,
+                  "losses/total_loss": total, "losses/grad_norm": grad_norm, "timing/rollout": timing["rollout"],
+                  "timing/train": timing["train"], "timing/allreduce": timing["allreduce"],
+                  "timing/gossip": timing["gossip"] - mix.waited, "timing/gossip_wait": mix.waited,
+                  "timing/iteration": sum(timing.values())}  # fmt: skip
         if gossip is not None:  # staleness: iterations since the last mix
             values |= {"gossip/staleness": gossip.staleness, "gossip/mix_rate": float(mix.mixed)}
         self.stats.iterations += 1
@@ -1193,15 +1196,16 @@ class Recorder:
             self.writer.add_scalar("charts/episodic_length", length, step)
             self.returns.append(ret)
 
-    def add(self, scalars: dict[str, float], group: str = "") -> None:
-        for name, value in scalars.items():
-            self.values.setdefault(f"{group}/{name}" if group else name, []).append(value)
+    def add(self, scalars: dict[str, float]) -> None:
+        """Values by TensorBoard tag, each tag written out in full by the caller (it greps to the line recording it)."""
+        for tag, value in scalars.items():
+            self.values.setdefault(tag, []).append(value)
 
     @contextlib.contextmanager
-    def timer(self, name: str):
+    def timer(self, tag: str):
         start = time.perf_counter()
         yield
-        self.add({f"timing/{name}": time.perf_counter() - start})
+        self.add({tag: time.perf_counter() - start})
 
     def point(self, step: int) -> None:
         for tag, values in (self.values | {"charts/SPS": [self.sps(step)]}).items():

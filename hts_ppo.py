@@ -468,9 +468,12 @@ class Workers:
                 raise Stop(failure)
             if message is not None:  # Shared.rollout checks that every transition is of collection j
                 done.append(message)
-        waits = ("wait_actors", "wait_learner", "wait_lockstep")  # the executors' mean
-        timings = {f"executor_{k}": sum(getattr(m, k) for m in done) / E for k in waits}
-        timings["learner_wait_executors"] = time.perf_counter() - start
+        timings = {  # the executors' means, and the learner's wait for them
+            "timing/executor_wait_actors": sum(m.wait_actors for m in done) / E,
+            "timing/executor_wait_learner": sum(m.wait_learner for m in done) / E,
+            "timing/executor_wait_lockstep": sum(m.wait_lockstep for m in done) / E,
+            "timing/learner_wait_executors": time.perf_counter() - start,
+        }
         return sorted(e for m in done for e in m.episodes), timings
 
 
@@ -574,17 +577,20 @@ def main(args: Args) -> None:
                 shared.publish(learner.target, learner.update)
                 workers.start_collection(j + 1)
             lr = args.learning_rate * (1.0 - j / num_collections if args.anneal_lr else 1.0)
-            with record.timer("learner_update"):
+            with record.timer("timing/learner_update"):
                 losses = learner.step(batch, lr, args, signals.stop)
             # policy lag: updates between the policy that acted and the one updated
-            record.add({"policy_lag": learner.update - behavior_version, "learning_rate": lr}, "charts")
+            record.add({"charts/policy_lag": learner.update - behavior_version, "charts/learning_rate": lr})
             learner.update += 1
             learner.global_step += steps_per_collection
             if args.sync:  # the executors waited for the new parameters
                 shared.publish(learner.target, learner.update)
                 workers.start_collection(j + 1)
-            record.add(losses, "losses")
-            record.add(timing | {"actor_wait_requests": shared.actor_wait.mean().item()}, "timing")
+            record.add({"losses/policy_loss": losses["policy_loss"], "losses/value_loss": losses["value_loss"],
+                        "losses/entropy": losses["entropy"], "losses/total_loss": losses["total_loss"],
+                        "losses/approx_kl": losses["approx_kl"], "losses/clipfrac": losses["clipfrac"],
+                        "losses/grad_norm": losses["grad_norm"]})  # fmt: skip
+            record.add(timing | {"timing/actor_wait_requests": shared.actor_wait.mean().item()})
             done = learner.update == num_collections
             if learner.update % args.log_frequency == 0 or done:
                 record.point(learner.global_step)
@@ -1027,15 +1033,16 @@ class Recorder:
             self.writer.add_scalar("charts/episodic_length", length, step)
             self.returns.append(ret)
 
-    def add(self, scalars: dict[str, float], group: str = "") -> None:
-        for name, value in scalars.items():
-            self.values.setdefault(f"{group}/{name}" if group else name, []).append(value)
+    def add(self, scalars: dict[str, float]) -> None:
+        """Values by TensorBoard tag, each tag written out in full by the caller (it greps to the line recording it)."""
+        for tag, value in scalars.items():
+            self.values.setdefault(tag, []).append(value)
 
     @contextlib.contextmanager
-    def timer(self, name: str):
+    def timer(self, tag: str):
         start = time.perf_counter()
         yield
-        self.add({f"timing/{name}": time.perf_counter() - start})
+        self.add({tag: time.perf_counter() - start})
 
     def point(self, step: int) -> None:
         for tag, values in (self.values | {"charts/SPS": [self.sps(step)]}).items():

@@ -669,20 +669,22 @@ class Learner:
             self.updates += 1
             self.global_step += self.steps_per_update
             self.acting.refresh(self.model, self.updates)
-            timing = {"full_queue_get": batch_wait, "free_queue_get": batch.free_wait.mean().item(),
-                      "train": time.perf_counter() - start}  # fmt: skip
+            timing = {"timing/full_queue_get": batch_wait, "timing/free_queue_get": batch.free_wait.mean().item(),
+                      "timing/train": time.perf_counter() - start}  # fmt: skip
             if self.inference is not None:
-                timing["inference_wait"] = batch.inference_wait.mean().item()
-                timing["inference_batch_size"] = self.inference.envs / max(1, self.inference.batches)
+                timing["timing/inference_wait"] = batch.inference_wait.mean().item()
+                timing["timing/inference_batch_size"] = self.inference.envs / max(1, self.inference.batches)
             ends = batch.episode_end[1:]  # row 0 repeats the previous rollout's last row
             games = zip(batch.episode_return[1:][ends].tolist(), batch.episode_length[1:][ends].tolist(), strict=True)
             self.record.games((self.global_step, ret, length) for ret, length in games)
-            self.record.add({"policy_lag": lag, "learning_rate": lr}, "charts")
-            self.record.add(metrics, "losses")
-            self.record.add(timing, "timing")
+            self.record.add({"charts/policy_lag": lag, "charts/learning_rate": lr})
+            self.record.add({"losses/policy_loss": metrics["policy_loss"], "losses/value_loss": metrics["value_loss"],
+                             "losses/entropy": metrics["entropy"], "losses/total_loss": metrics["total_loss"],
+                             "losses/grad_norm": metrics["grad_norm"]})  # fmt: skip
+            self.record.add(timing)
             self.record.point(self.global_step)
             self.record.line(self.global_step, f"update={self.updates}/{self.num_updates} policy_lag={lag:.1f} "
-                             f"batch_wait={batch_wait:.3f}s train={timing['train']:.3f}s",
+                             f"batch_wait={batch_wait:.3f}s train={timing['timing/train']:.3f}s",
                              now=self.updates == self.num_updates)  # fmt: skip
         return True
 
@@ -1176,15 +1178,16 @@ class Recorder:
             self.writer.add_scalar("charts/episodic_length", length, step)
             self.returns.append(ret)
 
-    def add(self, scalars: dict[str, float], group: str = "") -> None:
-        for name, value in scalars.items():
-            self.values.setdefault(f"{group}/{name}" if group else name, []).append(value)
+    def add(self, scalars: dict[str, float]) -> None:
+        """Values by TensorBoard tag, each tag written out in full by the caller (it greps to the line recording it)."""
+        for tag, value in scalars.items():
+            self.values.setdefault(tag, []).append(value)
 
     @contextlib.contextmanager
-    def timer(self, name: str):
+    def timer(self, tag: str):
         start = time.perf_counter()
         yield
-        self.add({f"timing/{name}": time.perf_counter() - start})
+        self.add({tag: time.perf_counter() - start})
 
     def point(self, step: int) -> None:
         for tag, values in (self.values | {"charts/SPS": [self.sps(step)]}).items():

@@ -132,9 +132,15 @@ def documented_tags(script: str) -> set[str]:
 
 def assert_documented_tags(script: str, logged) -> None:
     """Every tag the run logged (`logged` from scalars()) is a shared one or in the README's row for `script`: a
-    researcher finds what a tag is without reading the code. Per-learner tags are listed as `..._{i}`."""
-    undocumented = sorted({re.sub(r"_\d+$", "_{i}", tag) for tag in logged} - SHARED_TAGS - documented_tags(script))
+    researcher finds what a tag is without reading the code. Per-learner tags are listed as `..._{i}`. And each is
+    written in the script as a literal string (`"losses/value_loss"`, a per-learner one as `"..._{i}"` in its
+    f-string), as CleanRL writes its tags: `grep -n '"TAG"' SCRIPT` finds the line that records it."""
+    named = {re.sub(r"_\d+$", "_{i}", tag) for tag in logged}
+    undocumented = sorted(named - SHARED_TAGS - documented_tags(script))
     assert not undocumented, f"README.md's tags-by-script table does not list {script}'s {undocumented}"
+    source = (ROOT / script).read_text()
+    built = sorted(tag for tag in named if f'"{tag}"' not in source)
+    assert not built, f"{script} builds these tags from parts; write each as a literal where it is recorded: {built}"
 
 
 def children_of(pid):

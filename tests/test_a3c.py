@@ -195,7 +195,7 @@ def test_hogwild_two_workers_change_shared_parameters_by_their_sum():
         p.start()
     reported = [shared.log_q.get(timeout=30) for _ in range(2 * pushes)]  # each push reports its update to main
     assert sorted(r.version for r in reported) == list(range(1, 2 * pushes + 1))
-    assert all(set(r.timing) == {"push"} for r in reported)
+    assert all(set(r.timing) == {"timing/push"} for r in reported)
     for p in procs:
         p.join(timeout=30)
         assert p.exitcode == 0
@@ -249,7 +249,7 @@ def test_server_applies_every_gradient_exactly_once_and_versions_count_them():
     assert applied == [(w, k) for w in range(2) for k in range(pushes)]  # each exactly once
     for w in range(2):  # a worker's own gradients arrive in the order it pushed them
         assert [r.losses["push"] for r in records if r.losses["worker"] == w] == list(range(pushes))
-    assert all(set(r.timing) == {"server_apply"} for r in records)
+    assert all(set(r.timing) == {"timing/server_apply"} for r in records)
     total = [sum(known_grads(w, k)[i] for w in range(2) for k in range(pushes)) for i in range(2)]
     want = torch.cat([(torch.zeros(3, 2) - 0.5 * total[0]).reshape(-1), torch.ones(2) - 0.5 * total[1]])
     torch.testing.assert_close(shared.published, want, rtol=0, atol=0)
