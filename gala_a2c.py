@@ -1231,18 +1231,19 @@ def given_flags(args: Args) -> set[str]:
 
 
 def resumed_args(args: Args) -> Args:
-    """--resume: the flags of the run it continues (its args.json, or the checkpoint's own copy where that file is
-    missing), but every flag this command line gives, even at its default: `--resume DIR/checkpoint.pt` alone
-    continues the run as it was, and `--ent-coef 0.01` switches a run of 0.05 back to 0.01."""
+    """--resume: the flags of the run it continues, as its checkpoint holds them (args.json beside it only where the
+    checkpoint has none: every resume rewrites that file at its start, so one that failed before its first checkpoint
+    leaves its flags there), but every flag this command line gives, even at its default: `--resume DIR/checkpoint.pt`
+    alone continues the run as it was, and `--ent-coef 0.01` switches a run of 0.05 back to 0.01."""
     path = Path(args.resume)
     if not path.is_file():
         fail(f"--resume {path}: no such file")
     try:
-        saved = json.loads((path.parent / "args.json").read_text())["args"]
-    except (OSError, ValueError, KeyError, TypeError):
+        saved = torch.load(path, map_location="cpu", weights_only=False)["args"]
+    except Exception:  # not a checkpoint (load_checkpoint says so), or one without its flags
         try:
-            saved = torch.load(path, map_location="cpu", weights_only=False)["args"]
-        except Exception:  # not a checkpoint: load_checkpoint says so
+            saved = json.loads((path.parent / "args.json").read_text())["args"]
+        except (OSError, ValueError, KeyError, TypeError):
             return args
     default, given = asdict(Args()), given_flags(args)
     kept = {k: saved[k] for k in default if k in saved and k not in given and k not in ("resume", "eval_only")}

@@ -471,3 +471,71 @@ def test_a_learning_rate_above_one_is_warned_of_by_name_before_the_run(name, tmp
            "--eval-episodes", "0", "--checkpoint-interval", "0"]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert f"warning: {flag} 1e+06 is above 1: " in proc.stderr, proc.stderr[-1500:]
+
+
+# ---- issue 64, the fifth probe: resumes, names and paths, a closed stdout, the seed, the evaluation's console ----
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """`copy(name, dest)`: a finished tiny run of the script (args.json, checkpoint.pt, model.pt), made once per test
+    worker and script, copied to `dest` so that a test may resume or edit it; the copy's run directory."""
+    made = {}
+
+    def copy(name: str, dest):
+        if name not in made:
+            logs = tmp_path_factory.mktemp(name)
+            cmd = [sys.executable, script_of(name), "--log-dir", str(logs), *flags(name, RUNS[name][1]),
+                   "--checkpoint-interval", "3600", "--save-model", "--eval-episodes", "0"]  # fmt: skip
+            p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+            assert p.returncode == 0, p.stderr[-1500:]
+            made[name] = only_run_dir(logs)
+        run_dir = dest / made[name].name
+        shutil.copytree(made[name], run_dir, ignore=shutil.ignore_patterns(".lock"))
+        return run_dir
+
+    return copy
+
+
+def one_error_line(p: subprocess.CompletedProcess) -> str:
+    """The one error line of a command refused as bad input (exit 2, no traceback)."""
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), p.stderr[-1500:]
+    return lines[0]
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_a_plain_resume_takes_the_checkpoints_flags_not_those_of_a_failed_resume(name, tmp_path):
+    """A resume writes its flags to args.json at its start; one that fails before it writes a checkpoint (a learning
+    rate that diverges) must not hand them to the next `--resume DIR/checkpoint.pt`, which continues the run that the
+    checkpoint holds. Checked on resumed_args: the checkpoint's flags, args.json as the failed resume left it."""
+    module = importlib.import_module(name)
+    rates = [f.name for f in dataclasses.fields(module.Args) if f.name.endswith("learning_rate")]
+    run = module.Args(env_id="CartPole-v1", seed=3, **{rate: 0.0005 for rate in rates})
+    torch.save({"args": dataclasses.asdict(run), "meta": {}, "global_step": 64}, tmp_path / "checkpoint.pt")
+    failed = dataclasses.replace(run, **{rate: 1e38 for rate in rates}, resume=str(tmp_path / "checkpoint.pt"))
+    (tmp_path / "args.json").write_text(json.dumps(dict(script=script_of(name), args=dataclasses.asdict(failed))))
+    args = module.resumed_args(module.parse_args(["--resume", str(tmp_path / "checkpoint.pt")]))
+    assert {rate: getattr(args, rate) for rate in rates} == dict.fromkeys(rates, 0.0005)
+    assert args.seed == 3 and args.env_id == "CartPole-v1"
+    given = module.resumed_args(module.parse_args(["--resume", str(tmp_path / "checkpoint.pt"), "--seed", "1"]))
+    assert given.seed == 1, "a flag the command line gives still replaces the run's"
+
+
+@pytest.mark.parametrize("name", ["impala_monobeast", "hts_a2c"])
+def test_a_resume_after_one_that_diverged_continues_the_run_as_it_was(name, tmp_path, finished_run):
+    """The issue's commands: a resume with --learning-rate 1e38 stops (a non-finite loss), and the plain resume after
+    it continues the checkpoint's run: it names no learning rate among the flags that differ, and finishes."""
+    run_dir = finished_run(name, tmp_path)
+    checkpoint, total = run_dir / "checkpoint.pt", 2 * RUNS[name][1]
+    rate = json.loads((run_dir / "args.json").read_text())["args"]["learning_rate"]
+    resume = [sys.executable, script_of(name), "--resume", str(checkpoint), "--total-timesteps", str(total)]
+    diverged = subprocess.run([*resume, "--learning-rate", "1e38"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=300)  # fmt: skip
+    assert diverged.returncode == 1, diverged.stderr[-1500:]  # stopped, whichever thread met the NaN first
+    again = subprocess.run(resume, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    said = [line for line in again.stdout.splitlines() if line.startswith("resuming")]
+    assert len(said) == 1 and said[0].endswith(f"flags that differ from its run: --total-timesteps {total} (was "
+                                               f"{RUNS[name][1]})"), again.stdout[-1500:]  # fmt: skip
+    assert again.returncode == 0, again.stderr[-1500:]
+    assert json.loads((run_dir / "args.json").read_text())["args"]["learning_rate"] == rate
