@@ -1030,8 +1030,8 @@ def claim_run_dir(run_dir: Path) -> None:
 
 
 def load_checkpoint(path: str, meta: dict, args: Args, steps_per_update: int) -> dict:
-    """The checkpoint at `path` if this run can continue it (the same checkpoint_meta, no RESUME_FIXED flag changed,
-    a whole update left), else one error line and exit 2. Prints its step and every flag that differs."""
+    """The checkpoint at `path` if this run can continue it (the same checkpoint_meta, finite values, no RESUME_FIXED
+    flag changed, a whole update left), else one error line and exit 2. Prints its step and every flag that differs."""
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as e:  # garbage, truncated, or pickled objects this interpreter cannot rebuild
@@ -1045,6 +1045,9 @@ def load_checkpoint(path: str, meta: dict, args: Args, steps_per_update: int) ->
     if differ := [k for k in meta if theirs.get(k) != meta[k]]:
         ours, saved = (", ".join(f"{k} {m.get(k)}" for k in differ) for m in (meta, theirs))
         fail(f"cannot resume from {path}: it is a {theirs.get('script')} checkpoint ({saved}), this run is {ours}")
+    if not_finite(checkpoint):  # no run writes one (atomic_save refuses): a copy damaged or edited since
+        fail(f"cannot resume from {path}: its weights hold NaN or infinity; there is nothing to continue from them "
+             f"(resume from a checkpoint of finite weights)")  # fmt: skip
     before, now = checkpoint.get("args", {}), asdict(args)
     changed = [k for k in now if k in before and now[k] != before[k] and k not in ("resume", "eval_only")]
     if fixed := [k for k in changed if k in RESUME_FIXED]:  # the run's shape: buffers, schedules, step arithmetic

@@ -539,3 +539,19 @@ def test_a_resume_after_one_that_diverged_continues_the_run_as_it_was(name, tmp_
                                                f"{RUNS[name][1]})"), again.stdout[-1500:]  # fmt: skip
     assert again.returncode == 0, again.stderr[-1500:]
     assert json.loads((run_dir / "args.json").read_text())["args"]["learning_rate"] == rate
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_a_resume_refuses_a_checkpoint_whose_weights_hold_nan(name, tmp_path, finished_run):
+    """One NaN edited into a good checkpoint's model: --resume refuses it in one error line, as --eval-only does,
+    before it trains (a run from NaN weights would stop at its first loss, or play on with a broken policy)."""
+    run_dir = finished_run(name, tmp_path)
+    checkpoint = torch.load(run_dir / "checkpoint.pt", map_location="cpu", weights_only=False)
+    next(v for v in checkpoint["model"].values() if v.is_floating_point()).view(-1)[0] = math.nan
+    torch.save(checkpoint, run_dir / "checkpoint.pt")
+    for argv in (("--resume", run_dir / "checkpoint.pt", "--total-timesteps", 2 * RUNS[name][1]),
+                 ("--eval-only", run_dir / "checkpoint.pt")):  # fmt: skip
+        p = subprocess.run([sys.executable, script_of(name), *map(str, argv)], cwd=ROOT, capture_output=True,
+                           text=True, timeout=120)  # fmt: skip
+        assert "NaN" in one_error_line(p), argv
+    assert not any(p.name.startswith("eval-") for p in run_dir.iterdir())
