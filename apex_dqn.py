@@ -1105,7 +1105,7 @@ def flag_warnings(args) -> None:
 
 def check_flags(args: Args) -> str | None:
     """The error line of the first float flag that is not finite, the first that breaks its FLAG_RULES rule (None:
-    filled in later), or a --track whose wandb does not import."""
+    filled in later), an --exp-name that is a path, or a --track whose wandb does not import."""
     for f in fields(args):
         value = getattr(args, f.name)
         if isinstance(value, float) and not math.isfinite(value):
@@ -1116,6 +1116,9 @@ def check_flags(args: Args) -> str | None:
     for rule, name in ((rule, name) for rule, names in FLAG_RULES for name in names):
         if (value := getattr(args, name)) is not None and not holds[rule](value):
             return f"{flag(name)} must be {rule}, got {value}"
+    if any(sep and sep in args.exp_name for sep in ("/", os.sep, os.altsep)):  # "../../x" would leave --log-dir
+        return (f"--exp-name {args.exp_name} must be a name without '/': it is one part of the run directory's name "
+                f"(ENV__NAME__SEED__TIME in --log-dir {args.log_dir})")  # fmt: skip
     if args.track:
         try:
             import wandb  # noqa: F401  optional: pip install -e ".[track]"
@@ -1252,9 +1255,16 @@ def not_finite(obj) -> bool:
 
 def atomic_save(obj, path: Path) -> None:
     """torch.save to a temporary file, renamed over `path`: a crash or a full disk leaves the previous file intact.
-    Weights with a NaN or an infinity are not written: the file on disk stays the last good one."""
+    Weights with a NaN or an infinity are not written: the file on disk stays the last good one. The file replaced
+    keeps its mode, and a read-only one (its owner's write bit off: kept on purpose, as rm and editors take it) is not
+    replaced: the WriteError says how to let the run write it."""
     if not_finite(obj):
         raise WriteError(f"error: not writing {path}: its weights hold NaN or infinity (a diverged update)")
+    mode = None
+    with contextlib.suppress(OSError):  # no file yet
+        mode = os.stat(path).st_mode & 0o7777
+    if mode is not None and not mode & 0o200:  # the mode bit, not os.access: root may write any file
+        raise WriteError(f"error: not replacing {path}: it is read-only (chmod u+w {path} lets the run write it)")
     buffer = io.BytesIO()
     torch.save(obj, buffer)  # serialised in memory first: a full disk then shows as ENOSPC, not a zip-writer error
     tmp = path.with_suffix(".tmp")
@@ -1263,6 +1273,8 @@ def atomic_save(obj, path: Path) -> None:
             f.write(buffer.getbuffer())
             f.flush()
             os.fsync(f.fileno())
+        if mode is not None:
+            os.chmod(tmp, mode)
         os.replace(tmp, path)
     except OSError as e:
         with contextlib.suppress(OSError):
@@ -1367,9 +1379,15 @@ def resumed_args(args: Args) -> Args:
     """--resume: the flags of the run it continues, as its checkpoint holds them (args.json beside it only where the
     checkpoint has none: every resume rewrites that file at its start, so one that failed before its first checkpoint
     leaves its flags there), but every flag this command line gives, even at its default: `--resume DIR/checkpoint.pt`
-    alone continues the run as it was, and `--ent-coef 0.01` switches a run of 0.05 back to 0.01."""
-    path = Path(args.resume)
-    if not path.is_file():
+    alone continues the run as it was, and `--ent-coef 0.01` switches a run of 0.05 back to 0.01. A run directory
+    given as DIR stands for its checkpoint.pt."""
+    path, default, given = Path(args.resume), asdict(Args()), given_flags(args)
+    if path.is_dir():
+        if not (path / "checkpoint.pt").is_file():
+            fail(f"--resume {path}: a directory without a checkpoint.pt; give a run's checkpoint, as in --resume "
+                 f"{Path(args.log_dir) / 'RUN_DIR' / 'checkpoint.pt'}")  # fmt: skip
+        path = path / "checkpoint.pt"
+    elif not path.is_file():
         fail(f"--resume {path}: no such file")
     try:
         saved = torch.load(path, map_location="cpu", weights_only=False)["args"]
@@ -1377,10 +1395,10 @@ def resumed_args(args: Args) -> Args:
         try:
             saved = json.loads((path.parent / "args.json").read_text())["args"]
         except (OSError, ValueError, KeyError, TypeError):
-            return args
-    default, given = asdict(Args()), given_flags(args)
+            saved = {}
     kept = {k: saved[k] for k in default if k in saved and k not in given and k not in ("resume", "eval_only")}
-    return replace(args, **{k: tuple(v) if isinstance(default[k], tuple) else v for k, v in kept.items()})
+    kept = {k: tuple(v) if isinstance(default[k], tuple) else v for k, v in kept.items()}
+    return replace(args, **kept, resume=str(path))
 
 
 def stop_if_signalled(signals: StopSignals, run_dir: Path, resumed: bool) -> None:
@@ -1445,6 +1463,9 @@ def load_checkpoint(path: str, meta: dict, args: Args, steps_per_update: int) ->
              f"{per} holds no more: the run would learn nothing; give at least {needed}")  # fmt: skip
     if not os.access(Path(path).parent, os.W_OK):
         fail(f"cannot write to the run directory {Path(path).parent} of --resume {path}")
+    if args.checkpoint_interval > 0 and not os.stat(path).st_mode & 0o200:  # atomic_save keeps a read-only file
+        fail(f"cannot resume from {path}: it is read-only, and the run would replace it with its checkpoints; make it "
+             f"writable (chmod u+w {path}) or resume from a copy of its run directory")  # fmt: skip
     claim_run_dir(Path(path).resolve().parent)
     said = ", ".join(f"{flag(k)} {now[k]} (was {before[k]})" for k in changed) or "none"
     print(f"resuming {path} from step {checkpoint.get('global_step')}; flags that differ from its run: {said}")

@@ -315,9 +315,10 @@ def test_a_resume_says_its_step_and_flags_and_refuses_a_new_shape(name, tmp_path
 
 def refusals_before_training(name: str, run_dir, step: int, total: int, tmp_path) -> None:
     """What a resume or an evaluation of a finished run must refuse, each in one error line and exit 2, before it
-    trains or plays: a directory given as the checkpoint, a run directory another process holds, an --env-id given at
-    its default that is not the saved run's, and a model whose weights are NaN. A checkpoint copied without its
-    args.json still resumes as its own run (its budget is what stops it here, not another env's defaults)."""
+    trains or plays: a directory without a checkpoint.pt given as the checkpoint, a run directory another process
+    holds, an --env-id given at its default that is not the saved run's, and a model whose weights are NaN. A
+    checkpoint copied without its args.json still resumes as its own run (its budget is what stops it here, not
+    another env's defaults)."""
     default_env = importlib.import_module(name).Args().env_id
 
     def refused(*argv: str) -> str:
@@ -327,7 +328,9 @@ def refusals_before_training(name: str, run_dir, step: int, total: int, tmp_path
         assert p.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), (argv, p.stderr[-1500:])
         return lines[0]
 
-    assert "no such file" in refused("--resume", str(run_dir), "--total-timesteps", str(2 * total))
+    (tmp_path / "empty").mkdir()
+    line = refused("--resume", str(tmp_path / "empty"), "--total-timesteps", str(2 * total))
+    assert "without a checkpoint.pt" in line, line
     fd = os.open(run_dir / ".lock", os.O_RDWR | os.O_CREAT)
     try:
         fcntl.lockf(fd, fcntl.LOCK_EX)  # as a run still writing there holds it
@@ -555,3 +558,74 @@ def test_a_resume_refuses_a_checkpoint_whose_weights_hold_nan(name, tmp_path, fi
                            text=True, timeout=120)  # fmt: skip
         assert "NaN" in one_error_line(p), argv
     assert not any(p.name.startswith("eval-") for p in run_dir.iterdir())
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_resume_takes_a_run_directory_for_its_checkpoint_and_says_what_to_give_otherwise(name, tmp_path, capsys):
+    module = importlib.import_module(name)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    with pytest.raises(SystemExit) as e:  # a directory without a checkpoint: the line says what to give
+        module.resumed_args(module.parse_args(["--resume", str(run_dir)]))
+    line = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and line.startswith(f"error: --resume {run_dir}: ") and "checkpoint.pt" in line, line
+    run = module.Args(env_id="CartPole-v1", seed=3)
+    torch.save({"args": dataclasses.asdict(run), "meta": {}, "global_step": 64}, run_dir / "checkpoint.pt")
+    args = module.resumed_args(module.parse_args(["--resume", str(run_dir), "--total-timesteps", "4096"]))
+    assert args.resume == str(run_dir / "checkpoint.pt") and args.seed == 3 and args.total_timesteps == 4096
+
+
+@pytest.mark.parametrize("name", ["hts_ppo", "apex_dqn"])
+def test_a_resume_from_a_run_directory_continues_its_checkpoint(name, tmp_path, finished_run):
+    run_dir = finished_run(name, tmp_path)
+    p = subprocess.run([sys.executable, script_of(name), "--resume", str(run_dir), "--total-timesteps",
+                        str(2 * RUNS[name][1])], cwd=ROOT, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert p.returncode == 0, p.stderr[-1500:]
+    assert f"resuming {run_dir / 'checkpoint.pt'} from step {RUNS[name][1]}" in p.stdout, p.stdout[-1500:]
+    step = torch.load(run_dir / "checkpoint.pt", map_location="cpu", weights_only=False)["global_step"]
+    assert step == 2 * RUNS[name][1] and [d.name for d in tmp_path.iterdir()] == [run_dir.name]
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_an_exp_name_that_is_a_path_is_refused(name, tmp_path):
+    """--exp-name is one part of the run directory's name: a '/' in it would put the run elsewhere (outside --log-dir
+    with ../../..), leave stray directories or nest them. Refused as bad input, with no directory made."""
+    module = importlib.import_module(name)
+    for exp_name in ("../../../escape", "../../escape", "x/y"):
+        line = module.check_flags(module.Args(exp_name=exp_name))  # validate's first check
+        assert line and line.startswith(f"--exp-name {exp_name} ") and "'/'" in line, line
+    assert module.check_flags(module.Args(exp_name="v1..v2 lr=0.5")) is None
+    logs = tmp_path / "a" / "b" / "runs"
+    cmd = [sys.executable, script_of(name), "--log-dir", str(logs), *flags(name, RUNS[name][1]), "--exp-name",
+           "../../escape"]  # fmt: skip
+    assert "--exp-name" in one_error_line(subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120))
+    assert not (tmp_path / "a").exists()
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_a_read_only_checkpoint_is_never_replaced(name, tmp_path):
+    """A read-only file says "do not replace me" (rm asks first, editors refuse): atomic_save refuses to write over it
+    (the run's error line, the file kept as it is, mode included), and nothing writes it behind the user's back."""
+    module = importlib.import_module(name)
+    path = tmp_path / "checkpoint.pt"
+    module.atomic_save({"model": {"w": torch.ones(3)}, "global_step": 10}, path)
+    path.chmod(0o444)
+    with pytest.raises(module.WriteError, match="read-only"):
+        module.atomic_save({"model": {"w": torch.zeros(3)}, "global_step": 20}, path)
+    assert torch.load(path)["global_step"] == 10 and path.stat().st_mode & 0o777 == 0o444
+    assert not path.with_suffix(".tmp").exists()
+    path.chmod(0o640)  # writable: replaced, and its mode kept
+    module.atomic_save({"model": {"w": torch.zeros(3)}, "global_step": 20}, path)
+    assert torch.load(path)["global_step"] == 20 and path.stat().st_mode & 0o777 == 0o640
+
+
+@pytest.mark.parametrize("name", ["impala_monobeast", "gala_a2c"])
+def test_a_resume_of_a_read_only_checkpoint_is_refused_before_it_trains(name, tmp_path, finished_run):
+    run_dir = finished_run(name, tmp_path)
+    checkpoint = run_dir / "checkpoint.pt"
+    checkpoint.chmod(0o444)
+    before = checkpoint.read_bytes()
+    p = subprocess.run([sys.executable, script_of(name), "--resume", str(checkpoint), "--total-timesteps",
+                        str(2 * RUNS[name][1])], cwd=ROOT, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert "read-only" in one_error_line(p)
+    assert checkpoint.read_bytes() == before and checkpoint.stat().st_mode & 0o777 == 0o444
