@@ -774,6 +774,45 @@ class WriteError(Exception):
     """A checkpoint, model or TensorBoard write that failed (a full disk): the message is the run's error line."""
 
 
+class Console:
+    """sys.stdout or sys.stderr of a run's process: its lines, or nothing once their reader has gone (`| head -2`, a
+    pipe or a terminal closed). A run goes on to its budget without its console: its checkpoints, TensorBoard events
+    and evaluation are written as ever. `install()` comes first in parse_args and in a spawned child's child_main; a
+    forked child inherits its parent's."""
+
+    def __init__(self, stream) -> None:
+        self.stream = stream
+
+    @classmethod
+    def install(cls) -> None:
+        """Wrap this process's stdout and stderr, unless they are wrapped or redirected already (a test's capture)."""
+        for name in ("stdout", "stderr"):
+            if (stream := getattr(sys, name)) is not None and stream is getattr(sys, f"__{name}__"):
+                setattr(sys, name, cls(stream))
+
+    def write(self, text: str) -> int:
+        try:
+            return self.stream.write(text)
+        except BrokenPipeError:
+            self.drop()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self.stream.flush()
+        except BrokenPipeError:
+            self.drop()
+
+    def drop(self) -> None:
+        """Point the stream's file descriptor at /dev/null: what it holds, and every later line, goes nowhere."""
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, self.stream.fileno())
+        os.close(devnull)
+
+    def __getattr__(self, name: str):  # fileno, isatty, encoding, ...: the stream's own
+        return getattr(self.stream, name)
+
+
 class StopSignals:
     """Ctrl+C, SIGTERM and SIGHUP (a closed terminal) set `stop`, the event the run's waits and loops check, and keep
     the first signal for the exit status 128 + signum; the run stops at its own pace and writes its final checkpoint,
@@ -966,6 +1005,7 @@ def parse_args(argv: list[str]) -> Args:
     """tyro's parse, with a renamed flag (RENAMED_FLAGS) and tyro's boxed message (an unknown flag, a wrong type)
     turned into the one error line and exit 2 of any other bad input. `args.given` names the flags the command line
     gave, whatever their values: a resume or an evaluation takes the saved run's value of every other flag."""
+    Console.install()  # before the first line the run prints
     for arg in argv:
         if (name := arg.split("=")[0]) in RENAMED_FLAGS:
             fail(f"{name} {RENAMED_FLAGS[name]}")
@@ -1387,6 +1427,7 @@ def child_main(parent_pid: int, target, args: tuple) -> None:
         pass
     if os.getppid() != parent_pid:
         os._exit(1)
+    Console.install()  # a spawned child's own stdout and stderr (a forked one has its parent's Console)
     for signum in STOP_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)

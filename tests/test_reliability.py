@@ -629,3 +629,27 @@ def test_a_resume_of_a_read_only_checkpoint_is_refused_before_it_trains(name, tm
                         str(2 * RUNS[name][1])], cwd=ROOT, capture_output=True, text=True, timeout=300)  # fmt: skip
     assert "read-only" in one_error_line(p)
     assert checkpoint.read_bytes() == before and checkpoint.stat().st_mode & 0o777 == 0o444
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_a_run_whose_stdout_closes_trains_to_its_budget(name, tmp_path):
+    """`python SCRIPT ... | head -2`: the reader of stdout goes away after the first line, and the run goes on to its
+    budget without its console, every file written as it would be (checkpoint, events, model, the evaluation)."""
+    total, logs = RUNS[name][1], tmp_path / "runs"
+    cmd = [sys.executable, script_of(name), "--log-dir", str(logs), *flags(name, total), "--checkpoint-interval",
+           "3600", "--save-model", "--eval-episodes", "2"]  # fmt: skip
+    with open(tmp_path / "stderr", "w") as err:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True)
+        try:
+            assert proc.stdout.readline().startswith("run directory: ")
+            proc.stdout.close()  # as `head -1` exits
+            code = proc.wait(timeout=300)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    stderr = (tmp_path / "stderr").read_text()
+    assert code == 0 and "Traceback" not in stderr and "Exception ignored" not in stderr, stderr[-1500:]
+    run_dir = only_run_dir(logs)
+    assert torch.load(run_dir / "checkpoint.pt", map_location="cpu", weights_only=False)["global_step"] == total
+    assert (run_dir / "model.pt").is_file() and len(scalars(run_dir)["eval/episodic_return"]) >= 2
