@@ -1311,7 +1311,7 @@ FLAG_RULES = (
     ("> 0", ("learning_rate", "max_grad_norm", "rmsprop_eps")),
     ("in [0, 1)", ("rmsprop_alpha",)),
     ("in (0, 1]", ("gamma",)),
-    (">= 0", ("env_threads", "torch_threads", "ent_coef", "vf_coef", "eval_episodes")),
+    (">= 0", ("seed", "env_threads", "torch_threads", "ent_coef", "vf_coef", "eval_episodes")),
     (">= 0", ("checkpoint_interval", "log_interval")),
 )
 RENAMED_FLAGS: dict[str, str] = {}  # old flag -> what to say instead

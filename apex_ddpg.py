@@ -1691,7 +1691,7 @@ FLAG_RULES = (
     (">= 1", ("num_actors", "num_envs_per_actor", "actor_torch_threads", "actor_batch", "actor_update_interval",
               "batch_size", "n_step", "log_frequency", "eval_interval_episodes")),
     ("> 0", ("critic_learning_rate", "actor_learning_rate", "max_grad_norm", "adam_eps", "priority_eps")),
-    (">= 0", ("torch_threads", "learning_starts", "checkpoint_interval", "eval_episodes", "eval_interval",
+    (">= 0", ("seed", "torch_threads", "learning_starts", "checkpoint_interval", "eval_episodes", "eval_interval",
               "replay_ratio", "log_interval", "exploration_noise", "priority_alpha")),
     ("in [0, 1]", ("gamma", "tau", "priority_beta", "ou_theta")),
 )  # fmt: skip

@@ -1690,7 +1690,7 @@ FLAG_RULES = (
     (">= 1", ("num_actors", "num_envs_per_actor", "actor_torch_threads", "actor_batch", "actor_update_interval",
               "batch_size", "n_step", "target_network_frequency", "log_frequency", "eval_interval_episodes")),
     ("> 0", ("learning_rate", "max_grad_norm", "rmsprop_eps", "adam_eps", "priority_eps")),
-    (">= 0", ("torch_threads", "learning_starts", "checkpoint_interval", "eval_episodes", "eval_interval",
+    (">= 0", ("seed", "torch_threads", "learning_starts", "checkpoint_interval", "eval_episodes", "eval_interval",
               "replay_ratio", "log_interval", "priority_alpha")),
     ("in [0, 1]", ("gamma", "epsilon", "eval_epsilon", "priority_beta", "rmsprop_alpha")),
 )  # fmt: skip

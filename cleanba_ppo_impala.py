@@ -1315,8 +1315,8 @@ def stop_when_orphaned(launcher: int, grace: float = 8.0) -> None:
 
 FLAG_RULES = (
     (">= 1", ("total_timesteps", "num_envs", "num_actor_threads", "num_steps", "num_minibatches", "update_epochs")),
-    (">= 0", ("checkpoint_interval", "learner_delay", "log_interval", "eval_episodes", "env_threads", "torch_threads",
-              "clip_coef", "ent_coef", "vf_coef")),
+    (">= 0", ("seed", "checkpoint_interval", "learner_delay", "log_interval", "eval_episodes", "env_threads",
+              "torch_threads", "clip_coef", "ent_coef", "vf_coef")),
     ("> 0", ("learning_rate", "max_grad_norm", "adam_eps", "rmsprop_eps", "vtrace_rho_bar", "vtrace_c_bar",
              "vtrace_pg_rho_bar", "rank_timeout")),
     ("in (0, 1]", ("gamma",)),

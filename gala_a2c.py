@@ -1574,7 +1574,7 @@ FLAG_RULES = (
     ("> 0", ("learning_rate", "max_grad_norm", "rmsprop_eps", "rank_timeout")),
     ("in [0, 1)", ("rmsprop_alpha",)),
     ("in (0, 1]", ("gamma",)),
-    (">= 0", ("max_staleness", "ent_coef", "vf_coef", "checkpoint_interval", "eval_episodes", "log_interval",
+    (">= 0", ("seed", "max_staleness", "ent_coef", "vf_coef", "checkpoint_interval", "eval_episodes", "log_interval",
               "env_threads", "torch_threads")),
 )  # fmt: skip
 RENAMED_FLAGS: dict[str, str] = {}  # old flag -> what to say instead

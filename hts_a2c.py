@@ -1287,7 +1287,7 @@ def worker_failure(procs: Processes, error_q) -> str | None:
 
 FLAG_RULES = (
     (">= 1", ("num_envs", "num_executors", "num_actors", "sync_interval", "total_timesteps", "log_frequency")),
-    (">= 0", ("torch_threads", "checkpoint_interval", "eval_episodes", "vf_coef", "ent_coef")),
+    (">= 0", ("seed", "torch_threads", "checkpoint_interval", "eval_episodes", "vf_coef", "ent_coef")),
     ("> 0", ("learning_rate", "rmsprop_eps", "max_grad_norm", "log_interval")),
     ("in [0, 1]", ("gamma",)), ("in [0, 1)", ("rmsprop_alpha",)),
 )  # fmt: skip

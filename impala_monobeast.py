@@ -1484,7 +1484,7 @@ FLAG_RULES = (
     (">= 1", ("num_actors", "num_envs_per_actor", "num_learner_threads", "unroll_length", "batch_size")),
     (">= 1", ("total_timesteps", "lstm_layers")), ("in (0, 1]", ("gamma", "rmsprop_alpha")),
     ("> 0", ("learning_rate", "max_grad_norm", "vtrace_rho_bar", "vtrace_c_bar", "vtrace_pg_rho_bar", "rmsprop_eps")),
-    (">= 0", ("checkpoint_interval", "eval_episodes", "torch_threads", "max_inference_batch", "lstm_size")),
+    (">= 0", ("seed", "checkpoint_interval", "eval_episodes", "torch_threads", "max_inference_batch", "lstm_size")),
     (">= 0", ("vf_coef", "ent_coef", "rmsprop_momentum")),
 )  # fmt: skip
 RESUME_FIXED = ("num_actors", "num_envs_per_actor", "num_buffers", "unroll_length", "batch_size")  # the run's shape

@@ -653,3 +653,13 @@ def test_a_run_whose_stdout_closes_trains_to_its_budget(name, tmp_path):
     run_dir = only_run_dir(logs)
     assert torch.load(run_dir / "checkpoint.pt", map_location="cpu", weights_only=False)["global_step"] == total
     assert (run_dir / "model.pt").is_file() and len(scalars(run_dir)["eval/episodic_return"]) >= 2
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_a_negative_seed_is_one_error_line(name, tmp_path):
+    module = importlib.import_module(name)
+    assert module.check_flags(module.Args(seed=-1)) == "--seed must be >= 0, got -1"
+    assert module.check_flags(module.Args(seed=0)) is None
+    cmd = [sys.executable, script_of(name), "--log-dir", str(tmp_path), *flags(name, RUNS[name][1]), "--seed", "-1"]
+    line = one_error_line(subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120))
+    assert line == "error: --seed must be >= 0, got -1" and not any(tmp_path.iterdir())
