@@ -702,27 +702,60 @@ def finish_run(args, run_dir: Path | None, step: int, code: int, message: str | 
     leave(code, threads, teardown)
 
 
+class Evaluation:
+    """The games of an evaluation as they end: each logged (eval/episodic_return at global steps step, step + 1, ...,
+    where there is a writer), the first SHOWN printed one by one, then a line at most every EVERY seconds with the
+    games so far and their mean: 4,000 CartPole games are not 4,000 lines. The caller prints the last line."""
+
+    SHOWN, EVERY = 10, 5.0
+
+    def __init__(self, total: int, writer=None, step: int = 0) -> None:
+        self.total, self.writer, self.step, self.returns, self.last = total, writer, step, [], time.monotonic()
+
+    def play(self, games: Iterator[float], signals: StopSignals) -> bool:
+        """Record each game of `games` as it ends: True, or False if a signal stopped it (at once, wherever the game
+        was; the games played stay recorded)."""
+        try:
+            signals.interruptible()  # from here a signal raises Interrupted, wherever the game is
+            for ret in games:
+                signals.raise_stop = False  # a game is recorded whole
+                self.add(ret)
+                signals.interruptible()
+        except Interrupted:
+            return False
+        finally:
+            signals.raise_stop = False
+        return True
+
+    def add(self, ret: float) -> None:
+        played, shown = len(self.returns), len(self.returns) < self.SHOWN
+        if self.writer is not None:
+            self.writer.add_scalar("eval/episodic_return", ret, self.step + played)
+        self.returns.append(ret)
+        if shown or time.monotonic() - self.last >= self.EVERY:
+            each = f"eval episode {played}: return {ret:.2f}"
+            print(each if shown else f"eval: {played + 1} of {self.total} games, mean return {self.mean():.2f}",
+                  flush=True)  # fmt: skip
+            self.last = time.monotonic()
+
+    def mean(self) -> float:
+        return float(np.mean(self.returns)) if self.returns else math.nan
+
+    def stopped(self, signals: StopSignals, where: str) -> tuple[int, str]:
+        """The exit status and error line of an evaluation a signal stopped."""
+        name, games = signal.Signals(signals.signum).name, f"{len(self.returns)} of {self.total} games"
+        return 128 + signals.signum, f"stopped by {name} in {where}, after {games}"
+
+
 def final_evaluation(model: nn.Module, args, run_dir: Path, step: int, signals: StopSignals, writer,
                      device: torch.device) -> tuple[int, str | None]:  # fmt: skip
-    """Play --eval-episodes games with the final policy, each printed and logged (eval/episodic_return at global
-    steps step, step + 1, ...) as it ends; a signal stops it at once, and the games played stay recorded. Returns
-    finish_run's (code, message)."""
+    """Play --eval-episodes games with the final policy, logged as they end and the first few printed (Evaluation);
+    a signal stops it at once, and the games played stay recorded. Returns finish_run's (code, message)."""
     print(f"evaluating the final policy: {args.eval_episodes} episodes", flush=True)
-    played = 0
-    try:
-        signals.interruptible()  # from here a signal raises Interrupted, wherever the game is
-        for ret in evaluate(model, args, run_dir / "videos", device):
-            signals.raise_stop = False  # a game is recorded whole
-            print(f"eval episode {played}: return {ret:.2f}", flush=True)
-            if writer is not None:
-                writer.add_scalar("eval/episodic_return", ret, step + played)
-            played += 1
-            signals.interruptible()
-    except Interrupted:
-        name, games = signal.Signals(signals.signum).name, f"{played} of {args.eval_episodes} games"
-        return 128 + signals.signum, f"stopped by {name} in the final evaluation, after {games}"
-    finally:
-        signals.raise_stop = False
+    games = Evaluation(args.eval_episodes, writer, step)
+    if not games.play(evaluate(model, args, run_dir / "videos", device), signals):
+        return games.stopped(signals, "the final evaluation")
+    print(f"mean return over {len(games.returns)} episodes: {games.mean():.2f}", flush=True)
     return 0, None
 
 
@@ -1184,20 +1217,26 @@ def main_eval_only(args: Args) -> None:
     taken = " ".join(f"{k}={v}" for k, v in settings.items())
     how = "greedy" if eval_args.eval_greedy else "sampled"
     print(f"evaluating {path} ({eval_args.eval_episodes} episodes, {how} actions); from its run: {taken}", flush=True)
-    try:
-        returns = list(evaluate(model.to(device), eval_args, path.parent / f"videos-eval-{stamp}", device))
+    games, signals, videos = Evaluation(eval_args.eval_episodes), StopSignals(threading.Event()), f"videos-eval-{stamp}"
+    try:  # a signal stops the games, and those played are written as a whole evaluation's are
+        played = games.play(evaluate(model.to(device), eval_args, path.parent / videos, device), signals)
     except (EnvError, gym.error.DependencyNotInstalled) as e:  # --capture-video without moviepy or a renderer
         fail(str(e))
-    for i, ret in enumerate(returns):
-        print(f"eval episode {i}: return {ret:.1f}")
-    report = dict(model=str(path), episodes=len(returns), greedy=eval_args.eval_greedy, returns=returns,
-                  mean=float(np.mean(returns)), settings=settings)  # fmt: skip
+    finally:
+        signals.restore()
+    report = dict(model=str(path), episodes=len(games.returns), greedy=eval_args.eval_greedy, returns=games.returns,
+                  mean=games.mean(), settings=settings)  # fmt: skip
     out = path.parent / f"eval-{stamp}.json"
-    try:
-        out.write_text(json.dumps(report, indent=1))
-    except OSError as e:
-        fail(f"cannot write {out}: {e.strerror or e}")
-    print(f"mean return over {len(returns)} episodes: {report['mean']:.2f} (written to {out})")
+    if games.returns:
+        try:
+            out.write_text(json.dumps(report, indent=1))
+        except OSError as e:
+            fail(f"cannot write {out}: {e.strerror or e}")
+        print(f"mean return over {len(games.returns)} episodes: {report['mean']:.2f} (written to {out})")
+    if not played:
+        code, message = games.stopped(signals, "the evaluation")
+        print(message, file=sys.stderr, flush=True)
+        raise SystemExit(code)
 
 
 # -- a wait that ends when the run stops (the scripts whose threads or processes block on queues) --

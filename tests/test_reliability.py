@@ -21,6 +21,7 @@ import threading
 import time
 import types
 
+import numpy as np
 import pytest
 import torch
 from helpers import ROOT, FakeWandb, only_run_dir, scalars, start_run
@@ -663,3 +664,62 @@ def test_a_negative_seed_is_one_error_line(name, tmp_path):
     cmd = [sys.executable, script_of(name), "--log-dir", str(tmp_path), *flags(name, RUNS[name][1]), "--seed", "-1"]
     line = one_error_line(subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120))
     assert line == "error: --seed must be >= 0, got -1" and not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_a_long_evaluation_prints_its_first_games_then_a_running_summary(name, tmp_path, monkeypatch, capsys):
+    """4,000 CartPole games are 4,000 lines in 10 s: the evaluation prints its first 10 games one by one, then at
+    most a line every few seconds with the games so far and their mean (how many depends on the machine's speed),
+    and a last line with the mean over all of them; TensorBoard still gets every game."""
+    module = importlib.import_module(name)
+    returns = [float(i % 7) for i in range(40)]
+    monkeypatch.setattr(module, "evaluate", lambda *a: iter(returns))
+    logged = []
+    writer = types.SimpleNamespace(add_scalar=lambda tag, value, step: logged.append((tag, value, step)))
+    args = module.Args(eval_episodes=40)
+    signals = module.StopSignals(threading.Event())
+    try:
+        result = module.final_evaluation(nn.Linear(1, 1), args, tmp_path, 96, signals, writer, torch.device("cpu"))
+    finally:
+        signals.restore()
+    assert result == (0, None)
+    assert logged == [("eval/episodic_return", r, 96 + i) for i, r in enumerate(returns)]
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "evaluating the final policy: 40 episodes"
+    assert lines[1:11] == [f"eval episode {i}: return {r:.2f}" for i, r in enumerate(returns[:10])]
+    assert lines[-1] == f"mean return over 40 episodes: {np.mean(returns):.2f}", lines
+    assert all(re.fullmatch(r"eval: \d+ of 40 games, mean return \S+", line) for line in lines[11:-1]), lines
+
+
+@pytest.mark.parametrize("name", ["apex_dqn", "cleanba_ppo_impala"])
+def test_ctrl_c_in_an_eval_only_keeps_the_games_played(name, tmp_path, finished_run):
+    """--eval-only stopped by Ctrl+C: the games played are written to eval-*.json and summed up, as the final
+    evaluation keeps them, and the run exits with 128 + SIGINT."""
+    run_dir = finished_run(name, tmp_path)
+    cmd = [sys.executable, script_of(name), "--eval-only", str(run_dir / "model.pt"), "--eval-episodes", "1000000"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)  # fmt: skip
+    hang = threading.Timer(240, os.killpg, (proc.pid, signal.SIGKILL))  # a deadline that only catches a hang
+    hang.start()
+    try:
+        for line in proc.stdout:
+            if line.startswith("eval episode 0: return"):
+                break
+        else:
+            pytest.fail(f"no evaluation game ended (exit {proc.wait()}): {proc.stderr.read()[-1500:]}")
+        proc.send_signal(signal.SIGINT)
+        code, out, err = finish(proc)
+    finally:
+        hang.cancel()
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert code == 128 + signal.SIGINT and "Traceback" not in err, err[-1500:]
+    [report] = run_dir.glob("eval-*.json")
+    saved = json.loads(report.read_text())
+    assert set(saved) == {"model", "episodes", "greedy", "returns", "mean", "settings"}
+    assert saved["episodes"] == len(saved["returns"]) >= 1 and saved["mean"] == pytest.approx(np.mean(saved["returns"]))
+    assert saved["returns"][0] == pytest.approx(float(line.split()[-1]), abs=0.005)
+    assert f"mean return over {saved['episodes']} episodes: " in out, out[-1500:]
+    assert re.search(rf"stopped by SIGINT in the evaluation, after {saved['episodes']} of 1000000 games", err), err
