@@ -641,6 +641,45 @@ class WriteError(Exception):
     """A checkpoint, model or TensorBoard write that failed (a full disk): the message is the run's error line."""
 
 
+class Console:
+    """sys.stdout or sys.stderr of a run's process: its lines, or nothing once their reader has gone (`| head -2`, a
+    pipe or a terminal closed). A run goes on to its budget without its console: its checkpoints, TensorBoard events
+    and evaluation are written as ever. `install()` comes first in parse_args and in a spawned child's child_main; a
+    forked child inherits its parent's."""
+
+    def __init__(self, stream) -> None:
+        self.stream = stream
+
+    @classmethod
+    def install(cls) -> None:
+        """Wrap this process's stdout and stderr, unless they are wrapped or redirected already (a test's capture)."""
+        for name in ("stdout", "stderr"):
+            if (stream := getattr(sys, name)) is not None and stream is getattr(sys, f"__{name}__"):
+                setattr(sys, name, cls(stream))
+
+    def write(self, text: str) -> int:
+        try:
+            return self.stream.write(text)
+        except BrokenPipeError:
+            self.drop()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self.stream.flush()
+        except BrokenPipeError:
+            self.drop()
+
+    def drop(self) -> None:
+        """Point the stream's file descriptor at /dev/null: what it holds, and every later line, goes nowhere."""
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, self.stream.fileno())
+        os.close(devnull)
+
+    def __getattr__(self, name: str):  # fileno, isatty, encoding, ...: the stream's own
+        return getattr(self.stream, name)
+
+
 class StopSignals:
     """Ctrl+C, SIGTERM and SIGHUP (a closed terminal) set `stop`, the event the run's waits and loops check, and keep
     the first signal for the exit status 128 + signum; the run stops at its own pace and writes its final checkpoint,
@@ -742,27 +781,60 @@ def finish_run(args, run_dir: Path | None, step: int, code: int, message: str | 
     leave(code, threads, teardown)
 
 
+class Evaluation:
+    """The games of an evaluation as they end: each logged (eval/episodic_return at global steps step, step + 1, ...,
+    where there is a writer), the first SHOWN printed one by one, then a line at most every EVERY seconds with the
+    games so far and their mean: 4,000 CartPole games are not 4,000 lines. The caller prints the last line."""
+
+    SHOWN, EVERY = 10, 5.0
+
+    def __init__(self, total: int, writer=None, step: int = 0) -> None:
+        self.total, self.writer, self.step, self.returns, self.last = total, writer, step, [], time.monotonic()
+
+    def play(self, games: Iterator[float], signals: StopSignals) -> bool:
+        """Record each game of `games` as it ends: True, or False if a signal stopped it (at once, wherever the game
+        was; the games played stay recorded)."""
+        try:
+            signals.interruptible()  # from here a signal raises Interrupted, wherever the game is
+            for ret in games:
+                signals.raise_stop = False  # a game is recorded whole
+                self.add(ret)
+                signals.interruptible()
+        except Interrupted:
+            return False
+        finally:
+            signals.raise_stop = False
+        return True
+
+    def add(self, ret: float) -> None:
+        played, shown = len(self.returns), len(self.returns) < self.SHOWN
+        if self.writer is not None:
+            self.writer.add_scalar("eval/episodic_return", ret, self.step + played)
+        self.returns.append(ret)
+        if shown or time.monotonic() - self.last >= self.EVERY:
+            each = f"eval episode {played}: return {ret:.2f}"
+            print(each if shown else f"eval: {played + 1} of {self.total} games, mean return {self.mean():.2f}",
+                  flush=True)  # fmt: skip
+            self.last = time.monotonic()
+
+    def mean(self) -> float:
+        return float(np.mean(self.returns)) if self.returns else math.nan
+
+    def stopped(self, signals: StopSignals, where: str) -> tuple[int, str]:
+        """The exit status and error line of an evaluation a signal stopped."""
+        name, games = signal.Signals(signals.signum).name, f"{len(self.returns)} of {self.total} games"
+        return 128 + signals.signum, f"stopped by {name} in {where}, after {games}"
+
+
 def final_evaluation(model: nn.Module, args, run_dir: Path, step: int, signals: StopSignals, writer,
                      device: torch.device) -> tuple[int, str | None]:  # fmt: skip
-    """Play --eval-episodes games with the final policy, each printed and logged (eval/episodic_return at global
-    steps step, step + 1, ...) as it ends; a signal stops it at once, and the games played stay recorded. Returns
-    finish_run's (code, message)."""
+    """Play --eval-episodes games with the final policy, logged as they end and the first few printed (Evaluation);
+    a signal stops it at once, and the games played stay recorded. Returns finish_run's (code, message)."""
     print(f"evaluating the final policy: {args.eval_episodes} episodes", flush=True)
-    played = 0
-    try:
-        signals.interruptible()  # from here a signal raises Interrupted, wherever the game is
-        for ret in evaluate(model, args, run_dir / "videos", device):
-            signals.raise_stop = False  # a game is recorded whole
-            print(f"eval episode {played}: return {ret:.2f}", flush=True)
-            if writer is not None:
-                writer.add_scalar("eval/episodic_return", ret, step + played)
-            played += 1
-            signals.interruptible()
-    except Interrupted:
-        name, games = signal.Signals(signals.signum).name, f"{played} of {args.eval_episodes} games"
-        return 128 + signals.signum, f"stopped by {name} in the final evaluation, after {games}"
-    finally:
-        signals.raise_stop = False
+    games = Evaluation(args.eval_episodes, writer, step)
+    if not games.play(evaluate(model, args, run_dir / "videos", device), signals):
+        return games.stopped(signals, "the final evaluation")
+    print(f"mean return over {len(games.returns)} episodes: {games.mean():.2f}", flush=True)
     return 0, None
 
 
@@ -790,7 +862,7 @@ def flag_warnings(args) -> None:
 
 def check_flags(args: Args) -> str | None:
     """The error line of the first float flag that is not finite, the first that breaks its FLAG_RULES rule (None:
-    filled in later), or a --track whose wandb does not import."""
+    filled in later), an --exp-name that is a path, or a --track whose wandb does not import."""
     for f in fields(args):
         value = getattr(args, f.name)
         if isinstance(value, float) and not math.isfinite(value):
@@ -801,6 +873,9 @@ def check_flags(args: Args) -> str | None:
     for rule, name in ((rule, name) for rule, names in FLAG_RULES for name in names):
         if (value := getattr(args, name)) is not None and not holds[rule](value):
             return f"{flag(name)} must be {rule}, got {value}"
+    if any(sep and sep in args.exp_name for sep in ("/", os.sep, os.altsep)):  # "../../x" would leave --log-dir
+        return (f"--exp-name {args.exp_name} must be a name without '/': it is one part of the run directory's name "
+                f"(ENV__NAME__SEED__TIME in --log-dir {args.log_dir})")  # fmt: skip
     if args.track:
         try:
             import wandb  # noqa: F401  optional: pip install -e ".[track]"
@@ -813,6 +888,7 @@ def parse_args(argv: list[str]) -> Args:
     """tyro's parse, with a renamed flag (RENAMED_FLAGS) and tyro's boxed message (an unknown flag, a wrong type)
     turned into the one error line and exit 2 of any other bad input. `args.given` names the flags the command line
     gave, whatever their values: a resume or an evaluation takes the saved run's value of every other flag."""
+    Console.install()  # before the first line the run prints
     for arg in argv:
         if (name := arg.split("=")[0]) in RENAMED_FLAGS:
             fail(f"{name} {RENAMED_FLAGS[name]}")
@@ -937,9 +1013,16 @@ def not_finite(obj) -> bool:
 
 def atomic_save(obj, path: Path) -> None:
     """torch.save to a temporary file, renamed over `path`: a crash or a full disk leaves the previous file intact.
-    Weights with a NaN or an infinity are not written: the file on disk stays the last good one."""
+    Weights with a NaN or an infinity are not written: the file on disk stays the last good one. The file replaced
+    keeps its mode, and a read-only one (its owner's write bit off: kept on purpose, as rm and editors take it) is not
+    replaced: the WriteError says how to let the run write it."""
     if not_finite(obj):
         raise WriteError(f"error: not writing {path}: its weights hold NaN or infinity (a diverged update)")
+    mode = None
+    with contextlib.suppress(OSError):  # no file yet
+        mode = os.stat(path).st_mode & 0o7777
+    if mode is not None and not mode & 0o200:  # the mode bit, not os.access: root may write any file
+        raise WriteError(f"error: not replacing {path}: it is read-only (chmod u+w {path} lets the run write it)")
     buffer = io.BytesIO()
     torch.save(obj, buffer)  # serialised in memory first: a full disk then shows as ENOSPC, not a zip-writer error
     tmp = path.with_suffix(".tmp")
@@ -948,6 +1031,8 @@ def atomic_save(obj, path: Path) -> None:
             f.write(buffer.getbuffer())
             f.flush()
             os.fsync(f.fileno())
+        if mode is not None:
+            os.chmod(tmp, mode)
         os.replace(tmp, path)
     except OSError as e:
         with contextlib.suppress(OSError):
@@ -1059,22 +1144,29 @@ def given_flags(args: Args) -> set[str]:
 
 
 def resumed_args(args: Args) -> Args:
-    """--resume: the flags of the run it continues (its args.json, or the checkpoint's own copy where that file is
-    missing), but every flag this command line gives, even at its default: `--resume DIR/checkpoint.pt` alone
-    continues the run as it was, and `--ent-coef 0.01` switches a run of 0.05 back to 0.01."""
-    path = Path(args.resume)
-    if not path.is_file():
+    """--resume: the flags of the run it continues, as its checkpoint holds them (args.json beside it only where the
+    checkpoint has none: every resume rewrites that file at its start, so one that failed before its first checkpoint
+    leaves its flags there), but every flag this command line gives, even at its default: `--resume DIR/checkpoint.pt`
+    alone continues the run as it was, and `--ent-coef 0.01` switches a run of 0.05 back to 0.01. A run directory
+    given as DIR stands for its checkpoint.pt."""
+    path, default, given = Path(args.resume), asdict(Args()), given_flags(args)
+    if path.is_dir():
+        if not (path / "checkpoint.pt").is_file():
+            fail(f"--resume {path}: a directory without a checkpoint.pt; give a run's checkpoint, as in --resume "
+                 f"{Path(args.log_dir) / 'RUN_DIR' / 'checkpoint.pt'}")  # fmt: skip
+        path = path / "checkpoint.pt"
+    elif not path.is_file():
         fail(f"--resume {path}: no such file")
     try:
-        saved = json.loads((path.parent / "args.json").read_text())["args"]
-    except (OSError, ValueError, KeyError, TypeError):
+        saved = torch.load(path, map_location="cpu", weights_only=False)["args"]
+    except Exception:  # not a checkpoint (load_checkpoint says so), or one without its flags
         try:
-            saved = torch.load(path, map_location="cpu", weights_only=False)["args"]
-        except Exception:  # not a checkpoint: load_checkpoint says so
-            return args
-    default, given = asdict(Args()), given_flags(args)
+            saved = json.loads((path.parent / "args.json").read_text())["args"]
+        except (OSError, ValueError, KeyError, TypeError):
+            saved = {}
     kept = {k: saved[k] for k in default if k in saved and k not in given and k not in ("resume", "eval_only")}
-    return replace(args, **{k: tuple(v) if isinstance(default[k], tuple) else v for k, v in kept.items()})
+    kept = {k: tuple(v) if isinstance(default[k], tuple) else v for k, v in kept.items()}
+    return replace(args, **kept, resume=str(path))
 
 
 def claim_run_dir(run_dir: Path) -> None:
@@ -1098,8 +1190,8 @@ def claim_run_dir(run_dir: Path) -> None:
 
 
 def load_checkpoint(path: str, meta: dict, args: Args, steps_per_update: int) -> dict:
-    """The checkpoint at `path` if this run can continue it (the same checkpoint_meta, no RESUME_FIXED flag changed,
-    a whole update left), else one error line and exit 2. Prints its step and every flag that differs."""
+    """The checkpoint at `path` if this run can continue it (the same checkpoint_meta, finite values, no RESUME_FIXED
+    flag changed, a whole update left), else one error line and exit 2. Prints its step and every flag that differs."""
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as e:  # garbage, truncated, or pickled objects this interpreter cannot rebuild
@@ -1113,6 +1205,9 @@ def load_checkpoint(path: str, meta: dict, args: Args, steps_per_update: int) ->
     if differ := [k for k in meta if theirs.get(k) != meta[k]]:
         ours, saved = (", ".join(f"{k} {m.get(k)}" for k in differ) for m in (meta, theirs))
         fail(f"cannot resume from {path}: it is a {theirs.get('script')} checkpoint ({saved}), this run is {ours}")
+    if not_finite(checkpoint):  # no run writes one (atomic_save refuses): a copy damaged or edited since
+        fail(f"cannot resume from {path}: its weights hold NaN or infinity; there is nothing to continue from them "
+             f"(resume from a checkpoint of finite weights)")  # fmt: skip
     before, now = checkpoint.get("args", {}), asdict(args)
     changed = [k for k in now if k in before and now[k] != before[k] and k not in ("resume", "eval_only")]
     if fixed := [k for k in changed if k in RESUME_FIXED]:  # the run's shape: buffers, schedules, step arithmetic
@@ -1126,6 +1221,9 @@ def load_checkpoint(path: str, meta: dict, args: Args, steps_per_update: int) ->
              f"{per} holds no more: the run would learn nothing; give at least {needed}")  # fmt: skip
     if not os.access(Path(path).parent, os.W_OK):
         fail(f"cannot write to the run directory {Path(path).parent} of --resume {path}")
+    if args.checkpoint_interval > 0 and not os.stat(path).st_mode & 0o200:  # atomic_save keeps a read-only file
+        fail(f"cannot resume from {path}: it is read-only, and the run would replace it with its checkpoints; make it "
+             f"writable (chmod u+w {path}) or resume from a copy of its run directory")  # fmt: skip
     claim_run_dir(Path(path).resolve().parent)
     said = ", ".join(f"{flag(k)} {now[k]} (was {before[k]})" for k in changed) or "none"
     print(f"resuming {path} from step {checkpoint.get('global_step')}; flags that differ from its run: {said}")
@@ -1172,20 +1270,26 @@ def main_eval_only(args: Args) -> None:
     taken = " ".join(f"{k}={v}" for k, v in settings.items())
     how = "greedy" if eval_args.eval_greedy else "sampled"
     print(f"evaluating {path} ({eval_args.eval_episodes} episodes, {how} actions); from its run: {taken}", flush=True)
-    try:
-        returns = list(evaluate(model.to(device), eval_args, path.parent / f"videos-eval-{stamp}", device))
+    games, signals, videos = Evaluation(eval_args.eval_episodes), StopSignals(threading.Event()), f"videos-eval-{stamp}"
+    try:  # a signal stops the games, and those played are written as a whole evaluation's are
+        played = games.play(evaluate(model.to(device), eval_args, path.parent / videos, device), signals)
     except (EnvError, gym.error.DependencyNotInstalled) as e:  # --capture-video without moviepy or a renderer
         fail(str(e))
-    for i, ret in enumerate(returns):
-        print(f"eval episode {i}: return {ret:.1f}")
-    report = dict(model=str(path), episodes=len(returns), greedy=eval_args.eval_greedy, returns=returns,
-                  mean=float(np.mean(returns)), settings=settings)  # fmt: skip
+    finally:
+        signals.restore()
+    report = dict(model=str(path), episodes=len(games.returns), greedy=eval_args.eval_greedy, returns=games.returns,
+                  mean=games.mean(), settings=settings)  # fmt: skip
     out = path.parent / f"eval-{stamp}.json"
-    try:
-        out.write_text(json.dumps(report, indent=1))
-    except OSError as e:
-        fail(f"cannot write {out}: {e.strerror or e}")
-    print(f"mean return over {len(returns)} episodes: {report['mean']:.2f} (written to {out})")
+    if games.returns:
+        try:
+            out.write_text(json.dumps(report, indent=1))
+        except OSError as e:
+            fail(f"cannot write {out}: {e.strerror or e}")
+        print(f"mean return over {len(games.returns)} episodes: {report['mean']:.2f} (written to {out})")
+    if not played:
+        code, message = games.stopped(signals, "the evaluation")
+        print(message, file=sys.stderr, flush=True)
+        raise SystemExit(code)
 
 
 # -- a wait that ends when the run stops (the scripts whose threads or processes block on queues) --
@@ -1257,8 +1361,8 @@ def stop_when_orphaned(launcher: int, grace: float = 8.0) -> None:
 
 FLAG_RULES = (
     (">= 1", ("total_timesteps", "num_envs", "num_actor_threads", "num_steps", "num_minibatches", "update_epochs")),
-    (">= 0", ("checkpoint_interval", "learner_delay", "log_interval", "eval_episodes", "env_threads", "torch_threads",
-              "clip_coef", "ent_coef", "vf_coef")),
+    (">= 0", ("seed", "checkpoint_interval", "learner_delay", "log_interval", "eval_episodes", "env_threads",
+              "torch_threads", "clip_coef", "ent_coef", "vf_coef")),
     ("> 0", ("learning_rate", "max_grad_norm", "adam_eps", "rmsprop_eps", "vtrace_rho_bar", "vtrace_c_bar",
              "vtrace_pg_rho_bar", "rank_timeout")),
     ("in (0, 1]", ("gamma",)),

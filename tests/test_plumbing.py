@@ -94,7 +94,7 @@ EVERY_SCRIPT = (
     "Stop", "Interrupted", "NonFiniteLoss", "WriteError", "StopSignals", "fail", "flag", "check_flags", "parse_args",
     "new_run_dir", "write_run_args", "start_tracking", "finish_tracking", "make_writer", "quiet_writer_thread",
     "write_error", "atomic_save", "duration", "Progress", "help_paragraphs", "resumed_args", "load_checkpoint",
-    "main_eval_only", "error_line", "finish_run", "final_evaluation", "leave", "flag_warnings",
+    "main_eval_only", "error_line", "finish_run", "final_evaluation", "leave", "flag_warnings", "Console",
 )  # fmt: skip
 
 

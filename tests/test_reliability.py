@@ -21,6 +21,7 @@ import threading
 import time
 import types
 
+import numpy as np
 import pytest
 import torch
 from helpers import ROOT, FakeWandb, only_run_dir, scalars, start_run
@@ -315,9 +316,10 @@ def test_a_resume_says_its_step_and_flags_and_refuses_a_new_shape(name, tmp_path
 
 def refusals_before_training(name: str, run_dir, step: int, total: int, tmp_path) -> None:
     """What a resume or an evaluation of a finished run must refuse, each in one error line and exit 2, before it
-    trains or plays: a directory given as the checkpoint, a run directory another process holds, an --env-id given at
-    its default that is not the saved run's, and a model whose weights are NaN. A checkpoint copied without its
-    args.json still resumes as its own run (its budget is what stops it here, not another env's defaults)."""
+    trains or plays: a directory without a checkpoint.pt given as the checkpoint, a run directory another process
+    holds, an --env-id given at its default that is not the saved run's, and a model whose weights are NaN. A
+    checkpoint copied without its args.json still resumes as its own run (its budget is what stops it here, not
+    another env's defaults)."""
     default_env = importlib.import_module(name).Args().env_id
 
     def refused(*argv: str) -> str:
@@ -327,7 +329,9 @@ def refusals_before_training(name: str, run_dir, step: int, total: int, tmp_path
         assert p.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), (argv, p.stderr[-1500:])
         return lines[0]
 
-    assert "no such file" in refused("--resume", str(run_dir), "--total-timesteps", str(2 * total))
+    (tmp_path / "empty").mkdir()
+    line = refused("--resume", str(tmp_path / "empty"), "--total-timesteps", str(2 * total))
+    assert "without a checkpoint.pt" in line, line
     fd = os.open(run_dir / ".lock", os.O_RDWR | os.O_CREAT)
     try:
         fcntl.lockf(fd, fcntl.LOCK_EX)  # as a run still writing there holds it
@@ -471,3 +475,251 @@ def test_a_learning_rate_above_one_is_warned_of_by_name_before_the_run(name, tmp
            "--eval-episodes", "0", "--checkpoint-interval", "0"]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert f"warning: {flag} 1e+06 is above 1: " in proc.stderr, proc.stderr[-1500:]
+
+
+# ---- issue 64, the fifth probe: resumes, names and paths, a closed stdout, the seed, the evaluation's console ----
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """`copy(name, dest)`: a finished tiny run of the script (args.json, checkpoint.pt, model.pt), made once per test
+    worker and script, copied to `dest` so that a test may resume or edit it; the copy's run directory."""
+    made = {}
+
+    def copy(name: str, dest):
+        if name not in made:
+            logs = tmp_path_factory.mktemp(name)
+            cmd = [sys.executable, script_of(name), "--log-dir", str(logs), *flags(name, RUNS[name][1]),
+                   "--checkpoint-interval", "3600", "--save-model", "--eval-episodes", "0"]  # fmt: skip
+            p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+            assert p.returncode == 0, p.stderr[-1500:]
+            made[name] = only_run_dir(logs)
+        run_dir = dest / made[name].name
+        shutil.copytree(made[name], run_dir, ignore=shutil.ignore_patterns(".lock"))
+        return run_dir
+
+    return copy
+
+
+def one_error_line(p: subprocess.CompletedProcess) -> str:
+    """The one error line of a command refused as bad input (exit 2, no traceback)."""
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), p.stderr[-1500:]
+    return lines[0]
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_a_plain_resume_takes_the_checkpoints_flags_not_those_of_a_failed_resume(name, tmp_path):
+    """A resume writes its flags to args.json at its start; one that fails before it writes a checkpoint (a learning
+    rate that diverges) must not hand them to the next `--resume DIR/checkpoint.pt`, which continues the run that the
+    checkpoint holds. Checked on resumed_args: the checkpoint's flags, args.json as the failed resume left it."""
+    module = importlib.import_module(name)
+    rates = [f.name for f in dataclasses.fields(module.Args) if f.name.endswith("learning_rate")]
+    run = module.Args(env_id="CartPole-v1", seed=3, **{rate: 0.0005 for rate in rates})
+    torch.save({"args": dataclasses.asdict(run), "meta": {}, "global_step": 64}, tmp_path / "checkpoint.pt")
+    failed = dataclasses.replace(run, **{rate: 1e38 for rate in rates}, resume=str(tmp_path / "checkpoint.pt"))
+    (tmp_path / "args.json").write_text(json.dumps(dict(script=script_of(name), args=dataclasses.asdict(failed))))
+    args = module.resumed_args(module.parse_args(["--resume", str(tmp_path / "checkpoint.pt")]))
+    assert {rate: getattr(args, rate) for rate in rates} == dict.fromkeys(rates, 0.0005)
+    assert args.seed == 3 and args.env_id == "CartPole-v1"
+    given = module.resumed_args(module.parse_args(["--resume", str(tmp_path / "checkpoint.pt"), "--seed", "1"]))
+    assert given.seed == 1, "a flag the command line gives still replaces the run's"
+
+
+@pytest.mark.parametrize("name", ["impala_monobeast", "hts_a2c"])
+def test_a_resume_after_one_that_diverged_continues_the_run_as_it_was(name, tmp_path, finished_run):
+    """The issue's commands: a resume with --learning-rate 1e38 stops (a non-finite loss), and the plain resume after
+    it continues the checkpoint's run: it names no learning rate among the flags that differ, and finishes."""
+    run_dir = finished_run(name, tmp_path)
+    checkpoint, total = run_dir / "checkpoint.pt", 2 * RUNS[name][1]
+    rate = json.loads((run_dir / "args.json").read_text())["args"]["learning_rate"]
+    resume = [sys.executable, script_of(name), "--resume", str(checkpoint), "--total-timesteps", str(total)]
+    diverged = subprocess.run([*resume, "--learning-rate", "1e38"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=300)  # fmt: skip
+    assert diverged.returncode == 1, diverged.stderr[-1500:]  # stopped, whichever thread met the NaN first
+    again = subprocess.run(resume, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    said = [line for line in again.stdout.splitlines() if line.startswith("resuming")]
+    assert len(said) == 1 and said[0].endswith(f"flags that differ from its run: --total-timesteps {total} (was "
+                                               f"{RUNS[name][1]})"), again.stdout[-1500:]  # fmt: skip
+    assert again.returncode == 0, again.stderr[-1500:]
+    assert json.loads((run_dir / "args.json").read_text())["args"]["learning_rate"] == rate
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_a_resume_refuses_a_checkpoint_whose_weights_hold_nan(name, tmp_path, finished_run):
+    """One NaN edited into a good checkpoint's model: --resume refuses it in one error line, as --eval-only does,
+    before it trains (a run from NaN weights would stop at its first loss, or play on with a broken policy)."""
+    run_dir = finished_run(name, tmp_path)
+    checkpoint = torch.load(run_dir / "checkpoint.pt", map_location="cpu", weights_only=False)
+    next(v for v in checkpoint["model"].values() if v.is_floating_point()).view(-1)[0] = math.nan
+    torch.save(checkpoint, run_dir / "checkpoint.pt")
+    for argv in (("--resume", run_dir / "checkpoint.pt", "--total-timesteps", 2 * RUNS[name][1]),
+                 ("--eval-only", run_dir / "checkpoint.pt")):  # fmt: skip
+        p = subprocess.run([sys.executable, script_of(name), *map(str, argv)], cwd=ROOT, capture_output=True,
+                           text=True, timeout=120)  # fmt: skip
+        assert "NaN" in one_error_line(p), argv
+    assert not any(p.name.startswith("eval-") for p in run_dir.iterdir())
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_resume_takes_a_run_directory_for_its_checkpoint_and_says_what_to_give_otherwise(name, tmp_path, capsys):
+    module = importlib.import_module(name)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    with pytest.raises(SystemExit) as e:  # a directory without a checkpoint: the line says what to give
+        module.resumed_args(module.parse_args(["--resume", str(run_dir)]))
+    line = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and line.startswith(f"error: --resume {run_dir}: ") and "checkpoint.pt" in line, line
+    run = module.Args(env_id="CartPole-v1", seed=3)
+    torch.save({"args": dataclasses.asdict(run), "meta": {}, "global_step": 64}, run_dir / "checkpoint.pt")
+    args = module.resumed_args(module.parse_args(["--resume", str(run_dir), "--total-timesteps", "4096"]))
+    assert args.resume == str(run_dir / "checkpoint.pt") and args.seed == 3 and args.total_timesteps == 4096
+
+
+@pytest.mark.parametrize("name", ["hts_ppo", "apex_dqn"])
+def test_a_resume_from_a_run_directory_continues_its_checkpoint(name, tmp_path, finished_run):
+    run_dir = finished_run(name, tmp_path)
+    p = subprocess.run([sys.executable, script_of(name), "--resume", str(run_dir), "--total-timesteps",
+                        str(2 * RUNS[name][1])], cwd=ROOT, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert p.returncode == 0, p.stderr[-1500:]
+    assert f"resuming {run_dir / 'checkpoint.pt'} from step {RUNS[name][1]}" in p.stdout, p.stdout[-1500:]
+    step = torch.load(run_dir / "checkpoint.pt", map_location="cpu", weights_only=False)["global_step"]
+    assert step == 2 * RUNS[name][1] and [d.name for d in tmp_path.iterdir()] == [run_dir.name]
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_an_exp_name_that_is_a_path_is_refused(name, tmp_path):
+    """--exp-name is one part of the run directory's name: a '/' in it would put the run elsewhere (outside --log-dir
+    with ../../..), leave stray directories or nest them. Refused as bad input, with no directory made."""
+    module = importlib.import_module(name)
+    for exp_name in ("../../../escape", "../../escape", "x/y"):
+        line = module.check_flags(module.Args(exp_name=exp_name))  # validate's first check
+        assert line and line.startswith(f"--exp-name {exp_name} ") and "'/'" in line, line
+    assert module.check_flags(module.Args(exp_name="v1..v2 lr=0.5")) is None
+    logs = tmp_path / "a" / "b" / "runs"
+    cmd = [sys.executable, script_of(name), "--log-dir", str(logs), *flags(name, RUNS[name][1]), "--exp-name",
+           "../../escape"]  # fmt: skip
+    assert "--exp-name" in one_error_line(subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120))
+    assert not (tmp_path / "a").exists()
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_a_read_only_checkpoint_is_never_replaced(name, tmp_path):
+    """A read-only file says "do not replace me" (rm asks first, editors refuse): atomic_save refuses to write over it
+    (the run's error line, the file kept as it is, mode included), and nothing writes it behind the user's back."""
+    module = importlib.import_module(name)
+    path = tmp_path / "checkpoint.pt"
+    module.atomic_save({"model": {"w": torch.ones(3)}, "global_step": 10}, path)
+    path.chmod(0o444)
+    with pytest.raises(module.WriteError, match="read-only"):
+        module.atomic_save({"model": {"w": torch.zeros(3)}, "global_step": 20}, path)
+    assert torch.load(path)["global_step"] == 10 and path.stat().st_mode & 0o777 == 0o444
+    assert not path.with_suffix(".tmp").exists()
+    path.chmod(0o640)  # writable: replaced, and its mode kept
+    module.atomic_save({"model": {"w": torch.zeros(3)}, "global_step": 20}, path)
+    assert torch.load(path)["global_step"] == 20 and path.stat().st_mode & 0o777 == 0o640
+
+
+@pytest.mark.parametrize("name", ["impala_monobeast", "gala_a2c"])
+def test_a_resume_of_a_read_only_checkpoint_is_refused_before_it_trains(name, tmp_path, finished_run):
+    run_dir = finished_run(name, tmp_path)
+    checkpoint = run_dir / "checkpoint.pt"
+    checkpoint.chmod(0o444)
+    before = checkpoint.read_bytes()
+    p = subprocess.run([sys.executable, script_of(name), "--resume", str(checkpoint), "--total-timesteps",
+                        str(2 * RUNS[name][1])], cwd=ROOT, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert "read-only" in one_error_line(p)
+    assert checkpoint.read_bytes() == before and checkpoint.stat().st_mode & 0o777 == 0o444
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_a_run_whose_stdout_closes_trains_to_its_budget(name, tmp_path):
+    """`python SCRIPT ... | head -2`: the reader of stdout goes away after the first line, and the run goes on to its
+    budget without its console, every file written as it would be (checkpoint, events, model, the evaluation)."""
+    total, logs = RUNS[name][1], tmp_path / "runs"
+    cmd = [sys.executable, script_of(name), "--log-dir", str(logs), *flags(name, total), "--checkpoint-interval",
+           "3600", "--save-model", "--eval-episodes", "2"]  # fmt: skip
+    with open(tmp_path / "stderr", "w") as err:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True)
+        try:
+            assert proc.stdout.readline().startswith("run directory: ")
+            proc.stdout.close()  # as `head -1` exits
+            code = proc.wait(timeout=300)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    stderr = (tmp_path / "stderr").read_text()
+    assert code == 0 and "Traceback" not in stderr and "Exception ignored" not in stderr, stderr[-1500:]
+    run_dir = only_run_dir(logs)
+    assert torch.load(run_dir / "checkpoint.pt", map_location="cpu", weights_only=False)["global_step"] == total
+    assert (run_dir / "model.pt").is_file() and len(scalars(run_dir)["eval/episodic_return"]) >= 2
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_a_negative_seed_is_one_error_line(name, tmp_path):
+    module = importlib.import_module(name)
+    assert module.check_flags(module.Args(seed=-1)) == "--seed must be >= 0, got -1"
+    assert module.check_flags(module.Args(seed=0)) is None
+    cmd = [sys.executable, script_of(name), "--log-dir", str(tmp_path), *flags(name, RUNS[name][1]), "--seed", "-1"]
+    line = one_error_line(subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120))
+    assert line == "error: --seed must be >= 0, got -1" and not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_a_long_evaluation_prints_its_first_games_then_a_running_summary(name, tmp_path, monkeypatch, capsys):
+    """4,000 CartPole games are 4,000 lines in 10 s: the evaluation prints its first 10 games one by one, then at
+    most a line every few seconds with the games so far and their mean (how many depends on the machine's speed),
+    and a last line with the mean over all of them; TensorBoard still gets every game."""
+    module = importlib.import_module(name)
+    returns = [float(i % 7) for i in range(40)]
+    monkeypatch.setattr(module, "evaluate", lambda *a: iter(returns))
+    logged = []
+    writer = types.SimpleNamespace(add_scalar=lambda tag, value, step: logged.append((tag, value, step)))
+    args = module.Args(eval_episodes=40)
+    signals = module.StopSignals(threading.Event())
+    try:
+        result = module.final_evaluation(nn.Linear(1, 1), args, tmp_path, 96, signals, writer, torch.device("cpu"))
+    finally:
+        signals.restore()
+    assert result == (0, None)
+    assert logged == [("eval/episodic_return", r, 96 + i) for i, r in enumerate(returns)]
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "evaluating the final policy: 40 episodes"
+    assert lines[1:11] == [f"eval episode {i}: return {r:.2f}" for i, r in enumerate(returns[:10])]
+    assert lines[-1] == f"mean return over 40 episodes: {np.mean(returns):.2f}", lines
+    assert all(re.fullmatch(r"eval: \d+ of 40 games, mean return \S+", line) for line in lines[11:-1]), lines
+
+
+@pytest.mark.parametrize("name", ["apex_dqn", "cleanba_ppo_impala"])
+def test_ctrl_c_in_an_eval_only_keeps_the_games_played(name, tmp_path, finished_run):
+    """--eval-only stopped by Ctrl+C: the games played are written to eval-*.json and summed up, as the final
+    evaluation keeps them, and the run exits with 128 + SIGINT."""
+    run_dir = finished_run(name, tmp_path)
+    cmd = [sys.executable, script_of(name), "--eval-only", str(run_dir / "model.pt"), "--eval-episodes", "1000000"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)  # fmt: skip
+    hang = threading.Timer(240, os.killpg, (proc.pid, signal.SIGKILL))  # a deadline that only catches a hang
+    hang.start()
+    try:
+        for line in proc.stdout:
+            if line.startswith("eval episode 0: return"):
+                break
+        else:
+            pytest.fail(f"no evaluation game ended (exit {proc.wait()}): {proc.stderr.read()[-1500:]}")
+        proc.send_signal(signal.SIGINT)
+        code, out, err = finish(proc)
+    finally:
+        hang.cancel()
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert code == 128 + signal.SIGINT and "Traceback" not in err, err[-1500:]
+    [report] = run_dir.glob("eval-*.json")
+    saved = json.loads(report.read_text())
+    assert set(saved) == {"model", "episodes", "greedy", "returns", "mean", "settings"}
+    assert saved["episodes"] == len(saved["returns"]) >= 1 and saved["mean"] == pytest.approx(np.mean(saved["returns"]))
+    assert saved["returns"][0] == pytest.approx(float(line.split()[-1]), abs=0.005)
+    assert f"mean return over {saved['episodes']} episodes: " in out, out[-1500:]
+    assert re.search(rf"stopped by SIGINT in the evaluation, after {saved['episodes']} of 1000000 games", err), err
