@@ -30,11 +30,15 @@ Determinism: the queue protocol fixes which parameters produced which data, what
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 
 if __name__ == "__main__":  # Ctrl+C while the imports below load: exit 130 without a traceback
     signal.signal(signal.SIGINT, lambda signum, frame: sys.exit(128 + signum))
+    # torch's OpenMP threads sleep while they wait for work, not spin: a learner shares the cores with actors, envs and
+    # other jobs, and a spinning thread holds the core a peer needs (2-3x slower updates beside one busy core)
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import atexit
 import contextlib
@@ -48,7 +52,6 @@ import io
 import itertools
 import json
 import math
-import os
 import queue
 import threading
 import time

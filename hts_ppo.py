@@ -29,11 +29,15 @@ seed, num_envs, num_executors, sync_interval and --sync, whatever num_actors and
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 
 if __name__ == "__main__":  # Ctrl+C while the imports below load: exit 130 without a traceback
     signal.signal(signal.SIGINT, lambda signum, frame: sys.exit(128 + signum))
+    # torch's OpenMP threads sleep while they wait for work, not spin: a learner shares the cores with actors, envs and
+    # other jobs, and a spinning thread holds the core a peer needs (2-3x slower updates beside one busy core)
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import atexit
 import contextlib
@@ -48,7 +52,6 @@ import itertools
 import json
 import math
 import multiprocessing.connection
-import os
 import queue
 import threading
 import time
@@ -121,7 +124,8 @@ class Args:
     """updates per TensorBoard point of the losses, timings, policy lag, learning rate and SPS (each point the mean
     over those updates; an update's losses are the means over its epochs and minibatches)"""
     torch_threads: int = 0
-    """torch intra-op threads of the learner (0 = the cores not taken by executors and actors, at least 1)"""
+    """torch intra-op threads of the learner (0 = on frames every core, since the CNN's PPO epochs are most of the work
+    and the executors and actors finish their collection first; on vectors the cores they leave, at least 1)"""
 
     # HTS-RL / PPO settings. Table A6 ("PPO / PPO(Ours)") is for GFootball: its values are taken where they apply to
     # Atari (rollout shape, actors, value coefficient); the rest are the standard Atari PPO settings of Schulman et
@@ -549,8 +553,8 @@ def main(args: Args) -> None:
     torch.manual_seed(args.seed)
     torch.backends.cudnn.deterministic = args.torch_deterministic
     device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
-    # the learner gets the cores the workers leave: intra-op threads beyond the free cores spin and slow its update
-    torch.set_num_threads(args.torch_threads or max(1, (os.cpu_count() or 1) - args.num_executors - args.num_actors))
+    cores, workers = os.cpu_count() or 1, args.num_executors + args.num_actors  # the learner's threads: --torch-threads
+    torch.set_num_threads(args.torch_threads or (cores if len(spaces[0].shape) == 3 else max(1, cores - workers)))
     fixed_mmap_threshold()  # inherited by the workers
 
     learner = Learner(args, spaces, device, checkpoint)

@@ -165,7 +165,8 @@ def hts_pieces(flags: list[str], env_id: str, cores: int) -> Pieces:
     ppo = flags[0] == "hts_ppo.py"
     n, e, a = opt(flags, "--num-envs", 16), opt(flags, "--num-executors", 4), opt(flags, "--num-actors", 4)
     t = opt(flags, "--sync-interval", 128 if ppo else 5)
-    threads = opt(flags, "--torch-threads", 0) or max(1, cores - e - a)
+    # the learner's threads: A2C's default leaves it the cores the workers do not take; PPO's on frames every core
+    threads = opt(flags, "--torch-threads", 0) or (cores if ppo else max(1, cores - e - a))
     shared = dict(num_envs=n // e, actor_batch=n // e, env_copies=e, infer_copies=a, samples=t * n,
                   train_threads=threads, **_env(flags, env_id))  # fmt: skip
     if ppo:
