@@ -6,6 +6,8 @@ Suites
 - `pendulum`: Pendulum-v1 for the continuous-control script (Ape-X DDPG); the bar: mean greedy return >= -200.
 - `atari-smoke`: Pong (deepmind protocol) for the PPO/A2C-family and IMPALA scripts, a few million frames on a CPU
   machine: the curve must rise clearly from -21.
+- `pong-gate`: the Pong gate, a last-20-games mean of +18 within 5M agent steps (20M frames), each script at its
+  atari-smoke settings (a run may be stopped at its first crossing).
 - `a3c-eps`: the RMSprop eps sweep behind A3C's default eps (hogwild 1, 2, 4 workers, the gradient server).
 - `atari-paper`: the seeds' papers' Atari settings (GALA's six games, HTS-RL's Atari table, Cleanba's 200M-frame
   protocol) as commands for a GPU machine, read from `benchmarks/atari_paper.json` with the papers' numbers beside
