@@ -144,6 +144,7 @@ def pong_cpu_files(results: Path) -> list[str]:
 REPLACED_BY = {
     ("pong_cpu_impala2.json", "impala_batched_small"): "pong_cpu_impala_small.json",
     ("pong_cpu_hts_ppo8.json", "hts_ppo"): "pong_cpu_hts_ppo.json",
+    ("pong_cpu.json", "gala_gossip"): "pong_cpu_gate_gala.json",  # older code, 2.5M steps; then the gate's 5M budget
 }
 
 
