@@ -208,13 +208,15 @@ def make_vector_env(
     SyncVectorEnv: the scripts run their envs inside worker processes already.
     `train=False` turns off the life-loss signal and reward clipping (evaluation); `clip_rewards=False` turns off
     the clipping only, for a script that clips in its loss. The first `reset()` without a seed seeds
-    sub-environment i with `seed + i`.
+    sub-environment i with `seed + i`; on ALE ids `seed` is first taken modulo ale-py's signed 32-bit range, so a
+    resumed run's shifted seed (`1_000_003 * updates`) still fits.
     """
     check_env_args(env_id, num_envs, protocol, batch_size)
     game = ale_game(env_id)
     if game is not None:
         from ale_py.vector_env import AtariVectorEnv
 
+        seed %= 2**31 - num_envs  # the C++ reset takes int32 seeds, seed + i each; smaller seeds are unchanged
         settings = dict(_PROTOCOL_SETTINGS[protocol])
         life_loss = settings.pop("life_loss")
         env = AtariVectorEnv(

@@ -55,6 +55,16 @@ def test_noop_starts_differ_by_seed_and_repeat_for_same_seed():
     assert not np.array_equal(a, c)
 
 
+def test_seeds_past_int32_fold_into_ale_range():
+    # a resumed impala run seeds its actors with seed + 1_000_003 * updates: 1.2e11 after 120k updates
+    envs = make_vector_env("ALE/Breakout-v5", 2, seed=1_000_003 * 120_000, num_threads=1)
+    obs, _ = envs.reset()
+    envs.close()
+    ref = raw_ale("breakout", 2, noop_max=30, repeat_action_probability=0.0)
+    ref_obs, _ = ref.reset(seed=np.arange(2) + 1_000_003 * 120_000 % (2**31 - 2))
+    np.testing.assert_array_equal(obs, ref_obs)
+
+
 def play_against_reference(
     protocol, game="space_invaders", env_id="ALE/SpaceInvaders-v5", seed=3, max_steps=5000, clip_rewards=True
 ):
