@@ -52,11 +52,12 @@ import json
 import math
 import multiprocessing.connection
 import queue
+import shlex
 import threading
 import time
 import traceback
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, fields, replace
 from multiprocessing.queues import Queue
 from multiprocessing.sharedctypes import Synchronized
@@ -479,69 +480,40 @@ def gradient_server(model: nn.Module, args: Args, shared: Shared, device: torch.
 
 
 def main(args: Args) -> None:
-    args = resumed_args(args) if args.resume else args
-    if error := validate(args):
-        fail(error)
-    if args.eval_only:
-        return main_eval_only(args)
-    flag_warnings(args)
-    obs_space, act_space = env_spaces(args)
-    meta = checkpoint_meta(args, obs_space, act_space)
-    batch = args.num_envs_per_worker * args.num_steps  # one update: a worker's rollout, claimed whole from the budget
-    checkpoint = load_checkpoint(args.resume, meta, args, batch) if args.resume else None
-    device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
+    if (run := open_run(args)) is None:  # resume, validation, run directory, args.json, seed, threads, device
+        return  # --eval-only played the saved agent
+    args, device, checkpoint, workers = run.args, run.device, run.checkpoint, run.args.num_workers
     ctx = mp.get_context("spawn" if device.type == "cuda" else "fork")  # CUDA cannot be used in forked children
-    signals = StopSignals(ctx.Event())
-    torch.set_num_threads(threads(args.torch_threads, args.num_workers))
-    torch.manual_seed(args.seed)
-    torch.backends.cudnn.deterministic = args.torch_deterministic
-    torch.use_deterministic_algorithms(args.torch_deterministic, warn_only=True)
-    run_dir = Path(args.resume).parent if checkpoint else new_run_dir(args)
-
-    model = make_model(obs_space, act_space, args.network)  # hogwild: the shared model; server: main's view of it
+    signals = run.stop_on_signals(ctx.Event())
+    model = make_model(*run.spaces, args.network)  # hogwild: the shared model; server: main's view of it
     shared = make_shared(args, ctx, signals.stop, model, checkpoint)
-    extra = dict(update=args.update, args=asdict(args), torch_rng=torch.get_rng_state(), meta=meta)
-    stop_if_signalled(signals, run_dir, resumed=checkpoint is not None)  # no process started yet
-    write_run_args(run_dir, args, meta)
-    start_step = shared.steps_claimed.value
-    n_updates, plan = planned_updates(args.total_timesteps, batch)
-    if (left := n_updates - start_step // batch) < (workers := args.num_workers):
+    extra = dict(update=args.update, args=asdict(args), torch_rng=torch.get_rng_state(), meta=run.meta)
+    stop_if_signalled(signals, run.run_dir, resumed=checkpoint is not None)  # no process started yet
+    processes = Processes(ctx)
+    watch = Watch(args, model, shared, processes, signals, extra, shared.steps_claimed.value)
+    if (left := run.num_updates - watch.global_step // run.steps_per_update) < workers:
         print(f"warning: {left} update(s) left for {workers} workers: {workers - left} of them will update nothing",
               file=sys.stderr)  # fmt: skip
-    shape = f"an update is one of {workers} asynchronous workers' {args.num_envs_per_worker} envs x {args.num_steps}"
-    progress = Progress(run_dir, n_updates * batch, f"{plan}; {shape} steps; {args.update}, {device}")
-    processes = Processes(ctx)
     if shared.grad_q is not None:  # the gradient server first, with its own copy of the model and the optimizer
         server = (copy.deepcopy(model), args, shared, device, checkpoint)
         processes.start("gradient server", worker_body, gradient_server, shared.error_q, *server)
     for w in range(workers):
         processes.start(f"worker {w}", worker_body, worker_loop, shared.error_q, w, args, shared, device)
-    try:
-        tracker = start_tracking(args, run_dir)  # after the forks: no worker inherits wandb's threads and pipes
-    except SystemExit:  # wandb.init failed (its error line is printed)
-        signals.stop.set()
-        processes.stop(grace=0.0)
-        raise
-    record = Recorder(make_writer(run_dir, args), progress, args, start_step, window=20)
-    run = Watch(args, model, shared, processes, signals, extra, record, start_step)
-    failure, last_checkpoint = None, time.time()
-    try:  # log what the workers report, print the console line, write checkpoints and watch the processes
-        while run.workers_running() and not signals.stop.is_set():
-            run.drain(0.5)
+    shape = f"{workers} asynchronous workers' {args.num_envs_per_worker} envs x {args.num_steps} steps; {args.update}"
+    with run.training(f"an update is one of {shape}", lambda: watch.global_step,
+                      lambda graceful: shut_down(watch, failed=not (graceful or signals.signum)), window=20,
+                      checkpoint=watch.write_checkpoint if shared.grad_q is None else None,  # the server writes its own
+                      save=watch.write_checkpoint, final_model=lambda: watch.model, last_point=watch.last_point,
+                      ) as record:  # fmt: skip
+        watch.record = record
+        while watch.workers_running() and not signals.stop.is_set():  # log what the workers report, watch them
+            watch.drain(0.5)
             if failure := worker_failure(processes, shared.error_q):
-                break
-            run.console_line()
-            if args.checkpoint_interval and time.time() - last_checkpoint >= args.checkpoint_interval:
-                run.write_checkpoint()
-                last_checkpoint = time.time()
-    except (WriteError, OSError) as e:  # a checkpoint or the TensorBoard events
-        failure = error_line(e, run.global_step, signals.signum)[1]
-    finally:  # whatever ended the loop, no process outlives it
-        failure = shut_down(run, failure)
-    code, message = (1, failure) if failure else error_line(Stop(), run.global_step, signals.signum)
-    save = run.write_checkpoint if failure is None and shared.grad_q is None else None  # the server wrote its own
-    finish_run(args, run_dir, run.global_step, code, message, signals, progress=progress, writer=record.writer,
-               tracker=tracker, checkpoint=save, final_model=lambda: run.model, last_point=run.last_point)  # fmt: skip
+                raise Stop(failure)
+            watch.console_line()
+            run.checkpoint_if_due()
+        if signals.signum:  # the loop ended by a signal
+            raise Stop
 
 
 # ---- run plumbing ------------------------------------------------------------------------------------------------
@@ -681,8 +653,7 @@ def finish_run(args, run_dir: Path | None, step: int, code: int, message: str | 
     the Progress); the exit with the status (`leave`). A failed write becomes the error line. Once the interpreter
     exits, a further signal ends the process at once, with that status."""
     try:
-        if checkpoint is not None and args.checkpoint_interval > 0:
-            checkpoint()
+        if checkpoint is not None and args.checkpoint_interval > 0 and checkpoint() is not False:  # False: none due
             message = message and f"{message}; checkpoint written to {run_dir / 'checkpoint.pt'}"
         if last_point is not None:  # the run's last TensorBoard point and console line
             last_point()
@@ -707,6 +678,102 @@ def finish_run(args, run_dir: Path | None, step: int, code: int, message: str | 
         progress.summary(step, code)
     atexit.register(signals.exit_on_signal, code)  # the interpreter's exit handlers run after ours
     leave(code, threads, teardown)
+
+
+@dataclass
+class Run:
+    """The run envelope around `main`: `open_run` is its opening (all before a worker starts), `with run.training(...)`
+    its closing around the loop that drives training. `run_dir` is None on a torchrun rank other than 0."""
+
+    args: Args
+    spaces: tuple[gym.Space, gym.Space]
+    meta: dict
+    checkpoint: dict | None  # --resume's, else None
+    run_dir: Path | None
+    device: torch.device
+    world_size: int
+    rank: int
+    steps_per_update: int
+    num_updates: int  # of the whole budget, the updates a resumed checkpoint did included
+    plan: str
+    signals: StopSignals
+    save: Callable[[], None] | None = None
+    checkpoint_due: float = math.inf
+
+    @property
+    def checkpoint_path(self) -> Path:
+        return self.run_dir / "checkpoint.pt"
+
+    def stop_on_signals(self, stop) -> StopSignals:
+        """From here a signal sets `stop`, the event the workers share (at once, if one came during the start)."""
+        self.signals.stop = stop
+        if self.signals.signum:
+            stop.set()
+        return self.signals
+
+    @contextlib.contextmanager
+    def training(self, roles: str, step: Callable[[], int], stop: Callable[[bool], str | None], *,
+                 checkpoint: Callable[[], None] | None = None, save: Callable[[], None] | None = None,
+                 final_model: Callable[[], nn.Module] | None = None, last_point: Callable[[], None] | None = None,
+                 who: str = "the learner", window: int = 100, threads: list = (), teardown: bool = True):  # fmt: skip
+        """Main's loop runs inside, with the Recorder (None on ranks other than 0); `roles` (who runs) goes into the
+        start line and `step()` is the global step. Whatever ends the loop, `stop(graceful)` stops the workers (a
+        string back: a worker's error line, exit status 1), then finish_run: `checkpoint()`, unless the run failed (an
+        exception with `checkpoint_is_good` still writes it), `final_model()`, `last_point()`. `run.checkpoint_if_due()`
+        in the loop calls `save()` (default: `checkpoint()`) every --checkpoint-interval seconds."""
+        record = tracker = progress = None
+        code, message, good = 0, None, True
+        try:
+            if self.run_dir is not None:
+                total = self.num_updates * self.steps_per_update
+                progress = Progress(self.run_dir, total, f"{self.plan}, {roles}, {self.device}")
+                tracker = start_tracking(self.args, self.run_dir)  # after the forks: no worker inherits wandb's
+                record = Recorder(make_writer(self.run_dir, self.args), progress, self.args, step(), window)
+            self.save, self.checkpoint_due = save or checkpoint, time.time() + self.args.checkpoint_interval
+            yield record
+        except Exception as e:  # a signal, a dead worker, a failed write, a non-finite loss, a bug
+            code, message = error_line(e, step(), self.signals.signum, who, self.rank, self.world_size)
+            good = code != 1 or getattr(e, "checkpoint_is_good", False)
+        finally:  # whatever ended the loop (a BaseException too), no worker outlives it
+            failure = stop(code == 0)
+        if failure and code != 1:
+            code, message, good = 1, failure, False
+        elif code > 128:  # a signal: the step the workers reached as they stopped
+            message = error_line(Stop(), step(), self.signals.signum)[1]
+        finish_run(self.args, self.run_dir, step(), code, message, self.signals, progress=progress, tracker=tracker,
+                   writer=record and record.writer, checkpoint=checkpoint if good else None, final_model=final_model,
+                   last_point=last_point, device=self.device, threads=threads, teardown=teardown)  # fmt: skip
+
+    def checkpoint_if_due(self) -> None:
+        if self.save is not None and self.args.checkpoint_interval > 0 and time.time() >= self.checkpoint_due:
+            self.save()
+            self.checkpoint_due = time.time() + self.args.checkpoint_interval
+
+
+def open_run(args: Args) -> Run | None:
+    """The run's opening: the flags of the run a --resume continues, validation (one error line, exit 2), --eval-only
+    (which plays the saved agent: None), flag warnings, the checkpoint, the run directory and args.json (rank 0), the
+    process's seed, threads and device (`init_torch`); a signal from here on stops the run with its line."""
+    world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    args = settled_args(resumed_args(args) if args.resume else args)
+    if error := validate(args, world_size):
+        fail(error)
+    if args.eval_only:
+        main_eval_only(args)
+        return None
+    signals = StopSignals(threading.Event())
+    flag_warnings(args)
+    spaces = env_spaces(args)
+    meta = checkpoint_meta(args, *spaces, world_size)
+    steps = steps_per_update(args, world_size)
+    checkpoint = load_checkpoint(args.resume, meta, args, steps) if args.resume else None
+    run_dir = (Path(args.resume).resolve().parent if args.resume else new_run_dir(args)) if rank == 0 else None
+    if run_dir is not None:
+        write_run_args(run_dir, args, meta)
+    device = init_torch(args, spaces, rank, world_size)
+    stop_if_signalled(signals, run_dir, resumed=checkpoint is not None)
+    return Run(args, spaces, meta, checkpoint, run_dir, device, world_size, rank, steps,
+               *planned_updates(args.total_timesteps, steps), signals)  # fmt: skip
 
 
 class Evaluation:
@@ -1028,11 +1095,16 @@ class Progress:
             files = []
         print(f"wrote to {self.run_dir}: {', '.join(files) or 'nothing'}")
         script, checkpoint, model = Path(__file__).name, self.run_dir / "checkpoint.pt", self.run_dir / "model.pt"
-        print(f"next: tensorboard --logdir {self.run_dir}")
+        print(f"next: tensorboard --logdir {shlex.quote(str(self.run_dir))}")  # each line pastes into a shell as is
         if checkpoint.exists() and step < self.total:
-            print(f"      python {script} --resume {checkpoint}")
+            world, local = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+            launch = "python" if world == 1 else f"torchrun --nproc-per-node {local}"  # the ranks a resume needs
+            launch += " --standalone" if world == local > 1 else f" --nnodes {world // local}" if world > 1 else ""
+            where = "  # on every node, with its rendezvous flags" if world > local else ""
+            print(f"      {launch} {script} --resume {shlex.quote(str(checkpoint))}{where}")
         if saved := [p for p in (model, checkpoint) if p.exists()]:  # the newer: a resumed run may leave an old model
-            print(f"      python {script} --eval-only {max(saved, key=lambda p: p.stat().st_mtime)}", flush=True)
+            newer = max(saved, key=lambda p: p.stat().st_mtime)
+            print(f"      python {script} --eval-only {shlex.quote(str(newer))}", flush=True)
 
 
 class Recorder:
@@ -1114,13 +1186,15 @@ def resumed_args(args: Args) -> Args:
     return replace(args, **kept, resume=str(path))
 
 
-def stop_if_signalled(signals: StopSignals, run_dir: Path, resumed: bool) -> None:
-    """Ctrl+C or SIGTERM during start-up: exit before any process starts, leaving no new run directory behind."""
+def stop_if_signalled(signals: StopSignals, run_dir: Path | None, resumed: bool) -> None:
+    """Ctrl+C or SIGTERM during the start: exit before any worker starts, leaving no new run directory behind."""
     if signals.signum:  # set by the handler itself: the event is set a moment later, from a thread
-        if not resumed:
-            (run_dir / ".lock").unlink(missing_ok=True)  # claim_run_dir's: the directory held nothing else
+        if run_dir is not None and not resumed:
+            for name in (".lock", "args.json"):  # claim_run_dir's and write_run_args's: it held nothing else
+                (run_dir / name).unlink(missing_ok=True)
             run_dir.rmdir()
-        print("interrupted during start-up", file=sys.stderr)
+        signals.restore()
+        print(f"stopped by {signal.Signals(signals.signum).name} during the start", file=sys.stderr)
         raise SystemExit(128 + signals.signum)
 
 
@@ -1355,22 +1429,23 @@ def worker_failure(procs: Processes, error_q) -> str | None:
 
 FLAG_RULES = (
     (">= 1", ("num_workers", "num_envs_per_worker", "num_steps", "log_frequency")),
-    ("> 0", ("learning_rate", "max_grad_norm", "rmsprop_eps")),
-    ("in [0, 1)", ("rmsprop_alpha",)),
+    ("> 0", ("learning_rate", "max_grad_norm", "rmsprop_eps")), ("in [0, 1)", ("rmsprop_alpha",)),
     ("in (0, 1]", ("gamma",)),
-    (">= 0", ("seed", "env_threads", "torch_threads", "ent_coef", "vf_coef", "eval_episodes")),
-    (">= 0", ("checkpoint_interval", "log_interval")),
-)
+    (">= 0", ("seed", "env_threads", "torch_threads", "ent_coef", "vf_coef", "eval_episodes", "checkpoint_interval",
+              "log_interval")),
+)  # fmt: skip
 RENAMED_FLAGS: dict[str, str] = {}  # old flag -> what to say instead
 # a gradient's rollout (agent steps per version, the step arithmetic of a run) and --update server's per-worker slots
 RESUME_FIXED = ("num_workers", "num_envs_per_worker", "num_steps")
 RUN_SETTINGS = ("env_id", "atari_protocol", "network")
 
 
-def validate(args: Args) -> str | None:
+def validate(args: Args, world_size: int = 1) -> str | None:
     """The checks beyond check_flags's, before anything is made: the error line or None (tyro checks the choices)."""
     if error := check_flags(args):
         return error
+    if world_size > 1:
+        return f"{Path(__file__).name} runs on one machine: start it with python, not torchrun"
     if args.resume is not None and not Path(args.resume).is_file():
         return f"--resume {args.resume}: no such checkpoint file"
     if args.eval_only is not None and not Path(args.eval_only).is_file():
@@ -1404,19 +1479,30 @@ def env_spaces(args: Args) -> tuple[gym.Space, gym.Space]:
     return spaces
 
 
-def checkpoint_meta(args: Args, obs_space: gym.Space, act_space: gym.spaces.Discrete) -> dict:
-    """What a checkpoint must match to be resumed by this run: script, update mode, env, Atari protocol, network and
-    shapes."""
+def checkpoint_meta(args: Args, obs_space: gym.Space, act_space: gym.spaces.Discrete, world_size: int = 1) -> dict:
+    """What a checkpoint must match to be resumed by this run: script, update mode, env, network and shapes."""
     network = args.network if args.network != "auto" else ("nature" if len(obs_space.shape) == 3 else "mlp")
-    return dict(
-        script=Path(__file__).name,
-        algo=args.update,
-        env_id=args.env_id,
-        atari_protocol=args.atari_protocol,
-        network=network,
-        obs_shape=list(obs_space.shape),
-        action_shape_or_n=int(act_space.n),
-    )
+    return dict(script=Path(__file__).name, algo=args.update, env_id=args.env_id, atari_protocol=args.atari_protocol,
+                network=network, obs_shape=list(obs_space.shape), action_shape_or_n=int(act_space.n))  # fmt: skip
+
+
+def settled_args(args: Args) -> Args:
+    """The flags as the run uses them: as given (no default here depends on another flag)."""
+    return args
+
+
+def steps_per_update(args: Args, world_size: int) -> int:
+    """Agent steps of one update: a worker's rollout of --num-envs-per-worker envs x --num-steps, claimed whole."""
+    return args.num_envs_per_worker * args.num_steps
+
+
+def init_torch(args: Args, spaces: tuple[gym.Space, gym.Space], rank: int, world_size: int) -> torch.device:
+    """Threads, seed and determinism of main's process (the forked workers inherit them), and the workers' device."""
+    torch.set_num_threads(threads(args.torch_threads, args.num_workers))
+    torch.manual_seed(args.seed)
+    torch.backends.cudnn.deterministic = args.torch_deterministic
+    torch.use_deterministic_algorithms(args.torch_deterministic, warn_only=True)
+    return torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
 
 
 def saved_model(eval_args: Args, settings: dict, state_dict: dict) -> nn.Module:
@@ -1429,10 +1515,9 @@ def evaluate(model: nn.Module, args: Args, video_dir: Path, device: torch.device
     """Play `eval_episodes` full games with the final (or --eval-only's saved) policy, true returns; argmax actions
     with `--eval-greedy` (GALA Table 1), sampled ones otherwise; videos to `video_dir` with --capture-video."""
     seed = args.seed + 1_000_003
-    env = make_env(
-        args.env_id, seed, protocol=args.atari_protocol, capture_video=args.capture_video, video_dir=str(video_dir)
-    )
-    generator = torch.Generator(device=device).manual_seed(seed)
+    env = make_env(args.env_id, seed, protocol=args.atari_protocol, capture_video=args.capture_video,
+                   video_dir=str(video_dir))  # fmt: skip
+    generator, model = torch.Generator(device=device).manual_seed(seed), model.to(device)
     played = 0
     obs, _ = env.reset()
     while played < args.eval_episodes:
@@ -1461,8 +1546,8 @@ class Watch:
     processes: Processes
     signals: StopSignals
     extra: dict  # what main adds to every checkpoint: the Args, meta and its RNG state
-    record: Recorder  # made after the forks: its SummaryWriter runs a thread
     global_step: int
+    record: Recorder | None = None  # the run's, made after the forks (its SummaryWriter runs a thread)
     updates: int = 0
     lag: int = 0  # of the latest update
 
@@ -1519,19 +1604,23 @@ class Watch:
         self.console_line(now=True)
 
 
-def shut_down(run: Watch, failure: str | None) -> str | None:
-    """Stop the workers, let the gradient server apply what is queued and write the final checkpoint, then end every
-    process (SIGKILL for one that does not stop in time); returns the run's error line, if any."""
+def shut_down(run: Watch, failed: bool) -> str | None:
+    """Stop the workers, let the gradient server apply what is queued and write the final checkpoint (unless the run
+    `failed`), then end every process (SIGKILL for one that does not stop in time); returns the error line of one that
+    failed meanwhile. Before the record is made (tracking failed to start) every process is killed at once."""
     shared, interrupted = run.shared, bool(run.signals.signum)
     if interrupted:
         print("interrupted: shutting down", file=sys.stderr, flush=True)
     shared.stop.set()
+    if run.record is None:
+        run.processes.stop(grace=0.0)
+        return None
     # after a death the wait is short: a process killed while writing to a queue leaves its lock held, and the others'
     # exits would hang on it
-    drain_while(run, run.workers_running, 4.0 if failure is None else 1.0)
-    failure = failure or worker_failure(run.processes, shared.error_q)
+    drain_while(run, run.workers_running, 1.0 if failed else 4.0)
+    failure = None if failed else worker_failure(run.processes, shared.error_q)
     server = run.processes.procs.get("gradient server")
-    if server is not None and failure is None:
+    if server is not None and not (failed or failure):
         path = str(run.record.progress.run_dir / "checkpoint.pt") if run.args.checkpoint_interval else None
         shared.grad_q.put(SaveCheckpoint(path, run.extra, final=True))  # behind the exited workers' gradients
         wait = 5.0 if interrupted else 60.0  # the final checkpoint of a finished run may take a while to write

@@ -55,11 +55,12 @@ import json
 import math
 import multiprocessing.connection
 import queue
+import shlex
 import threading
 import time
 import traceback
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Literal, NamedTuple, NoReturn
@@ -79,6 +80,7 @@ ALGORITHM = "Ape-X DQN"
 LOCK_TIMEOUT = 5.0  # seconds a replay buffer's lock may be held before the learner gives up on it
 RPC_PERIOD = 0.25  # seconds between rank 0's exchanges with the actor hosts (torchrun), and between liveness checks
 HOST_SETUP_TIMEOUT = 600.0  # seconds an actor host may take to allocate its buffers and start its actors
+HOST_STOP_GRACE = 3.0  # seconds rank 0 waits for its own stop signal once an actor host is gone (torchrun's stop)
 
 # ---- Args ----
 
@@ -751,20 +753,19 @@ class LearnerRun:
     main runs between the plumbing's waits for data and housekeeping (the actors' reports, the processes, the console
     line and checkpoints)."""
 
-    def __init__(self, args: Args, learner: Learner, replay, shared: Shared, procs: Processes, record: Recorder,
-                 global_step: int, meta: dict, num_actors: int, tracker):  # fmt: skip
-        self.args, self.learner, self.replay, self.shared, self.procs = args, learner, replay, shared, procs
-        self.record, self.run_dir, self.meta = record, record.progress.run_dir, meta
-        self.num_actors, self.tracker = num_actors, tracker  # tracker: the wandb module of --track, or None
-        self.global_step = self.start_step = global_step
-        self.last_checkpoint = self.last_check = time.time()
+    def __init__(self, run: Run, learner: Learner, shared: Shared, procs: Processes, global_step: int,
+                 num_actors: int):  # fmt: skip
+        self.run, self.args, self.learner, self.shared, self.procs = run, run.args, learner, shared, procs
+        self.replay = self.record = None  # made in run.training: after the writer, and its Recorder
+        self.num_actors, self.global_step = num_actors, global_step
+        self.start_step, self.last_check = global_step, time.time()
         self.last_eval_step = -1  # the step of the newest evaluator round reported
         self.stale_updates, self.replay_wait = 0, 0.0
         self.actors_done: set[int] = set()
         self.failure: str | None = None
         self.learn_step, self.learn_version = -1, 0  # the rate limiter's origin: step and version at the 1st update
         self.stats = ReplayStats(np.zeros(1), np.ones(1), np.zeros(1, dtype=np.int64))  # until the loop reads it
-        self.rng = np.random.default_rng([args.seed, 1])
+        self.rng = np.random.default_rng([run.args.seed, 1])
 
     def running(self) -> bool:
         return len(self.actors_done) < self.num_actors and self.failure is None
@@ -816,107 +817,62 @@ def start_workers(procs: Processes, args: Args, shared: Shared, spaces, *, first
         procs.start("evaluator", worker_body, evaluator_loop, shared.error_q, args, shared, *spaces)
 
 
-def start_learner(args: Args, world_size: int, signals: StopSignals) -> LearnerRun:
-    """Rank 0: the run directory, the learner, this machine's processes, the replay (local or over rpc), tracking."""
-    spaces, distributed = env_spaces(args), world_size > 1
-    meta = checkpoint_meta(args, *spaces)
-    checkpoint = load_checkpoint(args.resume, meta, args, 1) if args.resume else None
-    device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
-    run_dir = Path(args.resume).parent if checkpoint else new_run_dir(args)
+def start_learner(run: Run) -> tuple[LearnerRun, str]:
+    """Rank 0: the learner (from --resume's checkpoint), this machine's processes (the actors and their buffers, or
+    none under torchrun) and the evaluator; and the start line's words for them."""
+    args, spaces, checkpoint, distributed = run.args, run.spaces, run.checkpoint, run.world_size > 1
     global_step = checkpoint["global_step"] if checkpoint else 0
-    num_actors = args.num_actors * (world_size - 1 if distributed else 1)
-    ctx = mp.get_context("spawn" if device.type == "cuda" else "fork")  # CUDA cannot be used in forked children
+    num_actors = args.num_actors * (run.world_size - 1 if distributed else 1)
+    ctx = mp.get_context("spawn" if run.device.type == "cuda" else "fork")  # CUDA cannot be used in forked children
     shared = Shared(args, ctx, spaces, num_buffers=0 if distributed else args.num_actors, num_total=num_actors,
                     steps_limit=args.total_timesteps, start_step=global_step)  # fmt: skip
-    learner = Learner(args, *spaces, device)
+    learner = Learner(args, *spaces, run.device)
     if checkpoint:
         learner.load_state_dict(checkpoint)
         torch.set_rng_state(checkpoint["torch_rng"])
     shared.store.publish(learner.flat_params(), learner.version)
-    stop_if_signalled(signals, run_dir, resumed=checkpoint is not None)
-    write_run_args(run_dir, args, meta)
+    stop_if_signalled(run.signals, run.run_dir, resumed=checkpoint is not None)
     for warning in start_warnings(args, global_step):
         print(f"warning: {warning}", file=sys.stderr, flush=True)
-    plan = (f"{ALGORITHM}: {num_actors} actors x {args.num_envs_per_actor} envs, replay {args.buffer_size:,} in "
-            f"{num_actors} buffers, learning from {max(args.learning_starts, 1):,} transitions, learner on {device}"
-            f"{f', {world_size - 1} actor ranks over rpc' if distributed else ''}")  # fmt: skip
-    progress = Progress(run_dir, args.total_timesteps, plan)
     procs = Processes(ctx)
     start_workers(procs, args, shared, spaces, first_actor=0, num_total=num_actors, evaluator=args.eval_interval > 0)
-    try:  # after the forks: no child inherits wandb's threads
-        tracker = start_tracking(args, run_dir)
-    except SystemExit:  # wandb.init failed: the children ignore the SIGTERM of the interpreter's exit
-        stop_processes(procs, shared, lambda message: None, grace=1.0)
-        raise
-    # rank 0's writer (slow to start under --track's TensorBoard sync) before the actor ranks start acting, so that
-    # they do not run ahead of a learner still starting up
-    writer = make_writer(run_dir, args)
-    rng = np.random.default_rng([args.seed, 0])
-    replay = RemoteReplay(args, world_size) if distributed else LocalReplay(shared.buffers, rng)
-    record = Recorder(writer, progress, args, global_step, window=20)
-    return LearnerRun(args, learner, replay, shared, procs, record, global_step, meta, num_actors, tracker)
+    run.plan = f"{ALGORITHM}: {args.total_timesteps:,} agent steps"  # no fixed updates: the learner keeps up with them
+    roles = (f"{num_actors} actors x {args.num_envs_per_actor} envs, replay {args.buffer_size:,} in {num_actors} "
+             f"buffers, learning from {max(args.learning_starts, 1):,} transitions"
+             f"{f', {run.world_size - 1} actor ranks over rpc' if distributed else ''}")  # fmt: skip
+    return LearnerRun(run, learner, shared, procs, global_step, num_actors), roles
 
 
 def main(args: Args) -> None:
     """The learner (single machine, or rank 0 under torchrun), or an actor rank under torchrun."""
-    world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
-    args = resumed_args(args) if args.resume else args
-    if args.torch_threads >= 1:  # before validation builds a model: oversubscribed threads make that slow too
-        torch.set_num_threads(args.torch_threads)
-    if error := validate(args, world_size):
-        fail(error)
-    if args.eval_only:
-        return main_eval_only(args)
-    flag_warnings(args)
-    watch_launcher()
-    torch.manual_seed(args.seed)
-    torch.backends.cudnn.deterministic = args.torch_deterministic
-    torch.use_deterministic_algorithms(args.torch_deterministic, warn_only=True)
-    # deterministic mode would also NaN-fill every new tensor; nothing here reads uninitialised memory
-    torch.utils.deterministic.fill_uninitialized_memory = False
-    if rank > 0:  # an actor host under torchrun (its transports end the file); rank 0 learns
-        return serve_actor_host(rank, world_size)
-    signals = StopSignals(threading.Event())
-    try:
-        run = start_learner(args, world_size, signals)
-        code, message = 0, None
-        try:
-            while run.running():
-                if signals.stop.is_set():
-                    raise Stop
-                run.stats = run.replay.stats()
-                if run.can_learn():
-                    run.learn()
-                else:
-                    wait_for_data(run)
-                housekeeping(run)
-            wait_for_evaluation(run, signals.stop)
-            run.stats = run.replay.stats()  # for the last point: every actor has appended its last transitions
-        except WorkerError as e:
-            code, message = 1, f"error: {e}"
-        except Exception as e:  # a signal, a failed write, a non-finite loss, a bug; or a process died: its line
-            code, message = error_line(e, run.global_step, signals.signum)
-            if code == 1:
-                message = worker_failure(run.procs, run.shared.error_q) or message
-        finally:  # the processes and actor hosts; an error a process sent before the stop is the failure, if none yet
-            stop_processes(
-                run.procs,
-                run.shared,
-                functools.partial(take_report, run),
-                grace=4.0 if code != 1 and not run.failure else 1.0,
-            )
-            run.replay.close()
-            with contextlib.suppress(queue.Empty):
-                run.failure = run.failure or run.shared.error_q.get_nowait()
-        if run.failure and code != 1:  # the line a process sent (an actor, the evaluator) ended the run
-            code, message = 1, run.failure
-        save = (lambda: write_checkpoint(run)) if code != 1 else None
-        finish_run(args, run.run_dir, run.global_step, code, message, signals, progress=run.record.progress,
-                   writer=run.record.writer, tracker=run.tracker, checkpoint=save,
-                   final_model=lambda: saved_model(args, run.meta, run.learner.model.state_dict()),
-                   last_point=lambda: last_point(run))  # fmt: skip
-    finally:
-        signals.restore()
+    if (run := open_run(args)) is None:  # resume, validation, run directory, args.json, seed, threads, device
+        return  # --eval-only played the saved agent
+    if run.rank > 0:  # an actor host under torchrun (its transports end the file); rank 0 learns
+        return serve_actor_host(run.rank, run.world_size)
+    args, signals = run.args, run.stop_on_signals(threading.Event())
+    learning, roles = start_learner(run)
+    with (
+        run.training(roles, lambda: learning.global_step, functools.partial(stop_learning, learning), window=20,
+                     checkpoint=lambda: write_checkpoint(learning), last_point=lambda: last_point(learning),
+                     final_model=lambda: saved_model(args, run.meta, learning.learner.model.state_dict()),
+                     ) as learning.record,
+        named_failures(learning),
+    ):  # fmt: skip
+        # this machine's buffers, or the actor ranks' over rpc once the writer (slow to start under --track's
+        # TensorBoard sync) is made: the actor ranks do not act ahead of a learner still starting up
+        learning.replay = (RemoteReplay(args, run.world_size, signals.stop) if run.world_size > 1 else
+                           LocalReplay(learning.shared.buffers, np.random.default_rng([args.seed, 0])))  # fmt: skip
+        while learning.running():
+            if signals.stop.is_set():
+                raise Stop
+            learning.stats = learning.replay.stats()
+            if learning.can_learn():
+                learning.learn()
+            else:
+                wait_for_data(learning)
+            housekeeping(learning)
+        wait_for_evaluation(learning, signals.stop)
+        learning.stats = learning.replay.stats()  # for the last point: every actor has appended its last transitions
 
 
 # ---- run plumbing ------------------------------------------------------------------------------------------------
@@ -1056,8 +1012,7 @@ def finish_run(args, run_dir: Path | None, step: int, code: int, message: str | 
     the Progress); the exit with the status (`leave`). A failed write becomes the error line. Once the interpreter
     exits, a further signal ends the process at once, with that status."""
     try:
-        if checkpoint is not None and args.checkpoint_interval > 0:
-            checkpoint()
+        if checkpoint is not None and args.checkpoint_interval > 0 and checkpoint() is not False:  # False: none due
             message = message and f"{message}; checkpoint written to {run_dir / 'checkpoint.pt'}"
         if last_point is not None:  # the run's last TensorBoard point and console line
             last_point()
@@ -1082,6 +1037,102 @@ def finish_run(args, run_dir: Path | None, step: int, code: int, message: str | 
         progress.summary(step, code)
     atexit.register(signals.exit_on_signal, code)  # the interpreter's exit handlers run after ours
     leave(code, threads, teardown)
+
+
+@dataclass
+class Run:
+    """The run envelope around `main`: `open_run` is its opening (all before a worker starts), `with run.training(...)`
+    its closing around the loop that drives training. `run_dir` is None on a torchrun rank other than 0."""
+
+    args: Args
+    spaces: tuple[gym.Space, gym.Space]
+    meta: dict
+    checkpoint: dict | None  # --resume's, else None
+    run_dir: Path | None
+    device: torch.device
+    world_size: int
+    rank: int
+    steps_per_update: int
+    num_updates: int  # of the whole budget, the updates a resumed checkpoint did included
+    plan: str
+    signals: StopSignals
+    save: Callable[[], None] | None = None
+    checkpoint_due: float = math.inf
+
+    @property
+    def checkpoint_path(self) -> Path:
+        return self.run_dir / "checkpoint.pt"
+
+    def stop_on_signals(self, stop) -> StopSignals:
+        """From here a signal sets `stop`, the event the workers share (at once, if one came during the start)."""
+        self.signals.stop = stop
+        if self.signals.signum:
+            stop.set()
+        return self.signals
+
+    @contextlib.contextmanager
+    def training(self, roles: str, step: Callable[[], int], stop: Callable[[bool], str | None], *,
+                 checkpoint: Callable[[], None] | None = None, save: Callable[[], None] | None = None,
+                 final_model: Callable[[], nn.Module] | None = None, last_point: Callable[[], None] | None = None,
+                 who: str = "the learner", window: int = 100, threads: list = (), teardown: bool = True):  # fmt: skip
+        """Main's loop runs inside, with the Recorder (None on ranks other than 0); `roles` (who runs) goes into the
+        start line and `step()` is the global step. Whatever ends the loop, `stop(graceful)` stops the workers (a
+        string back: a worker's error line, exit status 1), then finish_run: `checkpoint()`, unless the run failed (an
+        exception with `checkpoint_is_good` still writes it), `final_model()`, `last_point()`. `run.checkpoint_if_due()`
+        in the loop calls `save()` (default: `checkpoint()`) every --checkpoint-interval seconds."""
+        record = tracker = progress = None
+        code, message, good = 0, None, True
+        try:
+            if self.run_dir is not None:
+                total = self.num_updates * self.steps_per_update
+                progress = Progress(self.run_dir, total, f"{self.plan}, {roles}, {self.device}")
+                tracker = start_tracking(self.args, self.run_dir)  # after the forks: no worker inherits wandb's
+                record = Recorder(make_writer(self.run_dir, self.args), progress, self.args, step(), window)
+            self.save, self.checkpoint_due = save or checkpoint, time.time() + self.args.checkpoint_interval
+            yield record
+        except Exception as e:  # a signal, a dead worker, a failed write, a non-finite loss, a bug
+            code, message = error_line(e, step(), self.signals.signum, who, self.rank, self.world_size)
+            good = code != 1 or getattr(e, "checkpoint_is_good", False)
+        finally:  # whatever ended the loop (a BaseException too), no worker outlives it
+            failure = stop(code == 0)
+        if failure and code != 1:
+            code, message, good = 1, failure, False
+        elif code > 128:  # a signal: the step the workers reached as they stopped
+            message = error_line(Stop(), step(), self.signals.signum)[1]
+        finish_run(self.args, self.run_dir, step(), code, message, self.signals, progress=progress, tracker=tracker,
+                   writer=record and record.writer, checkpoint=checkpoint if good else None, final_model=final_model,
+                   last_point=last_point, device=self.device, threads=threads, teardown=teardown)  # fmt: skip
+
+    def checkpoint_if_due(self) -> None:
+        if self.save is not None and self.args.checkpoint_interval > 0 and time.time() >= self.checkpoint_due:
+            self.save()
+            self.checkpoint_due = time.time() + self.args.checkpoint_interval
+
+
+def open_run(args: Args) -> Run | None:
+    """The run's opening: the flags of the run a --resume continues, validation (one error line, exit 2), --eval-only
+    (which plays the saved agent: None), flag warnings, the checkpoint, the run directory and args.json (rank 0), the
+    process's seed, threads and device (`init_torch`); a signal from here on stops the run with its line."""
+    world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    args = settled_args(resumed_args(args) if args.resume else args)
+    if error := validate(args, world_size):
+        fail(error)
+    if args.eval_only:
+        main_eval_only(args)
+        return None
+    signals = StopSignals(threading.Event())
+    flag_warnings(args)
+    spaces = env_spaces(args)
+    meta = checkpoint_meta(args, *spaces, world_size)
+    steps = steps_per_update(args, world_size)
+    checkpoint = load_checkpoint(args.resume, meta, args, steps) if args.resume else None
+    run_dir = (Path(args.resume).resolve().parent if args.resume else new_run_dir(args)) if rank == 0 else None
+    if run_dir is not None:
+        write_run_args(run_dir, args, meta)
+    device = init_torch(args, spaces, rank, world_size)
+    stop_if_signalled(signals, run_dir, resumed=checkpoint is not None)
+    return Run(args, spaces, meta, checkpoint, run_dir, device, world_size, rank, steps,
+               *planned_updates(args.total_timesteps, steps), signals)  # fmt: skip
 
 
 class Evaluation:
@@ -1360,6 +1411,15 @@ def atomic_save(obj, path: Path) -> None:
         raise WriteError(write_error(e, path)) from None
 
 
+def planned_updates(total_timesteps: int, steps_per_update: int) -> tuple[int, str]:
+    """The updates a budget holds, and the start line's words for them (and for a budget that is not whole updates)."""
+    n = total_timesteps // steps_per_update
+    plan = f"{n:,} updates of {steps_per_update:,} agent steps"
+    if n * steps_per_update != total_timesteps:
+        plan += f" = {n * steps_per_update:,} agent steps: --total-timesteps {total_timesteps:,} is not whole updates"
+    return n, plan
+
+
 def duration(seconds: float) -> str:
     """A console time: 2h05m, 3m07s or 42s."""
     s = round(seconds)
@@ -1394,11 +1454,16 @@ class Progress:
             files = []
         print(f"wrote to {self.run_dir}: {', '.join(files) or 'nothing'}")
         script, checkpoint, model = Path(__file__).name, self.run_dir / "checkpoint.pt", self.run_dir / "model.pt"
-        print(f"next: tensorboard --logdir {self.run_dir}")
+        print(f"next: tensorboard --logdir {shlex.quote(str(self.run_dir))}")  # each line pastes into a shell as is
         if checkpoint.exists() and step < self.total:
-            print(f"      python {script} --resume {checkpoint}")
+            world, local = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+            launch = "python" if world == 1 else f"torchrun --nproc-per-node {local}"  # the ranks a resume needs
+            launch += " --standalone" if world == local > 1 else f" --nnodes {world // local}" if world > 1 else ""
+            where = "  # on every node, with its rendezvous flags" if world > local else ""
+            print(f"      {launch} {script} --resume {shlex.quote(str(checkpoint))}{where}")
         if saved := [p for p in (model, checkpoint) if p.exists()]:  # the newer: a resumed run may leave an old model
-            print(f"      python {script} --eval-only {max(saved, key=lambda p: p.stat().st_mtime)}", flush=True)
+            newer = max(saved, key=lambda p: p.stat().st_mtime)
+            print(f"      python {script} --eval-only {shlex.quote(str(newer))}", flush=True)
 
 
 class Recorder:
@@ -1480,13 +1545,15 @@ def resumed_args(args: Args) -> Args:
     return replace(args, **kept, resume=str(path))
 
 
-def stop_if_signalled(signals: StopSignals, run_dir: Path, resumed: bool) -> None:
-    """Ctrl+C or SIGTERM during start-up: exit before any process starts, leaving no new run directory behind."""
+def stop_if_signalled(signals: StopSignals, run_dir: Path | None, resumed: bool) -> None:
+    """Ctrl+C or SIGTERM during the start: exit before any worker starts, leaving no new run directory behind."""
     if signals.signum:  # set by the handler itself: the event is set a moment later, from a thread
-        if not resumed:
-            (run_dir / ".lock").unlink(missing_ok=True)  # claim_run_dir's: the directory held nothing else
+        if run_dir is not None and not resumed:
+            for name in (".lock", "args.json"):  # claim_run_dir's and write_run_args's: it held nothing else
+                (run_dir / name).unlink(missing_ok=True)
             run_dir.rmdir()
-        print("interrupted during start-up", file=sys.stderr)
+        signals.restore()
+        print(f"stopped by {signal.Signals(signals.signum).name} during the start", file=sys.stderr)
         raise SystemExit(128 + signals.signum)
 
 
@@ -1796,7 +1863,7 @@ def env_spaces(args: Args):
     return probe.single_observation_space, probe.single_action_space
 
 
-def checkpoint_meta(args: Args, obs_space, act_space) -> dict:
+def checkpoint_meta(args: Args, obs_space, act_space, world_size: int = 1) -> dict:
     """What a checkpoint must match to be resumed by this run: script, env, Atari protocol, network and shapes."""
     network = args.network if args.network != "auto" else "nature" if len(obs_space.shape) == 3 else "mlp"
     return dict(
@@ -1808,6 +1875,31 @@ def checkpoint_meta(args: Args, obs_space, act_space) -> dict:
         obs_shape=list(obs_space.shape),
         action_shape_or_n=int(act_space.n),
     )
+
+
+def settled_args(args: Args) -> Args:
+    """The flags as the run uses them: as given; --torch-threads takes effect at once, before validation builds a
+    model (oversubscribed threads make that slow too)."""
+    if args.torch_threads >= 1:
+        torch.set_num_threads(args.torch_threads)
+    return args
+
+
+def steps_per_update(args: Args, world_size: int) -> int:
+    """Agent steps of one step of the budget: 1 (the learner updates as the replay allows, not every so many steps)."""
+    return 1
+
+
+def init_torch(args: Args, spaces, rank: int, world_size: int) -> torch.device:
+    """Every rank's launcher watch (torchrun), seed and determinism settings (its processes inherit them); the
+    learner's device."""
+    watch_launcher()
+    torch.manual_seed(args.seed)
+    torch.backends.cudnn.deterministic = args.torch_deterministic
+    torch.use_deterministic_algorithms(args.torch_deterministic, warn_only=True)
+    # deterministic mode would also NaN-fill every new tensor; nothing here reads uninitialised memory
+    torch.utils.deterministic.fill_uninitialized_memory = False
+    return torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
 
 
 def saved_model(eval_args: Args, settings: dict, state_dict: dict) -> nn.Module:
@@ -1842,83 +1934,108 @@ def stop_processes(procs: Processes, shared: Shared, handle, grace: float) -> No
         drain_into(shared.log_q, handle, 0.0)
 
 
-def take_report(run: LearnerRun, message: ActorReport | EvalReport | WorkerFailed) -> None:
+def stop_learning(learning: LearnerRun, graceful: bool) -> str | None:
+    """run.training's stop: this machine's processes and the actor hosts; the error line a process sent before the
+    stop (or while it ran), which ends the run, if none came yet."""
+    handle = functools.partial(take_report, learning) if learning.record is not None else lambda m: None
+    stopped = graceful or learning.run.signals.signum  # the budget spent or a signal: wait for the last reports
+    stop_processes(learning.procs, learning.shared, handle, grace=4.0 if stopped and not learning.failure else 1.0)
+    if learning.replay is not None:
+        learning.replay.close()
+    with contextlib.suppress(queue.Empty):
+        learning.failure = learning.failure or learning.shared.error_q.get_nowait()
+    return learning.failure
+
+
+@contextlib.contextmanager
+def named_failures(learning: LearnerRun):
+    """An error in the learner's loop once a process has died (a lock it held timed out, say) ends the run with that
+    process's error line: it is the cause."""
+    try:
+        yield
+    except Stop:
+        raise
+    except Exception:
+        if failure := worker_failure(learning.procs, learning.shared.error_q):
+            raise Stop(failure) from None
+        raise
+
+
+def take_report(learning: LearnerRun, message: ActorReport | EvalReport | WorkerFailed) -> None:
     """A message on log_q (or from an actor host): an actor's steps and games, an evaluator round, a failure."""
     if isinstance(message, ActorReport):
-        run.global_step += message.steps
-        run.shared.global_step.value = run.global_step
-        run.record.games((run.global_step, ret, length) for ret, length in message.episodes)
+        learning.global_step += message.steps
+        learning.shared.global_step.value = learning.global_step
+        learning.record.games((learning.global_step, ret, length) for ret, length in message.episodes)
         if message.done:
-            run.actors_done.add(message.actor)
+            learning.actors_done.add(message.actor)
     elif isinstance(message, EvalReport):
         for ret in message.returns:
-            run.record.writer.add_scalar("eval/episodic_return", ret, message.step)
-        run.last_eval_step = max(run.last_eval_step, message.step)
+            learning.record.writer.add_scalar("eval/episodic_return", ret, message.step)
+        learning.last_eval_step = max(learning.last_eval_step, message.step)
     else:
-        run.failure = run.failure or message.error
+        learning.failure = learning.failure or message.error
 
 
-def wait_for_evaluation(run: LearnerRun, stop: threading.Event) -> None:
+def wait_for_evaluation(learning: LearnerRun, stop: threading.Event) -> None:
     """The budget is spent: take messages and check on the processes until no evaluator round is due, that is
     until one has reported from at or after the last --eval-interval boundary the run crossed. The evaluator is
     triggered by the step count, so a slow machine delays a round (it plays the newest parameters when it gets
     there) but the run waits for it rather than dropping it."""
-    interval = run.args.eval_interval
-    boundary = (run.global_step - 1) // interval * interval if interval else -1  # the last one before the end
-    while run.failure is None and boundary > run.start_step and run.last_eval_step < boundary:
+    interval = learning.args.eval_interval
+    boundary = (learning.global_step - 1) // interval * interval if interval else -1  # the last one before the end
+    while learning.failure is None and boundary > learning.start_step and learning.last_eval_step < boundary:
         if stop.is_set():
             raise Stop
-        drain_reports(run, RPC_PERIOD)
-        housekeeping(run)
+        drain_reports(learning, RPC_PERIOD)
+        housekeeping(learning)
 
 
-def wait_for_data(run: LearnerRun) -> None:
+def wait_for_data(learning: LearnerRun) -> None:
     """Too little data (or the rate limiter): block on the actors' reports."""
     t0 = time.perf_counter()
-    drain_reports(run, RPC_PERIOD)
-    run.replay_wait += time.perf_counter() - t0
+    drain_reports(learning, RPC_PERIOD)
+    learning.replay_wait += time.perf_counter() - t0
 
 
-def housekeeping(run: LearnerRun) -> None:
+def housekeeping(learning: LearnerRun) -> None:
     """Exchange with the actor hosts and check on the processes every RPC_PERIOD; console line; checkpoint."""
     now = time.time()
-    if now - run.last_check >= RPC_PERIOD:
-        run.last_check = now
-        for message in run.replay.exchange(run.shared.store):
-            take_report(run, message)
-        run.failure = run.failure or worker_failure(run.procs, run.shared.error_q)
-    console_line(run)
-    if run.args.checkpoint_interval and now - run.last_checkpoint >= run.args.checkpoint_interval:
-        write_checkpoint(run)
-        run.last_checkpoint = now
+    if now - learning.last_check >= RPC_PERIOD:
+        learning.last_check = now
+        for message in learning.replay.exchange(learning.shared.store):
+            take_report(learning, message)
+        learning.failure = learning.failure or worker_failure(learning.procs, learning.shared.error_q)
+    console_line(learning)
+    learning.run.checkpoint_if_due()
 
 
-def write_point(run: LearnerRun) -> None:
+def write_point(learning: LearnerRun) -> None:
     """A TensorBoard point: the learner's statistics since the last one, and the replay's."""
-    size = run.stats.sizes.sum()
-    run.record.add({"charts/learning_rate": run.learner.learning_rate, "timing/replay_wait": run.replay_wait})
-    run.record.add({"replay/size": size, "replay/priority_mean": run.stats.priority_sums.sum() / max(1.0, size),
-                     "replay/stale_updates": run.stale_updates})  # fmt: skip
-    run.record.point(run.global_step)
+    record, size = learning.record, learning.stats.sizes.sum()
+    record.add({"charts/learning_rate": learning.learner.learning_rate, "timing/replay_wait": learning.replay_wait})
+    record.add({"replay/size": size, "replay/priority_mean": learning.stats.priority_sums.sum() / max(1.0, size),
+                "replay/stale_updates": learning.stale_updates})  # fmt: skip
+    record.point(learning.global_step)
 
 
-def console_line(run: LearnerRun, now: bool = False) -> None:
+def console_line(learning: LearnerRun, now: bool = False) -> None:
     """The console line every --log-interval seconds (`now`: at once), with the updates and the replay's size."""
-    details = f"updates={run.learner.version} replay={int(run.stats.sizes.sum())}"
-    run.record.line(run.global_step, details, now)
+    details = f"updates={learning.learner.version} replay={int(learning.stats.sizes.sum())}"
+    learning.record.line(learning.global_step, details, now)
 
 
-def last_point(run: LearnerRun) -> None:
+def last_point(learning: LearnerRun) -> None:
     """The final step's TensorBoard point (whatever the update count) and console line."""
-    write_point(run)
-    console_line(run, now=True)
+    write_point(learning)
+    console_line(learning, now=True)
 
 
-def write_checkpoint(run: LearnerRun) -> None:
+def write_checkpoint(learning: LearnerRun) -> None:
     """{run_dir}/checkpoint.pt: the learner's state (the model's state_dict at "model"), step, RNG, Args, meta."""
-    state = dict(run.learner.state_dict(), global_step=run.global_step, args=asdict(run.args),
-                 torch_rng=torch.get_rng_state(), meta=run.meta)  # fmt: skip
-    atomic_save(state, run.run_dir / "checkpoint.pt")
+    state = dict(learning.learner.state_dict(), global_step=learning.global_step, args=asdict(learning.args),
+                 torch_rng=torch.get_rng_state(), meta=learning.run.meta)  # fmt: skip
+    atomic_save(state, learning.run.checkpoint_path)
 
 
 def start_warnings(args: Args, start_step: int) -> list[str]:
@@ -1940,9 +2057,9 @@ def start_warnings(args: Args, start_step: int) -> list[str]:
     return warnings
 
 
-def drain_reports(run: LearnerRun, timeout: float) -> None:
+def drain_reports(learning: LearnerRun, timeout: float) -> None:
     """take_report every message queued on log_q, waiting up to `timeout` for the first."""
-    drain_into(run.shared.log_q, functools.partial(take_report, run), timeout)
+    drain_into(learning.shared.log_q, functools.partial(take_report, learning), timeout)
 
 
 def drain_into(q, handle, timeout: float) -> None:
@@ -2017,14 +2134,11 @@ class ActorHost(LocalReplay):
         stop_processes(self.procs, self.shared, lambda message: None, grace=4.0)
 
 
-class WorkerError(Exception):
-    """An actor host failed or stopped answering (torchrun): the run stops, with the message in its error line."""
-
-
 class RemoteReplay:
     """Rank 0's view of the buffers on the actor ranks (rank r holds buffers [(r-1) K, r K)), as LocalReplay's."""
 
-    def __init__(self, args: Args, world_size: int):
+    def __init__(self, args: Args, world_size: int, stop: threading.Event):
+        self.stop = stop  # the run's, which a signal sets
         rpc.init_rpc("rank0", rank=0, world_size=world_size)
         self.hosts = [rpc.remote(f"rank{r}", ActorHost, args=(args, r, world_size)) for r in range(1, world_size)]
         self.per_host, self.sent_version = args.num_actors, -1
@@ -2038,8 +2152,12 @@ class RemoteReplay:
             try:
                 results.append(future.wait())
             except Exception as e:  # the host's own error, or a lost connection
+                # torchrun's SIGTERM reaches every rank (the end of the launcher too, through watch_launcher): an
+                # actor host gone within moments of this rank's own signal ended with it, the run's stop
+                if self.stop.wait(HOST_STOP_GRACE):
+                    raise Stop from None
                 reason = (str(e).strip().splitlines() or [type(e).__name__])[-1][:300]
-                raise WorkerError(f"actor host rank {rank} failed: {reason}; stopping the run") from None
+                raise Stop(f"error: actor host rank {rank} failed: {reason}; stopping the run") from None
         return results
 
     def chunks(self, items: list) -> list[tuple]:
@@ -2065,16 +2183,20 @@ class RemoteReplay:
         """Stop the hosts' actors, then rpc: gracefully (waiting for every rank) if every host answered."""
         try:
             self.call("close", timeout=10.0)
-        except WorkerError:  # a host is gone already (torchrun tears down failed ranks)
+        except Stop:  # a host is gone already (torchrun tears down failed ranks, and stops them all on a signal)
             rpc.shutdown(graceful=False)
             return
-        rpc.shutdown()
+        with contextlib.suppress(Exception):  # a rank or the launcher's store gone since: the local shutdown is done
+            rpc.shutdown()
 
 
 def serve_actor_host(rank: int, world_size: int) -> None:
     """An actor rank's main thread: rank 0 builds an ActorHost here over rpc and drives it; this thread waits for the
-    end. Ctrl+C reaches every rank of a terminal's launch and rank 0 stops the run, so actor ranks ignore it."""
+    end. Ctrl+C reaches every rank of a terminal's launch and rank 0 stops the run, so actor ranks ignore it; SIGTERM
+    (the launcher's stop, or its watch's) ends an actor rank at once, as it holds nothing rank 0 needs to keep."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_DFL)
     rpc.init_rpc(f"rank{rank}", rank=rank, world_size=world_size)
     try:
         rpc.shutdown()  # returns once every rank has shut down

@@ -53,11 +53,12 @@ import itertools
 import json
 import math
 import queue
+import shlex
 import threading
 import time
 import traceback
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Annotated, ClassVar, Literal, NamedTuple, NoReturn
@@ -263,18 +264,11 @@ def logprob_entropy(logits: torch.Tensor, actions: torch.Tensor) -> tuple[torch.
     return logp.gather(-1, actions[..., None]).squeeze(-1), -(logp.exp() * logp).sum(-1)
 
 
-# the flags whose default depends on --algo (None until resolve_defaults): Cleanba's cleanba_ppo.py, cleanba_impala.py
+# the flags whose default depends on --algo (None until settled_args): Cleanba's cleanba_ppo.py, cleanba_impala.py
 ALGO_DEFAULTS = {
     "ppo": {"num_steps": 128, "learning_rate": 2.5e-4, "max_grad_norm": 0.5},
     "impala": {"num_steps": 20, "learning_rate": 6e-4, "max_grad_norm": 40.0},
 }
-
-
-def resolve_defaults(args: Args) -> Args:
-    resolved = replace(args, **{k: v for k, v in ALGO_DEFAULTS[args.algo].items() if getattr(args, k) is None})
-    if hasattr(args, "given"):  # the flags the command line gave (parse_args), which --eval-only checks
-        resolved.given = args.given
-    return resolved
 
 
 def make_optimizer(args: Args, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
@@ -481,7 +475,7 @@ class Learner:
         self.update_rule = ppo_update if args.algo == "ppo" else impala_update
         self.generator = torch.Generator().manual_seed(args.seed * 7919 + rank)
         self.steps_per_update = args.num_envs * args.num_steps * world_size
-        self.num_updates, self.plan = planned_updates(args.total_timesteps, self.steps_per_update)  # plan: in words
+        self.num_updates = planned_updates(args.total_timesteps, self.steps_per_update)[0]
         self.update, self.global_step = 0, 0
         if checkpoint:
             model.load_state_dict(checkpoint["model"])
@@ -545,44 +539,30 @@ class Learner:
 
 
 def main(args: Args) -> None:
-    args = resolve_defaults(resumed_args(args) if args.resume else args)
-    world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
-    if error := validate(args, world_size):
-        fail(error)
-    if args.eval_only:
-        return main_eval_only(args)
-    flag_warnings(args)
-    watch_launcher()
-    obs_space, act_space = env_spaces(args)
-    meta = checkpoint_meta(args, obs_space, act_space, world_size)
-    steps_per_update = args.num_envs * args.num_steps * world_size  # the Learner's arithmetic: every rank's envs
-    if args.resume:
-        check_resume_world_size(args.resume, world_size)
-    checkpoint = load_checkpoint(args.resume, meta, args, steps_per_update) if args.resume else None
-    run_dir = tracker = None
-    if rank == 0:  # under torchrun the other ranks are stopped by torchrun when this one exits 2
-        run_dir = Path(args.resume).parent if args.resume else new_run_dir(args)
-        write_run_args(run_dir, args, meta)
-        tracker = start_tracking(args, run_dir)  # before the record's SummaryWriter
-
-    device = init_torch(args, rank, world_size)
-    model = make_model(obs_space, act_space, meta["network"]).to(device)
-    actors = make_actors(args, rank, device, meta["network"], obs_space, act_space, checkpoint)
-    learner = Learner(args, model, actors, device, rank, world_size, meta, checkpoint)
+    if (run := open_run(args)) is None:  # resume, validation, run directory, args.json, process group, seed, device
+        return  # --eval-only played the saved agent
+    args, device, rank, world_size, network = run.args, run.device, run.rank, run.world_size, run.meta["network"]
+    model = make_model(*run.spaces, network).to(device)
+    actors = make_actors(args, rank, device, network, *run.spaces, run.checkpoint)
+    learner = Learner(args, model, actors, device, rank, world_size, run.meta, run.checkpoint)
     stop = threading.Event()  # ends the learner's and every actor thread's loop
     # a signal stops one process at once; under torchrun it is this rank's request, and the ranks stop together at
     # the all-reduce where they agree on it (average_gradients)
-    requested = threading.Event() if world_size > 1 else stop
-    signals, code, message, keep_last = StopSignals(requested), 0, None, False  # before the start line (a signal)
-    who = f"rank {rank}" if world_size > 1 else "the learner"
-    record = start_record(args, run_dir, world_size, learner, meta["network"]) if rank == 0 else None
+    requested = run.stop_on_signals(threading.Event() if world_size > 1 else stop).stop
     # rank 0, with --checkpoint-interval: the last whole update's state, the checkpoint a stop or a lost rank writes
-    last, written_at = (checkpoint_state(learner), time.time()) if record and args.checkpoint_interval else (None, 0.0)
+    last = checkpoint_state(learner) if run.run_dir and args.checkpoint_interval else None
     remaining = learner.num_updates - learner.update
     work = (device, remaining, args.sync, stop)  # actor_thread's arguments after its Actor
     threads = [threading.Thread(target=actor_thread, args=(a, *work), name=f"actor-{a.index}", daemon=True)
                for a in actors]  # fmt: skip
-    try:
+    roles = (f"an update is {world_size} rank(s) x {args.num_envs} envs x {args.num_steps} steps; "
+             f"{'sync' if args.sync else 'cleanba'} {args.algo}, {network} network")  # fmt: skip
+    with run.training(roles, lambda: learner.global_step, functools.partial(stop_actors, learner, threads, stop),
+                      checkpoint=last and (lambda: atomic_save(last, run.checkpoint_path)), window=20, threads=threads,
+                      final_model=run.run_dir and (lambda: model), teardown=world_size == 1,  # rank 0's files
+                      who=f"rank {rank}" if world_size > 1 else "the learner") as record:  # fmt: skip
+        if record is not None:  # rank 0's; the ranks' envs all count in the global step
+            record.writer.add_text("world_size", str(world_size))
         learner.publish(stop)  # the parameters of the actors' first rollout
         for thread in threads:
             thread.start()
@@ -592,31 +572,11 @@ def main(args: Args) -> None:
                 record_update(record, learner, scalars, episodes)
             if last is not None:
                 last = checkpoint_state(learner)
-                if time.time() - written_at >= args.checkpoint_interval:
-                    atomic_save(last, run_dir / "checkpoint.pt")
-                    written_at = time.time()
-            if stop.is_set():  # a signal as the update ended, or an actor's error (its line is taken below)
+            run.checkpoint_if_due()
+            if stop.is_set():  # a signal as the update ended, or an actor's error (stop_actors returns its line)
                 raise Stop
             if j <= remaining - (1 if args.sync else 2):  # only parameters an actor will read (it skips its 2nd get)
                 learner.publish(stop)
-    except RankLost as e:  # the last whole update is the same on every rank: its checkpoint is good
-        (code, message), keep_last = error_line(e, learner.global_step, signals.signum, who, rank, world_size), True
-    except Exception as e:  # a signal, a failed write, a non-finite loss, a lost rank, a bug
-        code, message = error_line(e, learner.global_step, signals.signum, who, rank, world_size)
-    finally:
-        stop.set()
-        deadline = time.time() + 8.0  # every wait wakes within a second; a rollout or minibatch ends within seconds
-        for thread in threads:
-            thread.join(timeout=max(0.0, deadline - time.time()))
-    if code != 1 and (error := next((a.error for a in actors if a.error), None)):
-        code, message = 1, error
-    finished = learner.update == learner.num_updates  # on every rank, or on none: a stop is agreed at an all-reduce
-    if code == 0 and finished and world_size > 1 and (error := ranks_agree(model, rank, world_size)):
-        code, message = 1, error
-    save = (lambda: atomic_save(last, run_dir / "checkpoint.pt")) if last and (code != 1 or keep_last) else None
-    finish_run(args, run_dir, learner.global_step, code, message, signals, progress=record and record.progress,
-               writer=record and record.writer, tracker=tracker, checkpoint=save, device=device, threads=threads,
-               final_model=record and (lambda: model), teardown=world_size == 1)  # fmt: skip
 
 
 # ---- run plumbing ------------------------------------------------------------------------------------------------
@@ -756,8 +716,7 @@ def finish_run(args, run_dir: Path | None, step: int, code: int, message: str | 
     the Progress); the exit with the status (`leave`). A failed write becomes the error line. Once the interpreter
     exits, a further signal ends the process at once, with that status."""
     try:
-        if checkpoint is not None and args.checkpoint_interval > 0:
-            checkpoint()
+        if checkpoint is not None and args.checkpoint_interval > 0 and checkpoint() is not False:  # False: none due
             message = message and f"{message}; checkpoint written to {run_dir / 'checkpoint.pt'}"
         if last_point is not None:  # the run's last TensorBoard point and console line
             last_point()
@@ -782,6 +741,114 @@ def finish_run(args, run_dir: Path | None, step: int, code: int, message: str | 
         progress.summary(step, code)
     atexit.register(signals.exit_on_signal, code)  # the interpreter's exit handlers run after ours
     leave(code, threads, teardown)
+
+
+@dataclass
+class Run:
+    """The run envelope around `main`: `open_run` is its opening (all before a worker starts), `with run.training(...)`
+    its closing around the loop that drives training. `run_dir` is None on a torchrun rank other than 0."""
+
+    args: Args
+    spaces: tuple[gym.Space, gym.Space]
+    meta: dict
+    checkpoint: dict | None  # --resume's, else None
+    run_dir: Path | None
+    device: torch.device
+    world_size: int
+    rank: int
+    steps_per_update: int
+    num_updates: int  # of the whole budget, the updates a resumed checkpoint did included
+    plan: str
+    signals: StopSignals
+    save: Callable[[], None] | None = None
+    checkpoint_due: float = math.inf
+
+    @property
+    def checkpoint_path(self) -> Path:
+        return self.run_dir / "checkpoint.pt"
+
+    def stop_on_signals(self, stop) -> StopSignals:
+        """From here a signal sets `stop`, the event the workers share (at once, if one came during the start)."""
+        self.signals.stop = stop
+        if self.signals.signum:
+            stop.set()
+        return self.signals
+
+    @contextlib.contextmanager
+    def training(self, roles: str, step: Callable[[], int], stop: Callable[[bool], str | None], *,
+                 checkpoint: Callable[[], None] | None = None, save: Callable[[], None] | None = None,
+                 final_model: Callable[[], nn.Module] | None = None, last_point: Callable[[], None] | None = None,
+                 who: str = "the learner", window: int = 100, threads: list = (), teardown: bool = True):  # fmt: skip
+        """Main's loop runs inside, with the Recorder (None on ranks other than 0); `roles` (who runs) goes into the
+        start line and `step()` is the global step. Whatever ends the loop, `stop(graceful)` stops the workers (a
+        string back: a worker's error line, exit status 1), then finish_run: `checkpoint()`, unless the run failed (an
+        exception with `checkpoint_is_good` still writes it), `final_model()`, `last_point()`. `run.checkpoint_if_due()`
+        in the loop calls `save()` (default: `checkpoint()`) every --checkpoint-interval seconds."""
+        record = tracker = progress = None
+        code, message, good = 0, None, True
+        try:
+            if self.run_dir is not None:
+                total = self.num_updates * self.steps_per_update
+                progress = Progress(self.run_dir, total, f"{self.plan}, {roles}, {self.device}")
+                tracker = start_tracking(self.args, self.run_dir)  # after the forks: no worker inherits wandb's
+                record = Recorder(make_writer(self.run_dir, self.args), progress, self.args, step(), window)
+            self.save, self.checkpoint_due = save or checkpoint, time.time() + self.args.checkpoint_interval
+            yield record
+        except Exception as e:  # a signal, a dead worker, a failed write, a non-finite loss, a bug
+            code, message = error_line(e, step(), self.signals.signum, who, self.rank, self.world_size)
+            good = code != 1 or getattr(e, "checkpoint_is_good", False)
+        finally:  # whatever ended the loop (a BaseException too), no worker outlives it
+            failure = stop(code == 0)
+        if failure and code != 1:
+            code, message, good = 1, failure, False
+        elif code > 128:  # a signal: the step the workers reached as they stopped
+            message = error_line(Stop(), step(), self.signals.signum)[1]
+        finish_run(self.args, self.run_dir, step(), code, message, self.signals, progress=progress, tracker=tracker,
+                   writer=record and record.writer, checkpoint=checkpoint if good else None, final_model=final_model,
+                   last_point=last_point, device=self.device, threads=threads, teardown=teardown)  # fmt: skip
+
+    def checkpoint_if_due(self) -> None:
+        if self.save is not None and self.args.checkpoint_interval > 0 and time.time() >= self.checkpoint_due:
+            self.save()
+            self.checkpoint_due = time.time() + self.args.checkpoint_interval
+
+
+def open_run(args: Args) -> Run | None:
+    """The run's opening: the flags of the run a --resume continues, validation (one error line, exit 2), --eval-only
+    (which plays the saved agent: None), flag warnings, the checkpoint, the run directory and args.json (rank 0), the
+    process's seed, threads and device (`init_torch`); a signal from here on stops the run with its line."""
+    world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    args = settled_args(resumed_args(args) if args.resume else args)
+    if error := validate(args, world_size):
+        fail(error)
+    if args.eval_only:
+        main_eval_only(args)
+        return None
+    signals = StopSignals(threading.Event())
+    flag_warnings(args)
+    spaces = env_spaces(args)
+    meta = checkpoint_meta(args, *spaces, world_size)
+    steps = steps_per_update(args, world_size)
+    checkpoint = load_checkpoint(args.resume, meta, args, steps) if args.resume else None
+    run_dir = (Path(args.resume).resolve().parent if args.resume else new_run_dir(args)) if rank == 0 else None
+    if run_dir is not None:
+        write_run_args(run_dir, args, meta)
+    device = init_torch(args, spaces, rank, world_size)
+    stop_if_signalled(signals, run_dir, resumed=checkpoint is not None)
+    return Run(args, spaces, meta, checkpoint, run_dir, device, world_size, rank, steps,
+               *planned_updates(args.total_timesteps, steps), signals)  # fmt: skip
+
+
+def stop_if_signalled(signals: StopSignals, run_dir: Path | None, resumed: bool) -> None:
+    """Ctrl+C or SIGTERM during the start: exit before any worker starts, leaving no new run directory behind."""
+    if signals.signum:  # set by the handler itself: the event is set a moment later, from a thread
+        if run_dir is not None and not resumed:
+            for name in (".lock", "args.json"):  # claim_run_dir's and write_run_args's: it held nothing else
+                (run_dir / name).unlink(missing_ok=True)
+            run_dir.rmdir()
+        signals.restore()
+        print(f"stopped by {signal.Signals(signals.signum).name} during the start", file=sys.stderr)
+        raise SystemExit(128 + signals.signum)
 
 
 class Evaluation:
@@ -1086,11 +1153,16 @@ class Progress:
             files = []
         print(f"wrote to {self.run_dir}: {', '.join(files) or 'nothing'}")
         script, checkpoint, model = Path(__file__).name, self.run_dir / "checkpoint.pt", self.run_dir / "model.pt"
-        print(f"next: tensorboard --logdir {self.run_dir}")
+        print(f"next: tensorboard --logdir {shlex.quote(str(self.run_dir))}")  # each line pastes into a shell as is
         if checkpoint.exists() and step < self.total:
-            print(f"      python {script} --resume {checkpoint}")
+            world, local = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+            launch = "python" if world == 1 else f"torchrun --nproc-per-node {local}"  # the ranks a resume needs
+            launch += " --standalone" if world == local > 1 else f" --nnodes {world // local}" if world > 1 else ""
+            where = "  # on every node, with its rendezvous flags" if world > local else ""
+            print(f"      {launch} {script} --resume {shlex.quote(str(checkpoint))}{where}")
         if saved := [p for p in (model, checkpoint) if p.exists()]:  # the newer: a resumed run may leave an old model
-            print(f"      python {script} --eval-only {max(saved, key=lambda p: p.stat().st_mtime)}", flush=True)
+            newer = max(saved, key=lambda p: p.stat().st_mtime)
+            print(f"      python {script} --eval-only {shlex.quote(str(newer))}", flush=True)
 
 
 class Recorder:
@@ -1314,6 +1386,8 @@ def blocking(method, stop: threading.Event, *item):
 class RankLost(Exception):
     """Under torchrun, a rank that did not join a collective in time or is out of step: the message names it."""
 
+    checkpoint_is_good = True  # the ranks' last whole update is the same on every rank
+
 
 def wait_for_ranks(work, what: str, stop, rank: int, world_size: int, timeout: float, grace: float = 5.0) -> None:
     """Wait for the collective `work` (issued with async_op=True) by polling it, so that the signal handlers run while
@@ -1378,8 +1452,8 @@ RESUME_FIXED = ("num_envs", "num_actor_threads", "num_steps")
 RUN_SETTINGS = ("env_id", "atari_protocol", "algo", "network")
 
 
-def validate(args: Args, world_size: int) -> str | None:
-    """Every flag checked before anything is spawned (after resolve_defaults); returns the error line or None."""
+def validate(args: Args, world_size: int = 1) -> str | None:
+    """Every flag checked before anything is spawned (after settled_args); returns the error line or None."""
     if error := check_flags(args):
         return error
     n, threads, minibatches = args.num_envs, args.num_actor_threads, args.num_minibatches
@@ -1412,7 +1486,7 @@ def validate(args: Args, world_size: int) -> str | None:
     if not isinstance(space, gym.spaces.Discrete):  # the policy is categorical
         has = f"{args.env_id} has a {type(space).__name__} action space {space}"
         return f"{has}; cleanba_ppo_impala.py needs a Discrete one (continuous actions: apex_ddpg.py)"
-    return None
+    return check_resume_world_size(args.resume, world_size) if args.resume else None
 
 
 def env_spaces(args: Args):
@@ -1421,7 +1495,7 @@ def env_spaces(args: Args):
     return probe.single_observation_space, probe.single_action_space
 
 
-def checkpoint_meta(args: Args, obs_space, act_space, world_size: int) -> dict:
+def checkpoint_meta(args: Args, obs_space, act_space, world_size: int = 1) -> dict:
     """What a checkpoint was trained on, `auto` resolved (Cleanba's IMPALA ResNet on images with either algorithm, an
     MLP on flat observations): --resume refuses one whose script, algo, env, Atari protocol, network, shapes or world
     size differ (an update is every rank's envs x steps: the saved update count and the learning-rate schedule count
@@ -1432,22 +1506,35 @@ def checkpoint_meta(args: Args, obs_space, act_space, world_size: int) -> dict:
                 world_size=world_size)  # fmt: skip
 
 
-def check_resume_world_size(path: str, world_size: int) -> None:
-    """--resume under another world size than the run's (its args.json meta): one error line naming both and the
-    launch that continues it, exit 2 (load_checkpoint's meta check is the guarantee; this says how to relaunch)."""
+def settled_args(args: Args) -> Args:
+    """--algo's defaults (ALGO_DEFAULTS) for the flags left None; the names of the flags the command line gave kept."""
+    settled = replace(args, **{k: v for k, v in ALGO_DEFAULTS[args.algo].items() if getattr(args, k) is None})
+    if hasattr(args, "given"):  # the flags the command line gave (parse_args), which --eval-only checks
+        settled.given = args.given
+    return settled
+
+
+def steps_per_update(args: Args, world_size: int) -> int:
+    """Agent steps of one update: every rank's envs x --num-steps (the Learner's arithmetic)."""
+    return args.num_envs * args.num_steps * world_size
+
+
+def check_resume_world_size(path: str, world_size: int) -> str | None:
+    """--resume under another world size than the run's (its args.json meta): the error line, naming both and the
+    launch that continues it (load_checkpoint's meta check is the guarantee; this says how to relaunch)."""
     try:
         saved = json.loads((Path(path).parent / "args.json").read_text())["meta"]["world_size"]
     except (OSError, ValueError, KeyError, TypeError):
-        return
+        return None
     if saved == world_size:
-        return
+        return None
     script = Path(__file__).name
     now = f"{world_size} torchrun ranks (world size {world_size})" if world_size > 1 else "one process (world size 1)"
     was = f"{saved} torchrun ranks (world size {saved})" if saved > 1 else "one process (world size 1)"
     how = (f"torchrun --nproc-per-node {saved} {script} --resume {path} (or --nnodes x --nproc-per-node = {saved})"
            if saved > 1 else f"python {script} --resume {path}, without torchrun")  # fmt: skip
-    fail(f"cannot resume from {path} under {now}: its run had {was}, and an update is every rank's envs x steps; "
-         f"relaunch it as it ran: {how}")  # fmt: skip
+    return (f"cannot resume from {path} under {now}: its run had {was}, and an update is every rank's envs x steps; "
+            f"relaunch it as it ran: {how}")  # fmt: skip
 
 
 def saved_model(args: Args, settings: dict, state_dict: dict) -> nn.Module:
@@ -1512,8 +1599,10 @@ def leave(code: int, threads: list = (), teardown: bool = True) -> None:
         raise SystemExit(code)
 
 
-def init_torch(args: Args, rank: int, world_size: int) -> torch.device:
-    """This rank's device; under torchrun its process group; torch's threads, seed and determinism settings."""
+def init_torch(args: Args, spaces: tuple[gym.Space, gym.Space], rank: int, world_size: int) -> torch.device:
+    """This rank's device; under torchrun the launcher's watch and the process group; torch's threads, seed and
+    determinism settings."""
+    watch_launcher()
     use_cuda = args.cuda and torch.cuda.is_available()
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if use_cuda else "cpu")
     if world_size > 1:  # collectives fail after a bounded wait for a peer (gloo's default: 30 min); the learner's
@@ -1530,15 +1619,19 @@ def init_torch(args: Args, rank: int, world_size: int) -> torch.device:
     return device
 
 
-def start_record(args: Args, run_dir: Path, world_size: int, learner: Learner, network: str) -> Recorder:
-    """Rank 0's record of the run, from its start line (the plan); the console's mean_return is over the last 20
-    games."""
-    writer = make_writer(run_dir, args)
-    writer.add_text("world_size", str(world_size))  # the ranks' envs all count in the global step
-    plan = f"{learner.plan}; an update is {world_size} rank(s) x {args.num_envs} envs x {args.num_steps} steps"
-    mode = f"{'sync' if args.sync else 'cleanba'} {args.algo}, {network} network, {learner.device}"
-    progress = Progress(run_dir, learner.num_updates * learner.steps_per_update, f"{plan}; {mode}")
-    return Recorder(writer, progress, args, learner.global_step, window=20)
+def stop_actors(learner: Learner, threads: list[threading.Thread], stop: threading.Event, graceful: bool) -> str | None:
+    """Main's stop: the actor threads joined within 8 s (each wait wakes within a second, a rollout ends within
+    seconds); the error line of one that died, else, at the end of a finished run of several ranks, ranks_agree's."""
+    stop.set()
+    deadline = time.time() + 8.0
+    for thread in (t for t in threads if t.ident is not None):  # started: the record may fail before they start
+        thread.join(timeout=max(0.0, deadline - time.time()))
+    if error := next((a.error for a in learner.actors if a.error), None):
+        return error
+    finished = learner.update == learner.num_updates  # on every rank, or on none: a stop is agreed at an all-reduce
+    if graceful and finished and learner.world_size > 1:
+        return ranks_agree(learner.model, learner.rank, learner.world_size)
+    return None
 
 
 def record_update(record: Recorder, learner: Learner, scalars: dict[str, float], episodes: list) -> None:

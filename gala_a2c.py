@@ -58,13 +58,14 @@ import json
 import math
 import multiprocessing.connection
 import queue
+import shlex
 import signal
 import socket
 import threading
 import time
 import traceback
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, fields, replace
 from multiprocessing.queues import Queue
 from multiprocessing.sharedctypes import Synchronized, SynchronizedArray
@@ -372,6 +373,11 @@ class GossipEndpoint:
                 self.cond.wait(timeout=1.0)
 
 
+def num_params(run: Run) -> int:
+    """The length of the flat parameter vector x_i: a gossip message."""
+    return sum(p.numel() for p in make_model(*run.spaces, run.args.network).parameters())
+
+
 class SharedMemoryGossip:
     """Preallocated broadcast buffers, one per learner, in shared memory (or CUDA memory); made by the main process
     before the learners start. Learner i's view of them is a SharedMemoryEndpoint."""
@@ -467,7 +473,7 @@ class Stats:
     episodes: list[tuple[float, int]] = field(default_factory=list)
 
 
-# ---- Workers -------------------------------------------------------------------------------------------------------
+# ---- Learner -------------------------------------------------------------------------------------------------------
 
 
 class Learner:
@@ -557,28 +563,46 @@ class Learner:
     def flat_params(self) -> torch.Tensor:
         return flatten_into(self.x, self.params)
 
-    def iterate(self, gossip: GossipEndpoint | None, at_sync: bool, link: LocalLink | RankLink) -> None:
-        """Algorithm 1, one iteration: a rollout, an update, and (gossip) lines 5-8; its numbers go to `stats`."""
-        timing: dict[str, float] = {}  # seconds in each part of the iteration
-        with timed(timing, "rollout"):  # the simulators and the actions (Algorithm 1, line 2)
-            self.rollout()
-        with timed(timing, "train"):  # the forward and backward passes, and (below) the optimizer step
-            loss = self.backward()
-        with timed(timing, "allreduce"):  # averaging the gradients
-            if self.args.mode == "allreduce":
-                self.average_gradients(link)
-        with timed(timing, "train"):
-            loss["grad_norm"] = self.optimizer_step()
-        mix = Mix(False, 0.0, lags=(0,))  # allreduce: every update is of the policy that acted
-        with timed(timing, "gossip"):  # publishing and mixing, less the wait for in-peers (gossip_wait)
-            if gossip is not None:
-                try:
-                    mix = gossip.step(self.flat_params(), self.iteration, at_sync)
-                except Stop:  # stopped while blocked for in-peers: this iteration's update stands, the link says stop
-                    mix = Mix(False, 0.0)
-                if mix.mixed:
-                    unflatten_into(self.params, self.x)
-        self.iteration += 1
+    def train(self, gossip: GossipEndpoint | None, link: LocalLink | RankLink) -> dict:
+        """Algorithm 1 up to this learner's share of --total-timesteps (or until the run stops): each iteration a
+        rollout, an update, and (gossip) lines 5-8; its numbers go to `stats`. Returns the learner's final state."""
+        while self.iteration < self.num_iterations:
+            at_sync = (self.iteration + 1) % self.args.sync_interval == 0 or self.iteration + 1 == self.num_iterations
+            timing: dict[str, float] = {}  # seconds in each part of the iteration
+            with timed(timing, "rollout"):  # the simulators and the actions (Algorithm 1, line 2)
+                self.rollout()
+            with timed(timing, "train"):  # the forward and backward passes, and (below) the optimizer step
+                loss = self.backward()
+            with timed(timing, "allreduce"):  # averaging the gradients
+                if self.args.mode == "allreduce":
+                    self.average_gradients(link)
+            with timed(timing, "train"):
+                loss["grad_norm"] = self.optimizer_step()
+            mix = Mix(False, 0.0, lags=(0,))  # allreduce: every update is of the policy that acted
+            with timed(timing, "gossip"):  # publishing and mixing, less the wait for in-peers (gossip_wait)
+                if gossip is not None:
+                    try:
+                        mix = gossip.step(self.flat_params(), self.iteration, at_sync)
+                    except Stop:  # stopped while blocked for in-peers: this update stands, the link says stop
+                        mix = Mix(False, 0.0)
+                    if mix.mixed:
+                        unflatten_into(self.params, self.x)
+            self.iteration += 1
+            self.note(loss, timing, mix, gossip)
+            if gossip is not None and at_sync:  # ||x_i - x_bar||: how far gossip keeps this learner from it (Prop. 2)
+                x = self.flat_params()
+                distance = torch.linalg.vector_norm(x.double() - gossip.average(x, link).double()).item()
+                self.stats.scalars["gossip/consensus_distance"] = [distance]
+            if link.after_iteration(self, at_sync):
+                break
+        if self.stats.iterations:  # iterations not reported yet (under torchrun the loop ends at a sync point: none)
+            link.report(self.record(), None)
+        if gossip is not None:
+            gossip.finish(self.flat_params(), self.iteration - 1)
+        return self.state()
+
+    def note(self, loss: dict[str, torch.Tensor], timing: dict[str, float], mix: Mix, gossip: GossipEndpoint | None):
+        """One iteration's numbers into `stats`: its losses, the seconds of its parts, and what its gossip step did."""
         names = ("policy_loss", "value_loss", "entropy", "total_loss", "grad_norm")
         policy, value, entropy, total, grad_norm = torch.stack([loss[k].detach() for k in names]).tolist()  # one sync
         values = {"losses/policy_loss": policy, "losses/value_loss": value, "losses/entropy": entropy,
@@ -593,23 +617,6 @@ class Learner:
             self.stats.scalars.setdefault(tag, []).append(value)
         if mix.lags:  # the age of each message mixed in
             self.stats.scalars.setdefault("charts/policy_lag", []).extend(mix.lags)
-
-    def train(self, gossip: GossipEndpoint | None, link: LocalLink | RankLink) -> dict:
-        """Run to this learner's share of --total-timesteps (or until the run stops); returns its final state."""
-        while self.iteration < self.num_iterations:
-            at_sync = (self.iteration + 1) % self.args.sync_interval == 0 or self.iteration + 1 == self.num_iterations
-            self.iterate(gossip, at_sync, link)
-            if gossip is not None and at_sync:  # ||x_i - x_bar||: how far gossip keeps this learner from it (Prop. 2)
-                x = self.flat_params()
-                distance = torch.linalg.vector_norm(x.double() - gossip.average(x, link).double()).item()
-                self.stats.scalars["gossip/consensus_distance"] = [distance]
-            if link.after_iteration(self, at_sync):
-                break
-        if self.stats.iterations:  # iterations not reported yet (under torchrun the loop ends at a sync point: none)
-            link.report(self.record(), None)
-        if gossip is not None:
-            gossip.finish(self.flat_params(), self.iteration - 1)
-        return self.state()
 
     def record(self) -> Record:
         """The Record of the iterations since the previous one; the stats start over."""
@@ -683,96 +690,268 @@ def learner_process(index: int, n: int, args: Args, device_name: str, shared: Sh
 # ---- Main ----------------------------------------------------------------------------------------------------------
 
 
-@dataclass
-class Run:
-    """What the main process (or a torchrun rank) knows before training starts."""
-
-    args: Args
-    n: int  # learners
-    run_dir: Path  # torchrun: None on ranks other than 0 until rank 0 broadcasts it
-    obs_space: gym.Space
-    act_space: gym.spaces.Discrete
-    meta: dict  # what a checkpoint of this run must match (checkpoint_meta)
-    checkpoint: dict | None  # the one resumed from
-
-    def num_params(self) -> int:
-        return sum(p.numel() for p in make_model(self.obs_space, self.act_space, self.args.network).parameters())
-
-
 def main(args: Args) -> None:
-    args = resumed_args(args) if args.resume else args
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    n = world_size if world_size > 1 else args.num_learners
-    if error := validate(args, n, torchrun=world_size > 1):
-        fail(error)
     # one thread here: an OpenMP pool started in this process would deadlock the forked learners' first torch op
     torch.set_num_threads(1)
-    if args.eval_only:
-        main_eval_only(args)
-        return
-    flag_warnings(args)
-    obs_space, act_space = env_spaces(args)
-    meta = checkpoint_meta(args, obs_space, act_space, n)
-    # global_step counts every learner's updates and each learner stops at the budget's last whole one, so a whole
-    # update here is one of every learner (a refused resume leaves no trace)
-    steps_per_update = n * args.num_envs * args.num_steps
-    checkpoint = load_checkpoint(args.resume, meta, args, steps_per_update) if args.resume else None
-    run_dir = None  # torchrun: rank 0 names it before the rendezvous (torchrun stops the other ranks if it exits 2)
-    if world_size == 1 or os.environ["RANK"] == "0":
-        run_dir = Path(args.resume).parent if args.resume else new_run_dir(args)  # --resume: the same run directory
-        write_run_args(run_dir, args, meta)
-    run = Run(args, n, run_dir, obs_space, act_space, meta, checkpoint)
-    if world_size > 1:
-        main_distributed(run)  # one learner per torchrun rank: the transports end the file
-    else:
-        main_single_machine(run)
-
-
-STOP_GRACE = 5.0  # seconds the learners get to stop after the stop request before they are killed
-
-
-def main_single_machine(run: Run) -> None:
-    """Learner processes plus this main process: it logs, asks for checkpoints, and stops the run on a signal, a dead
-    learner or a failed write."""
-    args, n = run.args, run.n
-    device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
+    if (run := open_run(args)) is None:  # resume, validation, run directory, args.json, device
+        return  # --eval-only played the saved agent
+    if run.world_size > 1:
+        return main_distributed(run)  # torchrun: one learner per rank (below)
+    args, n, device = run.args, run.args.num_learners, run.device
     ctx = mp.get_context("spawn" if device.type == "cuda" else "fork")  # CUDA cannot be used in forked children
-    gossip = SharedMemoryGossip(ctx, n, run.num_params(), device) if args.mode == "gossip" else None
+    gossip = SharedMemoryGossip(ctx, n, num_params(run), device) if args.mode == "gossip" else None  # the B_i
     shared = Shared(log_q=ctx.Queue(), error_q=ctx.Queue(), stop=ctx.Event(), checkpoint_requests=ctx.Value("q", 0),
                     gossip=gossip, port=free_port() if args.mode == "allreduce" else 0)  # fmt: skip
-    progress = start_progress(run, device)
-    signals, learners, monitor = StopSignals(shared.stop), Processes(ctx), Monitor(run, shared)
+    signals, learners, monitor = run.stop_on_signals(shared.stop), Processes(ctx), Monitor(run, shared)
     states = run.checkpoint["learners"] if run.checkpoint else [None] * n
-    for i in range(n):
+    for i in range(n):  # Algorithm 1: agent v_i in a process of its own
         learners.start(f"learner {i}", worker_body, learner_process, shared.error_q, i, n, args, str(device), shared,
                        states[i])  # fmt: skip
-    tracker, failure, last_checkpoint = None, None, time.time()
-    try:  # whatever fails from here on stops the learners
-        tracker = start_tracking(args, run.run_dir)  # after the forks: no learner inherits wandb's threads and pipes
-        monitor.logger = Logger(make_writer(run.run_dir, args), run, progress)
-        while len(monitor.finals) < n and not signals.signum and not failure:
+    # this process only watches: the learners' Records go to TensorBoard and the console, their States to checkpoints
+    with run.training(monitor.logger.roles, lambda: monitor.logger.global_step, lambda _: monitor.stop(learners),
+                      checkpoint=monitor.checkpoint, final_model=lambda: averaged_model(run, monitor.latest),
+                      last_point=lambda: monitor.logger.maybe_print(force=True), who="the main process",
+                      window=20) as record:  # fmt: skip
+        monitor.logger.start(record)
+        while len(monitor.finals) < n:  # each learner sends its final State once it has done its share of the budget
             monitor.drain(0.25)
             monitor.logger.maybe_print()
-            failure = monitor.write_failure or worker_failure(learners, shared.error_q)
-            if args.checkpoint_interval and time.time() - last_checkpoint >= args.checkpoint_interval:
-                with shared.checkpoint_requests.get_lock():
-                    shared.checkpoint_requests.value += 1
-                last_checkpoint = time.time()
-    except OSError as e:  # the writer could not start (full disk, directory removed)
-        failure = error_line(e, 0, 0)[1]
-    finally:  # read `log_q` while the learners finish: a learner exits only once its queued messages are in the pipe
-        shared.stop.set()
-        deadline = time.monotonic() + STOP_GRACE
-        while any(p.exitcode is None for p in learners.procs.values()) and time.monotonic() < deadline:
-            monitor.drain(0.1)
-        failure = failure or worker_failure(learners, shared.error_q) or monitor.write_failure
-        if stuck := learners.stop(max(0.0, deadline - time.monotonic())):  # stuck, or blocked on a peer that is
-            print(f"warning: {', '.join(stuck)} did not stop within {STOP_GRACE:.0f} s; killed", file=sys.stderr)
-        monitor.drain(0.0)
-    step = monitor.logger.global_step if monitor.logger else 0
-    code, message = (1, failure) if failure else error_line(Stop(), step, signals.signum)
-    states = monitor.final_states(gossip) if failure is None and args.checkpoint_interval else monitor.latest
-    end_run(run, monitor.logger, states, (code, message), signals, tracker, progress, len(monitor.finals) == n)
+            if failure := monitor.write_failure or worker_failure(learners, shared.error_q):
+                raise Stop(failure)
+            if signals.signum:  # the learners stop first, so that the error line counts their last steps
+                monitor.stop(learners)
+                raise Stop
+            run.checkpoint_if_due()  # asks every learner for its State (written once all have answered)
+
+
+# ---- Multi-node (torchrun): one learner per rank, gossip over point-to-point messages --------------------------------
+
+
+def main_distributed(run: Run) -> None:
+    """One torchrun rank = one learner; the ranks gossip through DistributedEndpoint and meet every --sync-interval
+    iterations (RankLink). Rank 0 also writes the run's charts and checkpoints, every other rank its own charts in
+    {run_dir}/learner{rank}."""
+    args, n, rank, device = run.args, run.world_size, run.rank, run.device
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    # collectives fail after a bounded wait for a peer (gloo's default: 30 min); RankLink's own wait names it first
+    timeout = datetime.timedelta(seconds=args.rank_timeout + 30)
+    dist.init_process_group(backend, rank=rank, world_size=n, timeout=timeout)
+    names = [str(run.run_dir)]
+    dist.broadcast_object_list(names, src=0)  # one run directory, named by rank 0
+    signals, logger = run.stop_on_signals(threading.Event()), Logger(run, n)
+    states = [None] * n if rank == 0 else None  # rank 0 gathers every rank's final state
+    link, gossip = RankLink(run, signals.stop, logger), None
+    if args.mode == "gossip":
+        group = dist.new_group(backend=backend, timeout=timeout)  # every rank, in one order
+        ring = (args.num_peers, args.max_staleness, num_params(run), device, group, signals.stop, args.rank_timeout)
+        gossip = DistributedEndpoint(rank, n, *ring)
+    # rank 0: the final checkpoint, --save-model, --eval-episodes; every rank: its writer, its exit status, without
+    # the interpreter's teardown: gloo's transport and worker threads (`gloo_tcp_loop`, `pt_gloo_runloop`) and the
+    # gossip receivers inside `dist.recv` may still be alive, and destroying them while joinable aborts the rank
+    # ("terminate called without an active exception", SIGABRT) or hangs it
+    with run.training(logger.roles, lambda: logger.global_step, lambda _: link.end(),
+                      checkpoint=(lambda: write_checkpoint(run, states)) if rank == 0 else None,
+                      final_model=(lambda: averaged_model(run, states)) if rank == 0 else None,
+                      last_point=lambda: logger.maybe_print(force=True), who=f"learner {rank} (rank {rank})",
+                      window=20, teardown=False) as record:  # fmt: skip
+        if record is None:  # a rank other than 0: its own charts
+            record = Recorder(make_writer(Path(names[0]) / f"learner{rank}", args), None, args, logger.global_step, 20)
+        logger.start(record)
+        try:
+            learner = Learner(rank, n, args, device, run.checkpoint["learners"][rank] if run.checkpoint else None)
+            final = learner.train(gossip, link)
+            learner.envs.close()
+            dist.gather_object(final, states, dst=0)
+            if args.mode == "allreduce":  # every learner must hold the same parameters (identical averaged gradients)
+                flat = torch.cat([p.reshape(-1) for p in final["model"].values()]).to(device)
+                reference = flat.clone()
+                dist.broadcast(reference, src=0)
+                divergence = (flat - reference).abs().max()
+                dist.all_reduce(divergence, op=dist.ReduceOp.MAX)
+                if rank == 0:
+                    print(f"max |parameter difference| across {n} learners: {divergence.item():.3g}")
+            dist.barrier()  # no rank leaves the group while a peer may still be sending to it
+            dist.destroy_process_group()
+        except Stop:  # a signal while a peer did not answer: the ranks' final states cannot be gathered
+            if rank == 0 and args.checkpoint_interval:
+                print("warning: no final checkpoint (it needs every rank's state); the last one, if any, is kept",
+                      file=sys.stderr)  # fmt: skip
+            raise
+        if signals.signum:  # the ranks stopped together at a sync point
+            raise Stop
+
+
+class RankLink:
+    """One torchrun rank's side of the run: every --sync-interval iterations (and at its last) all ranks meet in the
+    same collectives: the stop and checkpoint flags (rank 0's clock decides when a checkpoint is due), the exact global
+    step, and rank 0 gathers the states to save."""
+
+    def __init__(self, run: Run, stop: threading.Event, logger: Logger):
+        self.run, self.rank, self.device, self.n = run, run.rank, run.device, run.world_size
+        self.stop, self.logger = stop, logger
+        self.last_checkpoint = time.time()
+        self.write_failure: str | None = None
+
+    def after_iteration(self, learner: Learner, at_sync: bool) -> bool:
+        """At sync points only (ranks stop together): report, with the state if a checkpoint is due; True: stop."""
+        if not at_sync:
+            return False
+        interval = self.run.args.checkpoint_interval
+        due = self.rank == 0 and interval > 0 and time.time() - self.last_checkpoint >= interval
+        flags = torch.tensor([float(self.stop.is_set()), float(due)], device=self.device)
+        self.all_reduce(flags, f"the sync point of iteration {learner.iteration}")
+        self.report(learner.record(), learner.state() if flags[1].item() > 0 else None)
+        return flags[0].item() > 0
+
+    def all_reduce(self, tensor: torch.Tensor, what: str) -> None:
+        """The sum over the ranks' `tensor`, in place, waited for in slices: a signal is handled while a peer is late,
+        and a peer that does not join within --rank-timeout (stopped, hung, out of step) is named (RankLost)."""
+        work = dist.all_reduce(tensor, async_op=True)
+        wait_for_ranks(work, what, self.stop, self.rank, self.n, self.run.args.rank_timeout)
+
+    def report(self, record: Record, state: dict | None) -> None:
+        """Every rank calls this at the same sync points (collectives)."""
+        states = [None] * self.n if self.rank == 0 else None
+        dist.gather_object(state, states, dst=0)
+        total = torch.tensor([float(record.steps)], device=self.device)
+        self.all_reduce(total, "the global step's all-reduce")  # exact global step: all ranks' agent steps
+        try:
+            self.logger.handle(record._replace(steps=int(total.item())))
+            if self.rank == 0 and states[0] is not None:
+                self.last_checkpoint = time.time()
+                write_checkpoint(self.run, states)
+            if self.rank == 0:
+                self.logger.maybe_print()
+        except (WriteError, OSError) as e:
+            self.write_failure = self.write_failure or error_line(e, self.logger.global_step, 0)[1]
+        if self.write_failure:
+            self.stop.set()  # all ranks stop together at the next sync point
+
+    def end(self) -> str | None:
+        """Once the learner stopped (the training's `stop`): the own TensorBoard writer of a rank other than 0 closed
+        (rank 0's is the run's); the error line of a failed write, if any."""
+        if self.rank != 0 and self.logger.record is not None:
+            try:
+                self.logger.record.writer.close()
+            except OSError as e:
+                self.write_failure = self.write_failure or write_error(e, f"the TensorBoard events of rank {self.rank}")
+        return self.write_failure
+
+
+# A torchrun gossip message is [P + 2]: the parameters, then a flag and the sender's iteration (exact in float32 below
+# 2^24 iterations). Flags: 0 an ordinary message, SENT_AT_SYNC sent right before a sync point (where the sender now
+# waits for the other ranks), SENT_LAST the sender's last message (it finished its run).
+SENT_AT_SYNC = 1.0
+SENT_LAST = 2.0
+
+
+class DistributedEndpoint(GossipEndpoint):
+    """torchrun: a sender thread sends the newest snapshot to every out-peer with blocking `dist.send` (a newer
+    snapshot replaces one still waiting), one receiver thread per in-peer `dist.recv`s and keeps only the newest
+    message. gloo's isend/irecv handles cannot be polled (`is_completed` stays False until `wait`), so the threads are
+    what makes the learner's side non-blocking. The messages travel on a process group of their own (`group`), so
+    these threads never issue operations on the communicator that the main thread's sync-point all-reduces use (NCCL
+    and gloo expect one thread's order of operations per communicator)."""
+
+    def __init__(self, learner: int, n: int, num_peers: int, tau: int, numel: int, device: torch.device, group,
+                 stop: threading.Event, timeout: float):  # fmt: skip
+        super().__init__(learner, n, num_peers, False, tau, threading.Condition())
+        self.numel, self.device, self.group, self.stop, self.timeout = numel, device, group, stop, timeout
+        self.latest = torch.zeros(num_peers, numel, device=device)  # newest message per in-peer, allocated once
+        self.stamps = [0] * num_peers
+        self.fresh, self.done = [False] * num_peers, [False] * num_peers
+        self.parked = [False] * num_peers  # the in-peer's newest message came from a sync point, where it now waits
+        self.snapshot, self.pending = torch.zeros(numel + 2, device=device), False
+        self.errors: list[str] = []  # tracebacks of the threads, raised in the learner's thread (check)
+        loops = {"gossip-send": (self._send_loop,)}
+        loops |= {f"gossip-recv-{j}": (self._recv_loop, k, j) for k, j in enumerate(self.in_peers(0))}
+        self.threads = [threading.Thread(target=self._guarded, args=a, name=n, daemon=True) for n, a in loops.items()]
+        for t in self.threads:
+            t.start()
+
+    def _guarded(self, loop, *args) -> None:
+        try:
+            loop(*args)
+        except BaseException:
+            self.errors.append(traceback.format_exc())
+
+    def check(self) -> None:
+        """No Stop here: ranks stop together, at sync points; a gossip thread's exception is raised here."""
+        if self.errors:
+            raise RuntimeError(f"gossip thread died:\n{self.errors[0]}")
+
+    def wait_ready(self, peers: list[int]) -> None:
+        """Blocked for in-peers past tau: Stop once this rank is asked to stop (iterate goes on without mixing, and
+        the ranks agree on the stop at the next sync point); RankLost once an in-peer sent nothing for `timeout` s."""
+        start = time.monotonic()
+        with self.cond:
+            while not self.ready(peers) and not self.any_silent(peers):
+                self.check()
+                if self.stop.is_set():
+                    raise Stop
+                if time.monotonic() - start >= self.timeout:
+                    late = ", ".join(
+                        f"rank {j}" for j, fresh in zip(self.in_peers(0), self.fresh, strict=True) if not fresh
+                    )
+                    raise RankLost(f"rank {self.learner}: {late} sent no gossip message within {self.timeout:.0f} s "
+                                   "(stopped, hung, or out of step)")  # fmt: skip
+                self.cond.wait(timeout=1.0)
+
+    def _send_loop(self) -> None:
+        out = torch.zeros(self.numel + 2, device=self.device)
+        while out[self.numel].item() != SENT_LAST:
+            with self.cond:
+                while not self.pending:
+                    self.cond.wait()
+                out.copy_(self.snapshot)
+                self.pending = False
+            for dst in ((self.learner + s) % self.n for s in peer_offsets(self.n, self.num_peers)):
+                dist.send(out, dst=dst, group=self.group)
+
+    def _recv_loop(self, k: int, src: int) -> None:
+        buf = torch.zeros(self.numel + 2, device=self.device)
+        while not self.done[k]:
+            dist.recv(buf, src=src, group=self.group)
+            flag, stamp = buf[self.numel :].tolist()
+            with self.cond:
+                self.latest[k].copy_(buf[: self.numel])
+                self.fresh[k], self.stamps[k] = True, int(stamp)
+                self.done[k], self.parked[k] = flag == SENT_LAST, flag == SENT_AT_SYNC
+                self.cond.notify_all()
+
+    def publish(self, x: torch.Tensor, iteration: int, at_sync: bool = False, last: bool = False) -> None:
+        with self.cond:
+            self.snapshot[: self.numel].copy_(x)
+            self.snapshot[self.numel] = SENT_LAST if last else SENT_AT_SYNC if at_sync else 0.0
+            self.snapshot[self.numel + 1] = iteration
+            self.pending = True
+            self.cond.notify_all()
+
+    def ready(self, peers: list[int]) -> bool:
+        return all(self.fresh)
+
+    def any_silent(self, peers: list[int]) -> bool:
+        """An in-peer will send nothing new before this learner moves on, and its newest message is read: it finished,
+        or it waits at the next sync point for this learner (waiting for it here would deadlock the ranks)."""
+        return any((d or p) and not f for d, p, f in zip(self.done, self.parked, self.fresh, strict=True))
+
+    def take(self, peers: list[int]) -> tuple[list[torch.Tensor], list[int]]:
+        with self.cond:
+            self.fresh = [False] * self.num_peers
+            return [m.clone() for m in self.latest], list(self.stamps)
+
+    def average(self, x: torch.Tensor, link: RankLink) -> torch.Tensor:
+        """The learners' average (a collective: every rank calls it at the same sync point)."""
+        total = x.clone()
+        link.all_reduce(total, "the consensus all-reduce")
+        return total.div_(self.n)
+
+    def finish(self, x: torch.Tensor, iteration: int) -> None:
+        """Send the last message and wait until every in-peer's last one arrived (no send or recv left pending)."""
+        self.publish(x, iteration, last=True)
+        for t in self.threads:
+            t.join()
+        self.check()
 
 
 # ---- run plumbing ------------------------------------------------------------------------------------------------
@@ -912,8 +1091,7 @@ def finish_run(args, run_dir: Path | None, step: int, code: int, message: str | 
     the Progress); the exit with the status (`leave`). A failed write becomes the error line. Once the interpreter
     exits, a further signal ends the process at once, with that status."""
     try:
-        if checkpoint is not None and args.checkpoint_interval > 0:
-            checkpoint()
+        if checkpoint is not None and args.checkpoint_interval > 0 and checkpoint() is not False:  # False: none due
             message = message and f"{message}; checkpoint written to {run_dir / 'checkpoint.pt'}"
         if last_point is not None:  # the run's last TensorBoard point and console line
             last_point()
@@ -938,6 +1116,114 @@ def finish_run(args, run_dir: Path | None, step: int, code: int, message: str | 
         progress.summary(step, code)
     atexit.register(signals.exit_on_signal, code)  # the interpreter's exit handlers run after ours
     leave(code, threads, teardown)
+
+
+@dataclass
+class Run:
+    """The run envelope around `main`: `open_run` is its opening (all before a worker starts), `with run.training(...)`
+    its closing around the loop that drives training. `run_dir` is None on a torchrun rank other than 0."""
+
+    args: Args
+    spaces: tuple[gym.Space, gym.Space]
+    meta: dict
+    checkpoint: dict | None  # --resume's, else None
+    run_dir: Path | None
+    device: torch.device
+    world_size: int
+    rank: int
+    steps_per_update: int
+    num_updates: int  # of the whole budget, the updates a resumed checkpoint did included
+    plan: str
+    signals: StopSignals
+    save: Callable[[], None] | None = None
+    checkpoint_due: float = math.inf
+
+    @property
+    def checkpoint_path(self) -> Path:
+        return self.run_dir / "checkpoint.pt"
+
+    def stop_on_signals(self, stop) -> StopSignals:
+        """From here a signal sets `stop`, the event the workers share (at once, if one came during the start)."""
+        self.signals.stop = stop
+        if self.signals.signum:
+            stop.set()
+        return self.signals
+
+    @contextlib.contextmanager
+    def training(self, roles: str, step: Callable[[], int], stop: Callable[[bool], str | None], *,
+                 checkpoint: Callable[[], None] | None = None, save: Callable[[], None] | None = None,
+                 final_model: Callable[[], nn.Module] | None = None, last_point: Callable[[], None] | None = None,
+                 who: str = "the learner", window: int = 100, threads: list = (), teardown: bool = True):  # fmt: skip
+        """Main's loop runs inside, with the Recorder (None on ranks other than 0); `roles` (who runs) goes into the
+        start line and `step()` is the global step. Whatever ends the loop, `stop(graceful)` stops the workers (a
+        string back: a worker's error line, exit status 1), then finish_run: `checkpoint()`, unless the run failed (an
+        exception with `checkpoint_is_good` still writes it), `final_model()`, `last_point()`. `run.checkpoint_if_due()`
+        in the loop calls `save()` (default: `checkpoint()`) every --checkpoint-interval seconds."""
+        record = tracker = progress = None
+        code, message, good = 0, None, True
+        try:
+            if self.run_dir is not None:
+                total = self.num_updates * self.steps_per_update
+                progress = Progress(self.run_dir, total, f"{self.plan}, {roles}, {self.device}")
+                tracker = start_tracking(self.args, self.run_dir)  # after the forks: no worker inherits wandb's
+                record = Recorder(make_writer(self.run_dir, self.args), progress, self.args, step(), window)
+            self.save, self.checkpoint_due = save or checkpoint, time.time() + self.args.checkpoint_interval
+            yield record
+        except Exception as e:  # a signal, a dead worker, a failed write, a non-finite loss, a bug
+            code, message = error_line(e, step(), self.signals.signum, who, self.rank, self.world_size)
+            good = code != 1 or getattr(e, "checkpoint_is_good", False)
+        finally:  # whatever ended the loop (a BaseException too), no worker outlives it
+            failure = stop(code == 0)
+        if failure and code != 1:
+            code, message, good = 1, failure, False
+        elif code > 128:  # a signal: the step the workers reached as they stopped
+            message = error_line(Stop(), step(), self.signals.signum)[1]
+        finish_run(self.args, self.run_dir, step(), code, message, self.signals, progress=progress, tracker=tracker,
+                   writer=record and record.writer, checkpoint=checkpoint if good else None, final_model=final_model,
+                   last_point=last_point, device=self.device, threads=threads, teardown=teardown)  # fmt: skip
+
+    def checkpoint_if_due(self) -> None:
+        if self.save is not None and self.args.checkpoint_interval > 0 and time.time() >= self.checkpoint_due:
+            self.save()
+            self.checkpoint_due = time.time() + self.args.checkpoint_interval
+
+
+def open_run(args: Args) -> Run | None:
+    """The run's opening: the flags of the run a --resume continues, validation (one error line, exit 2), --eval-only
+    (which plays the saved agent: None), flag warnings, the checkpoint, the run directory and args.json (rank 0), the
+    process's seed, threads and device (`init_torch`); a signal from here on stops the run with its line."""
+    world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    args = settled_args(resumed_args(args) if args.resume else args)
+    if error := validate(args, world_size):
+        fail(error)
+    if args.eval_only:
+        main_eval_only(args)
+        return None
+    signals = StopSignals(threading.Event())
+    flag_warnings(args)
+    spaces = env_spaces(args)
+    meta = checkpoint_meta(args, *spaces, world_size)
+    steps = steps_per_update(args, world_size)
+    checkpoint = load_checkpoint(args.resume, meta, args, steps) if args.resume else None
+    run_dir = (Path(args.resume).resolve().parent if args.resume else new_run_dir(args)) if rank == 0 else None
+    if run_dir is not None:
+        write_run_args(run_dir, args, meta)
+    device = init_torch(args, spaces, rank, world_size)
+    stop_if_signalled(signals, run_dir, resumed=checkpoint is not None)
+    return Run(args, spaces, meta, checkpoint, run_dir, device, world_size, rank, steps,
+               *planned_updates(args.total_timesteps, steps), signals)  # fmt: skip
+
+
+def stop_if_signalled(signals: StopSignals, run_dir: Path | None, resumed: bool) -> None:
+    """Ctrl+C or SIGTERM during the start: exit before any worker starts, leaving no new run directory behind."""
+    if signals.signum:  # set by the handler itself: the event is set a moment later, from a thread
+        if run_dir is not None and not resumed:
+            for name in (".lock", "args.json"):  # claim_run_dir's and write_run_args's: it held nothing else
+                (run_dir / name).unlink(missing_ok=True)
+            run_dir.rmdir()
+        signals.restore()
+        print(f"stopped by {signal.Signals(signals.signum).name} during the start", file=sys.stderr)
+        raise SystemExit(128 + signals.signum)
 
 
 class Evaluation:
@@ -1259,11 +1545,16 @@ class Progress:
             files = []
         print(f"wrote to {self.run_dir}: {', '.join(files) or 'nothing'}")
         script, checkpoint, model = Path(__file__).name, self.run_dir / "checkpoint.pt", self.run_dir / "model.pt"
-        print(f"next: tensorboard --logdir {self.run_dir}")
+        print(f"next: tensorboard --logdir {shlex.quote(str(self.run_dir))}")  # each line pastes into a shell as is
         if checkpoint.exists() and step < self.total:
-            print(f"      python {script} --resume {checkpoint}")
+            world, local = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+            launch = "python" if world == 1 else f"torchrun --nproc-per-node {local}"  # the ranks a resume needs
+            launch += " --standalone" if world == local > 1 else f" --nnodes {world // local}" if world > 1 else ""
+            where = "  # on every node, with its rendezvous flags" if world > local else ""
+            print(f"      {launch} {script} --resume {shlex.quote(str(checkpoint))}{where}")
         if saved := [p for p in (model, checkpoint) if p.exists()]:  # the newer: a resumed run may leave an old model
-            print(f"      python {script} --eval-only {max(saved, key=lambda p: p.stat().st_mtime)}", flush=True)
+            newer = max(saved, key=lambda p: p.stat().st_mtime)
+            print(f"      python {script} --eval-only {shlex.quote(str(newer))}", flush=True)
 
 
 class Recorder:
@@ -1564,6 +1855,8 @@ def worker_failure(procs: Processes, error_q) -> str | None:
 class RankLost(Exception):
     """Under torchrun, a rank that did not join a collective in time or is out of step: the message names it."""
 
+    checkpoint_is_good = True  # the ranks' last whole update is the same on every rank
+
 
 def wait_for_ranks(work, what: str, stop, rank: int, world_size: int, timeout: float, grace: float = 5.0) -> None:
     """Wait for the collective `work` (issued with async_op=True) by polling it, so that the signal handlers run while
@@ -1625,8 +1918,9 @@ RESUME_FIXED = ("num_envs", "num_steps")  # the rollout storage and the step ari
 RUN_SETTINGS = ("env_id", "atari_protocol", "network")
 
 
-def validate(args: Args, n: int, torchrun: bool = False) -> str | None:
-    """Every flag checked before anything is started; the error line or None. n: learners (torchrun: ranks)."""
+def validate(args: Args, world_size: int = 1) -> str | None:
+    """Every flag checked before anything starts; the error line or None. n: the torchrun ranks, or --num-learners."""
+    n, torchrun = world_size if world_size > 1 else args.num_learners, world_size > 1
     if error := check_flags(args):
         return error
     if args.mode == "gossip" and n < 2:
@@ -1673,20 +1967,40 @@ def env_spaces(args: Args) -> tuple[gym.Space, gym.Space]:
     return probe.single_observation_space, probe.single_action_space
 
 
-def checkpoint_meta(args: Args, obs_space: gym.Space, act_space: gym.spaces.Discrete, n: int) -> dict:
+def checkpoint_meta(args: Args, obs_space: gym.Space, act_space: gym.spaces.Discrete, world_size: int = 1) -> dict:
     """What a checkpoint must match to be resumed by this run: script, mode, learners, env, Atari protocol, network
     and shapes."""
     network = args.network if args.network != "auto" else ("nature" if len(obs_space.shape) == 3 else "mlp")
     return dict(
         script=Path(__file__).name,
         algo=args.mode,
-        learners=n,
+        learners=world_size if world_size > 1 else args.num_learners,
         env_id=args.env_id,
         atari_protocol=args.atari_protocol,
         network=network,
         obs_shape=list(obs_space.shape),
         action_shape_or_n=int(act_space.n),
     )
+
+
+def settled_args(args: Args) -> Args:
+    """The flags as the run uses them: as given (no default here depends on another flag)."""
+    return args
+
+
+def steps_per_update(args: Args, world_size: int) -> int:
+    """Agent steps of one update: one iteration of every learner (each stops at the budget's last whole one)."""
+    return (world_size if world_size > 1 else args.num_learners) * args.num_envs * args.num_steps
+
+
+def init_torch(args: Args, spaces: tuple[gym.Space, gym.Space], rank: int, world_size: int) -> torch.device:
+    """The learners' device (torchrun: this rank's GPU, if any, and a watch on the launcher); Learner seeds torch."""
+    use_cuda = args.cuda and torch.cuda.is_available()
+    if world_size == 1:
+        return torch.device("cuda" if use_cuda else "cpu")
+    watch_launcher()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    return torch.device(f"cuda:{local_rank % torch.cuda.device_count()}" if use_cuda else "cpu")
 
 
 def saved_model(args: Args, settings: dict, state_dict: dict) -> nn.Module:
@@ -1696,12 +2010,12 @@ def saved_model(args: Args, settings: dict, state_dict: dict) -> nn.Module:
 
 
 def evaluate(model: nn.Module, args: Args, video_dir: Path, device: torch.device) -> Iterator[float]:
-    """Play `eval_episodes` full games with the final (or --eval-only's saved) policy, true returns; argmax actions
-    with `--eval-greedy` (GALA Table 1), sampled ones otherwise; videos to `video_dir` with --capture-video."""
+    """Play `eval_episodes` full games with the final (or --eval-only's saved) policy on `device`, true returns; argmax
+    actions with `--eval-greedy` (GALA Table 1), sampled ones otherwise; videos to `video_dir` with --capture-video."""
     env = make_env(args.env_id, args.seed + 1_000_003, protocol=args.atari_protocol, capture_video=args.capture_video,
                    video_dir=str(video_dir))  # fmt: skip
     generator = torch.Generator().manual_seed(args.seed + 1_000_003)
-    played = 0
+    model, played = model.to(device), 0  # the final model is built (and saved) on the CPU
     obs, _ = env.reset()
     while played < args.eval_episodes:
         with torch.inference_mode():
@@ -1716,20 +2030,6 @@ def evaluate(model: nn.Module, args: Args, video_dir: Path, device: torch.device
     env.close()
 
 
-def end_run(run: Run, logger: Logger | None, states: list, ending: tuple[int, str | None], signals: StopSignals,
-            tracker=None, progress: Progress | None = None, finished=True, teardown=True) -> None:  # fmt: skip
-    """finish_run with GALA's final checkpoint (every learner's state, where each is known) and final model (the
-    learners' average); `ending` is error_line's (code, message), `finished`: every learner reached the budget."""
-    code, message = ending
-    complete = bool(states) and None not in states
-    save = (lambda: write_checkpoint(run, states)) if code != 1 and complete else None
-    final = (lambda: averaged_model(run, states)) if finished and complete else None
-    step = logger.global_step if logger else run.checkpoint["global_step"] if run.checkpoint else 0
-    finish_run(run.args, run.run_dir, step, code, message, signals, progress=progress, tracker=tracker,
-               writer=logger and logger.record.writer, checkpoint=save, final_model=final, teardown=teardown,
-               last_point=logger and (lambda: logger.maybe_print(force=True)))  # fmt: skip
-
-
 @contextlib.contextmanager
 def timed(totals: dict[str, float], name: str):
     """Add the seconds the block takes to totals[name] (a learner's parts of one iteration)."""
@@ -1738,18 +2038,25 @@ def timed(totals: dict[str, float], name: str):
     totals[name] = totals.get(name, 0.0) + time.perf_counter() - start
 
 
-def averaged_model(run: Run, states: list[dict]) -> nn.Module:
-    model = make_model(run.obs_space, run.act_space, run.args.network)
+def averaged_model(run: Run, states: list[dict | None] | None) -> nn.Module | None:
+    """The final model: the learners' average parameters; None where a learner's state is missing."""
+    if not states or None in states:
+        return None
+    model = make_model(*run.spaces, run.args.network)
     model.load_state_dict(average_model(states))
     return model
 
 
-def write_checkpoint(run: Run, states: list[dict]) -> None:
-    """The learners' states, and their average as "model", to {run_dir}/checkpoint.pt atomically (WriteError)."""
+def write_checkpoint(run: Run, states: list[dict | None] | None) -> bool | None:
+    """The learners' states, and their average as "model", to {run_dir}/checkpoint.pt atomically (WriteError); False
+    (nothing written) where a learner's state is missing."""
+    if not states or None in states:
+        return False
     steps = sum(s["iteration"] for s in states) * run.args.num_envs * run.args.num_steps
     checkpoint = dict(model=average_model(states), learners=states, global_step=steps, args=asdict(run.args),
                       torch_rng=torch.get_rng_state(), meta=run.meta)  # fmt: skip
-    atomic_save(checkpoint, run.run_dir / "checkpoint.pt")
+    atomic_save(checkpoint, run.checkpoint_path)
+    return None
 
 
 class Logger:
@@ -1757,11 +2064,28 @@ class Logger:
     Progress: the main process, rank 0), each Record one point. Global step = agent steps summed over all learners
     (exact on one machine; under torchrun rank 0 writes the exact sum at every sync point)."""
 
-    def __init__(self, writer, run: Run, progress: Progress | None = None):
-        self.global_step = self.start_step = run.checkpoint["global_step"] if run.checkpoint else 0
-        self.record, self.mode = Recorder(writer, progress, run.args, self.start_step, window=20), run.args.mode
-        self.learner_sps: list[float | None] = [None] * run.n  # under torchrun a rank sees only its own records
+    def __init__(self, run: Run, n: int):
+        args, gossip = run.args, run.args.mode == "gossip"
+        self.global_step = run.checkpoint["global_step"] if run.checkpoint else 0
+        self.record: Recorder | None = None  # from `start`
+        self.mode, self.learner_sps = args.mode, [None] * n  # under torchrun a rank sees only its own records
         self.staleness, self.policy_lag = 0.0, math.nan
+        # resumed, a gossip learner that is already past the budget does no more updates, and the others catch up
+        done = [s["iteration"] for s in run.checkpoint["learners"]] if run.checkpoint else [0] * n
+        self.total = sum(max(i, run.num_updates) for i in done) * args.num_envs * args.num_steps
+        # the start line's roles: learners, mode, ring and, in gossip mode, what the console's staleness and peer_lag
+        # (charts/policy_lag) mean
+        ring = f", {args.num_peers}-peer {'time-varying ' * args.time_varying}ring, tau {args.max_staleness}"
+        gloss = (" (console: staleness = updates since a learner last mixed, peer_lag = its updates minus its "
+                 "in-peer's when that peer sent the parameters it mixed (negative: the in-peer is ahead))")  # fmt: skip
+        self.roles = f"{n} learners x {args.num_envs} envs x {args.num_steps} steps, {args.mode}"
+        self.roles += f"{ring}{gloss}" if gossip else ""
+
+    def start(self, record: Recorder) -> None:
+        """Record into `record` from here; its console counts to the agent steps the learners will end at."""
+        self.record = record
+        if record.progress is not None:
+            record.progress.total = self.total
 
     def handle(self, r: Record) -> None:
         i, step = r.learner, self.global_step + r.steps
@@ -1779,45 +2103,34 @@ class Logger:
 
     def maybe_print(self, force: bool = False) -> None:
         """The console line every --log-interval seconds, where the run has its Progress; the gossip fields are glossed
-        on the start line (start_progress)."""
-        if self.record.progress is not None:
+        on the start line (`roles`)."""
+        if self.record is not None and self.record.progress is not None:
             details = "learner_sps=" + "/".join("-" if s is None else f"{s:.0f}" for s in self.learner_sps)
             if self.mode == "gossip":  # allreduce: no messages, both are 0
                 details += f" staleness={self.staleness:.2f} peer_lag={self.policy_lag:.2f}"
             self.record.line(self.global_step, details, force)
 
 
-def start_progress(run: Run, device: torch.device) -> Progress:
-    """The run's Progress and its start line: the updates (one update = one iteration of every learner), learners,
-    mode and device and, in gossip mode, what the console's staleness and peer_lag (charts/policy_lag) mean."""
-    args, n, gossip = run.args, run.n, run.args.mode == "gossip"
-    num_updates, plan = planned_updates(args.total_timesteps, n * args.num_envs * args.num_steps)
-    ring = f", {args.num_peers}-peer {'time-varying ' * args.time_varying}ring, tau {args.max_staleness}" * gossip
-    plan += f" ({n} learners x {args.num_envs} envs x {args.num_steps} steps), {args.mode}{ring}, {device}"
-    if gossip:
-        plan += ("; console: staleness = updates since a learner last mixed, peer_lag = its updates minus its "
-                 "in-peer's when that peer sent the parameters it mixed (negative: the in-peer is ahead)")  # fmt: skip
-    # resumed, a gossip learner that is already past the budget does no more updates, and the others catch up
-    done = [s["iteration"] for s in run.checkpoint["learners"]] if run.checkpoint else [0] * n
-    total = sum(max(i, num_updates) for i in done) * args.num_envs * args.num_steps
-    return Progress(run.run_dir, total, plan)
-
-
 class Monitor:
-    """The main process's side of the single-machine launch's queues: records to TensorBoard, checkpoint states
-    assembled into checkpoints (one per request, once every learner answered it), final states kept, error lines."""
+    """The main process's side of the single-machine launch's queues: records to TensorBoard (its Logger), checkpoint
+    states assembled into checkpoints (one per request, once every learner answered it), final states kept, error
+    lines, and the learners' stop."""
+
+    GRACE = 5.0  # seconds the learners get to stop after the stop request before they are killed
 
     def __init__(self, run: Run, shared: Shared):
-        self.run, self.log_q, self.error_q, self.logger = run, shared.log_q, shared.error_q, None
+        self.run, self.shared, self.n = run, shared, run.args.num_learners
+        self.logger = Logger(run, self.n)
         self.finals: dict[int, dict] = {}
-        self.latest: list[dict | None] = list(run.checkpoint["learners"]) if run.checkpoint else [None] * run.n
+        self.latest: list[dict | None] = list(run.checkpoint["learners"]) if run.checkpoint else [None] * self.n
         self.pending: dict[int, dict[int, dict]] = {}  # checkpoint request -> {learner: state}
         self.write_failure: str | None = None  # a checkpoint or TensorBoard write failed: the run stops
+        self.stopped, self.failure = False, None  # `stop` has run, and the error line it found
 
     def handle(self, message: Record | State) -> None:
         try:
             if isinstance(message, Record):
-                if self.logger is not None and self.write_failure is None:
+                if self.logger.record is not None and self.write_failure is None:
                     self.logger.handle(message)
                 return
             i, state = message.learner, torch.load(io.BytesIO(message.data), weights_only=False)
@@ -1826,20 +2139,30 @@ class Monitor:
             else:
                 got = self.pending.setdefault(message.request, {})
                 got[i] = state
-                if len(got) == self.run.n:
+                if len(got) == self.n:
                     self.pending.clear()
-                    self.latest[:] = [got[j] for j in range(self.run.n)]
+                    self.latest[:] = [got[j] for j in range(self.n)]
                     write_checkpoint(self.run, self.latest)
         except (WriteError, OSError) as e:
             self.write_failure = self.write_failure or error_line(e, self.logger.global_step, 0)[1]
 
-    def final_states(self, gossip: SharedMemoryGossip | None) -> list[dict | None]:
+    def checkpoint(self) -> bool | None:
+        """The run's checkpoint. While the learners train, a request: each sends its State after its iteration, and
+        `handle` writes the checkpoint once every learner answered. Once they stopped, written from their final states
+        (final_states; False: a learner's is missing, nothing written)."""
+        if not self.stopped:
+            with self.shared.checkpoint_requests.get_lock():
+                self.shared.checkpoint_requests.value += 1
+            return None
+        return write_checkpoint(self.run, self.final_states())
+
+    def final_states(self) -> list[dict | None]:
         """The newest state of each learner: its final one, or the one of the last checkpoint (or --resume); for a
         gossip learner killed at the stop before it sent any, its last published parameters from its send buffer
         (read without its lock, which it may have held when killed): its optimizer statistics restart on resume."""
-        states = list(self.latest)
+        states, gossip = list(self.latest), self.shared.gossip
         for j in (j for j, s in enumerate(states) if s is None and gossip is not None and gossip.versions[j]):
-            model = make_model(self.run.obs_space, self.run.act_space, self.run.args.network)
+            model = make_model(*self.run.spaces, self.run.args.network)
             unflatten_into(list(model.parameters()), gossip.buffers[j].cpu())
             states[j] = dict(model=model.state_dict(), iteration=gossip.stamps[j] + 1)
             what = f"learner {j}'s last published parameters (iteration {states[j]['iteration']}, no optimizer state)"
@@ -1851,11 +2174,27 @@ class Monitor:
     def drain(self, timeout: float) -> None:
         """Handle every message on `log_q`, waiting up to `timeout` seconds for the first."""
         try:
-            self.handle(self.log_q.get(timeout=timeout) if timeout else self.log_q.get_nowait())
+            self.handle(self.shared.log_q.get(timeout=timeout) if timeout else self.shared.log_q.get_nowait())
             while True:
-                self.handle(self.log_q.get_nowait())
+                self.handle(self.shared.log_q.get_nowait())
         except queue.Empty:
             pass
+
+    def stop(self, learners: Processes) -> str | None:
+        """Stop the learners (once): the stop event, then `log_q` read while they finish (a learner exits only once its
+        queued messages are in the pipe), and a learner still running after GRACE seconds killed. The error line of a
+        learner that failed or of a failed write, or None."""
+        if not self.stopped:
+            self.stopped = True
+            self.shared.stop.set()
+            deadline = time.monotonic() + self.GRACE
+            while any(p.exitcode is None for p in learners.procs.values()) and time.monotonic() < deadline:
+                self.drain(0.1)
+            self.failure = worker_failure(learners, self.shared.error_q) or self.write_failure
+            if stuck := learners.stop(max(0.0, deadline - time.monotonic())):  # stuck, or blocked on a peer that is
+                print(f"warning: {', '.join(stuck)} did not stop within {self.GRACE:.0f} s; killed", file=sys.stderr)
+            self.drain(0.0)
+        return self.failure
 
 
 def free_port() -> int:
@@ -1863,224 +2202,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-# -- multi-node (torchrun): one learner per rank, gossip over point-to-point messages; main_distributed runs a rank --
-
-# A torchrun gossip message is [P + 2]: the parameters, then a flag and the sender's iteration (exact in float32 below
-# 2^24 iterations). Flags: 0 an ordinary message, SENT_AT_SYNC sent right before a sync point (where the sender now
-# waits for the other ranks), SENT_LAST the sender's last message (it finished its run).
-SENT_AT_SYNC = 1.0
-SENT_LAST = 2.0
-
-
-class DistributedEndpoint(GossipEndpoint):
-    """torchrun: a sender thread sends the newest snapshot to every out-peer with blocking `dist.send` (a newer
-    snapshot replaces one still waiting), one receiver thread per in-peer `dist.recv`s and keeps only the newest
-    message. gloo's isend/irecv handles cannot be polled (`is_completed` stays False until `wait`), so the threads are
-    what makes the learner's side non-blocking. The messages travel on a process group of their own (`group`), so
-    these threads never issue operations on the communicator that the main thread's sync-point all-reduces use (NCCL
-    and gloo expect one thread's order of operations per communicator)."""
-
-    def __init__(self, learner: int, n: int, num_peers: int, tau: int, numel: int, device: torch.device, group,
-                 stop: threading.Event, timeout: float):  # fmt: skip
-        super().__init__(learner, n, num_peers, False, tau, threading.Condition())
-        self.numel, self.device, self.group, self.stop, self.timeout = numel, device, group, stop, timeout
-        self.latest = torch.zeros(num_peers, numel, device=device)  # newest message per in-peer, allocated once
-        self.stamps = [0] * num_peers
-        self.fresh, self.done = [False] * num_peers, [False] * num_peers
-        self.parked = [False] * num_peers  # the in-peer's newest message came from a sync point, where it now waits
-        self.snapshot, self.pending = torch.zeros(numel + 2, device=device), False
-        self.errors: list[str] = []  # tracebacks of the threads, raised in the learner's thread (check)
-        loops = {"gossip-send": (self._send_loop,)}
-        loops |= {f"gossip-recv-{j}": (self._recv_loop, k, j) for k, j in enumerate(self.in_peers(0))}
-        self.threads = [threading.Thread(target=self._guarded, args=a, name=n, daemon=True) for n, a in loops.items()]
-        for t in self.threads:
-            t.start()
-
-    def _guarded(self, loop, *args) -> None:
-        try:
-            loop(*args)
-        except BaseException:
-            self.errors.append(traceback.format_exc())
-
-    def check(self) -> None:
-        """No Stop here: ranks stop together, at sync points; a gossip thread's exception is raised here."""
-        if self.errors:
-            raise RuntimeError(f"gossip thread died:\n{self.errors[0]}")
-
-    def wait_ready(self, peers: list[int]) -> None:
-        """Blocked for in-peers past tau: Stop once this rank is asked to stop (iterate goes on without mixing, and
-        the ranks agree on the stop at the next sync point); RankLost once an in-peer sent nothing for `timeout` s."""
-        start = time.monotonic()
-        with self.cond:
-            while not self.ready(peers) and not self.any_silent(peers):
-                self.check()
-                if self.stop.is_set():
-                    raise Stop
-                if time.monotonic() - start >= self.timeout:
-                    late = ", ".join(
-                        f"rank {j}" for j, fresh in zip(self.in_peers(0), self.fresh, strict=True) if not fresh
-                    )
-                    raise RankLost(f"rank {self.learner}: {late} sent no gossip message within {self.timeout:.0f} s "
-                                   "(stopped, hung, or out of step)")  # fmt: skip
-                self.cond.wait(timeout=1.0)
-
-    def _send_loop(self) -> None:
-        out = torch.zeros(self.numel + 2, device=self.device)
-        while out[self.numel].item() != SENT_LAST:
-            with self.cond:
-                while not self.pending:
-                    self.cond.wait()
-                out.copy_(self.snapshot)
-                self.pending = False
-            for dst in ((self.learner + s) % self.n for s in peer_offsets(self.n, self.num_peers)):
-                dist.send(out, dst=dst, group=self.group)
-
-    def _recv_loop(self, k: int, src: int) -> None:
-        buf = torch.zeros(self.numel + 2, device=self.device)
-        while not self.done[k]:
-            dist.recv(buf, src=src, group=self.group)
-            flag, stamp = buf[self.numel :].tolist()
-            with self.cond:
-                self.latest[k].copy_(buf[: self.numel])
-                self.fresh[k], self.stamps[k] = True, int(stamp)
-                self.done[k], self.parked[k] = flag == SENT_LAST, flag == SENT_AT_SYNC
-                self.cond.notify_all()
-
-    def publish(self, x: torch.Tensor, iteration: int, at_sync: bool = False, last: bool = False) -> None:
-        with self.cond:
-            self.snapshot[: self.numel].copy_(x)
-            self.snapshot[self.numel] = SENT_LAST if last else SENT_AT_SYNC if at_sync else 0.0
-            self.snapshot[self.numel + 1] = iteration
-            self.pending = True
-            self.cond.notify_all()
-
-    def ready(self, peers: list[int]) -> bool:
-        return all(self.fresh)
-
-    def any_silent(self, peers: list[int]) -> bool:
-        """An in-peer will send nothing new before this learner moves on, and its newest message is read: it finished,
-        or it waits at the next sync point for this learner (waiting for it here would deadlock the ranks)."""
-        return any((d or p) and not f for d, p, f in zip(self.done, self.parked, self.fresh, strict=True))
-
-    def take(self, peers: list[int]) -> tuple[list[torch.Tensor], list[int]]:
-        with self.cond:
-            self.fresh = [False] * self.num_peers
-            return [m.clone() for m in self.latest], list(self.stamps)
-
-    def average(self, x: torch.Tensor, link: RankLink) -> torch.Tensor:
-        """The learners' average (a collective: every rank calls it at the same sync point)."""
-        total = x.clone()
-        link.all_reduce(total, "the consensus all-reduce")
-        return total.div_(self.n)
-
-    def finish(self, x: torch.Tensor, iteration: int) -> None:
-        """Send the last message and wait until every in-peer's last one arrived (no send or recv left pending)."""
-        self.publish(x, iteration, last=True)
-        for t in self.threads:
-            t.join()
-        self.check()
-
-
-class RankLink:
-    """One torchrun rank's side of the run: every --sync-interval iterations (and at its last) all ranks meet in the
-    same collectives: the stop and checkpoint flags (rank 0's clock decides when a checkpoint is due), the exact global
-    step, and rank 0 gathers the states to save."""
-
-    def __init__(self, run: Run, rank: int, device: torch.device, stop: threading.Event, logger: Logger):
-        self.run, self.rank, self.device, self.stop, self.logger = run, rank, device, stop, logger
-        self.last_checkpoint = time.time()
-        self.write_failure: str | None = None
-
-    def after_iteration(self, learner: Learner, at_sync: bool) -> bool:
-        """At sync points only (ranks stop together): report, with the state if a checkpoint is due; True: stop."""
-        if not at_sync:
-            return False
-        interval = self.run.args.checkpoint_interval
-        due = self.rank == 0 and interval > 0 and time.time() - self.last_checkpoint >= interval
-        flags = torch.tensor([float(self.stop.is_set()), float(due)], device=self.device)
-        self.all_reduce(flags, f"the sync point of iteration {learner.iteration}")
-        self.report(learner.record(), learner.state() if flags[1].item() > 0 else None)
-        return flags[0].item() > 0
-
-    def all_reduce(self, tensor: torch.Tensor, what: str) -> None:
-        """The sum over the ranks' `tensor`, in place, waited for in slices: a signal is handled while a peer is late,
-        and a peer that does not join within --rank-timeout (stopped, hung, out of step) is named (RankLost)."""
-        work = dist.all_reduce(tensor, async_op=True)
-        wait_for_ranks(work, what, self.stop, self.rank, self.run.n, self.run.args.rank_timeout)
-
-    def report(self, record: Record, state: dict | None) -> None:
-        """Every rank calls this at the same sync points (collectives)."""
-        states = [None] * self.run.n if self.rank == 0 else None
-        dist.gather_object(state, states, dst=0)
-        total = torch.tensor([float(record.steps)], device=self.device)
-        self.all_reduce(total, "the global step's all-reduce")  # exact global step: all ranks' agent steps
-        try:
-            self.logger.handle(record._replace(steps=int(total.item())))
-            if self.rank == 0 and states[0] is not None:
-                self.last_checkpoint = time.time()
-                write_checkpoint(self.run, states)
-            if self.rank == 0:
-                self.logger.maybe_print()
-        except (WriteError, OSError) as e:
-            self.write_failure = self.write_failure or error_line(e, self.logger.global_step, 0)[1]
-        if self.write_failure:
-            self.stop.set()  # all ranks stop together at the next sync point
-
-
-def main_distributed(run: Run) -> None:
-    """One torchrun rank = one learner; rank 0 also writes the run's charts and checkpoints."""
-    args, n, checkpoint = run.args, run.n, run.checkpoint
-    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
-    use_cuda = args.cuda and torch.cuda.is_available()
-    device = torch.device(f"cuda:{local_rank % torch.cuda.device_count()}" if use_cuda else "cpu")
-    watch_launcher()
-    tracker = start_tracking(args, run.run_dir) if rank == 0 else None  # before the rendezvous, as main's run directory
-    # collectives fail after a bounded wait for a peer (gloo's default: 30 min); RankLink's own wait names it first
-    timeout = datetime.timedelta(seconds=args.rank_timeout + 30)
-    dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=n, timeout=timeout)
-    names = [str(run.run_dir)]
-    dist.broadcast_object_list(names, src=0)  # one run directory, named by rank 0
-    run.run_dir = Path(names[0])
-    signals = StopSignals(threading.Event())
-    writer = make_writer(run.run_dir if rank == 0 else run.run_dir / f"learner{rank}", args)
-    progress = start_progress(run, device) if rank == 0 else None  # rank 0 prints the console
-    logger = Logger(writer, run, progress)
-    link, gossip, failure, states = RankLink(run, rank, device, signals.stop, logger), None, None, None
-    if args.mode == "gossip":
-        group = dist.new_group(backend="nccl" if use_cuda else "gloo", timeout=timeout)  # every rank, in one order
-        ring = (args.num_peers, args.max_staleness, run.num_params(), device, group, signals.stop, args.rank_timeout)
-        gossip = DistributedEndpoint(rank, n, *ring)
-    try:
-        learner = Learner(rank, n, args, device, checkpoint["learners"][rank] if checkpoint else None)
-        final = learner.train(gossip, link)
-        learner.envs.close()
-        states = [None] * n if rank == 0 else None
-        dist.gather_object(final, states, dst=0)
-        if args.mode == "allreduce":  # every learner must hold the same parameters (identical averaged gradients)
-            flat = torch.cat([p.reshape(-1) for p in final["model"].values()]).to(device)
-            reference = flat.clone()
-            dist.broadcast(reference, src=0)
-            divergence = (flat - reference).abs().max()
-            dist.all_reduce(divergence, op=dist.ReduceOp.MAX)
-            if rank == 0:
-                print(f"max |parameter difference| across {n} learners: {divergence.item():.3g}")
-        dist.barrier()  # no rank leaves the group while a peer may still be sending to it
-        dist.destroy_process_group()
-    except Stop:  # a signal while a peer did not answer: the ranks' final states cannot be gathered
-        if rank == 0 and args.checkpoint_interval:
-            print("warning: no final checkpoint (it needs every rank's state); the last one, if any, is kept",
-                  file=sys.stderr)  # fmt: skip
-    except Exception as e:  # the other ranks would wait for this one forever: torchrun stops them when it exits 1
-        failure = error_line(e, logger.global_step, signals.signum, f"learner {rank} (rank {rank})", rank, n)[1]
-    failure = failure or link.write_failure
-    code, message = (1, failure) if failure else error_line(Stop(), logger.global_step, signals.signum)
-    # rank 0: the final checkpoint, --save-model, --eval-episodes; every rank: its writer, its exit status, without
-    # the interpreter's teardown: gloo's transport and worker threads (`gloo_tcp_loop`, `pt_gloo_runloop`) and the
-    # gossip receivers inside `dist.recv` may still be alive, and destroying them while joinable aborts the rank
-    # ("terminate called without an active exception", SIGABRT) or hangs it
-    end_run(run, logger, states or [], (code, message), signals, tracker, progress, rank == 0, teardown=False)
 
 
 if __name__ == "__main__":

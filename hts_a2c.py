@@ -52,6 +52,7 @@ import json
 import math
 import multiprocessing.connection
 import queue
+import shlex
 import threading
 import time
 import traceback
@@ -472,55 +473,32 @@ class Learner:
 
 
 def main(args: Args) -> None:
-    args = resumed_args(args) if args.resume else args
-    if error := validate(args):
-        fail(error)
-    if args.eval_only:
-        return main_eval_only(args)
-    flag_warnings(args)
-    spaces = env_spaces(args)
-    meta = checkpoint_meta(args, *spaces)
-    steps_per_collection = args.num_envs * args.sync_interval
-    checkpoint = load_checkpoint(args.resume, meta, args, steps_per_collection) if args.resume else None
-    run_dir = Path(args.resume).resolve().parent if args.resume else new_run_dir(args)
-    write_run_args(run_dir, args, meta)
-    torch.manual_seed(args.seed)
-    torch.backends.cudnn.deterministic = args.torch_deterministic
-    device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
-    # the learner gets the cores the workers leave: intra-op threads beyond the free cores spin and slow its update
-    torch.set_num_threads(args.torch_threads or max(1, (os.cpu_count() or 1) - args.num_executors - args.num_actors))
-    fixed_mmap_threshold()  # inherited by the workers
-
-    learner = Learner(args, spaces, device, checkpoint)
-    shared = Shared(args, spaces[0], learner.target, learner.update)
-    num_collections, plan = planned_updates(args.total_timesteps, steps_per_collection)
-    signals = StopSignals(threading.Event())
-    workers = Workers(args, shared, "spawn" if device.type == "cuda" else "fork", num_collections)  # CUDA: no fork
-    checkpoint_path, exit_code, message = run_dir / "checkpoint.pt", 0, None
-    record = tracker = None  # made in the try: whatever fails from there on stops the workers
-    progress = Progress(run_dir, num_collections * steps_per_collection,
-                        f"{plan}, {args.num_executors} executors and {args.num_actors} actors, {device}")  # fmt: skip
-    try:
-        tracker = start_tracking(args, run_dir)  # after the forks: no worker inherits wandb's threads and pipes
-        record, last_checkpoint = Recorder(make_writer(run_dir, args), progress, args, learner.global_step), time.time()
+    if (run := open_run(args)) is None:  # resume, validation, run directory, args.json, seed, threads, device
+        return  # --eval-only played the saved agent
+    args, device, signals = run.args, run.device, run.stop_on_signals(threading.Event())
+    learner = Learner(args, run.spaces, device, run.checkpoint)
+    shared = Shared(args, run.spaces[0], learner.target, learner.update)
+    workers = Workers(args, shared, "spawn" if device.type == "cuda" else "fork", run.num_updates)  # CUDA: no fork
+    with run.training(f"{args.num_executors} executors and {args.num_actors} actors", lambda: learner.global_step,
+                      lambda graceful: stop_workers(workers, graceful), final_model=lambda: learner.target,
+                      checkpoint=lambda: write_checkpoint(learner, run)) as record:  # fmt: skip
         workers.start_collection(learner.update)
-        while learner.update < num_collections:
+        while learner.update < run.num_updates:
             j = learner.update
             episodes, timing = workers.wait_collection(j, signals.stop)
             record.games(episodes)
             # Storage j % 2 holds D_j, collected by the published parameters: they become the behavior copy.
-            batch, behavior_version = shared.rollout(j, device)
+            batch, behavior_version = shared.rollout(j, device)  # policy lag: updates since behavior_version
             learner.behavior.load_state_dict(shared.policy.state_dict())
             if not args.sync:  # HTS-RL: publish theta_j, executors fill the other storage while we learn from this one
                 shared.publish(learner.target, learner.update)
                 workers.start_collection(j + 1)
-            lr = args.learning_rate * (1.0 - j / num_collections if args.anneal_lr else 1.0)
+            lr = args.learning_rate * (1.0 - j / run.num_updates if args.anneal_lr else 1.0)
             with record.timer("timing/learner_update"):
                 losses = learner.step(batch, lr, args)
-            # policy lag: updates between the policy that acted and the one updated
             record.add({"charts/policy_lag": learner.update - behavior_version, "charts/learning_rate": lr})
             learner.update += 1
-            learner.global_step += steps_per_collection
+            learner.global_step += run.steps_per_update
             if args.sync:  # the executors waited for the new parameters
                 shared.publish(learner.target, learner.update)
                 workers.start_collection(j + 1)
@@ -528,22 +506,11 @@ def main(args: Args) -> None:
                         "losses/entropy": losses["entropy"], "losses/total_loss": losses["total_loss"],
                         "losses/grad_norm": losses["grad_norm"]})  # fmt: skip
             record.add(timing | {"timing/actor_wait_requests": shared.actor_wait.mean().item()})
-            done = learner.update == num_collections
+            done = learner.update == run.num_updates
             if learner.update % args.log_frequency == 0 or done:
                 record.point(learner.global_step)
-            record.line(learner.global_step, f"update={learner.update}/{num_collections}", now=done)
-            if args.checkpoint_interval > 0 and time.time() - last_checkpoint >= args.checkpoint_interval:
-                write_checkpoint(learner, checkpoint_path, args, meta)
-                last_checkpoint = time.time()
-    except Exception as e:  # a signal, a dead worker, a failed write, a non-finite loss, a bug
-        exit_code, message = error_line(e, learner.global_step, signals.signum)
-    finally:
-        stop_workers(workers, graceful=exit_code == 0)
-    # exit status 1: keep the last good checkpoint
-    save = (lambda: write_checkpoint(learner, checkpoint_path, args, meta)) if exit_code != 1 else None
-    finish_run(args, run_dir, learner.global_step, exit_code, message, signals, progress=progress, tracker=tracker,
-               writer=record and record.writer, checkpoint=save, final_model=lambda: learner.target,
-               device=device)  # fmt: skip
+            record.line(learner.global_step, f"update={learner.update}/{run.num_updates}", now=done)
+            run.checkpoint_if_due()
 
 
 # ---- run plumbing ------------------------------------------------------------------------------------------------
@@ -683,8 +650,7 @@ def finish_run(args, run_dir: Path | None, step: int, code: int, message: str | 
     the Progress); the exit with the status (`leave`). A failed write becomes the error line. Once the interpreter
     exits, a further signal ends the process at once, with that status."""
     try:
-        if checkpoint is not None and args.checkpoint_interval > 0:
-            checkpoint()
+        if checkpoint is not None and args.checkpoint_interval > 0 and checkpoint() is not False:  # False: none due
             message = message and f"{message}; checkpoint written to {run_dir / 'checkpoint.pt'}"
         if last_point is not None:  # the run's last TensorBoard point and console line
             last_point()
@@ -709,6 +675,114 @@ def finish_run(args, run_dir: Path | None, step: int, code: int, message: str | 
         progress.summary(step, code)
     atexit.register(signals.exit_on_signal, code)  # the interpreter's exit handlers run after ours
     leave(code, threads, teardown)
+
+
+@dataclass
+class Run:
+    """The run envelope around `main`: `open_run` is its opening (all before a worker starts), `with run.training(...)`
+    its closing around the loop that drives training. `run_dir` is None on a torchrun rank other than 0."""
+
+    args: Args
+    spaces: tuple[gym.Space, gym.Space]
+    meta: dict
+    checkpoint: dict | None  # --resume's, else None
+    run_dir: Path | None
+    device: torch.device
+    world_size: int
+    rank: int
+    steps_per_update: int
+    num_updates: int  # of the whole budget, the updates a resumed checkpoint did included
+    plan: str
+    signals: StopSignals
+    save: Callable[[], None] | None = None
+    checkpoint_due: float = math.inf
+
+    @property
+    def checkpoint_path(self) -> Path:
+        return self.run_dir / "checkpoint.pt"
+
+    def stop_on_signals(self, stop) -> StopSignals:
+        """From here a signal sets `stop`, the event the workers share (at once, if one came during the start)."""
+        self.signals.stop = stop
+        if self.signals.signum:
+            stop.set()
+        return self.signals
+
+    @contextlib.contextmanager
+    def training(self, roles: str, step: Callable[[], int], stop: Callable[[bool], str | None], *,
+                 checkpoint: Callable[[], None] | None = None, save: Callable[[], None] | None = None,
+                 final_model: Callable[[], nn.Module] | None = None, last_point: Callable[[], None] | None = None,
+                 who: str = "the learner", window: int = 100, threads: list = (), teardown: bool = True):  # fmt: skip
+        """Main's loop runs inside, with the Recorder (None on ranks other than 0); `roles` (who runs) goes into the
+        start line and `step()` is the global step. Whatever ends the loop, `stop(graceful)` stops the workers (a
+        string back: a worker's error line, exit status 1), then finish_run: `checkpoint()`, unless the run failed (an
+        exception with `checkpoint_is_good` still writes it), `final_model()`, `last_point()`. `run.checkpoint_if_due()`
+        in the loop calls `save()` (default: `checkpoint()`) every --checkpoint-interval seconds."""
+        record = tracker = progress = None
+        code, message, good = 0, None, True
+        try:
+            if self.run_dir is not None:
+                total = self.num_updates * self.steps_per_update
+                progress = Progress(self.run_dir, total, f"{self.plan}, {roles}, {self.device}")
+                tracker = start_tracking(self.args, self.run_dir)  # after the forks: no worker inherits wandb's
+                record = Recorder(make_writer(self.run_dir, self.args), progress, self.args, step(), window)
+            self.save, self.checkpoint_due = save or checkpoint, time.time() + self.args.checkpoint_interval
+            yield record
+        except Exception as e:  # a signal, a dead worker, a failed write, a non-finite loss, a bug
+            code, message = error_line(e, step(), self.signals.signum, who, self.rank, self.world_size)
+            good = code != 1 or getattr(e, "checkpoint_is_good", False)
+        finally:  # whatever ended the loop (a BaseException too), no worker outlives it
+            failure = stop(code == 0)
+        if failure and code != 1:
+            code, message, good = 1, failure, False
+        elif code > 128:  # a signal: the step the workers reached as they stopped
+            message = error_line(Stop(), step(), self.signals.signum)[1]
+        finish_run(self.args, self.run_dir, step(), code, message, self.signals, progress=progress, tracker=tracker,
+                   writer=record and record.writer, checkpoint=checkpoint if good else None, final_model=final_model,
+                   last_point=last_point, device=self.device, threads=threads, teardown=teardown)  # fmt: skip
+
+    def checkpoint_if_due(self) -> None:
+        if self.save is not None and self.args.checkpoint_interval > 0 and time.time() >= self.checkpoint_due:
+            self.save()
+            self.checkpoint_due = time.time() + self.args.checkpoint_interval
+
+
+def open_run(args: Args) -> Run | None:
+    """The run's opening: the flags of the run a --resume continues, validation (one error line, exit 2), --eval-only
+    (which plays the saved agent: None), flag warnings, the checkpoint, the run directory and args.json (rank 0), the
+    process's seed, threads and device (`init_torch`); a signal from here on stops the run with its line."""
+    world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    args = settled_args(resumed_args(args) if args.resume else args)
+    if error := validate(args, world_size):
+        fail(error)
+    if args.eval_only:
+        main_eval_only(args)
+        return None
+    signals = StopSignals(threading.Event())
+    flag_warnings(args)
+    spaces = env_spaces(args)
+    meta = checkpoint_meta(args, *spaces, world_size)
+    steps = steps_per_update(args, world_size)
+    checkpoint = load_checkpoint(args.resume, meta, args, steps) if args.resume else None
+    run_dir = (Path(args.resume).resolve().parent if args.resume else new_run_dir(args)) if rank == 0 else None
+    if run_dir is not None:
+        write_run_args(run_dir, args, meta)
+    device = init_torch(args, spaces, rank, world_size)
+    stop_if_signalled(signals, run_dir, resumed=checkpoint is not None)
+    return Run(args, spaces, meta, checkpoint, run_dir, device, world_size, rank, steps,
+               *planned_updates(args.total_timesteps, steps), signals)  # fmt: skip
+
+
+def stop_if_signalled(signals: StopSignals, run_dir: Path | None, resumed: bool) -> None:
+    """Ctrl+C or SIGTERM during the start: exit before any worker starts, leaving no new run directory behind."""
+    if signals.signum:  # set by the handler itself: the event is set a moment later, from a thread
+        if run_dir is not None and not resumed:
+            for name in (".lock", "args.json"):  # claim_run_dir's and write_run_args's: it held nothing else
+                (run_dir / name).unlink(missing_ok=True)
+            run_dir.rmdir()
+        signals.restore()
+        print(f"stopped by {signal.Signals(signals.signum).name} during the start", file=sys.stderr)
+        raise SystemExit(128 + signals.signum)
 
 
 class Evaluation:
@@ -1030,11 +1104,16 @@ class Progress:
             files = []
         print(f"wrote to {self.run_dir}: {', '.join(files) or 'nothing'}")
         script, checkpoint, model = Path(__file__).name, self.run_dir / "checkpoint.pt", self.run_dir / "model.pt"
-        print(f"next: tensorboard --logdir {self.run_dir}")
+        print(f"next: tensorboard --logdir {shlex.quote(str(self.run_dir))}")  # each line pastes into a shell as is
         if checkpoint.exists() and step < self.total:
-            print(f"      python {script} --resume {checkpoint}")
+            world, local = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+            launch = "python" if world == 1 else f"torchrun --nproc-per-node {local}"  # the ranks a resume needs
+            launch += " --standalone" if world == local > 1 else f" --nnodes {world // local}" if world > 1 else ""
+            where = "  # on every node, with its rendezvous flags" if world > local else ""
+            print(f"      {launch} {script} --resume {shlex.quote(str(checkpoint))}{where}")
         if saved := [p for p in (model, checkpoint) if p.exists()]:  # the newer: a resumed run may leave an old model
-            print(f"      python {script} --eval-only {max(saved, key=lambda p: p.stat().st_mtime)}", flush=True)
+            newer = max(saved, key=lambda p: p.stat().st_mtime)
+            print(f"      python {script} --eval-only {shlex.quote(str(newer))}", flush=True)
 
 
 class Recorder:
@@ -1355,10 +1434,12 @@ RENAMED_FLAGS = {
 }
 
 
-def validate(args: Args) -> str | None:
+def validate(args: Args, world_size: int = 1) -> str | None:
     """The one-line message of the first bad flag (env and network included), or None."""
     if error := check_flags(args):
         return error
+    if world_size > 1:
+        return f"{Path(__file__).name} runs on one machine: start it with python, not torchrun"
     if args.num_envs % args.num_executors:
         return f"--num-executors must divide --num-envs {args.num_envs}, got {args.num_executors}"
     if args.total_timesteps < (rollout := args.num_envs * args.sync_interval):
@@ -1389,11 +1470,31 @@ def env_spaces(args: Args) -> tuple[gym.Space, gym.Space]:
     return envs.single_observation_space, envs.single_action_space
 
 
-def checkpoint_meta(args: Args, obs_space: gym.Space, action_space: gym.Space) -> dict:
-    """What a checkpoint must match to be resumed by this run: script, env, network and shapes."""
+def checkpoint_meta(args: Args, obs_space: gym.Space, action_space: gym.Space, world_size: int = 1) -> dict:
+    """What a checkpoint must match to be resumed by this run: script, env, network and shapes (one machine)."""
     network = args.network if args.network != "auto" else ("nature" if len(obs_space.shape) == 3 else "mlp")
     return dict(script=Path(__file__).name, algo=None, env_id=args.env_id, atari_protocol=args.atari_protocol,
                 network=network, obs_shape=list(obs_space.shape), action_shape_or_n=int(action_space.n))  # fmt: skip
+
+
+def settled_args(args: Args) -> Args:
+    """The flags as the run uses them: as given (no default here depends on another flag)."""
+    return args
+
+
+def steps_per_update(args: Args, world_size: int) -> int:
+    """Agent steps of one update: a collection of every env's --sync-interval steps."""
+    return args.num_envs * args.sync_interval
+
+
+def init_torch(args: Args, spaces: tuple[gym.Space, gym.Space], rank: int, world_size: int) -> torch.device:
+    """Seed and threads of the learner's process (the workers inherit them), and the learner's device."""
+    torch.manual_seed(args.seed)
+    torch.backends.cudnn.deterministic = args.torch_deterministic
+    # the learner gets the cores the workers leave: intra-op threads beyond the free cores spin and slow its update
+    torch.set_num_threads(args.torch_threads or max(1, (os.cpu_count() or 1) - args.num_executors - args.num_actors))
+    fixed_mmap_threshold()  # inherited by the workers
+    return torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
 
 
 def saved_model(eval_args: Args, settings: dict, state_dict: dict) -> nn.Module:
@@ -1424,11 +1525,11 @@ def evaluate(model: nn.Module, args: Args, video_dir: Path, device: torch.device
     env.close()
 
 
-def write_checkpoint(learner: Learner, path: Path, args: Args, meta: dict) -> None:
+def write_checkpoint(learner: Learner, run: Run) -> None:
     """Write everything needed to continue the run (atomically); executors reseed per collection."""
     atomic_save({"model": learner.target.state_dict(), "optimizer": learner.optimizer.state_dict(),
-                 "global_step": learner.global_step, "update": learner.update,
-                 "rng": {"torch": torch.get_rng_state()}, "args": asdict(args), "meta": meta}, path)  # fmt: skip
+                 "global_step": learner.global_step, "update": learner.update, "rng": {"torch": torch.get_rng_state()},
+                 "args": asdict(run.args), "meta": run.meta}, run.checkpoint_path)  # fmt: skip
 
 
 def stop_workers(workers: Workers, graceful: bool) -> None:

@@ -52,11 +52,12 @@ import math
 import multiprocessing as mp
 import multiprocessing.connection
 import queue
+import shlex
 import threading
 import time
 import traceback
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, fields, replace
 from multiprocessing.queues import Queue
 from multiprocessing.synchronize import Event, Semaphore
@@ -591,19 +592,16 @@ class Learner:
     fork, with what they share (inherited, not pickled: MonoBeast's choice): the rollout buffers, the queues, the
     acting copy of the model and, with batched inference, the inference server's slots, pipe and semaphores."""
 
-    def __init__(
-        self, args: Args, spaces: tuple, meta: dict, checkpoint: dict | None, steps_per_update: int, run_dir: Path
-    ):
+    def __init__(self, args: Args, spaces: tuple, meta: dict, checkpoint: dict | None, device: torch.device,
+                 num_updates: int, steps_per_update: int):  # fmt: skip
         (obs_space, act_space), network = spaces, meta["network"]
         M, N, A = args.num_actors, args.num_envs_per_actor, int(act_space.n)
-        device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
         ctx = mp.get_context("fork")  # main's Processes too: the actors inherit the buffers, queues and model copy
-        self.args, self.meta, self.device, self.run_dir = args, meta, device, run_dir
+        self.args, self.meta, self.device = args, meta, device
         self.model = make_model(obs_space, act_space, network, **model_options(args)).to(device)
         self.optimizer = torch.optim.RMSprop(self.model.parameters(), lr=args.learning_rate, alpha=args.rmsprop_alpha,
                                              eps=args.rmsprop_eps, momentum=args.rmsprop_momentum)  # fmt: skip
-        self.steps_per_update = steps_per_update
-        self.num_updates, self.plan = planned_updates(args.total_timesteps, steps_per_update)  # plan: start line
+        self.num_updates, self.steps_per_update = num_updates, steps_per_update
         # updates done, and those a learner thread has claimed (each claims one before it batches): under the learn lock
         self.updates, self.global_step = (checkpoint["update"], checkpoint["global_step"]) if checkpoint else (0, 0)
         self.claimed = self.updates
@@ -633,7 +631,7 @@ class Learner:
             self.inference = InferenceServer(
                 self.acting, slots, RequestPipe(), sems, max_actors, device, self.queues.stop, self.failures
             )
-        self.record: Recorder | None = None  # made once the actors run (its SummaryWriter's thread is not forked)
+        self.record: Recorder | None = None  # main's, made once the actors run (its SummaryWriter's thread not forked)
         self.learn_lock, self.batch_lock = threading.Lock(), threading.Lock()
 
     def run(self, thread_id: int) -> None:
@@ -667,6 +665,8 @@ class Learner:
             if not torch.isfinite(losses["total_loss"]):  # before the step: the parameters and checkpoints stay finite
                 raise NonFiniteLoss(f"non-finite loss {losses['total_loss'].item()}")
             losses["grad_norm"] = gradient_step(self.model, self.optimizer, losses["total_loss"], args.max_grad_norm)
+            if not_finite(self.model.state_dict()):  # a finite loss, a step too large: no actor acts with them
+                raise NonFiniteLoss(f"non-finite weights after update {self.updates + 1} (learning rate {lr:.3g})")
             metrics = {k: v.item() for k, v in losses.items()}
             lag = self.updates - batch.version[:-1].double().mean().item()  # row T is the next rollout's row 0
             self.updates += 1
@@ -701,60 +701,34 @@ def model_options(args: Args) -> dict:
 
 
 def main(args: Args) -> None:
-    args = resumed_args(args) if args.resume else args
-    if error := validate(args):
-        fail(error)
-    if args.eval_only:
-        return main_eval_only(args)
-    flag_warnings(args)
-    for ignored in ignored_flags(args):
-        print(f"warning: {ignored}", file=sys.stderr, flush=True)
-    try:
-        obs_space, act_space = env_spaces(args)
-    except EnvError as e:
-        fail(str(e))
-    args = replace(args, num_buffers=num_buffers_of(args))
-    meta = checkpoint_meta(args, obs_space, act_space)
-    steps_per_update = args.unroll_length * args.batch_size * args.num_envs_per_actor  # validate's arithmetic too
-    checkpoint = load_checkpoint(args.resume, meta, args, steps_per_update) if args.resume else None
-    run_dir = Path(args.resume).parent if checkpoint else new_run_dir(args)
-    write_run_args(run_dir, args, meta)
-    torch.set_num_threads(args.torch_threads or max(1, (os.cpu_count() or 1) - args.num_actors))
-    sys.setswitchinterval(0.0005)  # the inference thread gets the GIL as a request arrives, not after a 5 ms slice
-    torch.manual_seed(args.seed)
-    torch.backends.cudnn.deterministic = args.torch_deterministic
-    torch.use_deterministic_algorithms(args.torch_deterministic, warn_only=True)
-
-    learner = Learner(args, (obs_space, act_space), meta, checkpoint, steps_per_update, run_dir)
-    queues, inference, N = learner.queues, learner.inference, args.num_envs_per_actor
-    signals, actors, threads = StopSignals(queues.stop), Processes(mp.get_context("fork")), []
-    env_seed = args.seed + (1_000_003 * learner.updates if checkpoint else 0)  # shifted on resume: new episodes
+    if (run := open_run(args)) is None:  # resume, validation, run directory, args.json, seed, threads, device
+        return  # --eval-only played the saved agent
+    args, N = run.args, run.args.num_envs_per_actor
+    learner = Learner(args, run.spaces, run.meta, run.checkpoint, run.device, run.num_updates, run.steps_per_update)
+    queues, inference, actors = learner.queues, learner.inference, Processes(mp.get_context("fork"))
+    run.stop_on_signals(queues.stop)
+    env_seed = args.seed + (1_000_003 * learner.updates if run.checkpoint else 0)  # shifted on resume: new episodes
     for i in range(args.num_actors):  # env e of actor i is seeded env_seed + N i + e
         policy = BatchedPolicy(i, inference) if inference else CopyPolicy(learner.acting, N)
         actors.start(f"actor-{i}", actor_process, i, args, env_seed + N * i, learner.buffers, queues, policy)
-    try:
-        tracker = start_tracking(args, run_dir)  # after the fork: no actor inherits wandb's threads and pipes
-        progress = Progress(
-            run_dir, learner.num_updates * learner.steps_per_update,
-            f"{learner.plan}, {args.num_actors} actors x {N} envs, {args.inference} inference, {meta['network']} "
-            f"network{' + LSTM' if args.use_lstm else ''}, {args.num_buffers} buffers, {learner.device}",
-        )  # fmt: skip
-        # the SummaryWriter after wandb.init, which patches TensorBoard; mean_return over the last 50 games
-        learner.record = Recorder(make_writer(run_dir, args), progress, args, learner.global_step, window=50)
-        threads += [threading.Thread(target=learner.run, args=(j,), name=f"learner-{j}", daemon=True)
-                    for j in range(args.num_learner_threads)]  # fmt: skip
-        threads += [threading.Thread(target=inference.run, name="inference", daemon=True)] if inference else []
+    learners = [threading.Thread(target=learner.run, args=(j,), name=f"learner-{j}", daemon=True)
+                for j in range(args.num_learner_threads)]  # fmt: skip
+    threads = learners + ([threading.Thread(target=inference.run, name="inference", daemon=True)] if inference else [])
+    roles = (f"{args.num_actors} actors x {N} envs, {args.inference} inference, {run.meta['network']} network"
+             f"{' + LSTM' if args.use_lstm else ''}, {args.num_buffers} buffers")  # fmt: skip
+    # the learner threads record through main's Recorder (the last 50 games' mean return), made after the fork
+    with run.training(roles, lambda: learner.global_step, lambda _: stop_threads_and_actors(learner, threads, actors),
+                      checkpoint=lambda: write_checkpoint(learner, run.checkpoint_path),
+                      final_model=lambda: learner.model, window=50, threads=threads) as learner.record:  # fmt: skip
         for t in threads:
             t.start()
-        watch_actors(learner, actors, threads[: args.num_learner_threads])
-    finally:
-        stop_threads_and_actors(queues, inference, threads, actors)
-    failure = learner.failures[0] if learner.failures else None
-    code, message = (1, failure) if failure else error_line(Stop(), learner.global_step, signals.signum)
-    record, save = learner.record, (lambda: write_checkpoint(learner)) if failure is None else None
-    finish_run(args, run_dir, learner.global_step, code, message, signals, progress=record and record.progress,
-               writer=record and record.writer, tracker=tracker, checkpoint=save, final_model=lambda: learner.model,
-               device=learner.device, threads=threads)  # fmt: skip
+        while any(t.is_alive() for t in learners):  # until they have spent the budget
+            if queues.stop.is_set():
+                raise Stop  # a signal, or a thread that failed (its error line: stop_threads_and_actors)
+            if died := actors.wait(timeout=1.0):
+                raise Stop(f"error: {died}")  # its traceback: the actor printed it
+            with learner.learn_lock:  # a checkpoint between two updates
+                run.checkpoint_if_due()
 
 
 # ---- run plumbing ------------------------------------------------------------------------------------------------
@@ -894,8 +868,7 @@ def finish_run(args, run_dir: Path | None, step: int, code: int, message: str | 
     the Progress); the exit with the status (`leave`). A failed write becomes the error line. Once the interpreter
     exits, a further signal ends the process at once, with that status."""
     try:
-        if checkpoint is not None and args.checkpoint_interval > 0:
-            checkpoint()
+        if checkpoint is not None and args.checkpoint_interval > 0 and checkpoint() is not False:  # False: none due
             message = message and f"{message}; checkpoint written to {run_dir / 'checkpoint.pt'}"
         if last_point is not None:  # the run's last TensorBoard point and console line
             last_point()
@@ -920,6 +893,114 @@ def finish_run(args, run_dir: Path | None, step: int, code: int, message: str | 
         progress.summary(step, code)
     atexit.register(signals.exit_on_signal, code)  # the interpreter's exit handlers run after ours
     leave(code, threads, teardown)
+
+
+@dataclass
+class Run:
+    """The run envelope around `main`: `open_run` is its opening (all before a worker starts), `with run.training(...)`
+    its closing around the loop that drives training. `run_dir` is None on a torchrun rank other than 0."""
+
+    args: Args
+    spaces: tuple[gym.Space, gym.Space]
+    meta: dict
+    checkpoint: dict | None  # --resume's, else None
+    run_dir: Path | None
+    device: torch.device
+    world_size: int
+    rank: int
+    steps_per_update: int
+    num_updates: int  # of the whole budget, the updates a resumed checkpoint did included
+    plan: str
+    signals: StopSignals
+    save: Callable[[], None] | None = None
+    checkpoint_due: float = math.inf
+
+    @property
+    def checkpoint_path(self) -> Path:
+        return self.run_dir / "checkpoint.pt"
+
+    def stop_on_signals(self, stop) -> StopSignals:
+        """From here a signal sets `stop`, the event the workers share (at once, if one came during the start)."""
+        self.signals.stop = stop
+        if self.signals.signum:
+            stop.set()
+        return self.signals
+
+    @contextlib.contextmanager
+    def training(self, roles: str, step: Callable[[], int], stop: Callable[[bool], str | None], *,
+                 checkpoint: Callable[[], None] | None = None, save: Callable[[], None] | None = None,
+                 final_model: Callable[[], nn.Module] | None = None, last_point: Callable[[], None] | None = None,
+                 who: str = "the learner", window: int = 100, threads: list = (), teardown: bool = True):  # fmt: skip
+        """Main's loop runs inside, with the Recorder (None on ranks other than 0); `roles` (who runs) goes into the
+        start line and `step()` is the global step. Whatever ends the loop, `stop(graceful)` stops the workers (a
+        string back: a worker's error line, exit status 1), then finish_run: `checkpoint()`, unless the run failed (an
+        exception with `checkpoint_is_good` still writes it), `final_model()`, `last_point()`. `run.checkpoint_if_due()`
+        in the loop calls `save()` (default: `checkpoint()`) every --checkpoint-interval seconds."""
+        record = tracker = progress = None
+        code, message, good = 0, None, True
+        try:
+            if self.run_dir is not None:
+                total = self.num_updates * self.steps_per_update
+                progress = Progress(self.run_dir, total, f"{self.plan}, {roles}, {self.device}")
+                tracker = start_tracking(self.args, self.run_dir)  # after the forks: no worker inherits wandb's
+                record = Recorder(make_writer(self.run_dir, self.args), progress, self.args, step(), window)
+            self.save, self.checkpoint_due = save or checkpoint, time.time() + self.args.checkpoint_interval
+            yield record
+        except Exception as e:  # a signal, a dead worker, a failed write, a non-finite loss, a bug
+            code, message = error_line(e, step(), self.signals.signum, who, self.rank, self.world_size)
+            good = code != 1 or getattr(e, "checkpoint_is_good", False)
+        finally:  # whatever ended the loop (a BaseException too), no worker outlives it
+            failure = stop(code == 0)
+        if failure and code != 1:
+            code, message, good = 1, failure, False
+        elif code > 128:  # a signal: the step the workers reached as they stopped
+            message = error_line(Stop(), step(), self.signals.signum)[1]
+        finish_run(self.args, self.run_dir, step(), code, message, self.signals, progress=progress, tracker=tracker,
+                   writer=record and record.writer, checkpoint=checkpoint if good else None, final_model=final_model,
+                   last_point=last_point, device=self.device, threads=threads, teardown=teardown)  # fmt: skip
+
+    def checkpoint_if_due(self) -> None:
+        if self.save is not None and self.args.checkpoint_interval > 0 and time.time() >= self.checkpoint_due:
+            self.save()
+            self.checkpoint_due = time.time() + self.args.checkpoint_interval
+
+
+def open_run(args: Args) -> Run | None:
+    """The run's opening: the flags of the run a --resume continues, validation (one error line, exit 2), --eval-only
+    (which plays the saved agent: None), flag warnings, the checkpoint, the run directory and args.json (rank 0), the
+    process's seed, threads and device (`init_torch`); a signal from here on stops the run with its line."""
+    world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    args = settled_args(resumed_args(args) if args.resume else args)
+    if error := validate(args, world_size):
+        fail(error)
+    if args.eval_only:
+        main_eval_only(args)
+        return None
+    signals = StopSignals(threading.Event())
+    flag_warnings(args)
+    spaces = env_spaces(args)
+    meta = checkpoint_meta(args, *spaces, world_size)
+    steps = steps_per_update(args, world_size)
+    checkpoint = load_checkpoint(args.resume, meta, args, steps) if args.resume else None
+    run_dir = (Path(args.resume).resolve().parent if args.resume else new_run_dir(args)) if rank == 0 else None
+    if run_dir is not None:
+        write_run_args(run_dir, args, meta)
+    device = init_torch(args, spaces, rank, world_size)
+    stop_if_signalled(signals, run_dir, resumed=checkpoint is not None)
+    return Run(args, spaces, meta, checkpoint, run_dir, device, world_size, rank, steps,
+               *planned_updates(args.total_timesteps, steps), signals)  # fmt: skip
+
+
+def stop_if_signalled(signals: StopSignals, run_dir: Path | None, resumed: bool) -> None:
+    """Ctrl+C or SIGTERM during the start: exit before any worker starts, leaving no new run directory behind."""
+    if signals.signum:  # set by the handler itself: the event is set a moment later, from a thread
+        if run_dir is not None and not resumed:
+            for name in (".lock", "args.json"):  # claim_run_dir's and write_run_args's: it held nothing else
+                (run_dir / name).unlink(missing_ok=True)
+            run_dir.rmdir()
+        signals.restore()
+        print(f"stopped by {signal.Signals(signals.signum).name} during the start", file=sys.stderr)
+        raise SystemExit(128 + signals.signum)
 
 
 class Evaluation:
@@ -1241,11 +1322,16 @@ class Progress:
             files = []
         print(f"wrote to {self.run_dir}: {', '.join(files) or 'nothing'}")
         script, checkpoint, model = Path(__file__).name, self.run_dir / "checkpoint.pt", self.run_dir / "model.pt"
-        print(f"next: tensorboard --logdir {self.run_dir}")
+        print(f"next: tensorboard --logdir {shlex.quote(str(self.run_dir))}")  # each line pastes into a shell as is
         if checkpoint.exists() and step < self.total:
-            print(f"      python {script} --resume {checkpoint}")
+            world, local = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+            launch = "python" if world == 1 else f"torchrun --nproc-per-node {local}"  # the ranks a resume needs
+            launch += " --standalone" if world == local > 1 else f" --nnodes {world // local}" if world > 1 else ""
+            where = "  # on every node, with its rendezvous flags" if world > local else ""
+            print(f"      {launch} {script} --resume {shlex.quote(str(checkpoint))}{where}")
         if saved := [p for p in (model, checkpoint) if p.exists()]:  # the newer: a resumed run may leave an old model
-            print(f"      python {script} --eval-only {max(saved, key=lambda p: p.stat().st_mtime)}", flush=True)
+            newer = max(saved, key=lambda p: p.stat().st_mtime)
+            print(f"      python {script} --eval-only {shlex.quote(str(newer))}", flush=True)
 
 
 class Recorder:
@@ -1540,16 +1626,19 @@ RUN_SETTINGS = ("env_id", "atari_protocol", "network", "use_lstm", "lstm_size", 
 RENAMED_FLAGS = {"--entropy-cost": "is now --ent-coef (see --help)", "--baseline-cost": "is now --vf-coef (see --help)"}
 
 
-def validate(args: Args) -> str | None:
-    """Every flag checked before anything is made or started: the error line (without `error: `), or None."""
+def validate(args: Args, world_size: int = 1) -> str | None:
+    """Every flag checked before anything is made or started, the env too: the error line (without `error: `), or
+    None."""
     if error := check_flags(args):
         return error
-    M, N, B, K = args.num_actors, args.num_envs_per_actor, args.batch_size, num_buffers_of(args)
+    if world_size > 1:
+        return f"{Path(__file__).name} runs on one machine: start it with python, not torchrun"
+    M, N, B, K = args.num_actors, args.num_envs_per_actor, args.batch_size, settled_args(args).num_buffers
     if K < max(M, B):
         return f"--num-buffers ({K}) must be >= --num-actors ({M}) and >= --batch-size ({B})"
     if 0 < args.max_inference_batch < N:
         return f"--max-inference-batch ({args.max_inference_batch}) must be 0 (all) or >= --num-envs-per-actor ({N})"
-    if args.total_timesteps < (n := args.unroll_length * B * N):
+    if args.total_timesteps < (n := steps_per_update(args, world_size)):
         return (f"--total-timesteps {args.total_timesteps} is below one update, {n} agent steps (--unroll-length x "
                 f"--batch-size x --num-envs-per-actor): the run would learn nothing; give at least {n}")  # fmt: skip
     if args.capture_video and args.eval_episodes == 0 and args.eval_only is None:
@@ -1561,6 +1650,8 @@ def validate(args: Args) -> str | None:
         check_env_args(args.env_id, N, args.atari_protocol)  # the id too, without making the env
         if args.capture_video and args.eval_only is None:  # fail now, not at the final evaluation
             check_video(args.env_id, args.atari_protocol)
+        if args.eval_only is None:  # the env made, and its action space (--eval-only: the saved run's env)
+            env_spaces(args)
     except EnvError as e:
         return str(e)
     return None
@@ -1590,7 +1681,7 @@ def env_spaces(args: Args) -> tuple[gym.Space, gym.spaces.Discrete]:
     return obs_space, act_space
 
 
-def checkpoint_meta(args: Args, obs_space: gym.Space, act_space: gym.spaces.Discrete) -> dict:
+def checkpoint_meta(args: Args, obs_space: gym.Space, act_space: gym.spaces.Discrete, world_size: int = 1) -> dict:
     """What a checkpoint must match to be resumed by this run: script, env, Atari protocol, network (`auto` resolved)
     and shapes."""
     network = args.network if args.network != "auto" else ("nature" if len(obs_space.shape) == 3 else "mlp")
@@ -1604,6 +1695,34 @@ def checkpoint_meta(args: Args, obs_space: gym.Space, act_space: gym.spaces.Disc
         obs_shape=list(obs_space.shape),
         action_shape_or_n=int(act_space.n),
     )
+
+
+def settled_args(args: Args) -> Args:
+    """The flags as the run uses them: --num-buffers None is TorchBeast's choice, max(2 x actors, batch size)."""
+    if args.num_buffers is not None:
+        return args
+    resolved = replace(args, num_buffers=max(2 * args.num_actors, args.batch_size))
+    if hasattr(args, "given"):  # parse_args's names of the flags given, which replace() drops
+        resolved.given = args.given
+    return resolved
+
+
+def steps_per_update(args: Args, world_size: int) -> int:
+    """Agent steps of one update: a batch of --batch-size rollouts of --unroll-length steps of an actor's envs."""
+    return args.unroll_length * args.batch_size * args.num_envs_per_actor
+
+
+def init_torch(args: Args, spaces: tuple[gym.Space, gym.Space], rank: int, world_size: int) -> torch.device:
+    """The warnings of flags without effect; the main process's threads, GIL switch interval, seed and determinism
+    (the actors inherit them), and the device of the learner and batched inference."""
+    for ignored in ignored_flags(args):
+        print(f"warning: {ignored}", file=sys.stderr, flush=True)
+    torch.set_num_threads(args.torch_threads or max(1, (os.cpu_count() or 1) - args.num_actors))
+    sys.setswitchinterval(0.0005)  # the inference thread gets the GIL as a request arrives, not after a 5 ms slice
+    torch.manual_seed(args.seed)
+    torch.backends.cudnn.deterministic = args.torch_deterministic
+    torch.use_deterministic_algorithms(args.torch_deterministic, warn_only=True)
+    return torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
 
 
 def saved_model(args: Args, settings: dict, state_dict: dict) -> nn.Module:
@@ -1640,49 +1759,31 @@ def evaluate(model: nn.Module, args: Args, video_dir: Path, device: torch.device
     env.close()
 
 
-def watch_actors(learner: Learner, actors: Processes, learner_threads: list[threading.Thread]) -> None:
-    """The main thread while the learner threads train: a dead actor stops the run, and a checkpoint is written every
-    --checkpoint-interval seconds, between two updates (under the learn lock)."""
-    written = time.time()
-    try:
-        while not learner.queues.stop.is_set() and any(t.is_alive() for t in learner_threads):
-            if died := actors.wait(timeout=1.0):
-                learner.failures.insert(0, f"error: {died}")  # an exception's traceback: the actor printed it
-                return
-            if learner.args.checkpoint_interval and time.time() - written >= learner.args.checkpoint_interval:
-                with learner.learn_lock:
-                    write_checkpoint(learner)
-                written = time.time()
-    except WriteError as e:
-        learner.failures.append(error_line(e, learner.global_step, 0)[1])
-
-
-def write_checkpoint(learner: Learner) -> None:
-    """{run_dir}/checkpoint.pt: the model, the optimizer, the update and step counts, the RNG, Args and meta."""
+def write_checkpoint(learner: Learner, path: Path) -> None:
+    """The checkpoint: the model, the optimizer, the update and step counts, the RNG, Args and meta."""
     state = dict(model=learner.model.state_dict(), optimizer=learner.optimizer.state_dict(), update=learner.updates,
                  global_step=learner.global_step, torch_rng=torch.get_rng_state(), args=asdict(learner.args),
                  meta=learner.meta)  # fmt: skip
-    atomic_save(state, learner.run_dir / "checkpoint.pt")
+    atomic_save(state, path)
 
 
-def stop_threads_and_actors(queues: Queues, inference, threads: list[threading.Thread], actors: Processes) -> None:
+def stop_threads_and_actors(learner: Learner, threads: list[threading.Thread], actors: Processes) -> str | None:
     """The end of a run: every wait looks at the stop event once a second, and the inference thread, in a read of its
-    pipe, is woken; an update in progress ends within seconds (8 for them all), then the actors get 3."""
+    pipe, is woken; an update in progress ends within seconds (8 for them all), then the actors get 3. Returns the
+    first error line of a thread that failed (None: none did)."""
+    queues, inference = learner.queues, learner.inference
     queues.stop.set()
     if inference is not None:
         inference.requests.put(RequestPipe.WAKE)
     deadline = time.monotonic() + 8.0
     for t in threads:
-        t.join(timeout=max(0.0, deadline - time.monotonic()))
+        if t.is_alive():  # not one that never started (the run failed before)
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
     actors.stop(grace=3.0)
     queues.close()
     if inference is not None:
         inference.requests.close()
-
-
-def num_buffers_of(args: Args) -> int:
-    """--num-buffers, or TorchBeast's choice where it is None: max(2 x actors, batch size)."""
-    return args.num_buffers if args.num_buffers is not None else max(2 * args.num_actors, args.batch_size)
+    return learner.failures[0] if learner.failures else None
 
 
 if __name__ == "__main__":

@@ -651,7 +651,8 @@ def summary_table(results: Path) -> str:
         rate = f"[{rate}]({rel}{ONE_CONFIG})" if label in speed else rate
         peer = f"[{peers[label]}]({rel}against-the-peers-own-code)" if label in peers else "—"
         rows.append(f"{script} | {learned} | {atari} | {rate} | {versus} | {peer}")
-    header = ("script | CartPole-v1: final return, seeds reaching 475 | Pong on 2 CPU cores: first +18 over 20 games (gate runs), final return (best run) | "
+    header = ("script | CartPole-v1: final return, seeds reaching 475 | Pong on 2 CPU cores: first +18 over 20 "
+              "games (gate runs), final return (best run) | "
               "Breakout agent steps/s (efficiency) | against the design it replaces | "
               "against the peer's own code")  # fmt: skip
     return table(header, "lrrrll", rows)

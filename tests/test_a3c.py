@@ -325,7 +325,7 @@ def test_cartpole_hogwild_end_to_end_with_the_predicted_lag(hogwild_run):
     proc, run_dir, wandb_dir = hogwild_run
     total, workers = 2000, 2
     assert re.search(rf"^global_step={total} SPS=", proc.stdout, re.MULTILINE), proc.stdout[-500:]  # every script's
-    start = f"run directory: {run_dir}  (100 updates of 20 agent steps; an update is one of 2 asynchronous workers' 4 "
+    start = f"run directory: {run_dir}  (100 updates of 20 agent steps, an update is one of 2 asynchronous workers' 4 "
     assert f"{start}envs x 5 steps; hogwild, cpu)\n" in proc.stdout, proc.stdout[:500]
     assert f"\nfinished: {total:,} of {total:,} agent steps in " in proc.stdout, proc.stdout[-800:]
     assert f"\n      python {SCRIPT} --eval-only {run_dir / 'model.pt'}\n" in proc.stdout  # the summary's last line
@@ -672,16 +672,16 @@ def test_full_disk_stops_cleanly_and_keeps_the_last_checkpoint(tmp_path):
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_signal_during_start_up_stops_cleanly(sig, tmp_path, monkeypatch, capsys):
-    """The signal arrives once the run directory exists, before any process starts: no process, no directory left,
-    exit 128 + signal (the plumbing's stop_if_signalled, as in apex)."""
-    new_run_dir = a3c.new_run_dir
+    """The signal arrives once the run directory and its args.json exist and the handlers are installed, before any
+    process starts: no process, no directory left, exit 128 + signal (the plumbing's stop_if_signalled, as in apex)."""
+    make_shared = a3c.make_shared
 
-    def signalled(args):
-        run_dir = new_run_dir(args)
+    def signalled(*args):
+        shared = make_shared(*args)
         os.kill(os.getpid(), sig)
-        return run_dir
+        return shared
 
-    monkeypatch.setattr(a3c, "new_run_dir", signalled)
+    monkeypatch.setattr(a3c, "make_shared", signalled)
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}  # main changes them
     threads = torch.get_num_threads()
     try:
@@ -692,7 +692,7 @@ def test_signal_during_start_up_stops_cleanly(sig, tmp_path, monkeypatch, capsys
             signal.signal(s, handler)
         torch.set_num_threads(threads)
     assert e.value.code == 128 + sig
-    assert "interrupted during start-up" in capsys.readouterr().err
+    assert "during the start" in capsys.readouterr().err
     assert not any(tmp_path.iterdir()) and not multiprocessing.active_children()
 
 

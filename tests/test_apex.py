@@ -9,8 +9,9 @@ the exact policy lag of actors that never pull; --track (one offline W&B run for
 alone), --eval-only of a model.pt and a checkpoint.pt (the end-of-training evaluation replayed) and what it refuses;
 the console's start line, lines and summary; bad flags (a budget that never starts the learner among them), the
 warnings of a run that skips what its flags suggest, unusable checkpoints and run directories; a crashing or killed
-actor, SIGINT with a stopped process, a signal during start-up, a full disk. Both scripts' rpc code is the same text,
-so DDPG under torchrun runs the code the DQN torchrun test checks."""
+actor, SIGINT with a stopped process, a signal during start-up, a full disk, SIGTERM to the torchrun launcher and
+kill -9 of it (the final checkpoint, no rank left). Both scripts' rpc code is the same text, so DDPG under torchrun
+runs the code the DQN torchrun test checks."""
 
 import ast
 import json
@@ -441,8 +442,8 @@ def test_dqn_atari_end_to_end(tmp_path):
     )
     run_dir = only_run_dir(tmp_path)
     start, *lines, finished, wrote, tensorboard, eval_only = proc.stdout.splitlines()
-    assert start.startswith(f"run directory: {run_dir}  (Ape-X DQN: 1 actors x 1 envs, replay 250 in 1 buffers, "
-                            "learning from 50 transitions, learner on "), start  # fmt: skip
+    assert start.startswith(f"run directory: {run_dir}  (Ape-X DQN: 250 agent steps, 1 actors x 1 envs, replay 250 "
+                            "in 1 buffers, learning from 50 transitions, "), start  # fmt: skip
     assert lines and all(CONSOLE_LINE.match(line) and " done=" in line and " updates=" in line for line in lines)
     assert lines[-1].startswith("global_step=250 ") and " done=100.0% " in lines[-1], lines
     assert finished.startswith("finished: 250 of 250 agent steps in "), finished
@@ -475,8 +476,8 @@ def ddpg_run(tmp_path_factory):
 def test_ddpg_pendulum_end_to_end(ddpg_run):
     """--track: the main process alone logs to W&B, one run for the learner and its 2 actor processes."""
     proc, run_dir, wandb_dir = ddpg_run
-    assert proc.stdout.startswith(f"run directory: {run_dir}  (Ape-X DDPG: 2 actors x 1 envs, replay 1,200 in 2 "
-                                  "buffers, learning from 200 transitions, learner on "), proc.stdout  # fmt: skip
+    start = f"run directory: {run_dir}  (Ape-X DDPG: 1,200 agent steps, 2 actors x 1 envs, replay 1,200 in 2 buffers, "
+    assert proc.stdout.startswith(f"{start}learning from 200 transitions, "), proc.stdout
     assert "\nfinished: 1,200 of 1,200 agent steps in " in proc.stdout, proc.stdout
     assert "\nwarning: " not in f"\n{proc.stderr}", proc.stderr
     logged = scalars(run_dir)
@@ -940,21 +941,21 @@ def test_sigint_stops_cleanly_with_a_checkpoint_even_with_a_stopped_process(tmp_
 @script_ids
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_signal_during_start_up_stops_cleanly(m, sig, tmp_path, monkeypatch, capsys, process_state):
-    """The signal arrives once the run directory exists, before any process starts: no process, no directory left,
-    exit 128 + signal. A signal later in start-up is seen at the top of the training loop (the SIGINT test)."""
-    new_run_dir = m.new_run_dir
+    """The signal arrives once the run directory exists (with its args.json) and the learner is being built, before
+    any process starts: no process, no directory left, exit 128 + signal. A signal later in start-up is seen at the
+    top of the training loop (the SIGINT test)."""
+    learner = m.Learner
 
-    def signalled(args):
-        run_dir = new_run_dir(args)
+    def signalled(*args):
         os.kill(os.getpid(), sig)
-        return run_dir
+        return learner(*args)
 
-    monkeypatch.setattr(m, "new_run_dir", signalled)
+    monkeypatch.setattr(m, "Learner", signalled)
     env_id = "CartPole-v1" if m is apex_dqn else "Pendulum-v1"
     with pytest.raises(SystemExit) as e:
         m.main(m.Args(env_id=env_id, log_dir=str(tmp_path), buffer_size=1000, learning_starts=100, num_actors=2))
     assert e.value.code == 128 + sig
-    assert "interrupted during start-up" in capsys.readouterr().err
+    assert "during the start" in capsys.readouterr().err
     assert not any(tmp_path.iterdir()) and not multiprocessing.active_children()
 
 
@@ -1010,19 +1011,30 @@ def test_a_non_finite_update_stops_the_run_before_the_actors_get_its_parameters(
     assert checkpoint["version"] <= 6 and all(torch.isfinite(w).all() for w in checkpoint["model"].values())
 
 
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "kill-9"])
 @pytest.mark.parametrize("script", ["apex_dqn.py", "apex_ddpg.py"])
-def test_killing_the_torchrun_launcher_leaves_no_rank_running(script, tmp_path):
-    """kill -9 of the torchrun launcher: the learner and the actor rank (in their own sessions, reparented) stop as on
-    SIGTERM, and the actor rank's actor processes die with it."""
+def test_a_stopped_torchrun_launcher_stops_the_run_with_its_checkpoint(script, sig, tmp_path):
+    """SIGTERM to the torchrun launcher, which forwards it to every rank, or kill -9 of it (the ranks, in their own
+    sessions and reparented, stop as on SIGTERM): the actor rank ends at once, and the learner takes its going away
+    for the stop it is (issue 64): the stop line, the final checkpoint, the summary of exit status 143, no error line
+    and no traceback of a rank; none of the ranks and actors is left running."""
     env = ["--env-id", "CartPole-v1", *TINY_DQN] if script == "apex_dqn.py" else ["--env-id", "Pendulum-v1", *TINY_DDPG]
     args = [*env, "--num-actors", "1", "--total-timesteps", "100000000", "--checkpoint-interval", "3600"]
     proc, pids = launch_ranks(script, args, tmp_path)
     try:
-        os.kill(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate(timeout=60)  # the ranks hold the pipe: it ends when they have exited
+        os.kill(proc.pid, sig)
+        out, _ = proc.communicate(timeout=90)  # the ranks hold the pipe: it ends when they have exited
         wait_for(lambda: not processes_with(str(tmp_path)), "no rank or actor left running")
     finally:
         for pid in processes_with(str(tmp_path)):
             os.kill(pid, signal.SIGKILL)
         end_launch(proc, pids)
-    assert "the torchrun launcher" in out and "is gone" in out, out[-3000:]
+    if sig == signal.SIGKILL:
+        assert "the torchrun launcher" in out and "is gone" in out, out[-3000:]
+    checkpoint = only_run_dir(tmp_path) / "checkpoint.pt"
+    stop_line = rf"^stopped by SIGTERM at global step \d+; checkpoint written to {re.escape(str(checkpoint))}$"
+    assert re.search(stop_line, out, re.M), out[-3000:]
+    assert re.search(r"^stopped \(exit status 143\): ", out, re.M) and "\nerror: actor" not in out, out[-3000:]
+    # a traceback only from the launcher itself, which re-raises the SIGTERM it forwarded
+    assert out.count("Traceback") == out.count("elastic.multiprocessing.api.SignalException: "), out[-3000:]
+    assert torch.load(checkpoint, weights_only=False)["global_step"] > 0

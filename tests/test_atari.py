@@ -289,13 +289,13 @@ def test_capture_video_without_a_renderer_is_one_error_line_and_leaves_no_folder
 
 @pytest.mark.parametrize(
     ("script", "extra"),
-    [("a3c_large_batch", ()), ("apex_ddpg", ()), ("apex_dqn", ()), ("cleanba_ppo_impala", (1,)), ("gala_a2c", (2,)),
+    [("a3c_large_batch", ()), ("apex_ddpg", ()), ("apex_dqn", ()), ("cleanba_ppo_impala", (1,)), ("gala_a2c", ()),
      ("hts_a2c", ()), ("hts_ppo", ()), ("impala_monobeast", ())],
 )  # fmt: skip
 def test_every_script_refuses_capture_video_it_cannot_record_before_the_run(script, extra):
     module = importlib.import_module(script)
     args = module.Args(env_id="tests.faulty_env:UnrenderableCartPole-v0", capture_video=True, eval_episodes=1)
-    if hasattr(module, "resolve_defaults"):  # cleanba_ppo_impala.py: --algo's defaults, before validate
-        args = module.resolve_defaults(args)
+    if hasattr(module, "settled_args"):  # as open_run, before validate: cleanba's --algo defaults, ...
+        args = module.settled_args(args)
     error = module.validate(args, *extra)
     assert error is not None and error.startswith("--capture-video cannot render") and "\n" not in error, error

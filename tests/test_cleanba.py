@@ -67,7 +67,7 @@ from cleanba_ppo_impala import (
     new_run_dir,
     ppo_loss,
     ppo_update,
-    resolve_defaults,
+    settled_args,
     start_tracking,
     validate,
     vtrace,
@@ -288,7 +288,7 @@ def test_ppo_gae_uses_the_actors_values_and_a_learner_bootstrap():
         dones=f32(dones),
         next_obs=f32(next_obs),
     )
-    args = resolve_defaults(
+    args = settled_args(
         Args(update_epochs=1, num_minibatches=1, norm_adv=False, ent_coef=0.0, gamma=gamma, gae_lambda=lam)
     )
     (losses,) = ppo_update(StubActorCritic(A), data, args, torch.Generator().manual_seed(0))  # the one minibatch
@@ -363,7 +363,7 @@ def test_end_to_end_tags_policy_lag_and_console_line(mode, runs):
     assert [int(m.group(1)) for m in lines if m] == [128 * i for i in range(1, UPDATES + 1)]  # --log-interval 0
     assert f"update={UPDATES}/{UPDATES} policy_lag={expected_lags(mode == 'sync')[-1]} " in run.stdout
     first, *_, summary, wrote, tensorboard, evaluate_line = run.stdout.splitlines()
-    assert first == (f"run directory: {run.run_dir}  ({UPDATES} updates of 128 agent steps; an update is 1 rank(s) x 4 "
+    assert first == (f"run directory: {run.run_dir}  ({UPDATES} updates of 128 agent steps, an update is 1 rank(s) x 4 "
                      f"envs x 32 steps; {'sync' if mode == 'sync' else 'cleanba'} {mode.replace('sync', 'ppo')}, mlp "
                      "network, cpu)")  # fmt: skip
     assert summary.startswith(f"finished: {128 * UPDATES:,} of {128 * UPDATES:,} agent steps in "), summary
@@ -498,7 +498,7 @@ def test_defaults_are_cleanbas(algo):
     """cleanba_ppo.py and cleanba_impala.py (vwxyzjn/cleanba) Args: local_num_envs 64 per actor thread,
     num_actor_threads 2, total_timesteps 50M, IMPALA's ResNet (channels 16/32/32, hiddens 256) for both algorithms;
     num_steps, learning_rate and max_grad_norm per algorithm."""
-    args = resolve_defaults(Args(algo=algo))
+    args = settled_args(Args(algo=algo))
     assert (args.num_envs, args.num_actor_threads, args.total_timesteps) == (64 * 2, 2, 50_000_000)
     image, flat = gym.spaces.Box(0, 255, (4, 84, 84), np.uint8), gym.spaces.Box(-1, 1, (4,))
     networks = [checkpoint_meta(args, space, gym.spaces.Discrete(4), 1)["network"] for space in (image, flat)]
@@ -523,7 +523,7 @@ def test_help_shows_one_default_per_flag(capsys):
 
 
 def checked(**changes) -> Args:
-    return resolve_defaults(Args(**{"env_id": "CartPole-v1", **changes}))
+    return settled_args(Args(**{"env_id": "CartPole-v1", **changes}))
 
 
 @pytest.mark.parametrize(

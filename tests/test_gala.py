@@ -407,23 +407,23 @@ def test_two_gossip_learners_launched_as_two_nodes_on_loopback(tmp_path):
 )
 def test_validate_names_what_is_wrong(flags, message):
     args = tyro.cli(Args, args=flags)
-    error = validate(args, args.num_learners)
+    error = validate(args)
     assert error is not None and message in error, error
-    assert validate(Args(env_id="CartPole-v1"), 2) is None
-    assert "--time-varying needs the single-machine launch" in validate(Args(time_varying=True), 4, torchrun=True)
+    assert validate(Args(env_id="CartPole-v1", num_learners=2)) is None
+    assert "--time-varying needs the single-machine launch" in validate(Args(time_varying=True), world_size=4)
 
 
 def test_validate_counts_torchrun_ranks_and_lets_a_ring_that_rotates_run():
-    error = validate(Args(total_timesteps=10), 2, torchrun=True)
+    error = validate(Args(total_timesteps=10), world_size=2)
     assert "below one update, 160 agent steps (2 torchrun ranks x --num-envs x --num-steps)" in error, error
-    assert validate(Args(env_id="CartPole-v1", num_learners=3, time_varying=True), 3) is None  # 1 of 2 peers: rotates
+    assert validate(Args(env_id="CartPole-v1", num_learners=3, time_varying=True)) is None  # 1 of 2 peers: rotates
 
 
 def test_track_without_wandb_is_refused_by_validate(monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` raises ImportError
-    error = validate(Args(env_id="CartPole-v1", track=True), 2)
+    error = validate(Args(env_id="CartPole-v1", num_learners=2, track=True))
     assert error.startswith('--track needs wandb (pip install -e ".[track]"): ModuleNotFoundError'), error
-    assert validate(Args(env_id="CartPole-v1"), 2) is None
+    assert validate(Args(env_id="CartPole-v1", num_learners=2)) is None
 
 
 def test_tracking_names_the_run_after_its_directory_and_resumes_it(monkeypatch, tmp_path):
@@ -485,10 +485,15 @@ def test_progress_of_a_resumed_run_counts_the_steps_of_a_learner_already_past_th
     nothing and learner 1 runs from 40 to 45, so the run ends at 95 iterations x 20 agent steps."""
     args = Args(env_id="CartPole-v1", num_learners=2, num_envs=4, total_timesteps=1800)
     checkpoint = dict(learners=[{"iteration": 50}, {"iteration": 40}], global_step=1800)
-    run = Run(args, 2, tmp_path, *env_spaces(args), {}, checkpoint)
-    progress = gala_a2c.start_progress(run, torch.device("cpu"))
-    assert (gala_a2c.Logger(None, run, progress).start_step, progress.total) == (1800, 1900)
-    plan = "(45 updates of 40 agent steps (2 learners x 4 envs x 5 steps), gossip, 1-peer ring, tau 10, cpu; console:"
+    steps = gala_a2c.steps_per_update(args, 1)
+    run = Run(args, env_spaces(args), {}, checkpoint, tmp_path, torch.device("cpu"), 1, 0, steps,
+              *gala_a2c.planned_updates(args.total_timesteps, steps), None)  # fmt: skip
+    logger = gala_a2c.Logger(run, 2)
+    # the Progress as Run.training makes it: the budget's updates, the roles, the device
+    progress = gala_a2c.Progress(tmp_path, run.num_updates * steps, f"{run.plan}, {logger.roles}, cpu")
+    logger.start(gala_a2c.Recorder(None, progress, args, logger.global_step))
+    assert (logger.global_step, progress.total) == (1800, 1900)
+    plan = "(45 updates of 40 agent steps, 2 learners x 4 envs x 5 steps, gossip, 1-peer ring, tau 10 (console:"
     assert capsys.readouterr().out.startswith(f"run directory: {tmp_path}  {plan}")
 
 
@@ -575,7 +580,7 @@ def fake_checkpoint(path, **meta_changes):
 
 def test_resume_refuses_what_it_cannot_use(tmp_path, capsys):
     spaces = env_spaces(Args(env_id="CartPole-v1"))
-    ours, four = (checkpoint_meta(Args(env_id="CartPole-v1"), *spaces, n) for n in (2, 4))
+    ours, four = (checkpoint_meta(Args(env_id="CartPole-v1", num_learners=n), *spaces) for n in (2, 4))
     good = fake_checkpoint(tmp_path / "good.pt")
     args = Args(env_id="CartPole-v1")
     assert load_checkpoint(str(good), ours, args, 1)["learners"] == [{}, {}]
@@ -607,7 +612,7 @@ def test_resume_of_a_run_that_ran_its_budget_is_refused(tmp_path, capsys):
     one (global_step counts both learners' updates), so the run is refused before anything is written."""
     path = tmp_path / "checkpoint.pt"
     torch.save(dict(learners=[{"iteration": 5}, {"iteration": 5}], global_step=200, meta=checkpoint_meta(
-        Args(env_id="CartPole-v1"), *env_spaces(Args(env_id="CartPole-v1")), 2)), path)  # fmt: skip
+        Args(env_id="CartPole-v1", num_learners=2), *env_spaces(Args(env_id="CartPole-v1")))), path)  # fmt: skip
     for total in (200, 239):
         error = run_main(capsys, [*TINY_CARTPOLE, "--total-timesteps", str(total), "--resume", str(path)])
         assert error == (

@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import gymnasium as gym
 import numpy as np
@@ -744,7 +745,8 @@ def test_hts_ppo_refuses_an_hts_a2c_checkpoint_before_starting(tmp_path, capsys)
     learner = hts_a2c.Learner(args, spaces, torch.device("cpu"), None)
     learner.global_step, learner.update = 4096, 32
     path = tmp_path / "checkpoint.pt"
-    hts_a2c.write_checkpoint(learner, path, args, hts_a2c.checkpoint_meta(args, *spaces))
+    run = SimpleNamespace(checkpoint_path=path, args=args, meta=hts_a2c.checkpoint_meta(args, *spaces))
+    hts_a2c.write_checkpoint(learner, run)
     before = path.read_bytes()
     with pytest.raises(SystemExit) as exc:
         hts_ppo.main(hts_ppo.Args(**COMMON, resume=str(path), log_dir=str(tmp_path / "logs")))

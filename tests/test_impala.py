@@ -8,6 +8,7 @@ import json
 import math
 import multiprocessing as mp
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -681,6 +682,28 @@ def test_non_finite_loss_stops_and_keeps_last_checkpoint(tmp_path, run_main):
     assert "non-finite loss" in proc.stderr, proc.stderr
     checkpoint = torch.load(only_run_dir(tmp_path) / "checkpoint.pt", weights_only=False)
     assert 0 < checkpoint["update"] and all(torch.isfinite(v).all() for v in checkpoint["model"].values())
+
+
+def test_weights_made_non_finite_by_an_update_stop_the_run_with_one_line(tmp_path, run_main):
+    """A finite loss whose step (--learning-rate 1e38) leaves infinite weights: the learner stops the run before any
+    actor or the inference thread acts with them, in one error line (no traceback, no dead actor), and the checkpoint
+    of the run it resumed stays as it was. The resumed runs in processes of their own: a dying actor prints to the
+    stderr it inherits."""
+    flags = [*TINY_CARTPOLE, "--num-actors", "1", "--num-learner-threads", "1"]
+    assert run_main([*flags, "--total-timesteps", "32", "--checkpoint-interval", "3600"]).returncode == 0
+    saved, checkpoint = only_run_dir(tmp_path) / "checkpoint.pt", tmp_path / "copy" / "checkpoint.pt"
+    checkpoint.parent.mkdir()  # a copy: this process holds the lock of the run's directory
+    shutil.copy(saved, checkpoint)
+    before = checkpoint.read_bytes()
+    for inference in ("batched", "actor"):
+        proc = run_script(SCRIPT, [*flags, "--inference", inference, "--learning-rate", "1e38", "--total-timesteps",
+                                   "10000000", "--resume", str(checkpoint)], tmp_path / "logs")  # fmt: skip
+        assert proc.returncode == 1 and "Traceback" not in proc.stderr, (inference, proc.stderr)
+        warning, error = proc.stderr.strip().splitlines()  # --learning-rate's warning (flag_warnings), the error
+        assert warning.startswith("warning: --learning-rate 1e+38 is above 1"), proc.stderr
+        assert error == ("error: non-finite weights after update 2 (learning rate 1e+38) in learner thread 0 at global "
+                         "step 32; stopping (the last good checkpoint, if any, is kept)"), proc.stderr  # fmt: skip
+        assert checkpoint.read_bytes() == before
 
 
 def test_killing_the_main_process_leaves_no_actor_behind(tmp_path):

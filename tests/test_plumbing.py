@@ -28,6 +28,9 @@ SCRIPT_SPECIFIC = {
     "saved_model": "how the script builds its model from the saved run's settings",
     "evaluate": "how the script's policy picks an action in the end-of-run evaluation",
     "write_checkpoint": "what the script's checkpoint holds (its learner's state)",
+    "settled_args": "the defaults that depend on another flag (cleanba's per-algorithm ones, impala's buffers)",
+    "steps_per_update": "the agent steps of one update, the unit of the budget's arithmetic",
+    "init_torch": "the process's seed, threads and device (cleanba: its torchrun process group, before the model)",
 }
 
 # Plumbing that one script alone has, each for the reason given; any other plumbing name is shared by two scripts or
@@ -35,27 +38,19 @@ SCRIPT_SPECIFIC = {
 SCRIPT_ONLY = {
     "check_resume_world_size": "cleanba: a checkpoint holds every rank's actor state, so a resume keeps the world size",
     "ranks_agree": "cleanba: the only script whose ranks must agree on a flag value before they start",
-    "end_run": "gala: rank 0 gathers every learner's end (its step, error line, checkpoint) before it ends the run",
     "averaged_model": "gala: the final model is the average of the learners' parameters (Sec. 4), built at the end",
     "ignored_flags": "impala: the flags that TorchBeast has and that this script accepts without effect",
-    "num_buffers_of": "impala: --num-buffers None is TorchBeast's max(2 x actors, batch size)",
-    "watch_actors": "impala: the main thread watches the actors while learner threads (not processes) train",
     "stop_threads_and_actors": "impala: the learner and inference threads end before the actors that feed them",
     "Watch": "a3c: main's record of the workers' updates on log_q, its checkpoints (or the server's) and its watch",
     "shut_down": "a3c: the gradient server applies the gradients queued before the stop and writes the checkpoint",
-    "init_torch": "cleanba: the process group of its torchrun ranks, made before the model (NCCL needs the device)",
-    "start_record": "cleanba: rank 0 alone records; its start line names the ranks x envs x steps of an update",
+    "stop_actors": "cleanba: main's stop joins its actor threads, then (a finished run of several ranks) ranks_agree",
     "record_update": "cleanba: the learner loop's update, recorded with its queue waits on the console line",
     "checkpoint_state": "cleanba: a copy taken between updates, since a stop may cut the next update half way",
     "Logger": "gala: each learner's Record (its own SPS, staleness and peer lag) into the run's Recorder",
     "Monitor": "gala: main's side of the learners' queues, and checkpoints assembled from every learner's state",
-    "start_progress": "gala: the start line glosses the gossip fields of the console line",
     "timed": "gala: the parts of a learner process's iteration, summed per iteration for its Record",
     "drain_while": "a3c: main takes the workers' reports until they exit (a queued message holds a process's exit)",
     "free_port": "gala: the allreduce learners of one machine meet at a gloo rendezvous on a free localhost port",
-    "DistributedEndpoint": "gala: the torchrun transport of gossip (sender and receiver threads, point-to-point)",
-    "RankLink": "gala: a torchrun rank's sync points (stop, checkpoint, global step) and its reports to rank 0",
-    "main_distributed": "gala: one learner per torchrun rank; rank 0 writes the charts and checkpoints",
     "average_gradients": "cleanba: the ranks' gradient all-reduce, which also carries their step counts and stops",
 }
 
@@ -94,7 +89,8 @@ EVERY_SCRIPT = (
     "Stop", "Interrupted", "NonFiniteLoss", "WriteError", "StopSignals", "fail", "flag", "check_flags", "parse_args",
     "new_run_dir", "write_run_args", "start_tracking", "finish_tracking", "make_writer", "quiet_writer_thread",
     "write_error", "atomic_save", "duration", "Progress", "help_paragraphs", "resumed_args", "load_checkpoint",
-    "main_eval_only", "error_line", "finish_run", "final_evaluation", "leave", "flag_warnings", "Console",
+    "main_eval_only", "error_line", "finish_run", "final_evaluation", "leave", "flag_warnings", "Console", "Run",
+    "open_run", "stop_if_signalled", "planned_updates",
 )  # fmt: skip
 
 

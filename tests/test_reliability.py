@@ -13,6 +13,7 @@ import json
 import math
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -723,3 +724,52 @@ def test_ctrl_c_in_an_eval_only_keeps_the_games_played(name, tmp_path, finished_
     assert saved["returns"][0] == pytest.approx(float(line.split()[-1]), abs=0.005)
     assert f"mean return over {saved['episodes']} episodes: " in out, out[-1500:]
     assert re.search(rf"stopped by SIGINT in the evaluation, after {saved['episodes']} of 1000000 games", err), err
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+@pytest.mark.parametrize("ranks", [None, 2])
+def test_the_summary_commands_paste_into_a_shell_as_printed(name, ranks, tmp_path, monkeypatch, capsys):
+    """Issue 64, item 6: a --log-dir with spaces and non-ASCII characters, and a run under torchrun (2 ranks on one
+    machine): each command the summary prints splits, as a POSIX shell splits it (shlex), into the command that goes
+    on from the run: its own launcher, the script, the flag and the file."""
+    module = importlib.import_module(name)
+    if ranks:
+        monkeypatch.setenv("WORLD_SIZE", str(ranks))
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(ranks))
+    run_dir = tmp_path / "my runs" / "ünï©ødé 日本 $HOME;'x'"
+    run_dir.mkdir(parents=True)
+    for file in ("checkpoint.pt", "model.pt"):
+        (run_dir / file).write_bytes(b"")
+    progress = module.Progress(run_dir, 1000, "a plan")
+    progress.summary(500, 130)
+    lines = capsys.readouterr().out.split("next: ", 1)[1].splitlines()
+    launch = ["python"] if not ranks else ["torchrun", "--nproc-per-node", str(ranks), "--standalone"]
+    assert [shlex.split(line) for line in lines] == [
+        ["tensorboard", "--logdir", str(run_dir)],
+        [*launch, script_of(name), "--resume", str(run_dir / "checkpoint.pt")],
+        ["python", script_of(name), "--eval-only", str(run_dir / "model.pt")],
+    ]
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_during_the_start_is_one_line_and_leaves_no_run_directory(name, signum, tmp_path, monkeypatch, capsys):
+    """Issue 64, item 9: a signal while the run starts (here as the process sets up torch, after its run directory
+    and args.json are made) ends it before any worker starts, with one line and 128 + signum, and no directory."""
+    module = importlib.import_module(name)
+    init_torch = module.init_torch
+
+    def signalled(*args, **kwargs):
+        device = init_torch(*args, **kwargs)
+        os.kill(os.getpid(), signum)  # delivered at once to this thread: the run's handler takes it
+        return device
+
+    monkeypatch.setattr(module, "init_torch", signalled)
+    before = signal.getsignal(signum)
+    with pytest.raises(SystemExit) as exit_status:
+        module.main(module.parse_args(["--log-dir", str(tmp_path / "runs"), *flags(name, RUNS[name][1])]))
+    assert exit_status.value.code == 128 + signum
+    name_of = signal.Signals(signum).name
+    assert capsys.readouterr().err.strip().splitlines()[-1] == f"stopped by {name_of} during the start"
+    assert not any((tmp_path / "runs").iterdir())
+    assert signal.getsignal(signum) == before, "the handler the process had before is back"

@@ -424,7 +424,7 @@ def test_every_command_of_the_readme_first_runs_is_accepted_as_it_stands():
     for script, *argv in commands:
         module = importlib.import_module(script.removesuffix(".py"))
         args = module.parse_args(argv)
-        args = module.resolve_defaults(args) if hasattr(module, "resolve_defaults") else args  # as its main does
+        args = module.settled_args(args) if hasattr(module, "settled_args") else args  # as its open_run does
         world = {"cleanba_ppo_impala": 1, "apex_dqn": 1, "apex_ddpg": 1, "gala_a2c": getattr(args, "num_learners", 0)}
         extra = (world[module.__name__],) if module.__name__ in world else ()  # their validate takes the rank count
         assert module.validate(args, *extra) is None, (script, argv)
