@@ -876,6 +876,107 @@ def main(args: Args) -> None:
         learning.stats = learning.replay.stats()  # for the last point: every actor has appended its last transitions
 
 
+# ---- Multi-node (torchrun): rank 0 drives each actor host's buffers and actors over rpc ------------------------------
+
+
+class ActorHost(LocalReplay):
+    """An actor rank under torchrun: its actors and their buffers, built when rank 0 asks (`rpc.remote`), then
+    driven by rank 0's calls, one at a time: LocalReplay's methods, `relay` and `close`."""
+
+    def __init__(self, args: Args, rank: int, world_size: int):
+        hosts, total, spaces, ctx = world_size - 1, args.total_timesteps, env_spaces(args), mp.get_context("fork")
+        self.rank, self.procs = rank, Processes(ctx)
+        self.shared = Shared(args, ctx, spaces, num_buffers=args.num_actors, num_total=hosts * args.num_actors,
+                             steps_limit=total // hosts + (total % hosts if rank == 1 else 0))  # fmt: skip
+        super().__init__(self.shared.buffers, np.random.default_rng([args.seed, rank]))
+        start_workers(self.procs, args, self.shared, spaces, first_actor=(rank - 1) * args.num_actors,
+                      num_total=hosts * args.num_actors, evaluator=False)  # fmt: skip
+
+    def relay(self, flat: torch.Tensor | None, version: int) -> list[ActorReport | WorkerFailed]:
+        """Publish rank 0's newer parameters (if any) to the actors; return their reports and any failure."""
+        if flat is not None:
+            self.shared.store.publish(flat, version)
+        messages = []
+        drain_into(self.shared.log_q, messages.append, 0.0)
+        if failure := worker_failure(self.procs, self.shared.error_q):
+            messages.append(WorkerFailed(f"{failure} (on rank {self.rank})"))
+        return messages
+
+    def close(self) -> None:
+        stop_processes(self.procs, self.shared, lambda message: None, grace=4.0)
+
+
+class RemoteReplay:
+    """Rank 0's view of the buffers on the actor ranks (rank r holds buffers [(r-1) K, r K)), as LocalReplay's."""
+
+    def __init__(self, args: Args, world_size: int, stop: threading.Event):
+        self.stop = stop  # the run's, which a signal sets
+        rpc.init_rpc("rank0", rank=0, world_size=world_size)
+        self.hosts = [rpc.remote(f"rank{r}", ActorHost, args=(args, r, world_size)) for r in range(1, world_size)]
+        self.per_host, self.sent_version = args.num_actors, -1
+        self.call("stats", timeout=HOST_SETUP_TIMEOUT)  # returns once every host is built
+
+    def call(self, method: str, per_host: list[tuple] | None = None, timeout: float = 60.0) -> list:
+        futures = [getattr(host.rpc_async(timeout=timeout), method)(*(per_host[i] if per_host else ()))
+                   for i, host in enumerate(self.hosts)]  # fmt: skip
+        results = []
+        for rank, future in enumerate(futures, start=1):
+            try:
+                results.append(future.wait())
+            except Exception as e:  # the host's own error, or a lost connection
+                # torchrun's SIGTERM reaches every rank (the end of the launcher too, through watch_launcher): an
+                # actor host gone within moments of this rank's own signal ended with it, the run's stop
+                if self.stop.wait(HOST_STOP_GRACE):
+                    raise Stop from None
+                reason = (str(e).strip().splitlines() or [type(e).__name__])[-1][:300]
+                raise Stop(f"error: actor host rank {rank} failed: {reason}; stopping the run") from None
+        return results
+
+    def chunks(self, items: list) -> list[tuple]:
+        return [(list(items[i * self.per_host : (i + 1) * self.per_host]),) for i in range(len(self.hosts))]
+
+    def stats(self) -> ReplayStats:
+        return ReplayStats.concat(self.call("stats"))
+
+    def sample(self, counts) -> list[Sample | None]:
+        return [part for parts in self.call("sample", self.chunks([int(c) for c in counts])) for part in parts]
+
+    def update(self, parts: list[PriorityUpdate | None]) -> int:
+        return sum(self.call("update", self.chunks(parts)))
+
+    def exchange(self, store: ParamStore) -> list[ActorReport | WorkerFailed]:
+        """Newer parameters out (a copy: rpc may send a tensor after the call returns), reports back."""
+        version = store.version.value
+        flat = store.flat.clone() if version > self.sent_version else None
+        self.sent_version = version
+        return [m for messages in self.call("relay", [(flat, version)] * len(self.hosts)) for m in messages]
+
+    def close(self) -> None:
+        """Stop the hosts' actors, then rpc: gracefully (waiting for every rank) if every host answered."""
+        try:
+            self.call("close", timeout=10.0)
+        except Stop:  # a host is gone already (torchrun tears down failed ranks, and stops them all on a signal)
+            rpc.shutdown(graceful=False)
+            return
+        with contextlib.suppress(Exception):  # a rank or the launcher's store gone since: the local shutdown is done
+            rpc.shutdown()
+
+
+def serve_actor_host(rank: int, world_size: int) -> None:
+    """An actor rank's main thread: rank 0 builds an ActorHost here over rpc and drives it; this thread waits for the
+    end. Ctrl+C reaches every rank of a terminal's launch and rank 0 stops the run, so actor ranks ignore it; SIGTERM
+    (the launcher's stop, or its watch's) ends an actor rank at once, as it holds nothing rank 0 needs to keep."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_DFL)
+    rpc.init_rpc(f"rank{rank}", rank=rank, world_size=world_size)
+    try:
+        rpc.shutdown()  # returns once every rank has shut down
+    except RuntimeError as e:
+        print(f"error: actor rank {rank} lost the learner (rank 0): {e}", file=sys.stderr)
+        raise SystemExit(1) from None
+
+
 # ---- run plumbing ------------------------------------------------------------------------------------------------
 # Validation, run directory, tracking, checkpoints, --eval-only, signals, supervision and error lines: nothing here is
 # needed to read or change the algorithm above. A function that several scripts have here is the same text in all of
@@ -2100,107 +2201,6 @@ def hold(lock, what: str):
         yield
     finally:
         lock.release()
-
-
-# -- actor ranks (torchrun): rank 0 drives each actor host's buffers and actors over rpc --
-
-
-class ActorHost(LocalReplay):
-    """An actor rank under torchrun: its actors and their buffers, built when rank 0 asks (`rpc.remote`), then
-    driven by rank 0's calls, one at a time: LocalReplay's methods, `relay` and `close`."""
-
-    def __init__(self, args: Args, rank: int, world_size: int):
-        hosts, total, spaces, ctx = world_size - 1, args.total_timesteps, env_spaces(args), mp.get_context("fork")
-        self.rank, self.procs = rank, Processes(ctx)
-        self.shared = Shared(args, ctx, spaces, num_buffers=args.num_actors, num_total=hosts * args.num_actors,
-                             steps_limit=total // hosts + (total % hosts if rank == 1 else 0))  # fmt: skip
-        super().__init__(self.shared.buffers, np.random.default_rng([args.seed, rank]))
-        start_workers(self.procs, args, self.shared, spaces, first_actor=(rank - 1) * args.num_actors,
-                      num_total=hosts * args.num_actors, evaluator=False)  # fmt: skip
-
-    def relay(self, flat: torch.Tensor | None, version: int) -> list[ActorReport | WorkerFailed]:
-        """Publish rank 0's newer parameters (if any) to the actors; return their reports and any failure."""
-        if flat is not None:
-            self.shared.store.publish(flat, version)
-        messages = []
-        drain_into(self.shared.log_q, messages.append, 0.0)
-        if failure := worker_failure(self.procs, self.shared.error_q):
-            messages.append(WorkerFailed(f"{failure} (on rank {self.rank})"))
-        return messages
-
-    def close(self) -> None:
-        stop_processes(self.procs, self.shared, lambda message: None, grace=4.0)
-
-
-class RemoteReplay:
-    """Rank 0's view of the buffers on the actor ranks (rank r holds buffers [(r-1) K, r K)), as LocalReplay's."""
-
-    def __init__(self, args: Args, world_size: int, stop: threading.Event):
-        self.stop = stop  # the run's, which a signal sets
-        rpc.init_rpc("rank0", rank=0, world_size=world_size)
-        self.hosts = [rpc.remote(f"rank{r}", ActorHost, args=(args, r, world_size)) for r in range(1, world_size)]
-        self.per_host, self.sent_version = args.num_actors, -1
-        self.call("stats", timeout=HOST_SETUP_TIMEOUT)  # returns once every host is built
-
-    def call(self, method: str, per_host: list[tuple] | None = None, timeout: float = 60.0) -> list:
-        futures = [getattr(host.rpc_async(timeout=timeout), method)(*(per_host[i] if per_host else ()))
-                   for i, host in enumerate(self.hosts)]  # fmt: skip
-        results = []
-        for rank, future in enumerate(futures, start=1):
-            try:
-                results.append(future.wait())
-            except Exception as e:  # the host's own error, or a lost connection
-                # torchrun's SIGTERM reaches every rank (the end of the launcher too, through watch_launcher): an
-                # actor host gone within moments of this rank's own signal ended with it, the run's stop
-                if self.stop.wait(HOST_STOP_GRACE):
-                    raise Stop from None
-                reason = (str(e).strip().splitlines() or [type(e).__name__])[-1][:300]
-                raise Stop(f"error: actor host rank {rank} failed: {reason}; stopping the run") from None
-        return results
-
-    def chunks(self, items: list) -> list[tuple]:
-        return [(list(items[i * self.per_host : (i + 1) * self.per_host]),) for i in range(len(self.hosts))]
-
-    def stats(self) -> ReplayStats:
-        return ReplayStats.concat(self.call("stats"))
-
-    def sample(self, counts) -> list[Sample | None]:
-        return [part for parts in self.call("sample", self.chunks([int(c) for c in counts])) for part in parts]
-
-    def update(self, parts: list[PriorityUpdate | None]) -> int:
-        return sum(self.call("update", self.chunks(parts)))
-
-    def exchange(self, store: ParamStore) -> list[ActorReport | WorkerFailed]:
-        """Newer parameters out (a copy: rpc may send a tensor after the call returns), reports back."""
-        version = store.version.value
-        flat = store.flat.clone() if version > self.sent_version else None
-        self.sent_version = version
-        return [m for messages in self.call("relay", [(flat, version)] * len(self.hosts)) for m in messages]
-
-    def close(self) -> None:
-        """Stop the hosts' actors, then rpc: gracefully (waiting for every rank) if every host answered."""
-        try:
-            self.call("close", timeout=10.0)
-        except Stop:  # a host is gone already (torchrun tears down failed ranks, and stops them all on a signal)
-            rpc.shutdown(graceful=False)
-            return
-        with contextlib.suppress(Exception):  # a rank or the launcher's store gone since: the local shutdown is done
-            rpc.shutdown()
-
-
-def serve_actor_host(rank: int, world_size: int) -> None:
-    """An actor rank's main thread: rank 0 builds an ActorHost here over rpc and drives it; this thread waits for the
-    end. Ctrl+C reaches every rank of a terminal's launch and rank 0 stops the run, so actor ranks ignore it; SIGTERM
-    (the launcher's stop, or its watch's) ends an actor rank at once, as it holds nothing rank 0 needs to keep."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    for signum in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(signum, signal.SIG_DFL)
-    rpc.init_rpc(f"rank{rank}", rank=rank, world_size=world_size)
-    try:
-        rpc.shutdown()  # returns once every rank has shut down
-    except RuntimeError as e:
-        print(f"error: actor rank {rank} lost the learner (rank 0): {e}", file=sys.stderr)
-        raise SystemExit(1) from None
 
 
 if __name__ == "__main__":

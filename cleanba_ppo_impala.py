@@ -579,6 +579,31 @@ def main(args: Args) -> None:
                 learner.publish(stop)
 
 
+# ---- Multi-node (torchrun): the gradient all-reduce of Learner.step --------------------------------------------------
+
+
+def average_gradients(learner: Learner, stop: threading.Event, requested: threading.Event) -> None:
+    """Learner.step under torchrun: the ranks' mean gradient, in one all-reduce that also carries each rank's step
+    count and stop request (a slot per rank). Ranks whose counts differ are out of step (a rank-local decision changed
+    the number of steps), and a stop requested on any rank stops every rank here, at the same step."""
+    W, r = learner.world_size, learner.rank
+    grads = [p.grad for p in learner.model.parameters()]
+    tail = torch.zeros(2 * W, device=learner.device)
+    tail[r], tail[W + r] = learner.steps, float(requested.is_set())
+    flat = flatten([*grads, tail])
+    work = dist.all_reduce(flat, async_op=True)
+    wait_for_ranks(work, f"the all-reduce of update {learner.update}", requested, r, W, learner.args.rank_timeout)
+    steps, stops = flat[-2 * W : -W].tolist(), flat[-W:].tolist()
+    if len(set(steps)) > 1:
+        at = ", ".join(f"rank {i} at step {int(s)}" for i, s in enumerate(steps))
+        raise RankLost(f"rank {r}: the ranks are out of step at the all-reduce of update {learner.update} ({at}): "
+                       "each must take the same optimizer steps")  # fmt: skip
+    if any(stops):
+        stop.set()
+        raise Stop
+    copy_flat_into(grads, flat.div_(W))
+
+
 # ---- run plumbing ------------------------------------------------------------------------------------------------
 # Validation, run directory, tracking, checkpoints, --eval-only, signals, supervision and error lines: nothing here is
 # needed to read or change the algorithm above. A function that several scripts have here is the same text in all of
@@ -1653,31 +1678,6 @@ def checkpoint_state(learner: Learner) -> dict:
         learner_rng=learner.generator.get_state(), actor_rngs=[a.generator.get_state() for a in learner.actors]
     )
     return copy.deepcopy(state)
-
-
-# -- torchrun ranks: the gradient all-reduce of Learner.step --
-
-
-def average_gradients(learner: Learner, stop: threading.Event, requested: threading.Event) -> None:
-    """Learner.step under torchrun: the ranks' mean gradient, in one all-reduce that also carries each rank's step
-    count and stop request (a slot per rank). Ranks whose counts differ are out of step (a rank-local decision changed
-    the number of steps), and a stop requested on any rank stops every rank here, at the same step."""
-    W, r = learner.world_size, learner.rank
-    grads = [p.grad for p in learner.model.parameters()]
-    tail = torch.zeros(2 * W, device=learner.device)
-    tail[r], tail[W + r] = learner.steps, float(requested.is_set())
-    flat = flatten([*grads, tail])
-    work = dist.all_reduce(flat, async_op=True)
-    wait_for_ranks(work, f"the all-reduce of update {learner.update}", requested, r, W, learner.args.rank_timeout)
-    steps, stops = flat[-2 * W : -W].tolist(), flat[-W:].tolist()
-    if len(set(steps)) > 1:
-        at = ", ".join(f"rank {i} at step {int(s)}" for i, s in enumerate(steps))
-        raise RankLost(f"rank {r}: the ranks are out of step at the all-reduce of update {learner.update} ({at}): "
-                       "each must take the same optimizer steps")  # fmt: skip
-    if any(stops):
-        stop.set()
-        raise Stop
-    copy_flat_into(grads, flat.div_(W))
 
 
 if __name__ == "__main__":

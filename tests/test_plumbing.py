@@ -51,7 +51,6 @@ SCRIPT_ONLY = {
     "timed": "gala: the parts of a learner process's iteration, summed per iteration for its Record",
     "drain_while": "a3c: main takes the workers' reports until they exit (a queued message holds a process's exit)",
     "free_port": "gala: the allreduce learners of one machine meet at a gloo rendezvous on a free localhost port",
-    "average_gradients": "cleanba: the ranks' gradient all-reduce, which also carries their step counts and stops",
 }
 
 # Algorithm helpers that several scripts define under one name though they differ by design, each for the reason
