@@ -665,7 +665,9 @@ class Learner:
             if not torch.isfinite(losses["total_loss"]):  # before the step: the parameters and checkpoints stay finite
                 raise NonFiniteLoss(f"non-finite loss {losses['total_loss'].item()}")
             losses["grad_norm"] = gradient_step(self.model, self.optimizer, losses["total_loss"], args.max_grad_norm)
-            if not_finite(self.model.state_dict()):  # a finite loss, a step too large: no actor acts with them
+            # a finite loss, a step too large: no actor acts with them (NaN and inf carry through each tensor's sum:
+            # one cheap pass over the weights after every update, where not_finite builds a mask per element)
+            if not torch.isfinite(torch.stack([p.detach().sum() for p in self.model.parameters()])).all():
                 raise NonFiniteLoss(f"non-finite weights after update {self.updates + 1} (learning rate {lr:.3g})")
             metrics = {k: v.item() for k, v in losses.items()}
             lag = self.updates - batch.version[:-1].double().mean().item()  # row T is the next rollout's row 0
