@@ -729,8 +729,9 @@ def main(args: Args) -> None:
                 raise Stop  # a signal, or a thread that failed (its error line: stop_threads_and_actors)
             if died := actors.wait(timeout=1.0):
                 raise Stop(f"error: {died}")  # its traceback: the actor printed it
-            with learner.learn_lock:  # a checkpoint between two updates
-                run.checkpoint_if_due()
+            if run.save and args.checkpoint_interval and time.time() >= run.checkpoint_due:
+                with learner.learn_lock:  # a checkpoint between two updates; the lock only when one is due
+                    run.checkpoint_if_due()
 
 
 # ---- run plumbing ------------------------------------------------------------------------------------------------
