@@ -832,9 +832,11 @@ class Run:
                    writer=record and record.writer, checkpoint=checkpoint if good else None, final_model=final_model,
                    last_point=last_point, device=self.device, threads=threads, teardown=teardown)  # fmt: skip
 
-    def checkpoint_if_due(self) -> None:
+    def checkpoint_if_due(self, lock=None) -> None:
+        """`save()` once --checkpoint-interval seconds have passed, holding `lock` (impala: between two updates)."""
         if self.save is not None and self.args.checkpoint_interval > 0 and time.time() >= self.checkpoint_due:
-            self.save()
+            with lock or contextlib.nullcontext():
+                self.save()
             self.checkpoint_due = time.time() + self.args.checkpoint_interval
 
 

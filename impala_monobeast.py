@@ -729,9 +729,7 @@ def main(args: Args) -> None:
                 raise Stop  # a signal, or a thread that failed (its error line: stop_threads_and_actors)
             if died := actors.wait(timeout=1.0):
                 raise Stop(f"error: {died}")  # its traceback: the actor printed it
-            if run.save and args.checkpoint_interval and time.time() >= run.checkpoint_due:
-                with learner.learn_lock:  # a checkpoint between two updates; the lock only when one is due
-                    run.checkpoint_if_due()
+            run.checkpoint_if_due(learner.learn_lock)  # a checkpoint between two updates
 
 
 # ---- run plumbing ------------------------------------------------------------------------------------------------
@@ -962,9 +960,11 @@ class Run:
                    writer=record and record.writer, checkpoint=checkpoint if good else None, final_model=final_model,
                    last_point=last_point, device=self.device, threads=threads, teardown=teardown)  # fmt: skip
 
-    def checkpoint_if_due(self) -> None:
+    def checkpoint_if_due(self, lock=None) -> None:
+        """`save()` once --checkpoint-interval seconds have passed, holding `lock` (impala: between two updates)."""
         if self.save is not None and self.args.checkpoint_interval > 0 and time.time() >= self.checkpoint_due:
-            self.save()
+            with lock or contextlib.nullcontext():
+                self.save()
             self.checkpoint_due = time.time() + self.args.checkpoint_interval
 
 
