@@ -1169,6 +1169,8 @@ class Run:
                 record = Recorder(make_writer(self.run_dir, self.args), progress, self.args, step(), window)
             self.save, self.checkpoint_due = save or checkpoint, time.time() + self.args.checkpoint_interval
             yield record
+            if self.signals.signum:  # the workers saw the signal's stop and ended the loop before main did
+                raise Stop
         except Exception as e:  # a signal, a dead worker, a failed write, a non-finite loss, a bug
             code, message = error_line(e, step(), self.signals.signum, who, self.rank, self.world_size)
             good = code != 1 or getattr(e, "checkpoint_is_good", False)

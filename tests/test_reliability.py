@@ -92,6 +92,29 @@ def test_sighup_stops_like_sigterm_with_a_final_checkpoint(name, tmp_path):
     assert f"--eval-only {run_dir / 'checkpoint.pt'}" in out, out[-1500:]
 
 
+# A script's envelope around a loop that a signal ends without main seeing the stop: `python -c THIS name flags...`
+SIGNAL_THEN_LOOP_ENDS = """
+import importlib, os, signal, sys, threading, tyro
+script = importlib.import_module(sys.argv[1])
+run = script.open_run(tyro.cli(script.Args, args=sys.argv[2:]))
+stop = threading.Event()
+run.stop_on_signals(stop)
+with run.training("test", lambda: 123, lambda graceful: None, checkpoint=lambda: None):
+    os.kill(os.getpid(), signal.SIGHUP)
+    assert stop.wait(30)  # the workers saw the stop and ended the loop: main's own test of it never ran
+"""
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_a_signal_that_the_workers_act_on_first_still_ends_the_run_as_stopped(name, tmp_path):
+    """impala's learner threads can see a signal's stop before main's loop does, and then the loop ends as if the
+    budget were spent: the run must still say it was stopped and exit 128 + signum."""
+    cmd = [sys.executable, "-c", SIGNAL_THEN_LOOP_ENDS, name, *flags(name, 100_000), "--log-dir", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 128 + signal.SIGHUP, proc.stderr[-1500:]
+    assert "stopped by SIGHUP at global step 123" in proc.stderr, proc.stderr[-1500:]
+
+
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_ctrl_c_during_the_final_evaluation_stops_the_run(name, tmp_path):
     cmd = [sys.executable, script_of(name), "--log-dir", str(tmp_path), *flags(name, RUNS[name][1]),
