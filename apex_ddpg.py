@@ -37,8 +37,9 @@ import os
 import signal
 import sys
 
-if __name__ == "__main__":  # Ctrl+C while the imports below load: exit 130 without a traceback
-    signal.signal(signal.SIGINT, lambda signum, frame: sys.exit(128 + signum))
+if __name__ == "__main__":  # Ctrl+C while the imports below load: exit 130 at once, without a traceback (os._exit:
+    # no exception, which a finalizer running at that moment would print and swallow)
+    signal.signal(signal.SIGINT, lambda signum, frame: os._exit(128 + signum))
     # torch's OpenMP threads sleep while they wait for work, not spin: a learner shares the cores with actors, envs and
     # other jobs, and a spinning thread holds the core a peer needs (2-3x slower updates beside one busy core)
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -345,26 +346,30 @@ class NStepTransition(NamedTuple):
     ret: float  # sum_k gamma^k r_{t+k} over the window
     discount: float  # gamma^len(window), 0 after a terminal state
     next_obs: np.ndarray  # s_{t+len(window)}, the state to bootstrap from
+    env: int  # which env: where its episode goes on, the env's next action is taken in next_obs
+    value: float  # the actor's estimate of Q(s_t, a_t) as it acted, where it gave one (nan: none)
 
 
 class NStepBuilder:
-    """Per env, the last n (obs, action, reward); emits n-step transitions. At an episode end every pending start is
-    emitted with its shortened window (discount 0 if terminated; a truncated episode bootstraps from its final
-    observation)."""
+    """Per env, the last n (obs, action, reward, value); emits n-step transitions. At an episode end every pending
+    start is emitted with its shortened window (discount 0 if terminated; a truncated episode bootstraps from its
+    final observation)."""
 
     def __init__(self, num_envs: int, n: int, gamma: float):
         self.n, self.gamma = n, gamma
         self.windows = [deque() for _ in range(num_envs)]
 
-    def push(self, obs, actions, rewards, terminated, truncated, next_obs) -> list[NStepTransition]:
+    def push(self, obs, actions, rewards, terminated, truncated, next_obs, values=None) -> list[NStepTransition]:
+        """One step of every env (`values` [num_envs]: the actor's Q(s_t, a_t), if it has them)."""
         out = []
         for e, window in enumerate(self.windows):
-            window.append((obs[e], actions[e], float(rewards[e])))
+            window.append((obs[e], actions[e], float(rewards[e]), math.nan if values is None else float(values[e])))
             done = bool(terminated[e] or truncated[e])
             while window and (done or len(window) == self.n):
-                ret = sum(self.gamma**k * r for k, (_, _, r) in enumerate(window))  # R = sum_k gamma^k r_k
+                ret = sum(self.gamma**k * r for k, (_, _, r, _) in enumerate(window))  # R = sum_k gamma^k r_k
                 discount = 0.0 if terminated[e] else self.gamma ** len(window)  # to bootstrap with
-                out.append(NStepTransition(window[0][0], window[0][1], ret, discount, next_obs[e]))
+                first_obs, action, _, value = window[0]
+                out.append(NStepTransition(first_obs, action, ret, discount, next_obs[e], e, value))
                 window.popleft()
                 if not done:
                     break
@@ -711,7 +716,7 @@ def actor_loop(actor: int, global_id: int, num_total: int, args: Args, shared: S
 
 def append_prioritised(args: Args, model: nn.Module, buffer: PrioritizedBuffer, pending: list, version: int) -> None:
     """Initial priorities from the actor's own n-step TD errors (Ape-X, Section 3), then one append."""
-    obs, actions, returns, discounts, next_obs = (np.stack(x) for x in zip(*pending, strict=True))
+    obs, actions, returns, discounts, next_obs = (np.stack(x) for x in list(zip(*pending, strict=True))[:5])
     data = Transitions(
         obs=torch.from_numpy(obs),
         actions=torch.from_numpy(actions).to(buffer.data.actions.dtype),
@@ -1003,17 +1008,15 @@ class WriteError(Exception):
 
 
 class Console:
-    """sys.stdout or sys.stderr of a run's process: its lines, or nothing once their reader has gone (`| head -2`, a
-    pipe or a terminal closed). A run goes on to its budget without its console: its checkpoints, TensorBoard events
-    and evaluation are written as ever. `install()` comes first in parse_args and in a spawned child's child_main; a
-    forked child inherits its parent's."""
+    """sys.stdout or sys.stderr of a run's process, silent once its reader has gone (`| head -2`, a closed terminal):
+    the run goes on to its budget, its checkpoints and TensorBoard written as ever. A forked child inherits it."""
 
     def __init__(self, stream) -> None:
         self.stream = stream
 
     @classmethod
     def install(cls) -> None:
-        """Wrap this process's stdout and stderr, unless they are wrapped or redirected already (a test's capture)."""
+        """Wrap stdout and stderr, unless they are wrapped or redirected already (a test's capture)."""
         for name in ("stdout", "stderr"):
             if (stream := getattr(sys, name)) is not None and stream is getattr(sys, f"__{name}__"):
                 setattr(sys, name, cls(stream))
@@ -1032,7 +1035,6 @@ class Console:
             self.drop()
 
     def drop(self) -> None:
-        """Point the stream's file descriptor at /dev/null: what it holds, and every later line, goes nowhere."""
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, self.stream.fileno())
         os.close(devnull)
@@ -1042,9 +1044,9 @@ class Console:
 
 
 class StopSignals:
-    """Ctrl+C, SIGTERM and SIGHUP (a closed terminal) set `stop`, the event the run's waits and loops check, and keep
-    the first signal for the exit status 128 + signum; the run stops at its own pace and writes its final checkpoint,
-    and a second signal cannot cut that short. After `interruptible()` (the final evaluation) they raise Interrupted."""
+    """Ctrl+C, SIGTERM and SIGHUP set `stop` and keep the first signal for the exit status 128 + signum: the run stops
+    at its own pace, writes its final checkpoint, and a second signal cannot cut that short. After `interruptible()`
+    (an evaluation) they raise Interrupted."""
 
     def __init__(self, stop):
         self.stop, self.signum, self.raise_stop = stop, 0, False
@@ -1052,8 +1054,7 @@ class StopSignals:
 
     def handler(self, signum: int, frame) -> None:
         self.signum = self.signum or signum
-        # set from another thread: the handler runs in the main thread between two bytecodes, possibly while that
-        # thread holds the event's own lock (inside wait or is_set), and a set() here would wait for it forever
+        # from another thread: the main thread may hold the event's own lock here, and a set() would wait forever
         threading.Thread(target=self.stop.set, daemon=True).start()
         if self.raise_stop:
             raise Interrupted(signum)
@@ -1068,18 +1069,16 @@ class StopSignals:
             signal.signal(signum, handler)
 
     def exit_on_signal(self, code: int) -> None:
-        """Everything is written and the interpreter exits: a signal from here (a second Ctrl+C) ends the process at
-        once with the run's status, and no exit handler it interrupts prints a traceback."""
+        """Everything is written: a signal from here ends the process at once, with the run's status, no traceback."""
         for signum in STOP_SIGNALS:
             signal.signal(signum, lambda *_: os._exit(code))
 
 
 def error_line(e: BaseException, step: int, signum: int, who: str = "the learner", rank: int = 0,
                ranks: int = 1) -> tuple[int, str | None]:  # fmt: skip
-    """The exit status and error line of the exception that ended training, called in its `except` block (a bug's
-    traceback goes into the line): a Stop (by a signal: 128 + signum; with a message: a worker's failure; neither:
-    the budget or a peer's stop, status 0), a failed checkpoint or TensorBoard write, a non-finite loss or weight, a
-    torchrun rank lost (`ranks` > 1: of two ranks it can only be the other one), or a bug. `who` names the process."""
+    """The exit status and error line of the exception that ended training, called in its `except` block: a Stop (a
+    signal: 128 + signum; a worker's line; neither: status 0), a failed write, a non-finite loss, a lost torchrun rank
+    (of two, the other one), or a bug (its traceback). `who` names the process."""
     if isinstance(e, Stop) and not e.args:
         name = signal.Signals(signum).name if signum else ""
         return (128 + signum, f"stopped by {name} at global step {step}") if signum else (0, None)
@@ -1106,13 +1105,9 @@ def finish_run(args, run_dir: Path | None, step: int, code: int, message: str | 
                progress: Progress | None = None, writer=None, tracker=None, checkpoint=None, final_model=None,
                last_point=None, device: torch.device | None = None, threads: list = (), teardown: bool = True,
                ) -> None:  # fmt: skip
-    """The end of every run, once its workers have stopped; `code` and `message` are error_line's (0 and None: the
-    run finished). In order: `checkpoint()` writes the final checkpoint (given only where one is due: a failed run
-    keeps its last good one); `last_point()` records the last statistics; if the run finished, the model that
-    `final_model()` builds is saved (--save-model) and played (--eval-episodes; a signal stops it and the games
-    played stay recorded); the writer and the W&B run closed; the error line; the summary (where this process has
-    the Progress); the exit with the status (`leave`). A failed write becomes the error line. Once the interpreter
-    exits, a further signal ends the process at once, with that status."""
+    """The end of every run, its workers stopped; `code` and `message` are error_line's. In order: the final
+    `checkpoint()` (given only where one is due), `last_point()`, if the run finished the `final_model()` saved
+    (--save-model) and played (--eval-episodes), the writer and W&B closed, the error line, the summary, the exit."""
     try:
         if checkpoint is not None and args.checkpoint_interval > 0 and checkpoint() is not False:  # False: none due
             message = message and f"{message}; checkpoint written to {run_dir / 'checkpoint.pt'}"
@@ -1177,11 +1172,9 @@ class Run:
                  checkpoint: Callable[[], None] | None = None, save: Callable[[], None] | None = None,
                  final_model: Callable[[], nn.Module] | None = None, last_point: Callable[[], None] | None = None,
                  who: str = "the learner", window: int = 100, threads: list = (), teardown: bool = True):  # fmt: skip
-        """Main's loop runs inside, with the Recorder (None on ranks other than 0); `roles` (who runs) goes into the
-        start line and `step()` is the global step. Whatever ends the loop, `stop(graceful)` stops the workers (a
-        string back: a worker's error line, exit status 1), then finish_run: `checkpoint()`, unless the run failed (an
-        exception with `checkpoint_is_good` still writes it), `final_model()`, `last_point()`. `run.checkpoint_if_due()`
-        in the loop calls `save()` (default: `checkpoint()`) every --checkpoint-interval seconds."""
+        """Main's loop runs inside, with the Recorder (None off rank 0); `roles` goes into the start line. Whatever
+        ends the loop, `stop(graceful)` stops the workers (a string back: a worker's error line), then finish_run
+        (`checkpoint()` unless the run failed). `checkpoint_if_due()` calls `save()` (default `checkpoint()`)."""
         record = tracker = progress = None
         code, message, good = 0, None, True
         try:
@@ -1216,9 +1209,8 @@ class Run:
 
 
 def open_run(args: Args) -> Run | None:
-    """The run's opening: the flags of the run a --resume continues, validation (one error line, exit 2), --eval-only
-    (which plays the saved agent: None), flag warnings, the checkpoint, the run directory and args.json (rank 0), the
-    process's seed, threads and device (`init_torch`); a signal from here on stops the run with its line."""
+    """The run's opening: a --resume's flags, validation, --eval-only (None), warnings, the checkpoint, the run
+    directory and args.json (rank 0), `init_torch`; a signal from here on stops the run with its line."""
     world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     args = settled_args(resumed_args(args) if args.resume else args)
     if error := validate(args, world_size):
@@ -1242,9 +1234,8 @@ def open_run(args: Args) -> Run | None:
 
 
 class Evaluation:
-    """The games of an evaluation as they end: each logged (eval/episodic_return at global steps step, step + 1, ...,
-    where there is a writer), the first SHOWN printed one by one, then a line at most every EVERY seconds with the
-    games so far and their mean: 4,000 CartPole games are not 4,000 lines. The caller prints the last line."""
+    """An evaluation's games as they end: logged (at steps step, step + 1, ...), the first SHOWN printed, then a line
+    at most every EVERY seconds with their mean: 4,000 CartPole games are not 4,000 lines."""
 
     SHOWN, EVERY = 10, 5.0
 
@@ -1252,8 +1243,7 @@ class Evaluation:
         self.total, self.writer, self.step, self.returns, self.last = total, writer, step, [], time.monotonic()
 
     def play(self, games: Iterator[float], signals: StopSignals) -> bool:
-        """Record each game of `games` as it ends: True, or False if a signal stopped it (at once, wherever the game
-        was; the games played stay recorded)."""
+        """Record each game as it ends: True, or False if a signal stopped it (the games played stay recorded)."""
         try:
             signals.interruptible()  # from here a signal raises Interrupted, wherever the game is
             for ret in games:
@@ -1288,8 +1278,7 @@ class Evaluation:
 
 def final_evaluation(model: nn.Module, args, run_dir: Path, step: int, signals: StopSignals, writer,
                      device: torch.device) -> tuple[int, str | None]:  # fmt: skip
-    """Play --eval-episodes games with the final policy, logged as they end and the first few printed (Evaluation);
-    a signal stops it at once, and the games played stay recorded. Returns finish_run's (code, message)."""
+    """Play --eval-episodes games with the final policy (Evaluation); returns finish_run's (code, message)."""
     print(f"evaluating the final policy: {args.eval_episodes} episodes", flush=True)
     games = Evaluation(args.eval_episodes, writer, step)
     if not games.play(evaluate(model, args, run_dir / "videos", device), signals):
@@ -1299,10 +1288,8 @@ def final_evaluation(model: nn.Module, args, run_dir: Path, step: int, signals: 
 
 
 def leave(code: int, threads: list = (), teardown: bool = True) -> None:
-    """Exit with `code`, without the interpreter's teardown (TensorBoard is closed and checkpoints written by now) if
-    a worker thread outlived its join or `teardown` is False (torchrun ranks: gloo's transport threads outlive
-    destroy_process_group, or a group that lost a rank): a thread inside torch during the teardown makes C++ static
-    destructors abort the process ("terminate called without an active exception", SIGABRT)."""
+    """Exit with `code`, skipping the interpreter's teardown if a worker thread is alive or `teardown` is False
+    (torchrun: gloo's threads): a thread inside torch then makes C++ static destructors abort the process (SIGABRT)."""
     alive = [t.name for t in threads if t.is_alive()]
     if alive:
         print(f"warning: {', '.join(alive)} still running at exit; leaving without interpreter teardown",
@@ -1326,10 +1313,8 @@ def flag(name: str) -> str:
 
 
 def flag_warnings(args) -> None:
-    """A `warning:` line for each flag that passes its rule but cannot train as given: a learning rate above 1. Every
-    optimizer here moves a weight by up to about the learning rate per step, so the weights blow up within a few
-    updates while the losses can stay finite (1e14 and more, the entropy 0): nothing would stop the run, and it
-    would end with exit status 0."""
+    """A `warning:` line for a learning rate above 1: the weights blow up within a few updates while the losses can
+    stay finite, so nothing would stop the run."""
     for f in fields(args):
         value = getattr(args, f.name)
         if f.name.endswith("learning_rate") and isinstance(value, float) and value > 1:
@@ -1338,8 +1323,7 @@ def flag_warnings(args) -> None:
 
 
 def check_flags(args: Args) -> str | None:
-    """The error line of the first float flag that is not finite, the first that breaks its FLAG_RULES rule (None:
-    filled in later), an --exp-name that is a path, or a --track whose wandb does not import."""
+    """The error line of a non-finite float, a FLAG_RULES breach, a path as --exp-name, or --track without wandb."""
     for f in fields(args):
         value = getattr(args, f.name)
         if isinstance(value, float) and not math.isfinite(value):
@@ -1362,9 +1346,8 @@ def check_flags(args: Args) -> str | None:
 
 
 def parse_args(argv: list[str]) -> Args:
-    """tyro's parse, with a renamed flag (RENAMED_FLAGS) and tyro's boxed message (an unknown flag, a wrong type)
-    turned into the one error line and exit 2 of any other bad input. `args.given` names the flags the command line
-    gave, whatever their values: a resume or an evaluation takes the saved run's value of every other flag."""
+    """tyro's parse, its boxed message and RENAMED_FLAGS turned into one error line and exit 2; `args.given` names the
+    flags the command line gave (a resume or an evaluation takes the saved run's value of the others)."""
     Console.install()  # before the first line the run prints
     for arg in argv:
         if (name := arg.split("=")[0]) in RENAMED_FLAGS:
@@ -1394,16 +1377,13 @@ def parse_args(argv: list[str]) -> Args:
 
 
 def help_paragraphs(text: str, join) -> str:
-    """tyro's private helper `join` (wrapped in parse_args, where this tyro has it) keeps a flag help's line break
-    before a non-letter; with each paragraph on one line, --help wraps the help as whole sentences at the terminal's
-    width."""
+    """tyro's private `join`, given one line per paragraph: --help wraps whole sentences at the terminal's width."""
     paragraphs = "\n".join(line.strip() for line in text.split("\n")).split("\n\n")
     return join("\n\n".join(paragraph.replace("\n", " ") for paragraph in paragraphs))
 
 
 def new_run_dir(args: Args) -> Path:
-    """Make this run's directory, never one that exists: a run of the same name and second gets -2, -3, ... (mkdir is
-    atomic, so two runs cannot take one name). Exit 2 if it cannot be made."""
+    """Make this run's directory, never one that exists (mkdir is atomic: the same name and second gets -2, -3...)."""
     base = Path(args.log_dir) / f"{args.env_id.replace('/', '_')}__{args.exp_name}__{args.seed}__{int(time.time())}"
     for n in itertools.count(1):
         run_dir = base if n == 1 else base.with_name(f"{base.name}-{n}")
@@ -1428,8 +1408,7 @@ def write_run_args(run_dir: Path, args: Args, meta: dict) -> None:
 
 
 def start_tracking(args: Args, run_dir: Path):
-    """--track: a W&B run named like the run directory (the id too, so --resume continues it), Args as config,
-    TensorBoard synced; the wandb module, or None. Call it before making the SummaryWriter, which wandb patches."""
+    """--track: a W&B run named (and id'd, for --resume) like the run directory, TensorBoard synced: wandb, or None."""
     if not args.track:
         return None
     import wandb  # optional: pip install -e ".[track]"
@@ -1464,8 +1443,7 @@ def make_writer(run_dir: Path, args: Args):
 
 
 def quiet_writer_thread(hook) -> None:
-    """threading.excepthook: a write error (a full disk) that kills TensorBoard's writer thread is raised again, and
-    reported in one line, by the main thread's next write or close; that thread's traceback is noise."""
+    """threading.excepthook: TensorBoard's writer thread's write error is reported by the main thread's next write."""
     frames = traceback.extract_tb(hook.exc_traceback)
     if not (issubclass(hook.exc_type, OSError) and any("tensorboard" in f.filename for f in frames)):
         threading.__excepthook__(hook)
@@ -1479,8 +1457,7 @@ def write_error(e: OSError, what) -> str:
 
 
 def not_finite(obj) -> bool:
-    """Whether a state (tensors in dicts, lists and tuples, as a state_dict or a checkpoint holds them) has a
-    floating-point tensor with a NaN or an infinity."""
+    """Whether a state (tensors in dicts, lists and tuples) has a floating-point tensor with a NaN or an infinity."""
     if isinstance(obj, torch.Tensor):
         return obj.is_floating_point() and not bool(torch.isfinite(obj).all())
     if isinstance(obj, dict):
@@ -1489,10 +1466,8 @@ def not_finite(obj) -> bool:
 
 
 def atomic_save(obj, path: Path) -> None:
-    """torch.save to a temporary file, renamed over `path`: a crash or a full disk leaves the previous file intact.
-    Weights with a NaN or an infinity are not written: the file on disk stays the last good one. The file replaced
-    keeps its mode, and a read-only one (its owner's write bit off: kept on purpose, as rm and editors take it) is not
-    replaced: the WriteError says how to let the run write it."""
+    """torch.save to a temporary file renamed over `path` (a crash or a full disk leaves the old file), keeping its
+    mode; never a read-only file or weights with a NaN or an infinity (WriteError)."""
     if not_finite(obj):
         raise WriteError(f"error: not writing {path}: its weights hold NaN or infinity (a diverged update)")
     mode = None
@@ -1533,16 +1508,14 @@ def duration(seconds: float) -> str:
 
 
 class Progress:
-    """The console: where the run goes and what it plans, how far it is and the time left, and at its end (after a
-    signal or an error too) what it did, the files it left and the commands that go on from them."""
+    """The console: the run's plan, its progress and time left, and at its end the files and the next commands."""
 
     def __init__(self, run_dir: Path, total_steps: int, plan: str) -> None:
         self.run_dir, self.total, self.start, self.mean_return = run_dir, total_steps, time.time(), math.nan
         print(f"run directory: {run_dir}  ({plan})", flush=True)
 
     def line(self, step: int, sps: float, mean_return: float, details: str = "") -> None:
-        """`global_step=N SPS=R mean_return=M` (read by tools and tests; SPS: the mean rate since the run started),
-        the share done, the time left at that rate, then the script's `details`."""
+        """`global_step=N SPS=R mean_return=M` (read by tools and tests), the share done, time left, `details`."""
         self.mean_return = mean_return
         left = duration((self.total - step) / sps) if sps > 0 else "?"
         print(f"global_step={step} SPS={sps:.0f} mean_return={mean_return:.2f} done={100 * step / self.total:.1f}% "
@@ -1573,10 +1546,8 @@ class Progress:
 
 
 class Recorder:
-    """A run's TensorBoard and console record: each game as it ends (charts/episodic_return and _length at its step;
-    the console's mean_return is over the last `window`), scalars by tag (`add`, `timer`: a point is the mean of the
-    values since the last point) with charts/SPS (since this process started), and the console line every
-    --log-interval seconds."""
+    """TensorBoard and console: each game as it ends, scalars by tag (a point is the mean since the last one) with
+    charts/SPS, and the console line (mean_return over the last `window` games) every --log-interval seconds."""
 
     def __init__(self, writer, progress: Progress, args, step: int, window: int = 100) -> None:
         self.writer, self.progress, self.log_interval = writer, progress, args.log_interval
@@ -1617,8 +1588,7 @@ class Recorder:
 
 
 def given_flags(args: Args) -> set[str]:
-    """The flags a command line gave (parse_args keeps their names in `args.given`); for an Args built in code, the
-    flags it sets away from their defaults."""
+    """The flags a command line gave (`args.given`); for an Args built in code, those away from their defaults."""
     if (given := getattr(args, "given", None)) is not None:
         return set(given)
     default = asdict(Args())
@@ -1626,11 +1596,9 @@ def given_flags(args: Args) -> set[str]:
 
 
 def resumed_args(args: Args) -> Args:
-    """--resume: the flags of the run it continues, as its checkpoint holds them (args.json beside it only where the
-    checkpoint has none: every resume rewrites that file at its start, so one that failed before its first checkpoint
-    leaves its flags there), but every flag this command line gives, even at its default: `--resume DIR/checkpoint.pt`
-    alone continues the run as it was, and `--ent-coef 0.01` switches a run of 0.05 back to 0.01. A run directory
-    given as DIR stands for its checkpoint.pt."""
+    """--resume: the flags its checkpoint holds (args.json only for one without), but every flag this command line
+    gives, even at its default: `--resume DIR/checkpoint.pt` alone continues the run as it was. DIR means its
+    checkpoint.pt."""
     path, default, given = Path(args.resume), asdict(Args()), given_flags(args)
     if path.is_dir():
         if not (path / "checkpoint.pt").is_file():
@@ -1664,10 +1632,8 @@ def stop_if_signalled(signals: StopSignals, run_dir: Path | None, resumed: bool)
 
 
 def claim_run_dir(run_dir: Path) -> None:
-    """Hold a lock on {run_dir}/.lock until this process ends (the kernel drops it, even after kill -9), so a second run
-    cannot write into the directory at the same time; then remove the temporary files a killed write left. A directory
-    another process holds: one error line, exit 2. A POSIX lock: the same process may claim it again (an in-process
-    resume), and its forked children do not hold it; under torchrun rank 0 claims it, the rank that writes there."""
+    """Lock {run_dir}/.lock until this process ends (even by kill -9), so no second run writes there at once, and
+    remove a killed write's temporary files. Held elsewhere: exit 2. Rank 0 only, the rank that writes there."""
     if os.environ.get("RANK", "0") != "0":
         return
     try:
@@ -1684,8 +1650,8 @@ def claim_run_dir(run_dir: Path) -> None:
 
 
 def load_checkpoint(path: str, meta: dict, args: Args, steps_per_update: int) -> dict:
-    """The checkpoint at `path` if this run can continue it (the same checkpoint_meta, finite values, no RESUME_FIXED
-    flag changed, a whole update left), else one error line and exit 2. Prints its step and every flag that differs."""
+    """The checkpoint at `path` if this run can continue it (the same checkpoint_meta, finite, no RESUME_FIXED flag
+    changed, an update left), else one error line and exit 2. Prints its step and the flags that differ."""
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as e:  # garbage, truncated, or pickled objects this interpreter cannot rebuild
@@ -1725,9 +1691,8 @@ def load_checkpoint(path: str, meta: dict, args: Args, steps_per_update: int) ->
 
 
 def main_eval_only(args: Args) -> None:
-    """--eval-only: the saved agent (a model.pt beside its run's args.json, or a checkpoint.pt) played as the final
-    evaluation plays it, with RUN_SETTINGS from its run and the rest from this command line; the game returns to
-    {model dir}/eval-{unix time}.json. Nothing trains. What this script cannot evaluate: an error line, exit 2."""
+    """--eval-only: a model.pt (beside its run's args.json) or checkpoint.pt played as the final evaluation plays it,
+    with RUN_SETTINGS from its run; the returns go to {model dir}/eval-{unix time}.json. Nothing trains."""
     path, this, stamp = Path(args.eval_only), Path(__file__).name, int(time.time())
     try:
         saved = torch.load(path, map_location="cpu", weights_only=False)
@@ -1849,8 +1814,7 @@ class Processes:
 
 
 def worker_body(loop, error_q, *loop_args) -> None:
-    """child_main's target: `loop(*loop_args)`. An exception but Stop goes to main on `error_q` as the run's error
-    line, naming this process: one line for a non-finite loss or a failed write, the traceback for anything else."""
+    """child_main's target: `loop(*loop_args)`; an exception but Stop goes to main on `error_q` as the error line."""
     name = multiprocessing.current_process().name
     try:
         with contextlib.suppress(Stop):

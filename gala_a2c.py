@@ -38,8 +38,9 @@ import os
 import signal
 import sys
 
-if __name__ == "__main__":  # Ctrl+C while the imports below load: exit 130 without a traceback
-    signal.signal(signal.SIGINT, lambda signum, frame: sys.exit(128 + signum))
+if __name__ == "__main__":  # Ctrl+C while the imports below load: exit 130 at once, without a traceback (os._exit:
+    # no exception, which a finalizer running at that moment would print and swallow)
+    signal.signal(signal.SIGINT, lambda signum, frame: os._exit(128 + signum))
     # torch's OpenMP threads sleep while they wait for work, not spin: a learner shares the cores with actors, envs and
     # other jobs, and a spinning thread holds the core a peer needs (2-3x slower updates beside one busy core)
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -501,8 +502,9 @@ class Learner:
         self.generator = torch.Generator(device=device).manual_seed(args.seed * 104729 + index)
         if state:
             self.model.load_state_dict(state["model"])
-            if "optimizer" in state:  # absent for a learner killed at the stop (Monitor.final_states)
+            if "optimizer" in state:  # absent for a learner killed at the stop (Monitor.final_states) or a stand-in
                 self.optimizer.load_state_dict(state["optimizer"])
+            if "generator" in state:  # absent where another learner's state stands in (RankLink.stand_in_states)
                 self.generator.set_state(state["generator"])
         numel = sum(p.numel() for p in self.params)
         self.x = torch.zeros(numel, device=device)  # flat parameters, mixed in place
@@ -757,25 +759,23 @@ def main_distributed(run: Run) -> None:
         if record is None:  # a rank other than 0: its own charts
             record = Recorder(make_writer(Path(names[0]) / f"learner{rank}", args), None, args, logger.global_step, 20)
         logger.start(record)
-        try:
-            learner = Learner(rank, n, args, device, run.checkpoint["learners"][rank] if run.checkpoint else None)
+        learner = Learner(rank, n, args, device, run.checkpoint["learners"][rank] if run.checkpoint else None)
+        try:  # every collective below is waited for as RankLink.wait waits: a stalled peer cannot hold a rank in one
             final = learner.train(gossip, link)
             learner.envs.close()
-            dist.gather_object(final, states, dst=0)
-            if args.mode == "allreduce":  # every learner must hold the same parameters (identical averaged gradients)
-                flat = torch.cat([p.reshape(-1) for p in final["model"].values()]).to(device)
-                reference = flat.clone()
-                dist.broadcast(reference, src=0)
-                divergence = (flat - reference).abs().max()
-                dist.all_reduce(divergence, op=dist.ReduceOp.MAX)
-                if rank == 0:
-                    print(f"max |parameter difference| across {n} learners: {divergence.item():.3g}")
-            dist.barrier()  # no rank leaves the group while a peer may still be sending to it
+            gathered = link.gather(final, "the gather of the final states")
+            if rank == 0:
+                states[:] = gathered
+            if rank == 0 and args.mode == "allreduce":  # every learner holds the same parameters (averaged gradients)
+                flats = [torch.cat([p.reshape(-1) for p in s["model"].values()]) for s in states]
+                divergence = max((flat - flats[0]).abs().max().item() for flat in flats)
+                print(f"max |parameter difference| across {n} learners: {divergence:.3g}")
+            # no rank leaves the group while a peer may still be sending to it
+            link.wait(dist.barrier(async_op=True), "the barrier before the end")
             dist.destroy_process_group()
-        except Stop:  # a signal while a peer did not answer: the ranks' final states cannot be gathered
-            if rank == 0 and args.checkpoint_interval:
-                print("warning: no final checkpoint (it needs every rank's state); the last one, if any, is kept",
-                      file=sys.stderr)  # fmt: skip
+        except (Stop, RankLost):  # a rank that stalled, or did not join after a signal: its final state is lost
+            if rank == 0 and args.checkpoint_interval > 0 and None in states:
+                states[:] = link.stand_in_states(learner)
             raise
         if signals.signum:  # the ranks stopped together at a sync point
             raise Stop
@@ -803,21 +803,42 @@ class RankLink:
         self.report(learner.record(), learner.state() if flags[1].item() > 0 else None)
         return flags[0].item() > 0
 
-    def all_reduce(self, tensor: torch.Tensor, what: str) -> None:
-        """The sum over the ranks' `tensor`, in place, waited for in slices: a signal is handled while a peer is late,
-        and a peer that does not join within --rank-timeout (stopped, hung, out of step) is named (RankLost)."""
-        work = dist.all_reduce(tensor, async_op=True)
+    def wait(self, work, what: str) -> None:
+        """Wait for the collective `work` (issued with async_op=True) in slices: a signal is handled while a peer is
+        late, and a peer that does not join within --rank-timeout (stopped, hung, out of step) is named (RankLost). No
+        collective of a rank is a blocking call: a peer stalled before it would hold the rank there, deaf to Ctrl+C,
+        until the process group's own timeout, and the rank would end without a line naming the peer."""
         wait_for_ranks(work, what, self.stop, self.rank, self.n, self.run.args.rank_timeout)
 
+    def all_reduce(self, tensor: torch.Tensor, what: str) -> None:
+        """The sum over the ranks' `tensor`, in place."""
+        self.wait(dist.all_reduce(tensor, async_op=True), what)
+
+    def gather(self, state: dict, what: str) -> list[dict] | None:
+        """Every rank's `state` on rank 0 (None on the others): torch.save'd bytes, padded to the longest, gathered."""
+        data = torch.frombuffer(bytearray(state_to_bytes(state)), dtype=torch.uint8)
+        sizes = torch.zeros(self.n, dtype=torch.int64, device=self.device)
+        sizes[self.rank] = data.numel()
+        self.all_reduce(sizes, what)
+        padded = torch.zeros(int(sizes.max().item()), dtype=torch.uint8, device=self.device)
+        padded[: data.numel()].copy_(data)
+        slots = [torch.empty_like(padded) for _ in range(self.n)] if self.rank == 0 else None
+        self.wait(dist.gather(padded, slots, dst=0, async_op=True), what)
+        if slots is None:
+            return None
+        sizes = sizes.tolist()
+        return [torch.load(io.BytesIO(slot[: sizes[j]].cpu().numpy().tobytes()), weights_only=False)
+                for j, slot in enumerate(slots)]  # fmt: skip
+
     def report(self, record: Record, state: dict | None) -> None:
-        """Every rank calls this at the same sync points (collectives)."""
-        states = [None] * self.n if self.rank == 0 else None
-        dist.gather_object(state, states, dst=0)
+        """Every rank calls this at the same sync points (collectives), all with a state (a checkpoint is due) or all
+        without."""
+        states = None if state is None else self.gather(state, "the gather of the states for a checkpoint")
         total = torch.tensor([float(record.steps)], device=self.device)
         self.all_reduce(total, "the global step's all-reduce")  # exact global step: all ranks' agent steps
         try:
             self.logger.handle(record._replace(steps=int(total.item())))
-            if self.rank == 0 and states[0] is not None:
+            if states is not None:  # rank 0's
                 self.last_checkpoint = time.time()
                 write_checkpoint(self.run, states)
             if self.rank == 0:
@@ -826,6 +847,21 @@ class RankLink:
             self.write_failure = self.write_failure or error_line(e, self.logger.global_step, 0)[1]
         if self.write_failure:
             self.stop.set()  # all ranks stop together at the next sync point
+
+    def stand_in_states(self, learner: Learner) -> list[dict]:
+        """The final checkpoint's states where the ranks' final states could not be gathered (a rank stalled, or did
+        not join after a signal): this rank's own state, and its parameters in every other rank's place (allreduce:
+        with its optimizer state, the same on every rank), at its iteration; a line says which."""
+        own = learner.state()
+        if self.run.args.mode == "allreduce":
+            stand_in = {k: own[k] for k in ("model", "optimizer", "iteration")}
+            which, why = "parameters and optimizer state", "allreduce keeps them the same on every rank"
+        else:
+            stand_in = {k: own[k] for k in ("model", "iteration")}
+            which, why = "own parameters", "the other ranks' parameters and optimizer states are lost"
+        print(f"warning: the ranks' final states could not be gathered; the final checkpoint holds rank {self.rank}'s "
+              f"{which} at its iteration {own['iteration']} for every learner ({why})", file=sys.stderr)  # fmt: skip
+        return [own if j == self.rank else stand_in for j in range(self.n)]
 
     def end(self) -> str | None:
         """Once the learner stopped (the training's `stop`): the own TensorBoard writer of a rank other than 0 closed
@@ -947,10 +983,23 @@ class DistributedEndpoint(GossipEndpoint):
         return total.div_(self.n)
 
     def finish(self, x: torch.Tensor, iteration: int) -> None:
-        """Send the last message and wait until every in-peer's last one arrived (no send or recv left pending)."""
+        """Send the last message and wait until every in-peer's last one arrived (no send or recv left pending), as a
+        collective is waited for (RankLink.wait): a peer that stalled is named, and a stop does not wait on it."""
         self.publish(x, iteration, last=True)
-        for t in self.threads:
-            t.join()
+        ended = ThreadsEnd(self.threads, self.check)
+        wait_for_ranks(ended, "the exchange of the last gossip messages", self.stop, self.learner, self.n, self.timeout)
+
+
+class ThreadsEnd(NamedTuple):
+    """Threads that end once the peers have done their part, waited for as a collective's work is (wait_for_ranks)."""
+
+    threads: list[threading.Thread]
+    check: Callable[[], None]  # raises a thread's error
+
+    def is_completed(self) -> bool:
+        return not any(t.is_alive() for t in self.threads)
+
+    def wait(self) -> None:
         self.check()
 
 
@@ -980,17 +1029,15 @@ class WriteError(Exception):
 
 
 class Console:
-    """sys.stdout or sys.stderr of a run's process: its lines, or nothing once their reader has gone (`| head -2`, a
-    pipe or a terminal closed). A run goes on to its budget without its console: its checkpoints, TensorBoard events
-    and evaluation are written as ever. `install()` comes first in parse_args and in a spawned child's child_main; a
-    forked child inherits its parent's."""
+    """sys.stdout or sys.stderr of a run's process, silent once its reader has gone (`| head -2`, a closed terminal):
+    the run goes on to its budget, its checkpoints and TensorBoard written as ever. A forked child inherits it."""
 
     def __init__(self, stream) -> None:
         self.stream = stream
 
     @classmethod
     def install(cls) -> None:
-        """Wrap this process's stdout and stderr, unless they are wrapped or redirected already (a test's capture)."""
+        """Wrap stdout and stderr, unless they are wrapped or redirected already (a test's capture)."""
         for name in ("stdout", "stderr"):
             if (stream := getattr(sys, name)) is not None and stream is getattr(sys, f"__{name}__"):
                 setattr(sys, name, cls(stream))
@@ -1009,7 +1056,6 @@ class Console:
             self.drop()
 
     def drop(self) -> None:
-        """Point the stream's file descriptor at /dev/null: what it holds, and every later line, goes nowhere."""
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, self.stream.fileno())
         os.close(devnull)
@@ -1019,9 +1065,9 @@ class Console:
 
 
 class StopSignals:
-    """Ctrl+C, SIGTERM and SIGHUP (a closed terminal) set `stop`, the event the run's waits and loops check, and keep
-    the first signal for the exit status 128 + signum; the run stops at its own pace and writes its final checkpoint,
-    and a second signal cannot cut that short. After `interruptible()` (the final evaluation) they raise Interrupted."""
+    """Ctrl+C, SIGTERM and SIGHUP set `stop` and keep the first signal for the exit status 128 + signum: the run stops
+    at its own pace, writes its final checkpoint, and a second signal cannot cut that short. After `interruptible()`
+    (an evaluation) they raise Interrupted."""
 
     def __init__(self, stop):
         self.stop, self.signum, self.raise_stop = stop, 0, False
@@ -1029,8 +1075,7 @@ class StopSignals:
 
     def handler(self, signum: int, frame) -> None:
         self.signum = self.signum or signum
-        # set from another thread: the handler runs in the main thread between two bytecodes, possibly while that
-        # thread holds the event's own lock (inside wait or is_set), and a set() here would wait for it forever
+        # from another thread: the main thread may hold the event's own lock here, and a set() would wait forever
         threading.Thread(target=self.stop.set, daemon=True).start()
         if self.raise_stop:
             raise Interrupted(signum)
@@ -1045,18 +1090,16 @@ class StopSignals:
             signal.signal(signum, handler)
 
     def exit_on_signal(self, code: int) -> None:
-        """Everything is written and the interpreter exits: a signal from here (a second Ctrl+C) ends the process at
-        once with the run's status, and no exit handler it interrupts prints a traceback."""
+        """Everything is written: a signal from here ends the process at once, with the run's status, no traceback."""
         for signum in STOP_SIGNALS:
             signal.signal(signum, lambda *_: os._exit(code))
 
 
 def error_line(e: BaseException, step: int, signum: int, who: str = "the learner", rank: int = 0,
                ranks: int = 1) -> tuple[int, str | None]:  # fmt: skip
-    """The exit status and error line of the exception that ended training, called in its `except` block (a bug's
-    traceback goes into the line): a Stop (by a signal: 128 + signum; with a message: a worker's failure; neither:
-    the budget or a peer's stop, status 0), a failed checkpoint or TensorBoard write, a non-finite loss or weight, a
-    torchrun rank lost (`ranks` > 1: of two ranks it can only be the other one), or a bug. `who` names the process."""
+    """The exit status and error line of the exception that ended training, called in its `except` block: a Stop (a
+    signal: 128 + signum; a worker's line; neither: status 0), a failed write, a non-finite loss, a lost torchrun rank
+    (of two, the other one), or a bug (its traceback). `who` names the process."""
     if isinstance(e, Stop) and not e.args:
         name = signal.Signals(signum).name if signum else ""
         return (128 + signum, f"stopped by {name} at global step {step}") if signum else (0, None)
@@ -1083,13 +1126,9 @@ def finish_run(args, run_dir: Path | None, step: int, code: int, message: str | 
                progress: Progress | None = None, writer=None, tracker=None, checkpoint=None, final_model=None,
                last_point=None, device: torch.device | None = None, threads: list = (), teardown: bool = True,
                ) -> None:  # fmt: skip
-    """The end of every run, once its workers have stopped; `code` and `message` are error_line's (0 and None: the
-    run finished). In order: `checkpoint()` writes the final checkpoint (given only where one is due: a failed run
-    keeps its last good one); `last_point()` records the last statistics; if the run finished, the model that
-    `final_model()` builds is saved (--save-model) and played (--eval-episodes; a signal stops it and the games
-    played stay recorded); the writer and the W&B run closed; the error line; the summary (where this process has
-    the Progress); the exit with the status (`leave`). A failed write becomes the error line. Once the interpreter
-    exits, a further signal ends the process at once, with that status."""
+    """The end of every run, its workers stopped; `code` and `message` are error_line's. In order: the final
+    `checkpoint()` (given only where one is due), `last_point()`, if the run finished the `final_model()` saved
+    (--save-model) and played (--eval-episodes), the writer and W&B closed, the error line, the summary, the exit."""
     try:
         if checkpoint is not None and args.checkpoint_interval > 0 and checkpoint() is not False:  # False: none due
             message = message and f"{message}; checkpoint written to {run_dir / 'checkpoint.pt'}"
@@ -1154,11 +1193,9 @@ class Run:
                  checkpoint: Callable[[], None] | None = None, save: Callable[[], None] | None = None,
                  final_model: Callable[[], nn.Module] | None = None, last_point: Callable[[], None] | None = None,
                  who: str = "the learner", window: int = 100, threads: list = (), teardown: bool = True):  # fmt: skip
-        """Main's loop runs inside, with the Recorder (None on ranks other than 0); `roles` (who runs) goes into the
-        start line and `step()` is the global step. Whatever ends the loop, `stop(graceful)` stops the workers (a
-        string back: a worker's error line, exit status 1), then finish_run: `checkpoint()`, unless the run failed (an
-        exception with `checkpoint_is_good` still writes it), `final_model()`, `last_point()`. `run.checkpoint_if_due()`
-        in the loop calls `save()` (default: `checkpoint()`) every --checkpoint-interval seconds."""
+        """Main's loop runs inside, with the Recorder (None off rank 0); `roles` goes into the start line. Whatever
+        ends the loop, `stop(graceful)` stops the workers (a string back: a worker's error line), then finish_run
+        (`checkpoint()` unless the run failed). `checkpoint_if_due()` calls `save()` (default `checkpoint()`)."""
         record = tracker = progress = None
         code, message, good = 0, None, True
         try:
@@ -1193,9 +1230,8 @@ class Run:
 
 
 def open_run(args: Args) -> Run | None:
-    """The run's opening: the flags of the run a --resume continues, validation (one error line, exit 2), --eval-only
-    (which plays the saved agent: None), flag warnings, the checkpoint, the run directory and args.json (rank 0), the
-    process's seed, threads and device (`init_torch`); a signal from here on stops the run with its line."""
+    """The run's opening: a --resume's flags, validation, --eval-only (None), warnings, the checkpoint, the run
+    directory and args.json (rank 0), `init_torch`; a signal from here on stops the run with its line."""
     world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     args = settled_args(resumed_args(args) if args.resume else args)
     if error := validate(args, world_size):
@@ -1231,9 +1267,8 @@ def stop_if_signalled(signals: StopSignals, run_dir: Path | None, resumed: bool)
 
 
 class Evaluation:
-    """The games of an evaluation as they end: each logged (eval/episodic_return at global steps step, step + 1, ...,
-    where there is a writer), the first SHOWN printed one by one, then a line at most every EVERY seconds with the
-    games so far and their mean: 4,000 CartPole games are not 4,000 lines. The caller prints the last line."""
+    """An evaluation's games as they end: logged (at steps step, step + 1, ...), the first SHOWN printed, then a line
+    at most every EVERY seconds with their mean: 4,000 CartPole games are not 4,000 lines."""
 
     SHOWN, EVERY = 10, 5.0
 
@@ -1241,8 +1276,7 @@ class Evaluation:
         self.total, self.writer, self.step, self.returns, self.last = total, writer, step, [], time.monotonic()
 
     def play(self, games: Iterator[float], signals: StopSignals) -> bool:
-        """Record each game of `games` as it ends: True, or False if a signal stopped it (at once, wherever the game
-        was; the games played stay recorded)."""
+        """Record each game as it ends: True, or False if a signal stopped it (the games played stay recorded)."""
         try:
             signals.interruptible()  # from here a signal raises Interrupted, wherever the game is
             for ret in games:
@@ -1277,8 +1311,7 @@ class Evaluation:
 
 def final_evaluation(model: nn.Module, args, run_dir: Path, step: int, signals: StopSignals, writer,
                      device: torch.device) -> tuple[int, str | None]:  # fmt: skip
-    """Play --eval-episodes games with the final policy, logged as they end and the first few printed (Evaluation);
-    a signal stops it at once, and the games played stay recorded. Returns finish_run's (code, message)."""
+    """Play --eval-episodes games with the final policy (Evaluation); returns finish_run's (code, message)."""
     print(f"evaluating the final policy: {args.eval_episodes} episodes", flush=True)
     games = Evaluation(args.eval_episodes, writer, step)
     if not games.play(evaluate(model, args, run_dir / "videos", device), signals):
@@ -1288,10 +1321,8 @@ def final_evaluation(model: nn.Module, args, run_dir: Path, step: int, signals: 
 
 
 def leave(code: int, threads: list = (), teardown: bool = True) -> None:
-    """Exit with `code`, without the interpreter's teardown (TensorBoard is closed and checkpoints written by now) if
-    a worker thread outlived its join or `teardown` is False (torchrun ranks: gloo's transport threads outlive
-    destroy_process_group, or a group that lost a rank): a thread inside torch during the teardown makes C++ static
-    destructors abort the process ("terminate called without an active exception", SIGABRT)."""
+    """Exit with `code`, skipping the interpreter's teardown if a worker thread is alive or `teardown` is False
+    (torchrun: gloo's threads): a thread inside torch then makes C++ static destructors abort the process (SIGABRT)."""
     alive = [t.name for t in threads if t.is_alive()]
     if alive:
         print(f"warning: {', '.join(alive)} still running at exit; leaving without interpreter teardown",
@@ -1315,10 +1346,8 @@ def flag(name: str) -> str:
 
 
 def flag_warnings(args) -> None:
-    """A `warning:` line for each flag that passes its rule but cannot train as given: a learning rate above 1. Every
-    optimizer here moves a weight by up to about the learning rate per step, so the weights blow up within a few
-    updates while the losses can stay finite (1e14 and more, the entropy 0): nothing would stop the run, and it
-    would end with exit status 0."""
+    """A `warning:` line for a learning rate above 1: the weights blow up within a few updates while the losses can
+    stay finite, so nothing would stop the run."""
     for f in fields(args):
         value = getattr(args, f.name)
         if f.name.endswith("learning_rate") and isinstance(value, float) and value > 1:
@@ -1327,8 +1356,7 @@ def flag_warnings(args) -> None:
 
 
 def check_flags(args: Args) -> str | None:
-    """The error line of the first float flag that is not finite, the first that breaks its FLAG_RULES rule (None:
-    filled in later), an --exp-name that is a path, or a --track whose wandb does not import."""
+    """The error line of a non-finite float, a FLAG_RULES breach, a path as --exp-name, or --track without wandb."""
     for f in fields(args):
         value = getattr(args, f.name)
         if isinstance(value, float) and not math.isfinite(value):
@@ -1351,9 +1379,8 @@ def check_flags(args: Args) -> str | None:
 
 
 def parse_args(argv: list[str]) -> Args:
-    """tyro's parse, with a renamed flag (RENAMED_FLAGS) and tyro's boxed message (an unknown flag, a wrong type)
-    turned into the one error line and exit 2 of any other bad input. `args.given` names the flags the command line
-    gave, whatever their values: a resume or an evaluation takes the saved run's value of every other flag."""
+    """tyro's parse, its boxed message and RENAMED_FLAGS turned into one error line and exit 2; `args.given` names the
+    flags the command line gave (a resume or an evaluation takes the saved run's value of the others)."""
     Console.install()  # before the first line the run prints
     for arg in argv:
         if (name := arg.split("=")[0]) in RENAMED_FLAGS:
@@ -1383,16 +1410,13 @@ def parse_args(argv: list[str]) -> Args:
 
 
 def help_paragraphs(text: str, join) -> str:
-    """tyro's private helper `join` (wrapped in parse_args, where this tyro has it) keeps a flag help's line break
-    before a non-letter; with each paragraph on one line, --help wraps the help as whole sentences at the terminal's
-    width."""
+    """tyro's private `join`, given one line per paragraph: --help wraps whole sentences at the terminal's width."""
     paragraphs = "\n".join(line.strip() for line in text.split("\n")).split("\n\n")
     return join("\n\n".join(paragraph.replace("\n", " ") for paragraph in paragraphs))
 
 
 def new_run_dir(args: Args) -> Path:
-    """Make this run's directory, never one that exists: a run of the same name and second gets -2, -3, ... (mkdir is
-    atomic, so two runs cannot take one name). Exit 2 if it cannot be made."""
+    """Make this run's directory, never one that exists (mkdir is atomic: the same name and second gets -2, -3...)."""
     base = Path(args.log_dir) / f"{args.env_id.replace('/', '_')}__{args.exp_name}__{args.seed}__{int(time.time())}"
     for n in itertools.count(1):
         run_dir = base if n == 1 else base.with_name(f"{base.name}-{n}")
@@ -1417,8 +1441,7 @@ def write_run_args(run_dir: Path, args: Args, meta: dict) -> None:
 
 
 def start_tracking(args: Args, run_dir: Path):
-    """--track: a W&B run named like the run directory (the id too, so --resume continues it), Args as config,
-    TensorBoard synced; the wandb module, or None. Call it before making the SummaryWriter, which wandb patches."""
+    """--track: a W&B run named (and id'd, for --resume) like the run directory, TensorBoard synced: wandb, or None."""
     if not args.track:
         return None
     import wandb  # optional: pip install -e ".[track]"
@@ -1453,8 +1476,7 @@ def make_writer(run_dir: Path, args: Args):
 
 
 def quiet_writer_thread(hook) -> None:
-    """threading.excepthook: a write error (a full disk) that kills TensorBoard's writer thread is raised again, and
-    reported in one line, by the main thread's next write or close; that thread's traceback is noise."""
+    """threading.excepthook: TensorBoard's writer thread's write error is reported by the main thread's next write."""
     frames = traceback.extract_tb(hook.exc_traceback)
     if not (issubclass(hook.exc_type, OSError) and any("tensorboard" in f.filename for f in frames)):
         threading.__excepthook__(hook)
@@ -1468,8 +1490,7 @@ def write_error(e: OSError, what) -> str:
 
 
 def not_finite(obj) -> bool:
-    """Whether a state (tensors in dicts, lists and tuples, as a state_dict or a checkpoint holds them) has a
-    floating-point tensor with a NaN or an infinity."""
+    """Whether a state (tensors in dicts, lists and tuples) has a floating-point tensor with a NaN or an infinity."""
     if isinstance(obj, torch.Tensor):
         return obj.is_floating_point() and not bool(torch.isfinite(obj).all())
     if isinstance(obj, dict):
@@ -1478,10 +1499,8 @@ def not_finite(obj) -> bool:
 
 
 def atomic_save(obj, path: Path) -> None:
-    """torch.save to a temporary file, renamed over `path`: a crash or a full disk leaves the previous file intact.
-    Weights with a NaN or an infinity are not written: the file on disk stays the last good one. The file replaced
-    keeps its mode, and a read-only one (its owner's write bit off: kept on purpose, as rm and editors take it) is not
-    replaced: the WriteError says how to let the run write it."""
+    """torch.save to a temporary file renamed over `path` (a crash or a full disk leaves the old file), keeping its
+    mode; never a read-only file or weights with a NaN or an infinity (WriteError)."""
     if not_finite(obj):
         raise WriteError(f"error: not writing {path}: its weights hold NaN or infinity (a diverged update)")
     mode = None
@@ -1522,16 +1541,14 @@ def duration(seconds: float) -> str:
 
 
 class Progress:
-    """The console: where the run goes and what it plans, how far it is and the time left, and at its end (after a
-    signal or an error too) what it did, the files it left and the commands that go on from them."""
+    """The console: the run's plan, its progress and time left, and at its end the files and the next commands."""
 
     def __init__(self, run_dir: Path, total_steps: int, plan: str) -> None:
         self.run_dir, self.total, self.start, self.mean_return = run_dir, total_steps, time.time(), math.nan
         print(f"run directory: {run_dir}  ({plan})", flush=True)
 
     def line(self, step: int, sps: float, mean_return: float, details: str = "") -> None:
-        """`global_step=N SPS=R mean_return=M` (read by tools and tests; SPS: the mean rate since the run started),
-        the share done, the time left at that rate, then the script's `details`."""
+        """`global_step=N SPS=R mean_return=M` (read by tools and tests), the share done, time left, `details`."""
         self.mean_return = mean_return
         left = duration((self.total - step) / sps) if sps > 0 else "?"
         print(f"global_step={step} SPS={sps:.0f} mean_return={mean_return:.2f} done={100 * step / self.total:.1f}% "
@@ -1562,10 +1579,8 @@ class Progress:
 
 
 class Recorder:
-    """A run's TensorBoard and console record: each game as it ends (charts/episodic_return and _length at its step;
-    the console's mean_return is over the last `window`), scalars by tag (`add`, `timer`: a point is the mean of the
-    values since the last point) with charts/SPS (since this process started), and the console line every
-    --log-interval seconds."""
+    """TensorBoard and console: each game as it ends, scalars by tag (a point is the mean since the last one) with
+    charts/SPS, and the console line (mean_return over the last `window` games) every --log-interval seconds."""
 
     def __init__(self, writer, progress: Progress, args, step: int, window: int = 100) -> None:
         self.writer, self.progress, self.log_interval = writer, progress, args.log_interval
@@ -1606,8 +1621,7 @@ class Recorder:
 
 
 def given_flags(args: Args) -> set[str]:
-    """The flags a command line gave (parse_args keeps their names in `args.given`); for an Args built in code, the
-    flags it sets away from their defaults."""
+    """The flags a command line gave (`args.given`); for an Args built in code, those away from their defaults."""
     if (given := getattr(args, "given", None)) is not None:
         return set(given)
     default = asdict(Args())
@@ -1615,11 +1629,9 @@ def given_flags(args: Args) -> set[str]:
 
 
 def resumed_args(args: Args) -> Args:
-    """--resume: the flags of the run it continues, as its checkpoint holds them (args.json beside it only where the
-    checkpoint has none: every resume rewrites that file at its start, so one that failed before its first checkpoint
-    leaves its flags there), but every flag this command line gives, even at its default: `--resume DIR/checkpoint.pt`
-    alone continues the run as it was, and `--ent-coef 0.01` switches a run of 0.05 back to 0.01. A run directory
-    given as DIR stands for its checkpoint.pt."""
+    """--resume: the flags its checkpoint holds (args.json only for one without), but every flag this command line
+    gives, even at its default: `--resume DIR/checkpoint.pt` alone continues the run as it was. DIR means its
+    checkpoint.pt."""
     path, default, given = Path(args.resume), asdict(Args()), given_flags(args)
     if path.is_dir():
         if not (path / "checkpoint.pt").is_file():
@@ -1641,10 +1653,8 @@ def resumed_args(args: Args) -> Args:
 
 
 def claim_run_dir(run_dir: Path) -> None:
-    """Hold a lock on {run_dir}/.lock until this process ends (the kernel drops it, even after kill -9), so a second run
-    cannot write into the directory at the same time; then remove the temporary files a killed write left. A directory
-    another process holds: one error line, exit 2. A POSIX lock: the same process may claim it again (an in-process
-    resume), and its forked children do not hold it; under torchrun rank 0 claims it, the rank that writes there."""
+    """Lock {run_dir}/.lock until this process ends (even by kill -9), so no second run writes there at once, and
+    remove a killed write's temporary files. Held elsewhere: exit 2. Rank 0 only, the rank that writes there."""
     if os.environ.get("RANK", "0") != "0":
         return
     try:
@@ -1661,8 +1671,8 @@ def claim_run_dir(run_dir: Path) -> None:
 
 
 def load_checkpoint(path: str, meta: dict, args: Args, steps_per_update: int) -> dict:
-    """The checkpoint at `path` if this run can continue it (the same checkpoint_meta, finite values, no RESUME_FIXED
-    flag changed, a whole update left), else one error line and exit 2. Prints its step and every flag that differs."""
+    """The checkpoint at `path` if this run can continue it (the same checkpoint_meta, finite, no RESUME_FIXED flag
+    changed, an update left), else one error line and exit 2. Prints its step and the flags that differ."""
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as e:  # garbage, truncated, or pickled objects this interpreter cannot rebuild
@@ -1702,9 +1712,8 @@ def load_checkpoint(path: str, meta: dict, args: Args, steps_per_update: int) ->
 
 
 def main_eval_only(args: Args) -> None:
-    """--eval-only: the saved agent (a model.pt beside its run's args.json, or a checkpoint.pt) played as the final
-    evaluation plays it, with RUN_SETTINGS from its run and the rest from this command line; the game returns to
-    {model dir}/eval-{unix time}.json. Nothing trains. What this script cannot evaluate: an error line, exit 2."""
+    """--eval-only: a model.pt (beside its run's args.json) or checkpoint.pt played as the final evaluation plays it,
+    with RUN_SETTINGS from its run; the returns go to {model dir}/eval-{unix time}.json. Nothing trains."""
     path, this, stamp = Path(args.eval_only), Path(__file__).name, int(time.time())
     try:
         saved = torch.load(path, map_location="cpu", weights_only=False)
@@ -1826,8 +1835,7 @@ class Processes:
 
 
 def worker_body(loop, error_q, *loop_args) -> None:
-    """child_main's target: `loop(*loop_args)`. An exception but Stop goes to main on `error_q` as the run's error
-    line, naming this process: one line for a non-finite loss or a failed write, the traceback for anything else."""
+    """child_main's target: `loop(*loop_args)`; an exception but Stop goes to main on `error_q` as the error line."""
     name = multiprocessing.current_process().name
     try:
         with contextlib.suppress(Stop):

@@ -185,6 +185,13 @@ PONG_A2C_REFERENCE = [pong("hts_a2c_sync_sb3", "hts_a2c.py", [*DEEPMIND, "--sync
 # PPO on the same processes (policy lag 0, the executors wait for each update). The pair shows what the delay costs
 # per frame at CleanRL ppo_atari's settings (RESULTS, Pong beside the references).
 PONG_PPO_SYNC = [pong("hts_ppo_sync", "hts_ppo.py", [*DEEPMIND, "--num-envs", "8", "--torch-threads", "2", "--sync"])]
+# ... and HTS-RL's released update (`--delayed-update released`: the current parameters trained on the lagged data, the
+# ratio clipped against the policy that acted; IouJenLiu/HTS-RL learner.py, algo/ppo_aug.py) at the same settings, the
+# run that decides which of the two updates is hts_ppo's default (issue 61: the one at PPO-level returns).
+PONG_PPO_RELEASED = [
+    pong("hts_ppo_released", "hts_ppo.py",
+         [*DEEPMIND, "--num-envs", "8", "--torch-threads", "2", "--delayed-update", "released"])
+]  # fmt: skip
 
 # The A3C eps diagnosis on Pong (README, Results): hogwild at 1, 2 and 4 workers and the gradient server, RMSprop
 # eps 1e-5 against 1e-4 and 1e-3, CPU workers; a few hundred thousand steps show whether the value loss falls from
@@ -236,6 +243,7 @@ SUITES = {
     "pong-gpu": (lambda: PONG_GPU, None),
     "pong-a2c-reference": (lambda: PONG_A2C_REFERENCE, None),
     "pong-ppo-sync": (lambda: PONG_PPO_SYNC, None),
+    "pong-ppo-released": (lambda: PONG_PPO_RELEASED, None),
     "pong-gate": (lambda: PONG_GATE, 18.0),
     "a3c-eps": (lambda: A3C_EPS_SWEEP, None),
     "atari-paper": (atari_paper, None),

@@ -281,7 +281,7 @@ def test_n_step_builder_matches_a_reference(m):
         end = min(t + n, 5)
         ret = sum(gamma ** (k - t) * rewards[k] for k in range(t, end))
         expected.append((t, t, ret, 0.0 if end == 5 else gamma ** (end - t), end))
-    assert [(o, a, pytest.approx(r), d, nx) for o, a, r, d, nx in out] == expected
+    assert [(o, a, pytest.approx(r), d, nx) for o, a, r, d, nx, _, _ in out] == expected
 
 
 @script_ids
@@ -289,7 +289,51 @@ def test_n_step_builder_truncation_bootstraps_from_the_final_observation(m):
     builder = m.NStepBuilder(1, 3, 0.5)
     assert builder.push([0], [0], [1.0], [False], [False], [1]) == []
     out = builder.push([1], [1], [2.0], [False], [True], ["final"])
-    assert out == [(0, 0, 1.0 + 0.5 * 2.0, 0.25, "final"), (1, 1, 2.0, 0.5, "final")]
+    assert [t[:5] for t in out] == [(0, 0, 1.0 + 0.5 * 2.0, 0.25, "final"), (1, 1, 2.0, 0.5, "final")]
+
+
+def initial_priority(model, obs, action, ret, discount, next_obs, alpha, eps) -> float:
+    """Ape-X's initial priority of one n-step transition from the actor's network, straight from the equations:
+    (|R + gamma^n max_a Q(s', a) - Q(s, a)| + eps)^alpha (double Q with one network reduces to the max)."""
+    with torch.no_grad():
+        q = model(obs[None])[0, action].item()
+        bootstrap = model(next_obs[None])[0].max().item()
+    return (abs(ret + discount * bootstrap - q) + eps) ** alpha
+
+
+def test_dqn_actor_priorities_reuse_its_acting_q_values_and_match_the_td_errors_of_its_network():
+    """The actor prioritises its transitions with the Q-values it computed to act (no forward pass of its own, Ape-X
+    Section 3): every stored priority must equal the n-step TD error of its network, one transition at a time, over
+    episodes that end (bootstrap 0) and go on (the next state's values come from the next action)."""
+    args = apex_dqn.Args(env_id="CartPole-v1", num_actors=1, num_envs_per_actor=3, actor_batch=16, n_step=3,
+                         buffer_size=4000, hidden_sizes=(16,), epsilon=0.5, actor_update_interval=10**6)  # fmt: skip
+    spaces = apex_dqn.env_spaces(args)
+    shared = apex_dqn.Shared(args, CTX, spaces, num_buffers=1, num_total=1, steps_limit=900)
+    shared.parent_pid = os.getppid()  # the actor runs in this process: its "main process" is this one's parent
+    torch.manual_seed(0)
+    model = apex_dqn.build_model(args, *spaces)
+    shared.store.publish(torch.cat([p.detach().flatten() for p in model.parameters()]), 0)
+    apex_dqn.actor_loop(0, 0, 1, args, shared)
+    buffer = shared.buffers[0]
+    size = int(buffer.size)
+    assert size == 900 - 3 * (args.n_step - 1)  # all but the starts still in the n-step windows; the last emitted
+    # ones bootstrapped after the loop
+    assert (buffer.data.discounts[:size] == 0).sum() >= 10  # episodes ended: CartPole falls within 900 steps
+    leaves = buffer.sum_tree[len(buffer.sum_tree) // 2 :][:size].numpy()
+    d, alpha, eps = buffer.data, args.priority_alpha, args.priority_eps
+    expected = [initial_priority(model, d.obs[i], int(d.actions[i]), float(d.returns[i]), float(d.discounts[i]),
+                                 d.next_obs[i], alpha, eps) for i in range(size)]  # fmt: skip
+    assert leaves == pytest.approx(np.array(expected), rel=1e-4, abs=1e-6)
+
+
+def test_dqn_actor_bootstraps_a_truncated_episode_from_a_forward_pass_on_its_final_state():
+    torch.manual_seed(0)
+    model = nn.Linear(2, 3)
+    final, other = torch.tensor([0.5, -1.0]), torch.tensor([2.0, 1.0])
+    cut = apex_dqn.NStepTransition(other, 0, 1.0, 0.9, final, 0, 0.0)  # truncated: bootstraps from `final`
+    ended = apex_dqn.NStepTransition(other, 1, 1.0, 0.0, final, 1, 0.0)  # terminated: nothing to bootstrap
+    values = apex_dqn.ended_episode_bootstrap(model, [cut, ended])
+    assert [v for _, v in values] == [pytest.approx(model(final).max().item()), 0.0]
 
 
 def test_double_q_target_uses_online_argmax_and_target_values():

@@ -233,9 +233,13 @@ def test_ppo_clipped_value_loss_is_the_max_of_unclipped_and_clipped():
     assert unclipped["value_loss"].item() == pytest.approx(0.5 * ((returns - values) ** 2).mean().item())
 
 
-def test_ppo_minibatches_match_a_per_sample_loop_over_the_rollout():
-    """hts_ppo's update from a rollout: pi_old, V_old and the bootstrap values of the behavior network, GAE per env,
-    and each minibatch's losses, against a loop over the samples one at a time (the paper's equations written out).
+@pytest.mark.parametrize("variant", ["eq6", "released"])
+def test_ppo_minibatches_match_a_per_sample_loop_over_the_rollout(variant):
+    """hts_ppo's update from a rollout: pi_old, V_old of the behavior network, GAE per env, and each minibatch's
+    losses, against a loop over the samples one at a time (the paper's equations written out). eq6: the parameters
+    trained are the behavior's own copy (the bootstrap value is theirs too, the first ratios 1); released (HTS-RL's
+    code): the current parameters theta_j, a step away from the behavior theta_{j-1}, are trained, their ratio taken
+    against the behavior policy, their values clipped around the behavior's, GAE bootstrapped with theta_j's value.
     The second minibatch comes after the parameters moved, so ratios, value clipping and the advantages' alignment
     with their samples all count."""
     T, B, A = 3, 3, 3
@@ -248,10 +252,15 @@ def test_ppo_minibatches_match_a_per_sample_loop_over_the_rollout():
     torch.manual_seed(0)
     model = make_model(gym.spaces.Box(-1, 1, (4,), np.float32), gym.spaces.Discrete(A), "mlp")
     behavior = copy.deepcopy(model)
+    if variant == "released":  # theta_{j-1}, which acted: an update behind the parameters trained
+        with torch.no_grad():
+            for p in behavior.parameters():
+                p.add_(0.1 * torch.randn(p.shape, generator=g))
+    current = copy.deepcopy(model)  # the parameters trained, before the first step
     torch.manual_seed(5)
     order = torch.randperm(T * B).tolist()
     torch.manual_seed(5)  # minibatch_losses draws the same order
-    minibatches = hts_ppo.minibatch_losses(model, batch, args)
+    minibatches = hts_ppo.minibatch_losses(model, batch, args, behavior if variant == "released" else None)
     first = next(minibatches)
     with torch.no_grad():  # an optimizer step's worth of change before the second minibatch
         for p in model.parameters():
@@ -263,14 +272,16 @@ def test_ppo_minibatches_match_a_per_sample_loop_over_the_rollout():
             logits, value = net(batch.obs[t, b][None])
         return torch.log_softmax(logits[0].double(), -1).tolist(), value.item()
 
-    old = {(t, b): one(behavior, t, b) for t in range(T + 1) for b in range(B)}
+    old = {(t, b): one(behavior, t, b) for t in range(T) for b in range(B)}  # pi_old, V_old: the behavior network
+    values = {(t, b): old[t, b][1] for t in range(T) for b in range(B)}
+    values |= {(T, b): one(current, T, b)[1] for b in range(B)}  # the bootstrap: the trained parameters' value
     advantage = {}
     for b in range(B):
         for t in range(T):  # A_t = sum_l (gamma lam)^l delta_{t+l}, cut at the episode's end
             total = 0.0
             for k in range(t, T):
                 not_done = 1.0 - batch.dones[k, b].item()
-                delta = batch.rewards[k, b].item() + 0.9 * not_done * old[k + 1, b][1] - old[k, b][1]
+                delta = batch.rewards[k, b].item() + 0.9 * not_done * values[k + 1, b] - values[k, b]
                 total += 0.72 ** (k - t) * delta
                 if not not_done:
                     break
@@ -291,11 +302,14 @@ def test_ppo_minibatches_match_a_per_sample_loop_over_the_rollout():
             ent -= sum(math.exp(lp) * lp for lp in log_probs) / len(samples)
         return {"policy_loss": pl, "value_loss": vl, "entropy": ent, "total_loss": pl + 0.5 * vl - 0.01 * ent}
 
-    for losses, net, rows in ((first, behavior, order[:3]), (second, model, order[3:6])):
+    for losses, net, rows in ((first, current, order[:3]), (second, model, order[3:6])):
         want = expected(net, [divmod(i, B) for i in rows])  # flat sample i is (t, b) = (i // B, i % B)
         for key, value in want.items():
             assert losses[key].item() == pytest.approx(value, rel=1e-4, abs=1e-6), key
-    assert first["approx_kl"].item() == pytest.approx(0.0, abs=1e-6)  # the behavior policy itself: ratio 1
+    if variant == "eq6":
+        assert first["approx_kl"].item() == pytest.approx(0.0, abs=1e-6)  # the behavior policy itself: ratio 1
+    else:
+        assert first["approx_kl"].item() > 1e-4  # theta_j against theta_{j-1}: the first ratios are not 1
     assert second["clipfrac"].item() > 0
 
 
@@ -409,6 +423,46 @@ def test_a_stop_request_ends_a_ppo_update_after_the_minibatch_step_in_progress(s
         assert torch.allclose(learner.target.state_dict()[name], expected)
     learner.step(batch, args.learning_rate, args, threading.Event())
     assert learner.cut is None  # an update without a stop request takes all its steps
+
+
+@pytest.mark.parametrize("sync", [False, True])
+def test_released_update_steps_the_current_parameters_and_without_lag_is_the_eq6_update(sync):
+    """--delayed-update released (HTS-RL's code): the optimizer steps theta_j (`target`) itself, and the behavior
+    copy theta_{j-1} that collected the batch stays as it was; Eq. 6 steps the copy instead. With no lag (behavior ==
+    target: the first update, and every one with --sync) the two are the same update: both learners end at the same
+    parameters. A step later, with theta_j an update ahead of the behavior, they part."""
+    spaces = (gym.spaces.Box(-1, 1, (4,), np.float32), gym.spaces.Discrete(2))
+    g = torch.Generator().manual_seed(3)
+    batch = hts_ppo.Rollout(obs=torch.randn(9, 2, 4, generator=g), actions=torch.randint(0, 2, (8, 2), generator=g),
+                            rewards=torch.randn(8, 2, generator=g), dones=torch.zeros(8, 2))  # fmt: skip
+    learners, settings = {}, {}
+    for variant in ("eq6", "released"):
+        settings[variant] = hts_ppo.Args(env_id="CartPole-v1", num_envs=2, sync_interval=8, num_minibatches=2,
+                                         update_epochs=2, sync=sync, delayed_update=variant)  # fmt: skip
+        torch.manual_seed(0)
+        learners[variant] = hts_ppo.Learner(settings[variant], spaces, torch.device("cpu"), None)
+    eq6, released = learners["eq6"], learners["released"]
+    stepped = zip(released.optimizer.param_groups[0]["params"], released.target.parameters(), strict=True)
+    assert all(p is q for p, q in stepped)  # the optimizer's parameters are theta_j's
+    theta_0 = copy.deepcopy(released.target.state_dict())
+    for variant, learner in learners.items():
+        torch.manual_seed(1)  # the same minibatch order
+        learner.step(batch, 1e-3, settings[variant], threading.Event())
+    assert all(torch.equal(released.behavior.state_dict()[k], v) for k, v in theta_0.items())  # not stepped
+    assert not all(torch.equal(released.target.state_dict()[k], v) for k, v in theta_0.items())
+    for name, p in eq6.target.state_dict().items():
+        assert torch.allclose(released.target.state_dict()[name], p, rtol=1e-5, atol=1e-7), name
+    if sync:
+        return
+    for variant, learner in learners.items():  # the next update: data of theta_0, the target at theta_1
+        learner.behavior.load_state_dict(theta_0)
+        torch.manual_seed(2)
+        learner.step(batch, 1e-3, settings[variant], threading.Event())
+    assert all(torch.equal(released.behavior.state_dict()[k], v) for k, v in theta_0.items())
+    assert not all(
+        torch.allclose(released.target.state_dict()[k], v, rtol=1e-5, atol=1e-7)
+        for k, v in eq6.target.state_dict().items()
+    )
 
 
 # ---- The scripts end to end ------------------------------------------------------------------------------------------
@@ -607,6 +661,32 @@ def test_resume_continues_the_run_directory_and_step_count(script, tmp_path, in_
     assert after[0] == 0 and set(after[1:]) == {1.0}  # the pipeline restarts like a new run
 
 
+def test_released_update_keeps_the_policy_lag_determinism_and_resume(tmp_path, in_process, capsys):
+    """--delayed-update released end to end: policy lag 0, then exactly 1; bitwise the same parameters and episodes
+    with 1 and 2 actors; `--resume` alone continues it (its run directory, step count and --delayed-update), and one
+    that gives --delayed-update eq6 is refused by name (the checkpoint's optimizer moments are those of theta_j, not
+    of a behavior copy)."""
+    settings = {"delayed_update": "released", "total_timesteps": 640, "save_model": True}
+    hts_ppo.main(tiny_args("hts_ppo.py", tmp_path / "a", num_actors=2, checkpoint_interval=3600, **settings))
+    hts_ppo.main(tiny_args("hts_ppo.py", tmp_path / "b", num_actors=1, **settings))
+    run_dir = only_run_dir(tmp_path / "a")
+    (model, returns), (other, other_returns) = map(final_model_and_returns, (run_dir, only_run_dir(tmp_path / "b")))
+    assert all(torch.equal(model[k], other[k]) for k in model) and returns == other_returns and len(returns) >= 10
+    lags = [v for _, v in scalars(run_dir)["charts/policy_lag"]]
+    assert len(lags) == updates("hts_ppo.py", 640) and lags[0] == 0 and set(lags[1:]) == {1.0}
+    resume = str(run_dir / "checkpoint.pt")
+    with pytest.raises(SystemExit) as exc:
+        hts_ppo.main(hts_ppo.parse_args(["--resume", resume, "--total-timesteps", "1280", "--delayed-update", "eq6"]))
+    assert exc.value.code == 2
+    error = f"error: cannot resume from {resume} with --delayed-update eq6: its run has released"
+    assert capsys.readouterr().err.startswith(error)
+    hts_ppo.main(hts_ppo.parse_args(["--resume", resume, "--total-timesteps", "1280", "--num-actors", "1"]))
+    assert only_run_dir(tmp_path / "a") == run_dir
+    checkpoint = torch.load(resume, weights_only=False)
+    assert checkpoint["global_step"] == 1280 and checkpoint["args"]["delayed_update"] == "released"
+    assert [v for s, v in scalars(run_dir)["charts/policy_lag"] if s > 640][1:] == [1.0] * 9
+
+
 @pytest.mark.parametrize("module", [hts_a2c, hts_ppo])
 @pytest.mark.parametrize(
     ("flags", "message"),
@@ -633,6 +713,12 @@ def test_validate_names_the_bad_flag_in_one_line(module, flags, message):
     flags = dict(flags)  # parametrize shares the dict between the two modules
     error = module.validate(module.Args(env_id=flags.pop("env_id", "CartPole-v1"), num_envs=4, **flags))
     assert error is not None and message in error and "\n" not in error, error
+
+
+def test_validate_refuses_an_unknown_delayed_update():
+    """From Python (tyro refuses it on the command line): an unknown value would otherwise run as eq6."""
+    error = hts_ppo.validate(hts_ppo.Args(env_id="CartPole-v1", num_envs=4, delayed_update="paper"))
+    assert error == "--delayed-update must be one of eq6, released, got 'paper'"
 
 
 @pytest.mark.parametrize("module", [hts_a2c, hts_ppo])
