@@ -658,6 +658,57 @@ def summary_table(results: Path) -> str:
     return table(header, "lrrrll", rows)
 
 
+def clock(seconds: float | None) -> str:
+    """A wall time as 1h05m or 42m ('—' when the JSON has none)."""
+    if seconds is None or math.isnan(seconds):
+        return "—"
+    minutes = round(seconds / 60)
+    return f"{minutes // 60}h{minutes % 60:02d}m" if minutes >= 60 else f"{minutes}m"
+
+
+def gate_crossing(r: dict) -> tuple[float, float] | None:
+    """(agent steps, seconds of running time) where a gate run's last-20-games mean first reached +18, if it did."""
+    steps, seconds = r.get("steps_to_threshold_per_seed") or [], r.get("seconds_to_threshold_per_seed") or []
+    if r.get("threshold") != 18.0 or not steps or math.isnan(nan_median(steps)):
+        return None
+    return nan_median(steps), nan_median(seconds) if seconds else math.nan
+
+
+def atari_table(results: Path) -> str:
+    """The README's first table: per script, the Pong run that shows it learning best (the earliest crossing of +18
+    over 20 games in a gate run, else the highest final return), at what cost in agent steps, frames and running
+    time, and where its curves and command are."""
+    found = [(name, r) for name, r in pong_cpu_runs(results) if load(results / name).get("window") == 20]
+    rows = []
+    for script, _, prefix in SUMMARY_ROWS:
+        ours = [(name, r) for name, r in found if r["exp"].startswith(prefix)]
+        if not ours:
+            why = "continuous actions: no Atari run" if prefix == "apex_ddpg" else "not run on Atari yet"
+            rows.append(f"{script} | — | no: {why} | — | — | — | —")
+            continue
+        crossed = [(gate_crossing(r), name, r) for name, r in ours if gate_crossing(r)]
+        if crossed:
+            (steps, seconds), name, r = min(crossed, key=lambda c: c[0][0])
+            final = statistics.median(r["agent_steps"])
+            result = (f"yes: +18 at {steps / 1e6:.2f}M agent steps ({4 * steps / 1e6:.1f}M frames); "
+                      f"{r['final_return_mean']:+.1f} at {final / 1e6:.2f}M")  # fmt: skip
+        else:
+            name, r = max(ours, key=lambda item: item[1]["final_return_mean"])
+            steps, seconds = statistics.median(r["agent_steps"]), nan_median(r.get("running_seconds") or [math.nan])
+            learned = "yes" if r["final_return_mean"] >= 18 else "not yet"
+            result = (f"{learned}: {r['final_return_mean']:+.1f} at {steps / 1e6:.2f}M agent steps "
+                      f"({4 * steps / 1e6:.1f}M frames), its end")  # fmt: skip
+        manifest = name.replace(".json", "_manifest.json")
+        machine = load(results / manifest).get("machine", "—") if (results / manifest).exists() else "—"
+        command = f"[command](benchmarks/results/{manifest})" if (results / manifest).exists() else "—"
+        curves = figure(results, name, r["env"]).replace("](results/", "](benchmarks/results/")
+        rows.append(f"{script} | `{r['exp']}`: {run_flags(results, name, r['exp'])} | {result} | "
+                    f"{len(r['seeds'])} | {clock(seconds)} | {machine} | {curves}, {command}")  # fmt: skip
+    header = ("script | Pong run: its flags beside `--atari-protocol deepmind` | learns Pong (+18 over the last 20 "
+              "games)? | seeds | running time (to +18, or in all) | machine | curves, command")  # fmt: skip
+    return table(header, "lllrrll", rows)
+
+
 def learn_in_minutes_table(results: Path) -> str:
     """The README's first runs: for each classic-control run of learn.py, its seed-1 command as measured (from the
     manifest, without the naming flags) and the wall time it took here, to the bar and for the whole budget."""
@@ -683,7 +734,7 @@ def learn_in_minutes_table(results: Path) -> str:
 # ----------------------------------------------------------------------------------------------------------------
 
 DOCUMENTS: dict[str, dict[str, Callable[[Path], str]]] = {
-    "README.md": {"summary": summary_table, "learn-in-minutes": learn_in_minutes_table},
+    "README.md": {"atari": atari_table, "summary": summary_table, "learn-in-minutes": learn_in_minutes_table},
     "benchmarks/RESULTS.md": {
         "noise": noise_table,
         "classic-control": classic_control_table,

@@ -267,6 +267,32 @@ def test_summary_row_takes_a_new_pong_result(tmp_path):
     }
 
 
+def test_atari_table_shows_each_scripts_earliest_crossing_of_18_else_its_best_final_return(tmp_path):
+    """The README's first table: a gate run's first +18 beats another run's higher final return; without a crossing,
+    the best final return at the run's end; a script without a Pong run says so. Values computed by hand."""
+    write(tmp_path / "pong_cpu_a.json", {"window": 20, "runs": [
+        learning_run("gala_gossip", threshold=18.0, steps_to_threshold_per_seed=[2_000_000.0], agent_steps=[3_000_000],
+                     seconds_to_threshold_per_seed=[3_900.0], final_return_mean=18.5),
+        learning_run("hts_a2c", final_return_mean=12.0, agent_steps=[2_500_000], running_seconds=[7_260.0]),
+        learning_run("hts_a2c_other", final_return_mean=3.0, agent_steps=[2_500_000]),
+    ]})  # fmt: skip
+    write(tmp_path / "pong_cpu_b.json", {"window": 20, "runs": [
+        learning_run("gala_allreduce", final_return_mean=19.0, agent_steps=[2_500_000], running_seconds=[100.0]),
+    ]})  # fmt: skip
+    write(tmp_path / "pong_cpu_a_manifest.json", {"machine": "2 CPU cores", "runs": [
+        manifest_run("gala_gossip", "--num-learners", "2"), manifest_run("hts_a2c")]})  # fmt: skip
+    rows = {r[0]: r for r in table_rows(report.atari_table(tmp_path))}
+    command = "[command](benchmarks/results/pong_cpu_a_manifest.json)"
+    assert rows["`gala_a2c.py`"][1:] == [
+        "`gala_gossip`: `--num-learners 2`", "yes: +18 at 2.00M agent steps (8.0M frames); +18.5 at 3.00M", "1",
+        "1h05m", "2 CPU cores", f"—, {command}"]  # fmt: skip
+    assert rows["`hts_a2c.py`"][1:] == [
+        "`hts_a2c`: defaults", "not yet: +12.0 at 2.50M agent steps (10.0M frames), its end", "1", "2h01m",
+        "2 CPU cores", f"—, {command}"]  # fmt: skip
+    assert rows["`apex_dqn.py`"][1:3] == ["—", "no: not run on Atari yet"]
+    assert len(rows) == len(report.SUMMARY_ROWS)
+
+
 def anchor(heading: str) -> str:
     """GitHub's anchor of a Markdown heading: lower case, punctuation dropped, spaces to hyphens."""
     return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
