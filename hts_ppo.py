@@ -261,11 +261,12 @@ def minibatch_losses(model: nn.Module, batch: Rollout, args: Args,
     minibatch_size = T * B // args.num_minibatches
     old_log_probs = torch.empty(T * B, device=actions.device)
     values = torch.empty(T + 1, B, device=actions.device)
+    rows = (T + 1) * B if model is behavior else T * B  # released: V(obs[T]) is `model`'s, taken below
     with torch.no_grad():  # pi_old and V_old: the behavior policy itself; in minibatch-sized chunks, so the learner
         # never holds float copies and activations of the whole rollout at once (its memory stays flat)
         all_obs = obs.reshape((T + 1) * B, *obs.shape[2:])  # a view: storages are contiguous
-        for start in range(0, (T + 1) * B, minibatch_size):
-            end = min(start + minibatch_size, (T + 1) * B)
+        for start in range(0, rows, minibatch_size):
+            end = min(start + minibatch_size, rows)
             logits, values.view(-1)[start:end] = behavior(all_obs[start:end])
             acted = min(end, T * B) - start  # rows of the bootstrap observations obs[T] have no action
             if acted > 0:
