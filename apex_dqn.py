@@ -709,7 +709,9 @@ def actor_loop(actor: int, global_id: int, num_total: int, args: Args, shared: S
                 wait_for_learner(args, shared, slack)
             if since_pull >= pull_every:
                 version, since_pull = shared.store.pull(params), 0
-        if pending := pending + bootstrapped(waiting, act(model, obs, 0.0, rng)[1]):  # the states acted on next
+        with torch.inference_mode():  # the states that would be acted on next bootstrap the transitions left waiting
+            q = model(torch.as_tensor(obs))
+        if pending := pending + bootstrapped(waiting, q):
             append_prioritised(args, buffer, pending, version)
         shared.log_q.put(ActorReport(global_id, steps, episodes, done=True))
     finally:
