@@ -137,7 +137,8 @@ class Args:
     num_envs: int = 16
     """parallel environments (Table A6 batch size: 16)"""
     num_executors: int = 4
-    """executor processes, each stepping num_envs / num_executors envs as one inference batch (the paper: one env)"""
+    """executor processes, each stepping num_envs / num_executors envs as one inference batch (the paper: one env);
+    on a few CPU cores, 4 or more envs each (benchmarks/RESULTS.md, HTS-RL)"""
     num_actors: int = 4
     """actor processes doing inference (Table A6: 4)"""
     sync_interval: int = 128

@@ -382,21 +382,23 @@ def cleanba_table(results: Path) -> str:
 
 
 CLEANBA_THREADS_SOURCE = "throughput_cleanba_threads.json"  # the 1-thread runs are --external commands of the script
+CLEANBA_IMPALA_THREADS_SOURCE = "throughput_cleanba_impala_threads.json"  # the same, --algo impala
 CLEANBA_THREADS = [("torch's default, one per core", ""), ("1 (`--torch-threads 1`)", "_1_thread")]
 
 
-def cleanba_threads_table(results: Path) -> str:
-    """Cleanba PPO against its --sync mode at each learner thread count, all four alternating over the same rounds."""
-    rows = {r["label"]: r for r in load(results / CLEANBA_THREADS_SOURCE)["rows"]}
+def cleanba_threads_table(results: Path, source: str = CLEANBA_THREADS_SOURCE, algo: str = "ppo") -> str:
+    """Cleanba PPO (or IMPALA) against its --sync mode at each learner thread count, all four alternating over the
+    same rounds."""
+    rows = {r["label"]: r for r in load(results / source)["rows"]}
     lines = []
     for threads, suffix in CLEANBA_THREADS:
-        cleanba, sync = rows[f"cleanba_ppo{suffix}"], rows[f"cleanba_ppo_sync{suffix}"]
+        cleanba, sync = rows[f"cleanba_{algo}{suffix}"], rows[f"cleanba_{algo}_sync{suffix}"]
         rates = [" ".join(num(x["sps"]) for x in r["rounds"]) for r in (cleanba, sync)]
         lines.append(f"{threads} | {num(cleanba['sps'])} ({rates[0]}) | {num(sync['sps'])} ({rates[1]}) | "
                      f"{cleanba['sps'] / sync['sps']:.2f}x")  # fmt: skip
     header = ("learner torch threads | Cleanba mode agent steps/s (per round) | `--sync` agent steps/s (per round) | "
               "Cleanba over `--sync`")  # fmt: skip
-    return table(header, "lrrr", lines) + sources(results, [CLEANBA_THREADS_SOURCE])
+    return table(header, "lrrr", lines) + sources(results, [source])
 
 
 def hts_table(results: Path) -> str:
@@ -747,6 +749,7 @@ DOCUMENTS: dict[str, dict[str, Callable[[Path], str]]] = {
         "env": env_table,
         "cleanba": cleanba_table,
         "cleanba-threads": cleanba_threads_table,
+        "cleanba-impala-threads": lambda r: cleanba_threads_table(r, CLEANBA_IMPALA_THREADS_SOURCE, "impala"),
         "hts": hts_table,
         "hts-straggler": hts_straggler_table,
         "impala": impala_table,
