@@ -53,6 +53,7 @@ import hashlib
 import io
 import itertools
 import json
+import logging
 import math
 import multiprocessing.connection
 import queue
@@ -988,6 +989,7 @@ class RemoteReplay:
             rpc.shutdown(graceful=False)
             return
         with contextlib.suppress(Exception):  # a rank or the launcher's store gone since: the local shutdown is done
+            logging.getLogger("torch.distributed.rpc.api").setLevel(logging.CRITICAL)  # and torch's traceback of it
             rpc.shutdown()
 
 
