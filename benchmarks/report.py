@@ -146,6 +146,7 @@ REPLACED_BY = {
     ("pong_cpu_hts_ppo8.json", "hts_ppo"): "pong_cpu_hts_ppo.json",
     ("pong_cpu.json", "gala_gossip"): "pong_cpu_gate_gala.json",  # older code, 2.5M steps; then the gate's 5M budget
     ("pong_cpu_impala_small.json", "impala_batched_small"): "pong_cpu_gate_impala.json",  # 2.5M steps; then 5M
+    ("pong_cpu_impala2.json", "cleanba_impala_nature"): "pong_cpu_gate_cleanba_impala.json",  # older code; the gate
 }
 
 
