@@ -689,7 +689,7 @@ def atari_table(results: Path) -> str:
             why = "continuous actions: no Atari run" if prefix == "apex_ddpg" else "not run on Atari yet"
             rows.append(f"{script} | — | no: {why} | — | — | — | —")
             continue
-        crossed = [(gate_crossing(r), name, r) for name, r in ours if gate_crossing(r)]
+        crossed = [(crossing, name, r) for name, r in ours if (crossing := gate_crossing(r))]
         if crossed:
             (steps, seconds), name, r = min(crossed, key=lambda c: c[0][0])
             final = statistics.median(r["agent_steps"])
@@ -702,8 +702,9 @@ def atari_table(results: Path) -> str:
             result = (f"{learned}: {r['final_return_mean']:+.1f} at {steps / 1e6:.2f}M agent steps "
                       f"({4 * steps / 1e6:.1f}M frames), its end")  # fmt: skip
         manifest = name.replace(".json", "_manifest.json")
-        machine = load(results / manifest).get("machine", "—") if (results / manifest).exists() else "—"
-        command = f"[command](benchmarks/results/{manifest})" if (results / manifest).exists() else "—"
+        machine, command = "—", "—"
+        if (results / manifest).exists():
+            machine, command = load(results / manifest).get("machine", "—"), f"[command](benchmarks/results/{manifest})"
         curves = figure(results, name, r["env"]).replace("](results/", "](benchmarks/results/")
         rows.append(f"{script} | `{r['exp']}`: {run_flags(results, name, r['exp'])} | {result} | "
                     f"{len(r['seeds'])} | {clock(seconds)} | {machine} | {curves}, {command}")  # fmt: skip
