@@ -702,11 +702,10 @@ def error_line(e: BaseException, step: int, signum: int, who: str = "the learner
     """The exit status and error line of the exception that ended training, called in its `except` block: a Stop (a
     signal: 128 + signum; a worker's line; neither: status 0), a failed write, a non-finite loss, a lost torchrun rank
     (of two, the other one), or a bug (its traceback). `who` names the process."""
-    if isinstance(e, Stop) and not e.args:
-        name = signal.Signals(signum).name if signum else ""
-        return (128 + signum, f"stopped by {name} at global step {step}") if signum else (0, None)
-    if isinstance(e, Stop):  # its message is a worker's error line (worker_failure)
-        return 1, str(e)
+    if isinstance(e, Stop) and signum and not e.args:
+        return 128 + signum, f"stopped by {signal.Signals(signum).name} at global step {step}"
+    if isinstance(e, Stop):  # a message: a worker's error line (worker_failure); none: the budget was spent
+        return (1, str(e)) if e.args else (0, None)
     if isinstance(e, WriteError):
         return 1, f"{e}; stopping (the last good checkpoint is kept)"
     if isinstance(e, NonFiniteLoss):
@@ -722,41 +721,6 @@ def error_line(e: BaseException, step: int, signum: int, who: str = "the learner
         reason = (text.strip().splitlines() or [""])[0][:160]
         return 1, f"error: {who}: lost contact with {other}, which died or lost its connection ({reason})"
     return 1, f"error: {who} died:\n{traceback.format_exc()}"
-
-
-def finish_run(args, run_dir: Path | None, step: int, code: int, message: str | None, signals: StopSignals, *,
-               progress: Progress | None = None, writer=None, tracker=None, checkpoint=None, final_model=None,
-               last_point=None, device: torch.device | None = None, threads: list = (), teardown: bool = True,
-               ) -> None:  # fmt: skip
-    """The end of every run, its workers stopped; `code` and `message` are error_line's. In order: the final
-    `checkpoint()` (given only where one is due), `last_point()`, if the run finished the `final_model()` saved
-    (--save-model) and played (--eval-episodes), the writer and W&B closed, the error line, the summary, the exit."""
-    try:
-        if checkpoint is not None and args.checkpoint_interval > 0 and checkpoint() is not False:  # False: none due
-            message = message and f"{message}; checkpoint written to {run_dir / 'checkpoint.pt'}"
-        if last_point is not None:  # the run's last TensorBoard point and console line
-            last_point()
-        model = final_model() if code == 0 and final_model and (args.save_model or args.eval_episodes) else None
-        if model is not None and args.save_model:
-            atomic_save(model.state_dict(), run_dir / "model.pt")
-        if model is not None and args.eval_episodes > 0:
-            code, message = final_evaluation(model, args, run_dir, step, signals, writer, device or torch.device("cpu"))
-    except WriteError as e:
-        code, message = 1, f"{e}; stopping (the last good checkpoint is kept)"
-    except OSError as e:  # the TensorBoard events file
-        code, message = 1, write_error(e, f"the TensorBoard events in {run_dir}")
-    try:
-        if writer is not None:  # None: it could not be made (the error line says why), or this rank has none
-            writer.close()
-    except OSError as e:  # the events file could not be flushed: the error above, or this one
-        message, code = message or write_error(e, f"the TensorBoard events in {run_dir}"), code or 1
-    finish_tracking(tracker, run_dir, code)
-    if message:
-        print(message, file=sys.stderr, flush=True)
-    if progress is not None:
-        progress.summary(step, code)
-    atexit.register(signals.exit_on_signal, code)  # the interpreter's exit handlers run after ours
-    leave(code, threads, teardown)
 
 
 @dataclass
@@ -796,17 +760,19 @@ class Run:
                  final_model: Callable[[], nn.Module] | None = None, last_point: Callable[[], None] | None = None,
                  who: str = "the learner", window: int = 100, threads: list = (), teardown: bool = True):  # fmt: skip
         """Main's loop runs inside, with the Recorder (None off rank 0); `roles` goes into the start line. Whatever
-        ends the loop, `stop(graceful)` stops the workers (a string back: a worker's error line), then finish_run
-        (`checkpoint()` unless the run failed). `checkpoint_if_due()` calls `save()` (default `checkpoint()`)."""
-        record = tracker = progress = None
+        ends the loop, `stop(graceful)` stops the workers (a string back: a worker's error line). Then, in order: the
+        final `checkpoint()` (unless the run failed), `last_point()`, if the run finished the `final_model()` saved
+        (--save-model) and played (--eval-episodes), the writer and W&B closed, the error line, the summary, the exit.
+        `checkpoint_if_due()` calls `save()` (default `checkpoint()`)."""
+        args, run_dir, record, tracker, progress = self.args, self.run_dir, None, None, None
         code, message, good = 0, None, True
         try:
-            if self.run_dir is not None:
+            if run_dir is not None:
                 total = self.num_updates * self.steps_per_update
-                progress = Progress(self.run_dir, total, f"{self.plan}, {roles}, {self.device}")
-                tracker = start_tracking(self.args, self.run_dir)  # after the forks: no worker inherits wandb's
-                record = Recorder(make_writer(self.run_dir, self.args), progress, self.args, step(), window)
-            self.save, self.checkpoint_due = save or checkpoint, time.time() + self.args.checkpoint_interval
+                progress = Progress(run_dir, total, f"{self.plan}, {roles}, {self.device}")
+                tracker = start_tracking(args, run_dir)  # after the forks: no worker inherits wandb's
+                record = Recorder(make_writer(run_dir, args), progress, args, step(), window)
+            self.save, self.checkpoint_due = save or checkpoint, time.time() + args.checkpoint_interval
             yield record
             if self.signals.signum:  # the workers saw the signal's stop and ended the loop before main did
                 raise Stop
@@ -815,13 +781,37 @@ class Run:
             good = code != 1 or getattr(e, "checkpoint_is_good", False)
         finally:  # whatever ended the loop (a BaseException too), no worker outlives it
             failure = stop(code == 0)
+        end, writer = step(), record and record.writer  # writer None: it could not be made, or this rank has none
         if failure and code != 1:
             code, message, good = 1, failure, False
         elif code > 128:  # a signal: the step the workers reached as they stopped
-            message = error_line(Stop(), step(), self.signals.signum)[1]
-        finish_run(self.args, self.run_dir, step(), code, message, self.signals, progress=progress, tracker=tracker,
-                   writer=record and record.writer, checkpoint=checkpoint if good else None, final_model=final_model,
-                   last_point=last_point, device=self.device, threads=threads, teardown=teardown)  # fmt: skip
+            message = error_line(Stop(), end, self.signals.signum)[1]
+        try:
+            if good and checkpoint is not None and args.checkpoint_interval > 0 and checkpoint() is not False:
+                message = message and f"{message}; checkpoint written to {self.checkpoint_path}"  # False: none due
+            if last_point is not None:  # the run's last TensorBoard point and console line
+                last_point()
+            model = final_model() if code == 0 and final_model and (args.save_model or args.eval_episodes) else None
+            if model is not None and args.save_model:
+                atomic_save(model.state_dict(), run_dir / "model.pt")
+            if model is not None and args.eval_episodes > 0:
+                code, message = final_evaluation(model, args, run_dir, end, self.signals, writer, self.device)
+        except WriteError as e:
+            code, message = 1, f"{e}; stopping (the last good checkpoint is kept)"
+        except OSError as e:  # the TensorBoard events file
+            code, message = 1, write_error(e, f"the TensorBoard events in {run_dir}")
+        try:
+            if writer is not None:
+                writer.close()
+        except OSError as e:  # the events file could not be flushed: the error above, or this one
+            message, code = message or write_error(e, f"the TensorBoard events in {run_dir}"), code or 1
+        finish_tracking(tracker, run_dir, code)
+        if message:
+            print(message, file=sys.stderr, flush=True)
+        if progress is not None:
+            progress.summary(end, code)
+        atexit.register(self.signals.exit_on_signal, code)  # the interpreter's exit handlers run after ours
+        leave(code, threads, teardown)
 
     def checkpoint_if_due(self, lock=None) -> None:
         """`save()` once --checkpoint-interval seconds have passed, holding `lock` (impala: between two updates)."""
@@ -913,7 +903,7 @@ class Evaluation:
 
 def final_evaluation(model: nn.Module, args, run_dir: Path, step: int, signals: StopSignals, writer,
                      device: torch.device) -> tuple[int, str | None]:  # fmt: skip
-    """Play --eval-episodes games with the final policy (Evaluation); returns finish_run's (code, message)."""
+    """Play --eval-episodes games with the final policy (Evaluation); returns the run's (code, message)."""
     print(f"evaluating the final policy: {args.eval_episodes} episodes", flush=True)
     games = Evaluation(args.eval_episodes, writer, step)
     if not games.play(evaluate(model, args, run_dir / "videos", device), signals):

@@ -459,7 +459,7 @@ def test_tracking_names_the_run_after_its_directory_and_resumes_it(monkeypatch, 
     assert first["name"] == second["name"] == run_dir.name and first["id"] == second["id"]
     assert first["resume"] is None and second["resume"] == "allow" and first["entity"] == "me"
     assert first["sync_tensorboard"] and first["config"]["env_id"] == "CartPole-v1" and first["config"]["track"]
-    assert wandb.finished == []  # finish_run ends it with the exit status (test_reliability)
+    assert wandb.finished == []  # Run.training ends it with the exit status (test_reliability)
 
 
 @pytest.mark.parametrize("lstm", [[], ["--use-lstm", "--lstm-size", "32"]])

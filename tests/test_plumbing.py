@@ -88,7 +88,7 @@ EVERY_SCRIPT = (
     "Stop", "Interrupted", "NonFiniteLoss", "WriteError", "StopSignals", "fail", "flag", "check_flags", "parse_args",
     "new_run_dir", "write_run_args", "start_tracking", "finish_tracking", "make_writer", "quiet_writer_thread",
     "write_error", "atomic_save", "duration", "Progress", "help_paragraphs", "resumed_args", "load_checkpoint",
-    "main_eval_only", "error_line", "finish_run", "final_evaluation", "leave", "flag_warnings", "Console", "Run",
+    "main_eval_only", "error_line", "final_evaluation", "leave", "flag_warnings", "Console", "Run",
     "open_run", "stop_if_signalled", "planned_updates",
 )  # fmt: skip
 

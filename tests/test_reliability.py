@@ -181,36 +181,41 @@ def test_a_signal_while_the_interpreter_exits_ends_the_run_quietly_with_its_stat
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
-def test_the_end_of_a_run_writes_what_is_due_and_ends_the_writer_and_tracking_with_its_status(name, tmp_path, capsys):
-    """finish_run, every script's end, for a finished run, a failed one, one stopped by SIGTERM and one whose events
-    file cannot be flushed: the final checkpoint where one is due (named in the signal's line), model.pt for the
-    finished run only, the writer closed and the W&B run ended (videos uploaded) with the exit status every time,
-    the error line, then the summary."""
+def test_the_end_of_a_run_writes_what_is_due_and_ends_the_writer_and_tracking_with_its_status(
+    name, tmp_path, capsys, monkeypatch
+):
+    """Run.training's end, every script's, for a finished run, a failed one (a worker's error line), one stopped by
+    SIGTERM and one whose events file cannot be flushed: the final checkpoint where one is due (named in the signal's
+    line; never after a failure), model.pt for the finished run only, the writer closed and the W&B run ended (videos
+    uploaded) with the exit status every time, the error line, then the summary."""
     module = importlib.import_module(name)
     run_dir = tmp_path / "run"
     (run_dir / "videos").mkdir(parents=True)
     (run_dir / "videos" / "rl-video-episode-0.mp4").write_bytes(b"")
     args = module.Args(env_id="CartPole-v1", save_model=True, eval_episodes=0, checkpoint_interval=60)
     wandb, written, closed = FakeWandb(), [], []
+    monkeypatch.setattr(module, "start_tracking", lambda args, run_dir: wandb)
 
     def close(fails=False):
         closed.append(True)
         if fails:
             raise OSError(28, "No space left on device")
 
-    cases = [(0, None, True, False), (1, "error: worker 0 failed", False, False),
-             (143, "stopped by SIGTERM at global step 96", True, False), (0, None, False, True)]  # fmt: skip
-    for code, message, due, fails in cases:
-        signals = module.StopSignals(threading.Event())
-        save = (lambda code=code: written.append(code)) if due else None
+    cases = [(0, None, True, False), (1, "error: worker 0 failed", True, False), (143, None, True, False),
+             (0, None, False, True)]  # fmt: skip
+    for code, failure, due, fails in cases:
         writer = types.SimpleNamespace(close=lambda fails=fails: close(fails))
+        monkeypatch.setattr(module, "make_writer", lambda run_dir, args, writer=writer: writer)
+        signals = module.StopSignals(threading.Event())
+        signals.signum = signal.SIGTERM if code == 143 else 0  # as the handler leaves it
+        run = module.Run(args, None, {}, None, run_dir, torch.device("cpu"), 1, 0, 96, 2, "p", signals)
+        save = (lambda code=code: written.append(code)) if due else None
         exits = 1 if fails else code
         try:
             with pytest.raises(SystemExit) if exits else contextlib.nullcontext() as ended:
-                ends = dict(progress=module.Progress(run_dir, 192, "p"), writer=writer, tracker=wandb, checkpoint=save)
-                module.finish_run(
-                    args, run_dir, 96, code, message, signals, **ends, final_model=lambda: nn.Linear(1, 1)
-                )
+                with run.training("r", lambda: 96, lambda graceful, failure=failure: failure, checkpoint=save,
+                                  final_model=lambda: nn.Linear(1, 1)):  # fmt: skip
+                    pass
         finally:
             signals.restore()
         assert not exits or ended.value.code == exits
