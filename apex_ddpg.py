@@ -1749,10 +1749,8 @@ def main_eval_only(args: Args) -> None:
 def child_main(parent_pid: int, target, args: tuple) -> None:
     """A child's first call: the kernel kills it when the main process dies, even by kill -9 (already gone: exit at
     once). Signals are the main process's, which stops children through the stop event: ignored here, then unblocked."""
-    try:
+    with contextlib.suppress(OSError, AttributeError):  # no prctl (not Linux)
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):  # no prctl (not Linux)
-        pass
     if os.getppid() != parent_pid:
         os._exit(1)
     Console.install()  # a spawned child's own stdout and stderr (a forked one has its parent's Console)
@@ -1928,13 +1926,8 @@ def env_spaces(args: Args):
 
 def checkpoint_meta(args: Args, obs_space, act_space, world_size: int = 1) -> dict:
     """What a checkpoint must match to be resumed by this run: script, env, network widths and shapes."""
-    return dict(
-        script=Path(__file__).name,
-        env_id=args.env_id,
-        hidden_sizes=list(args.hidden_sizes),
-        obs_shape=list(obs_space.shape),
-        action_shape_or_n=list(act_space.shape),
-    )
+    return dict(script=Path(__file__).name, env_id=args.env_id, hidden_sizes=list(args.hidden_sizes),
+                obs_shape=list(obs_space.shape), action_shape_or_n=list(act_space.shape))  # fmt: skip
 
 
 def settled_args(args: Args) -> Args:
@@ -2123,12 +2116,10 @@ def drain_reports(learning: LearnerRun, timeout: float) -> None:
 
 def drain_into(q, handle, timeout: float) -> None:
     """Handle every queued message, waiting up to `timeout` for the first."""
-    try:
+    with contextlib.suppress(queue.Empty):
         handle(q.get(timeout=timeout) if timeout else q.get_nowait())
         while True:
             handle(q.get_nowait())
-    except queue.Empty:
-        pass
 
 
 # -- Ape-X processes: the stop-aware sleep of actors and evaluator, the replay buffers' lock with a timeout --

@@ -1768,10 +1768,8 @@ def main_eval_only(args: Args) -> None:
 def child_main(parent_pid: int, target, args: tuple) -> None:
     """A child's first call: the kernel kills it when the main process dies, even by kill -9 (already gone: exit at
     once). Signals are the main process's, which stops children through the stop event: ignored here, then unblocked."""
-    try:
+    with contextlib.suppress(OSError, AttributeError):  # no prctl (not Linux)
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):  # no prctl (not Linux)
-        pass
     if os.getppid() != parent_pid:
         os._exit(1)
     Console.install()  # a spawned child's own stdout and stderr (a forked one has its parent's Console)
@@ -2175,12 +2173,10 @@ class Monitor:
 
     def drain(self, timeout: float) -> None:
         """Handle every message on `log_q`, waiting up to `timeout` seconds for the first."""
-        try:
+        with contextlib.suppress(queue.Empty):
             self.handle(self.shared.log_q.get(timeout=timeout) if timeout else self.shared.log_q.get_nowait())
             while True:
                 self.handle(self.shared.log_q.get_nowait())
-        except queue.Empty:
-            pass
 
     def stop(self, learners: Processes) -> str | None:
         """Stop the learners (once): the stop event, then `log_q` read while they finish (a learner exits only once its

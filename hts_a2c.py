@@ -1285,10 +1285,8 @@ def fixed_mmap_threshold(nbytes: int = 4 << 20) -> None:
 def child_main(parent_pid: int, target, args: tuple) -> None:
     """A child's first call: the kernel kills it when the main process dies, even by kill -9 (already gone: exit at
     once). Signals are the main process's, which stops children through the stop event: ignored here, then unblocked."""
-    try:
+    with contextlib.suppress(OSError, AttributeError):  # no prctl (not Linux)
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):  # no prctl (not Linux)
-        pass
     if os.getppid() != parent_pid:
         os._exit(1)
     Console.install()  # a spawned child's own stdout and stderr (a forked one has its parent's Console)
