@@ -1971,16 +1971,10 @@ def checkpoint_meta(args: Args, obs_space: gym.Space, act_space: gym.spaces.Disc
     """What a checkpoint must match to be resumed by this run: script, mode, learners, env, Atari protocol, network
     and shapes."""
     network = args.network if args.network != "auto" else ("nature" if len(obs_space.shape) == 3 else "mlp")
-    return dict(
-        script=Path(__file__).name,
-        algo=args.mode,
-        learners=world_size if world_size > 1 else args.num_learners,
-        env_id=args.env_id,
-        atari_protocol=args.atari_protocol,
-        network=network,
-        obs_shape=list(obs_space.shape),
-        action_shape_or_n=int(act_space.n),
-    )
+    learners = world_size if world_size > 1 else args.num_learners
+    return dict(script=Path(__file__).name, algo=args.mode, learners=learners, env_id=args.env_id,
+                atari_protocol=args.atari_protocol, network=network, obs_shape=list(obs_space.shape),
+                action_shape_or_n=int(act_space.n))  # fmt: skip
 
 
 def settled_args(args: Args) -> Args:
