@@ -756,11 +756,10 @@ class Run:
                  checkpoint: Callable[[], None] | None = None, save: Callable[[], None] | None = None,
                  final_model: Callable[[], nn.Module] | None = None, last_point: Callable[[], None] | None = None,
                  who: str = "the learner", window: int = 100, threads: list = (), teardown: bool = True):  # fmt: skip
-        """Main's loop runs inside, with the Recorder (None off rank 0); `roles` goes into the start line. Whatever
-        ends the loop, `stop(graceful)` stops the workers (a string back: a worker's error line). Then, in order: the
-        final `checkpoint()` (unless the run failed), `last_point()`, if the run finished the `final_model()` saved
-        (--save-model) and played (--eval-episodes), the writer and W&B closed, the error line, the summary, the exit.
-        `checkpoint_if_due()` calls `save()` (default `checkpoint()`)."""
+        """Main's loop runs inside, with the Recorder (None off rank 0; `roles` goes into the start line). Whatever ends
+        it, `stop(graceful)` stops the workers (a string back: a worker's error line); then the final `checkpoint()`
+        unless the run failed, `last_point()`, a finished run's `final_model()` saved and played, the writer and W&B
+        closed, the error line, the summary, the exit. `checkpoint_if_due()` calls `save()` (default `checkpoint()`)."""
         args, run_dir, record, tracker, progress = self.args, self.run_dir, None, None, None
         code, message, good = 0, None, True
         try:
@@ -1148,11 +1147,10 @@ class Progress:
         ended = "finished" if exit_code == 0 else f"stopped (exit status {exit_code})"
         print(f"{ended}: {step:,} of {self.total:,} agent steps in {duration(time.time() - self.start)}, last mean "
               f"return {self.mean_return:.2f}", flush=True)  # fmt: skip
-        try:
+        files = []
+        with contextlib.suppress(OSError):  # the directory is gone: "nothing"
             kept = (p for p in self.run_dir.iterdir() if not p.name.endswith(".tmp") and p.name != ".lock")
             files = sorted(p.name + "/" * p.is_dir() for p in kept)
-        except OSError:
-            files = []
         print(f"wrote to {self.run_dir}: {', '.join(files) or 'nothing'}")
         script, checkpoint, model = Path(__file__).name, self.run_dir / "checkpoint.pt", self.run_dir / "model.pt"
         print(f"next: tensorboard --logdir {shlex.quote(str(self.run_dir))}")  # each line pastes into a shell as is
