@@ -1089,12 +1089,6 @@ class Recorder:
         for tag, value in scalars.items():
             self.values.setdefault(tag, []).append(value)
 
-    @contextlib.contextmanager
-    def timer(self, tag: str):
-        start = time.perf_counter()
-        yield
-        self.add({tag: time.perf_counter() - start})
-
     def point(self, step: int) -> None:
         for tag, values in (self.values | {"charts/SPS": [self.sps(step)]}).items():
             self.writer.add_scalar(tag, sum(values) / len(values), step)
@@ -1320,13 +1314,6 @@ class Processes:
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         self.procs[name] = process
-
-    def wait(self, timeout: float) -> str | None:
-        """Block until a child ends or `timeout` seconds pass, then `failed()`."""
-        running = [p.sentinel for p in self.procs.values() if p.exitcode is None]
-        if running:
-            multiprocessing.connection.wait(running, timeout)
-        return self.failed()
 
     def failed(self) -> str | None:
         for name, p in self.procs.items():

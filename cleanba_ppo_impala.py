@@ -1174,12 +1174,6 @@ class Recorder:
         for tag, value in scalars.items():
             self.values.setdefault(tag, []).append(value)
 
-    @contextlib.contextmanager
-    def timer(self, tag: str):
-        start = time.perf_counter()
-        yield
-        self.add({tag: time.perf_counter() - start})
-
     def point(self, step: int) -> None:
         for tag, values in (self.values | {"charts/SPS": [self.sps(step)]}).items():
             self.writer.add_scalar(tag, sum(values) / len(values), step)

@@ -495,7 +495,7 @@ def main(args: Args) -> None:
                 shared.publish(learner.target, learner.update)
                 workers.start_collection(j + 1)
             lr = args.learning_rate * (1.0 - j / run.num_updates if args.anneal_lr else 1.0)
-            with record.timer("timing/learner_update"):
+            with timer(record, "timing/learner_update"):
                 losses = learner.step(batch, lr, args)
             record.add({"charts/policy_lag": learner.update - behavior_version, "charts/learning_rate": lr})
             learner.update += 1
@@ -1098,12 +1098,6 @@ class Recorder:
         for tag, value in scalars.items():
             self.values.setdefault(tag, []).append(value)
 
-    @contextlib.contextmanager
-    def timer(self, tag: str):
-        start = time.perf_counter()
-        yield
-        self.add({tag: time.perf_counter() - start})
-
     def point(self, step: int) -> None:
         for tag, values in (self.values | {"charts/SPS": [self.sps(step)]}).items():
             self.writer.add_scalar(tag, sum(values) / len(values), step)
@@ -1117,6 +1111,14 @@ class Recorder:
 
     def sps(self, step: int) -> float:
         return (step - self.start[1]) / max(time.time() - self.start[0], 1e-9)
+
+
+@contextlib.contextmanager
+def timer(record: Recorder, tag: str):
+    """The seconds the block takes, as a value of `tag` (the hts scripts' learner update)."""
+    start = time.perf_counter()
+    yield
+    record.add({tag: time.perf_counter() - start})
 
 
 def given_flags(args: Args) -> set[str]:
@@ -1310,13 +1312,6 @@ class Processes:
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         self.procs[name] = process
-
-    def wait(self, timeout: float) -> str | None:
-        """Block until a child ends or `timeout` seconds pass, then `failed()`."""
-        running = [p.sentinel for p in self.procs.values() if p.exitcode is None]
-        if running:
-            multiprocessing.connection.wait(running, timeout)
-        return self.failed()
 
     def failed(self) -> str | None:
         for name, p in self.procs.items():

@@ -728,7 +728,7 @@ def main(args: Args) -> None:
         while any(t.is_alive() for t in learners):  # until they have spent the budget
             if queues.stop.is_set():
                 raise Stop  # a signal, or a thread that failed (its error line: stop_threads_and_actors)
-            if died := actors.wait(timeout=1.0):
+            if died := wait_for_actors(actors, 1.0):
                 raise Stop(f"error: {died}")  # its traceback: the actor printed it
             run.checkpoint_if_due(learner.learn_lock)  # a checkpoint between two updates
 
@@ -1317,12 +1317,6 @@ class Recorder:
         for tag, value in scalars.items():
             self.values.setdefault(tag, []).append(value)
 
-    @contextlib.contextmanager
-    def timer(self, tag: str):
-        start = time.perf_counter()
-        yield
-        self.add({tag: time.perf_counter() - start})
-
     def point(self, step: int) -> None:
         for tag, values in (self.values | {"charts/SPS": [self.sps(step)]}).items():
             self.writer.add_scalar(tag, sum(values) / len(values), step)
@@ -1537,13 +1531,6 @@ class Processes:
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         self.procs[name] = process
 
-    def wait(self, timeout: float) -> str | None:
-        """Block until a child ends or `timeout` seconds pass, then `failed()`."""
-        running = [p.sentinel for p in self.procs.values() if p.exitcode is None]
-        if running:
-            multiprocessing.connection.wait(running, timeout)
-        return self.failed()
-
     def failed(self) -> str | None:
         for name, p in self.procs.items():
             if p.exitcode is not None and p.exitcode != 0:
@@ -1709,6 +1696,14 @@ def write_checkpoint(learner: Learner, path: Path) -> None:
                  global_step=learner.global_step, torch_rng=torch.get_rng_state(), args=asdict(learner.args),
                  meta=learner.meta)  # fmt: skip
     atomic_save(state, path)
+
+
+def wait_for_actors(actors: Processes, timeout: float) -> str | None:
+    """Block until an actor ends or `timeout` seconds pass; `failed()` (main's watch between its other checks)."""
+    running = [p.sentinel for p in actors.procs.values() if p.exitcode is None]
+    if running:
+        multiprocessing.connection.wait(running, timeout)
+    return actors.failed()
 
 
 def stop_threads_and_actors(learner: Learner, threads: list[threading.Thread], actors: Processes) -> str | None:

@@ -41,6 +41,7 @@ SCRIPT_ONLY = {
     "averaged_model": "gala: the final model is the average of the learners' parameters (Sec. 4), built at the end",
     "ignored_flags": "impala: the flags that TorchBeast has and that this script accepts without effect",
     "stop_threads_and_actors": "impala: the learner and inference threads end before the actors that feed them",
+    "wait_for_actors": "impala: main's watch alone blocks on the child processes' sentinels (the others on queues)",
     "Watch": "a3c: main's record of the workers' updates on log_q, its checkpoints (or the server's) and its watch",
     "shut_down": "a3c: the gradient server applies the gradients queued before the stop and writes the checkpoint",
     "stop_actors": "cleanba: main's stop joins its actor threads, then (a finished run of several ranks) ranks_agree",
