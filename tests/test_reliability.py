@@ -63,15 +63,36 @@ def flags(name, total, *extra):
     return [*RUNS[name][0], "--total-timesteps", str(total), *extra]
 
 
-def finish(proc, timeout=60):
-    """The exit status and output of a stopped run; a hang fails the test (after killing what is left)."""
+def finish(proc, timeout=60, stacks=False):
+    """The exit status and output of a stopped run; a hang fails the test (after killing what is left). `stacks`: the
+    run registered faulthandler on SIGUSR1, so its threads' Python stacks go to stderr before the kill."""
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        where = process_state(proc.pid)
+        if stacks:
+            proc.send_signal(signal.SIGUSR1)
+            time.sleep(1.0)
         proc.kill()
         out, err = proc.communicate()
-        pytest.fail(f"still running {timeout} s after the signal: {err[-1500:]}")
+        pytest.fail(f"still running {timeout} s after the signal ({where}): {err[-1500:]}")
     return proc.returncode, out, err
+
+
+def process_state(pid):
+    """What a hung process is doing, for the failure message: each thread's name, state and kernel wait, and the
+    signals the process blocks, has pending and catches (hex masks, bit n-1 for signal n)."""
+    with contextlib.suppress(OSError):
+        status = dict(line.split(":\t", 1) for line in open(f"/proc/{pid}/status").read().splitlines() if ":\t" in line)
+        threads = []
+        for task in sorted(os.listdir(f"/proc/{pid}/task")):
+            with contextlib.suppress(OSError):
+                t = f"/proc/{pid}/task/{task}"
+                stat = open(f"{t}/stat").read().rsplit(")", 1)[1].split()
+                threads.append(f"{open(f'{t}/comm').read().strip()} {stat[0]} {open(f'{t}/wchan').read() or '-'}")
+        masks = " ".join(f"{k} {status.get(k, '?').strip()}" for k in ("SigBlk", "SigPnd", "ShdPnd", "SigCgt"))
+        return f"threads: {'; '.join(threads)}; {masks}"
+    return "its /proc entry is gone"
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
@@ -138,7 +159,6 @@ def test_ctrl_c_during_the_final_evaluation_stops_the_run(name, tmp_path):
     assert "Traceback" not in err, err[-1500:]
     run_dir = only_run_dir(tmp_path)
     assert (run_dir / "model.pt").is_file(), "the trained model is saved before the evaluation"
-    # the games played before the signal stay: printed, logged, and counted in the error line
     # the games played before the signal stay: counted in the error line and logged, the first one as printed
     stopped = re.search(r"stopped by SIGINT in the final evaluation, after (\d+) of 1000000 games", err)
     assert stopped and int(stopped[1]) >= 1, err[-1500:]
@@ -152,7 +172,8 @@ def test_a_signal_while_the_interpreter_exits_ends_the_run_quietly_with_its_stat
     wandb's upload): everything is written by then, so the process ends at once with the run's own status and no
     handler prints a traceback. A slow exit handler (registered before the script runs, so it runs after the
     script's own) holds the exit here until the signal comes."""
-    hold = ("import atexit, runpy, sys, time\n"
+    hold = ("import atexit, faulthandler, runpy, signal, sys, time\n"
+            "faulthandler.register(signal.SIGUSR1, all_threads=True)\n"  # a hang's stacks, for the failure message
             "atexit.register(lambda: (print('holding the exit', flush=True), time.sleep(60)))\n"
             "sys.argv = sys.argv[1:]\n"
             "runpy.run_path(sys.argv[0], run_name='__main__')\n")  # fmt: skip
@@ -171,7 +192,7 @@ def test_a_signal_while_the_interpreter_exits_ends_the_run_quietly_with_its_stat
             pytest.fail(f"the run did not reach its exit handlers (exit {proc.wait()}): {proc.stderr.read()[-1500:]}")
         assert any(line.startswith("finished: ") for line in lines), "".join(lines)[-1500:]
         proc.send_signal(signal.SIGINT)
-        code, _, err = finish(proc, timeout=30)
+        code, _, err = finish(proc, timeout=30, stacks=True)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
