@@ -322,6 +322,17 @@ def tree_update(tree: np.ndarray, leaves: np.ndarray, values: np.ndarray, reduce
         tree[nodes] = reduce(tree[2 * nodes], tree[2 * nodes + 1])
 
 
+def ring_runs(start: int, k: int, capacity: int) -> Iterator[tuple[int, int, int]]:
+    """Rows 0..k-1 written to a ring of `capacity` slots from slot `start`: (first row, first slot, count) of each run
+    of consecutive slots, in order (a later row overwrites an earlier one in the same slot)."""
+    row = 0
+    while row < k:
+        slot = (start + row) % capacity
+        count = min(k - row, capacity - slot)
+        yield row, slot, count
+        row += count
+
+
 def tree_find_prefix(tree: np.ndarray, prefix: np.ndarray) -> np.ndarray:
     """Sum-tree search: for each prefix [k] in [0, total), the leaf i with sum(p[:i]) <= prefix < sum(p[:i+1])."""
     P = len(tree) // 2
@@ -466,8 +477,9 @@ class PrioritizedBuffer:
         k = len(priorities)
         with hold(self.lock, "a replay buffer"):
             slots = (int(self.next_slot) + torch.arange(k)) % self.capacity
-            for stored, new in zip(self.data, data, strict=True):
-                stored[slots] = new
+            for row, slot, count in ring_runs(int(self.next_slot), k, self.capacity):
+                for stored, new in zip(self.data, data, strict=True):
+                    stored[slot : slot + count] = new[row : row + count]  # whole rows (a slot tensor: byte by byte)
             self.slot_version[slots] += 1
             tree_update(self.sum_tree.numpy(), slots.numpy(), priorities, np.add)
             tree_update(self.min_tree.numpy(), slots.numpy(), priorities, np.minimum)
@@ -486,7 +498,7 @@ class PrioritizedBuffer:
             slots = np.minimum(tree_find_prefix(tree, prefix), int(self.size) - 1)  # float round-off can pass the end
             index = torch.from_numpy(slots)
             return Sample(
-                data=Transitions(*(t[index] for t in self.data)),
+                data=Transitions(*(t.index_select(0, index) for t in self.data)),  # whole rows, as append writes them
                 slots=index,
                 versions=self.slot_version[index],
                 priorities=torch.from_numpy(tree[len(tree) // 2 + slots]),

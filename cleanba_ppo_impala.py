@@ -294,7 +294,7 @@ def ppo_update(model: nn.Module, data: Rollout, args: Args, generator) -> Iterat
         order = torch.randperm(obs.shape[0], generator=generator).to(obs.device)
         for start in range(0, mb_size * args.num_minibatches, mb_size):
             idx = order[start : start + mb_size]
-            logits, new_value = model(obs[idx])
+            logits, new_value = model(obs.index_select(0, idx))  # whole rows; obs[idx] copies frames byte by byte
             new_logprob, entropy = logprob_entropy(logits, actions[idx])
             yield ppo_loss(new_logprob, logprobs[idx], advantages[idx], new_value, returns[idx], entropy, *coefs)
 

@@ -284,7 +284,7 @@ def minibatch_losses(model: nn.Module, batch: Rollout, args: Args,
         order = torch.randperm(T * B)  # the learner's seeded, checkpointed torch RNG: deterministic
         for start in range(0, T * B, minibatch_size):
             idx = order[start : start + minibatch_size].to(flat_obs.device)
-            new_logits, new_values = model(flat_obs[idx])
+            new_logits, new_values = model(flat_obs.index_select(0, idx))  # whole rows (flat_obs[idx]: byte by byte)
             yield ppo_loss_value_clipped(new_logits, new_values, flat_actions[idx], old_log_probs[idx],
                                          advantages[idx], returns[idx], args.clip_coef, args.vf_coef, args.ent_coef,
                                          old_values[idx] if args.clip_vloss else None)  # fmt: skip

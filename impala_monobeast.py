@@ -328,12 +328,11 @@ class Buffers(Rollouts):
         self.ledger[index] = new_owner
 
     def stack(self, indices: list[int]) -> Rollouts:
-        """The rollouts at `indices` as one time-major learner batch, a copy (shapes: Rollouts)."""
+        """The rollouts at `indices` as one time-major learner batch, a copy (shapes: Rollouts). index_select copies
+        whole rows, where indexing with a tensor (buffer[idx]) would copy a uint8 frame byte by byte."""
         idx = torch.tensor(indices)
-        return Rollouts(
-            **{k: getattr(self, k)[idx].transpose(0, 1).flatten(1, 2) for k in (*ROW_KEYS, "initial_h", "initial_c")},
-            **{k: getattr(self, k)[idx] for k in ROLLOUT_KEYS},
-        )
+        rows = {k: getattr(self, k).index_select(0, idx) for k in (*ROW_KEYS, "initial_h", "initial_c", *ROLLOUT_KEYS)}
+        return Rollouts(**{k: v if k in ROLLOUT_KEYS else v.transpose(0, 1).flatten(1, 2) for k, v in rows.items()})
 
 
 class RequestPipe:

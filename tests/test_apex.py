@@ -246,6 +246,24 @@ def test_a_full_buffer_wraps_dropping_its_oldest_transitions(m):
 
 
 @script_ids
+@pytest.mark.parametrize("sizes", [(3, 7), (6, 11), (2, 19, 4)], ids=["wraps", "wraps-twice", "more-than-the-ring"])
+def test_append_writes_row_i_to_slot_next_plus_i_mod_capacity_the_later_row_kept(m, sizes):
+    """Appends that wrap the ring (once, or more than its whole length in one append) leave every slot holding the row
+    a one-row-at-a-time loop writes last there, field by field."""
+    capacity, buffer, reference, next_slot = 8, make_buffer(m, 8), [None] * 8, 0
+    for tag, k in enumerate(sizes):
+        data = transitions(m, k, float(tag))
+        buffer.append(data, np.ones(k))
+        for i in range(k):
+            reference[(next_slot + i) % capacity] = [field[i].clone() for field in data]
+        next_slot = (next_slot + k) % capacity
+    for slot, row in enumerate(reference):
+        for stored, expected in zip(buffer.data, row, strict=True):
+            assert torch.equal(stored[slot], expected), (slot, stored[slot], expected)
+    assert int(buffer.next_slot) == next_slot and int(buffer.size) == capacity
+
+
+@script_ids
 def test_taint_overwritten_slot_keeps_its_new_priority(m):
     rng = np.random.default_rng(3)
     buffer = make_buffer(m, 4)
