@@ -988,10 +988,13 @@ def serve_actor_host(rank: int, world_size: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     for signum in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, signal.SIG_DFL)
+    launcher = os.getppid()
     rpc.init_rpc(f"rank{rank}", rank=rank, world_size=world_size)
     try:
         rpc.shutdown()  # returns once every rank has shut down
     except RuntimeError as e:
+        if os.getppid() != launcher:  # killed with kill -9, the launcher took rpc's store along: its watch's stop
+            raise SystemExit(128 + signal.SIGTERM) from None
         print(f"error: actor rank {rank} lost the learner (rank 0): {e}", file=sys.stderr)
         raise SystemExit(1) from None
 

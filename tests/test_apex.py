@@ -847,7 +847,7 @@ def test_bad_flag_from_the_command_line(tmp_path):
 @pytest.fixture
 def process_state():
     """main() run in this process changes signal handlers and torch's global settings: put them back."""
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
     fill = torch.utils.deterministic.fill_uninitialized_memory
     yield
@@ -1100,3 +1100,29 @@ def test_a_stopped_torchrun_launcher_stops_the_run_with_its_checkpoint(script, s
     # a traceback only from the launcher itself, which re-raises the SIGTERM it forwarded
     assert out.count("Traceback") == out.count("elastic.multiprocessing.api.SignalException: "), out[-3000:]
     assert torch.load(checkpoint, weights_only=False)["global_step"] > 0
+
+
+@script_ids
+@pytest.mark.parametrize("launcher_killed", [False, True], ids=["learner-lost", "launcher-killed"])
+def test_an_actor_rank_tells_a_lost_learner_from_a_killed_launcher(m, launcher_killed, monkeypatch, capsys,
+                                                                   process_state):  # fmt: skip
+    """An actor rank's wait in rpc.shutdown fails when rank 0 dies, and also when the launcher is killed with kill -9,
+    as rpc's store lives in the launcher: when rank 0's launcher watch fires first, the actor's wait fails before its
+    own watch has looked. Rank 0 lost while the launcher lives is an error line and exit 1; a failure after the
+    launcher is gone (this rank reparented) is the stop, exit 143 with no line of its own (the watches report it)."""
+    parents = iter([4321, 1 if launcher_killed else 4321])  # at the start, then when the wait has failed
+    monkeypatch.setattr(m.os, "getppid", lambda: next(parents))
+    monkeypatch.setattr(m.rpc, "init_rpc", lambda *args, **kwargs: None)
+
+    def store_gone():
+        raise RuntimeError("Failed to recv, got 0 bytes. Connection was likely closed.")
+
+    monkeypatch.setattr(m.rpc, "shutdown", store_gone)
+    with pytest.raises(SystemExit) as e:
+        m.serve_actor_host(1, 2)
+    err = capsys.readouterr().err
+    if launcher_killed:
+        assert e.value.code == 143 and err == "", err
+    else:
+        assert e.value.code == 1 and err == "error: actor rank 1 lost the learner (rank 0): Failed to recv, got 0 " \
+                                            "bytes. Connection was likely closed.\n", err  # fmt: skip
