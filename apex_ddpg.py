@@ -993,7 +993,12 @@ def serve_actor_host(rank: int, world_size: int) -> None:
     try:
         rpc.shutdown()  # returns once every rank has shut down
     except RuntimeError as e:
-        if os.getppid() != launcher:  # killed with kill -9, the launcher took rpc's store along: its watch's stop
+        # a launcher killed with kill -9 takes rpc's store along: its watch's stop. The kernel closes the launcher's
+        # sockets before it reparents this rank, so the new parent may take a moment to show
+        deadline = time.monotonic() + 2.0
+        while os.getppid() == launcher and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if os.getppid() != launcher:
             raise SystemExit(128 + signal.SIGTERM) from None
         print(f"error: actor rank {rank} lost the learner (rank 0): {e}", file=sys.stderr)
         raise SystemExit(1) from None

@@ -1620,7 +1620,8 @@ def env_spaces(args: Args) -> tuple[gym.Space, gym.spaces.Discrete]:
 
 
 def checkpoint_meta(args: Args, obs_space: gym.Space, act_space: gym.spaces.Discrete, world_size: int = 1) -> dict:
-    """What a checkpoint must match to be resumed by this run: script, env, network (`auto` resolved) and shapes."""
+    """What a checkpoint must match to be resumed by this run: script, env, Atari protocol, network (`auto` resolved)
+    and shapes."""
     network = args.network if args.network != "auto" else ("nature" if len(obs_space.shape) == 3 else "mlp")
     return dict(script=Path(__file__).name, algo=None, env_id=args.env_id, atari_protocol=args.atari_protocol,
                 network=network, **model_options(args), obs_shape=list(obs_space.shape),

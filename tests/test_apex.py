@@ -1108,10 +1108,16 @@ def test_an_actor_rank_tells_a_lost_learner_from_a_killed_launcher(m, launcher_k
                                                                    process_state):  # fmt: skip
     """An actor rank's wait in rpc.shutdown fails when rank 0 dies, and also when the launcher is killed with kill -9,
     as rpc's store lives in the launcher: when rank 0's launcher watch fires first, the actor's wait fails before its
-    own watch has looked. Rank 0 lost while the launcher lives is an error line and exit 1; a failure after the
-    launcher is gone (this rank reparented) is the stop, exit 143 with no line of its own (the watches report it)."""
-    parents = iter([4321, 1 if launcher_killed else 4321])  # at the start, then when the wait has failed
-    monkeypatch.setattr(m.os, "getppid", lambda: next(parents))
+    own watch has looked. Rank 0 lost while the launcher lives is an error line and exit 1 (after the rank has waited
+    2 s for a reparenting); a failure after the launcher is gone (this rank reparented) is the stop, exit 143 with no
+    line of its own (the watches report it)."""
+    calls = []
+
+    def getppid():  # the launcher at the start; once the wait has failed, init (1) if the launcher was killed
+        calls.append(1)
+        return 1 if launcher_killed and len(calls) > 1 else 4321
+
+    monkeypatch.setattr(m.os, "getppid", getppid)
     monkeypatch.setattr(m.rpc, "init_rpc", lambda *args, **kwargs: None)
 
     def store_gone():
