@@ -10,11 +10,12 @@ Who runs where (Fig. 1e, Fig. 2d): the learner (main process), E executors and A
   learner: waits for every executor's CollectionDone(j) (batch synchronization), publishes theta_j, sends
       j + 1 (collect into storage (j + 1) % 2) and learns from storage j % 2 meanwhile.
 
-Delayed update (Eq. 6 for PPO): theta_{j+1} = theta_j + Delta(theta_{j-1}, D^{theta_{j-1}}): PPO's epochs of clipped-
-surrogate minibatch steps (Adam) run on a copy of the behavior parameters theta_{j-1} that collected the data (so
-exactly on-policy there), and the displacement Delta is added to theta_j. `--delayed-update released` updates as
-HTS-RL's released code does instead: PPO's epochs step theta_j itself on D^{theta_{j-1}}, its ratio and value clipping
-taken against the behavior network theta_{j-1}. `--sync` is the synchronous PPO baseline
+Delayed update, as HTS-RL's released code makes it (the default): PPO's epochs step the current parameters theta_j
+on the data D^{theta_{j-1}} of the policy one update behind, the ratio and the value clipping taken against the behavior
+network theta_{j-1} that acted. `--delayed-update eq6` is the paper's literal Eq. 6 for PPO instead:
+theta_{j+1} = theta_j + Delta(theta_{j-1}, D^{theta_{j-1}}), PPO's epochs run on a copy of theta_{j-1} (so exactly
+on-policy there) and the displacement Delta is added to theta_j. On Pong the released form learns at PPO's pace and
+Eq. 6 does not (benchmarks/RESULTS.md, Differences from the papers). `--sync` is the synchronous PPO baseline
 (Fig. 2a) on the same processes: executors step in lockstep (alpha = 1 in Eq. 7), the learner updates the current
 parameters and the executors wait for them.
 Policy lag: exactly 1 update (0 for the first after start or resume), 0 with `--sync`, measured from the policy
@@ -145,11 +146,11 @@ class Args:
     """alpha: steps per env between synchronizations = rollout length of one update (Table A6 unroll length: 128)"""
     sync: bool = False
     """run plain synchronous PPO instead (lockstep env steps, learn with the current parameters, policy lag 0)"""
-    delayed_update: Literal["eq6", "released"] = "eq6"
-    """how the update learns from data one policy behind: eq6 (the paper's Eq. 6) runs PPO's epochs on a copy of the
-    behavior parameters theta_{j-1} and adds their displacement to theta_j; released, as HTS-RL's released code
-    (learner.py, algo/ppo_aug.py), runs them on theta_j itself, its ratio clipped against the behavior policy's
-    log-probs, its value loss clipped around the behavior network's values, and bootstraps GAE with theta_j's value;
+    delayed_update: Literal["eq6", "released"] = "released"
+    """how the update learns from data one policy behind: released, as HTS-RL's released code (learner.py,
+    algo/ppo_aug.py), runs PPO's epochs on theta_j itself, its ratio clipped against the behavior policy's log-probs,
+    its value loss clipped around the behavior network's values, and bootstraps GAE with theta_j's value; eq6 (the
+    paper's Eq. 6) runs them on a copy of the behavior parameters theta_{j-1} and adds their displacement to theta_j;
     with --sync (no lag) the two are the same update"""
     gamma: float = 0.99
     """discount factor (Schulman et al. 2017, Table 5; Table A6's 0.993 is GFootball's)"""

@@ -395,9 +395,8 @@ def test_a_stop_request_ends_a_ppo_update_after_the_minibatch_step_in_progress(s
     is 16 steps, seconds long) and stands as it is: the parameters are those of that one step (the same as the first
     step of an uncut update, from the same state), the optimizer has counted one step, and the target took the
     behavior's displacement (Eq. 6) or, with --sync, its parameters."""
-    args = hts_ppo.Args(
-        env_id="CartPole-v1", num_envs=2, sync_interval=8, num_minibatches=2, update_epochs=3, sync=sync
-    )
+    args = hts_ppo.Args(env_id="CartPole-v1", num_envs=2, sync_interval=8, num_minibatches=2, update_epochs=3,
+                        sync=sync, delayed_update="eq6")  # fmt: skip
     spaces = (gym.spaces.Box(-1, 1, (4,), np.float32), gym.spaces.Discrete(2))
     batch = hts_ppo.Rollout(obs=torch.randn(9, 2, 4), actions=torch.randint(0, 2, (8, 2)), rewards=torch.randn(8, 2),
                             dones=torch.zeros(8, 2))  # fmt: skip
