@@ -166,6 +166,7 @@ RAN_WITH = {
     ("pong_h100.json", "cleanba_ppo"): ["--network", "nature", "--num-actor-threads", "1"],
     ("pong_cpu_hts_ppo.json", "hts_ppo"): ["--delayed-update", "eq6"],  # the default until released made it
     ("pong_cpu_hts_ppo8.json", "hts_ppo"): ["--delayed-update", "eq6"],
+    ("pong_ref_ppo_hts.json", "hts_ppo"): ["--delayed-update", "eq6"],
     ("pong_h100_eps0.01.json", "cleanba_ppo"): ["--network", "nature", "--num-actor-threads", "1"],
 }
 
@@ -263,7 +264,7 @@ def pong_references_table(results: Path) -> str:
                 + " | ".join(at_frames(run, b) for b in budgets)
                 + f" | {steps_reached(run, record)} | {num(run['sps_mean'])} | "
                 f"{num(statistics.median(run['running_seconds']) / 60)} | "
-                f"`python {' '.join(without_paths(record['command']))}`"
+                f"`python {' '.join(without_paths([*record['command'], *RAN_WITH.get((plot, side['exp']), [])]))}`"
             )
         for plot, exps in own.items():
             drawn = " and ".join([", ".join(exps[:-1]), exps[-1]] if len(exps) > 1 else exps)
