@@ -1416,7 +1416,8 @@ def env_spaces(args: Args) -> tuple[gym.Space, gym.Space]:
 
 
 def checkpoint_meta(args: Args, obs_space: gym.Space, act_space: gym.spaces.Discrete, world_size: int = 1) -> dict:
-    """What a checkpoint must match to be resumed by this run: script, update mode, env, network and shapes."""
+    """What a checkpoint must match to be resumed by this run: script, update mode, env, Atari protocol, network and
+    shapes."""
     network = args.network if args.network != "auto" else ("nature" if len(obs_space.shape) == 3 else "mlp")
     return dict(script=Path(__file__).name, algo=args.update, env_id=args.env_id, atari_protocol=args.atari_protocol,
                 network=network, obs_shape=list(obs_space.shape), action_shape_or_n=int(act_space.n))  # fmt: skip

@@ -1414,7 +1414,8 @@ def env_spaces(args: Args) -> tuple[gym.Space, gym.Space]:
 
 
 def checkpoint_meta(args: Args, obs_space: gym.Space, action_space: gym.Space, world_size: int = 1) -> dict:
-    """What a checkpoint must match to be resumed by this run: script, env, network and shapes (one machine)."""
+    """What a checkpoint must match to be resumed by this run: script, env, Atari protocol, network and shapes (one
+    machine)."""
     network = args.network if args.network != "auto" else ("nature" if len(obs_space.shape) == 3 else "mlp")
     return dict(script=Path(__file__).name, algo=None, env_id=args.env_id, atari_protocol=args.atari_protocol,
                 network=network, obs_shape=list(obs_space.shape), action_shape_or_n=int(action_space.n))  # fmt: skip

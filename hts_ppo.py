@@ -14,15 +14,15 @@ Delayed update, as HTS-RL's released code makes it (the default): PPO's epochs s
 on the data D^{theta_{j-1}} of the policy one update behind, the ratio and the value clipping taken against the behavior
 network theta_{j-1} that acted. `--delayed-update eq6` is the paper's literal Eq. 6 for PPO instead:
 theta_{j+1} = theta_j + Delta(theta_{j-1}, D^{theta_{j-1}}), PPO's epochs run on a copy of theta_{j-1} (so exactly
-on-policy there) and the displacement Delta is added to theta_j. On Pong the released form learns at PPO's pace and
-Eq. 6 does not (benchmarks/RESULTS.md, Differences from the papers). `--sync` is the synchronous PPO baseline
+on-policy there) and the displacement Delta is added to theta_j (why the default is the released form:
+benchmarks/RESULTS.md, Differences from the papers). `--sync` is the synchronous PPO baseline
 (Fig. 2a) on the same processes: executors step in lockstep (alpha = 1 in Eq. 7), the learner updates the current
 parameters and the executors wait for them.
 Policy lag: exactly 1 update (0 for the first after start or resume), 0 with `--sync`, measured from the policy
 versions the actors stamp on every transition (`charts/policy_lag`).
 Determinism: sampling randomness comes from per-env generators in the executors, and an actor forwards one executor's
 observations per pass (oneDNN results depend on the batch composition): a run is bitwise reproducible for a given
-seed, num_envs, num_executors, sync_interval and --sync, whatever num_actors and the OS scheduling.
+seed, num_envs, num_executors, sync_interval, --sync and --delayed-update, whatever num_actors and the OS scheduling.
 
     python hts_ppo.py --env-id ALE/Breakout-v5
     python hts_ppo.py --env-id CartPole-v1 --num-envs 8 --num-executors 8 --num-actors 2 --total-timesteps 200000
@@ -1504,7 +1504,8 @@ def env_spaces(args: Args) -> tuple[gym.Space, gym.Space]:
 
 
 def checkpoint_meta(args: Args, obs_space: gym.Space, action_space: gym.Space, world_size: int = 1) -> dict:
-    """What a checkpoint must match to be resumed by this run: script, env, network and shapes (one machine)."""
+    """What a checkpoint must match to be resumed by this run: script, env, Atari protocol, network and shapes (one
+    machine)."""
     network = args.network if args.network != "auto" else ("nature" if len(obs_space.shape) == 3 else "mlp")
     return dict(script=Path(__file__).name, algo=None, env_id=args.env_id, atari_protocol=args.atari_protocol,
                 network=network, obs_shape=list(obs_space.shape), action_shape_or_n=int(action_space.n))  # fmt: skip

@@ -194,7 +194,7 @@ PONG_A2C_REFERENCE = [pong("hts_a2c_sync_sb3", "hts_a2c.py", [*DEEPMIND, "--sync
 PONG_PPO_SYNC = [pong("hts_ppo_sync", "hts_ppo.py", [*DEEPMIND, "--num-envs", "8", "--torch-threads", "2", "--sync"])]
 # ... and HTS-RL's released update (`--delayed-update released`, the script's default: the current parameters trained
 # on the lagged data, the ratio clipped against the policy that acted; IouJenLiu/HTS-RL learner.py, algo/ppo_aug.py)
-# at the same settings, the run that made it the default (it learns Pong at PPO's pace, Eq. 6 does not).
+# at the same settings (why it is the default: RESULTS, Differences from the papers).
 PONG_PPO_RELEASED = [
     pong("hts_ppo_released", "hts_ppo.py",
          [*DEEPMIND, "--num-envs", "8", "--torch-threads", "2", "--delayed-update", "released"])

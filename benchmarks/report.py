@@ -158,7 +158,7 @@ def pong_cpu_runs(results: Path) -> list[tuple[str, dict]]:
 
 
 # Runs whose command left a flag at a default the script has since changed: the values they ran with.
-# hts_ppo.py's update was the paper's Eq. 6 until HTS-RL's released form learned Pong at PPO's pace (RESULTS).
+# hts_ppo.py's default update was the paper's Eq. 6 before HTS-RL's released form (RESULTS, Differences from papers).
 # cleanba_ppo_impala.py's defaults are Cleanba's (IMPALA ResNet, 128 envs x 2 actor threads); these runs ran at
 # CleanRL ppo_atari's size (8 envs, one actor thread; the Nature CNN, which `auto` picked for PPO).
 RAN_WITH = {
@@ -167,6 +167,7 @@ RAN_WITH = {
     ("pong_cpu_hts_ppo.json", "hts_ppo"): ["--delayed-update", "eq6"],  # the default until released made it
     ("pong_cpu_hts_ppo8.json", "hts_ppo"): ["--delayed-update", "eq6"],
     ("pong_ref_ppo_hts.json", "hts_ppo"): ["--delayed-update", "eq6"],
+    ("pong_h100.json", "hts_ppo"): ["--delayed-update", "eq6"],
     ("pong_h100_eps0.01.json", "cleanba_ppo"): ["--network", "nature", "--num-actor-threads", "1"],
 }
 

@@ -607,7 +607,7 @@ def test_runs_are_deterministic_whatever_the_number_of_actors(tiny_run, tmp_path
 @pytest.mark.parametrize("script", MODULES)
 def test_each_update_learns_from_the_previous_policy_while_the_next_rollout_runs(script, sync, monkeypatch, tmp_path,
                                                                                   in_process):  # fmt: skip
-    """HTS-RL's one step of delay, read off the parameters: update k's gradient is taken at behavior = theta_{k-1}
+    """HTS-RL's one step of delay, read off the parameters: update k learns from the data of behavior = theta_{k-1}
     (the target before update k-1; theta_0 for k = 0), on storage k % 2, while the executors fill the other storage:
     before update k returns, collection k+1 has replaced the bootstrap observations update k-1 read there (zeros for
     k = 0). Waited for as a condition, not timed; collection k+1 may also have finished before update k began.
