@@ -172,12 +172,17 @@ RAN_WITH = {
 }
 
 
+def ran_with(command: list[str], name: str, label: str) -> list[str]:
+    """A recorded command with the flags its run had at a default since changed (RAN_WITH): what reproduces it."""
+    return [*command, *RAN_WITH.get((name, label), [])]
+
+
 def run_flags(results: Path, name: str, label: str) -> str:
     """A learn.py run's settings: the flags of its command in the JSON's manifest (its last piece, if resumed), with
-    those it ran with at a default since changed (RAN_WITH)."""
+    those it ran with at a default since changed."""
     manifest = results / name.replace(".json", "_manifest.json")
     commands = [r["command"] for r in load(manifest)["runs"] if r["label"] == label] if manifest.exists() else []
-    return flags_of([*commands[-1], *RAN_WITH.get((name, label), [])], NAMING_FLAGS | PONG_FLAGS) if commands else "—"
+    return flags_of(ran_with(commands[-1], name, label), NAMING_FLAGS | PONG_FLAGS) if commands else "—"
 
 
 def pong_cpu_table(results: Path) -> str:
@@ -265,7 +270,7 @@ def pong_references_table(results: Path) -> str:
                 + " | ".join(at_frames(run, b) for b in budgets)
                 + f" | {steps_reached(run, record)} | {num(run['sps_mean'])} | "
                 f"{num(statistics.median(run['running_seconds']) / 60)} | "
-                f"`python {' '.join(without_paths([*record['command'], *RAN_WITH.get((plot, side['exp']), [])]))}`"
+                f"`python {' '.join(without_paths(ran_with(record['command'], plot, side['exp'])))}`"
             )
         for plot, exps in own.items():
             drawn = " and ".join([", ".join(exps[:-1]), exps[-1]] if len(exps) > 1 else exps)
