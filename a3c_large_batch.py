@@ -62,7 +62,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, fields, replace
 from multiprocessing.queues import Queue
 from multiprocessing.sharedctypes import Synchronized
-from multiprocessing.synchronize import Event, Lock
+from multiprocessing.synchronize import Lock
 from pathlib import Path
 from typing import Literal, NamedTuple, NoReturn
 
@@ -294,7 +294,7 @@ class SaveCheckpoint(NamedTuple):
 class Shared:
     """Everything the processes share (handed over at process start; tensors and locks live in shared memory)."""
 
-    stop: Event  # the run is shutting down
+    stop: StopFlag  # the run is shutting down
     log_q: Queue  # -> main: the applied Updates
     error_q: Queue  # -> main: the error line of a process that fails (worker_body)
     steps_claimed: Synchronized  # int64: agent steps handed out to rollouts (the budget counter)
@@ -308,7 +308,7 @@ class Shared:
     param_lock: Lock | None = None  # guards (published, version) so a pull never mixes two versions
 
 
-def make_shared(args: Args, ctx, stop: Event, model: nn.Module, checkpoint: dict | None) -> Shared:
+def make_shared(args: Args, ctx, stop: StopFlag, model: nn.Module, checkpoint: dict | None) -> Shared:
     """The shared state of `--update`; `model` resumed from `checkpoint` if given, in shared memory for hogwild."""
     if checkpoint:
         model.load_state_dict(checkpoint["model"])
@@ -485,7 +485,7 @@ def main(args: Args) -> None:
         return  # --eval-only played the saved agent
     args, device, checkpoint, workers = run.args, run.device, run.checkpoint, run.args.num_workers
     ctx = mp.get_context("spawn" if device.type == "cuda" else "fork")  # CUDA cannot be used in forked children
-    signals = run.stop_on_signals(ctx.Event())
+    signals = run.stop_on_signals(StopFlag(ctx))
     model = make_model(*run.spaces, args.network)  # hogwild: the shared model; server: main's view of it
     shared = make_shared(args, ctx, signals.stop, model, checkpoint)
     extra = dict(update=args.update, args=asdict(args), torch_rng=torch.get_rng_state(), meta=run.meta)
@@ -607,6 +607,22 @@ class StopSignals:
         """Everything is written: a signal from here ends the process at once, with the run's status, no traceback."""
         for signum in STOP_SIGNALS:
             signal.signal(signum, lambda *_: os._exit(code))
+
+
+class StopFlag:
+    """The stop that main shares with the worker processes: one byte in shared memory, set and read without a lock.
+    A multiprocessing Event takes a lock shared by every process even to read it, and its set() waits until every
+    process asleep in its wait() wakes: a worker SIGKILLed while it looked, or stopped (SIGSTOP) in a wait, would
+    block main's next look or set() forever."""
+
+    def __init__(self, ctx):
+        self.flag = ctx.Value("b", 0, lock=False)
+
+    def set(self) -> None:
+        self.flag.value = 1
+
+    def is_set(self) -> bool:
+        return bool(self.flag.value)
 
 
 def error_line(e: BaseException, step: int, signum: int, who: str = "the learner", rank: int = 0,
@@ -1528,7 +1544,9 @@ class Watch:
         if shared.grad_q is not None:
             shared.grad_q.put(SaveCheckpoint(str(path), self.extra))
             return
-        own = dict(model=self.model.state_dict(), optimizer=shared.optimizer.state_dict(), version=shared.version.value)
+        # the version read without its lock: a worker killed while it held the lock would block this read forever
+        version = shared.version.get_obj().value
+        own = dict(model=self.model.state_dict(), optimizer=shared.optimizer.state_dict(), version=version)
         atomic_save({**own, "global_step": self.global_step, **self.extra}, path)
 
     def last_point(self) -> None:

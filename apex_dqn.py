@@ -599,10 +599,7 @@ class Shared:
 
     def __init__(self, args: Args, ctx, spaces, *, num_buffers: int, num_total: int, steps_limit: int,
                  start_step: int = 0):  # fmt: skip
-        # the run is shutting down: one byte, set by the main process only, polled by the others. Not an mp.Event:
-        # its set() waits until every process sleeping in wait() wakes, forever if one is stopped (SIGSTOP), and
-        # Ctrl+C could then not stop the run
-        self.stop = ctx.Value("b", 0, lock=False)
+        self.stop = StopFlag(ctx)  # the run is shutting down: set by the main process, polled by the others
         self.log_q = ctx.Queue()  # -> main: ActorReport, EvalReport
         self.error_q = ctx.Queue()  # -> main: "error: <who> died:\n<traceback>"
         self.steps_claimed = ctx.Value("q", start_step)  # under its lock: agent steps handed out (this machine's)
@@ -1118,6 +1115,22 @@ class StopSignals:
         """Everything is written: a signal from here ends the process at once, with the run's status, no traceback."""
         for signum in STOP_SIGNALS:
             signal.signal(signum, lambda *_: os._exit(code))
+
+
+class StopFlag:
+    """The stop that main shares with the worker processes: one byte in shared memory, set and read without a lock.
+    A multiprocessing Event takes a lock shared by every process even to read it, and its set() waits until every
+    process asleep in its wait() wakes: a worker SIGKILLed while it looked, or stopped (SIGSTOP) in a wait, would
+    block main's next look or set() forever."""
+
+    def __init__(self, ctx):
+        self.flag = ctx.Value("b", 0, lock=False)
+
+    def set(self) -> None:
+        self.flag.value = 1
+
+    def is_set(self) -> bool:
+        return bool(self.flag.value)
 
 
 def error_line(e: BaseException, step: int, signum: int, who: str = "the learner", rank: int = 0,
@@ -2007,7 +2020,7 @@ def evaluate(model: nn.Module, args: Args, video_dir: Path, device: torch.device
 def stop_processes(procs: Processes, shared: Shared, handle, grace: float) -> None:
     """Set the stop flag that the processes poll and `handle` their messages while they exit (a process waits for its
     queued messages to reach the pipe before exiting), then Processes.stop: SIGKILL for the ones left after `grace`."""
-    shared.stop.value = 1
+    shared.stop.set()
     deadline = time.monotonic() + grace
     while any(p.is_alive() for p in procs.procs.values()) and time.monotonic() < deadline:
         with contextlib.suppress(OSError):  # TensorBoard's events file cannot be written: the caller reports it
@@ -2158,7 +2171,7 @@ def drain_into(q, handle, timeout: float) -> None:
 
 def should_stop(shared: Shared) -> bool:
     """The run is stopping, or the main process is gone (then no one would ever tell us)."""
-    return bool(shared.stop.value) or os.getppid() != shared.parent_pid
+    return shared.stop.is_set() or os.getppid() != shared.parent_pid
 
 
 def sleep_until(shared: Shared, ready, period: float) -> None:

@@ -69,8 +69,8 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, fields, replace
 from multiprocessing.queues import Queue
-from multiprocessing.sharedctypes import Synchronized, SynchronizedArray
-from multiprocessing.synchronize import Condition, Event, Lock
+from multiprocessing.sharedctypes import SynchronizedArray
+from multiprocessing.synchronize import Condition, Lock
 from pathlib import Path
 from typing import Literal, NamedTuple, NoReturn
 
@@ -459,8 +459,10 @@ class Shared:
 
     log_q: Queue  # Record and State: learners -> main process
     error_q: Queue  # the error line of a learner that fails
-    stop: Event  # set by the main process: the run is stopping
-    checkpoint_requests: Synchronized  # incremented by the main process every --checkpoint-interval seconds
+    stop: StopFlag  # set by the main process: the run is stopping
+    # incremented by the main process every --checkpoint-interval seconds; no lock: main is the only writer, and a
+    # learner killed while it held the lock to read would block main's next increment forever
+    checkpoint_requests: ctypes.c_int64
     gossip: SharedMemoryGossip | None  # gossip mode: the send buffers
     port: int  # allreduce mode: the gloo rendezvous port on localhost
 
@@ -702,8 +704,8 @@ def main(args: Args) -> None:
     args, n, device = run.args, run.args.num_learners, run.device
     ctx = mp.get_context("spawn" if device.type == "cuda" else "fork")  # CUDA cannot be used in forked children
     gossip = SharedMemoryGossip(ctx, n, num_params(run), device) if args.mode == "gossip" else None  # the B_i
-    shared = Shared(log_q=ctx.Queue(), error_q=ctx.Queue(), stop=ctx.Event(), checkpoint_requests=ctx.Value("q", 0),
-                    gossip=gossip, port=free_port() if args.mode == "allreduce" else 0)  # fmt: skip
+    shared = Shared(log_q=ctx.Queue(), error_q=ctx.Queue(), stop=StopFlag(ctx), checkpoint_requests=ctx.Value("q", 0,
+                    lock=False), gossip=gossip, port=free_port() if args.mode == "allreduce" else 0)  # fmt: skip
     signals, learners, monitor = run.stop_on_signals(shared.stop), Processes(ctx), Monitor(run, shared)
     states = run.checkpoint["learners"] if run.checkpoint else [None] * n
     for i in range(n):  # Algorithm 1: agent v_i in a process of its own
@@ -1093,6 +1095,22 @@ class StopSignals:
         """Everything is written: a signal from here ends the process at once, with the run's status, no traceback."""
         for signum in STOP_SIGNALS:
             signal.signal(signum, lambda *_: os._exit(code))
+
+
+class StopFlag:
+    """The stop that main shares with the worker processes: one byte in shared memory, set and read without a lock.
+    A multiprocessing Event takes a lock shared by every process even to read it, and its set() waits until every
+    process asleep in its wait() wakes: a worker SIGKILLed while it looked, or stopped (SIGSTOP) in a wait, would
+    block main's next look or set() forever."""
+
+    def __init__(self, ctx):
+        self.flag = ctx.Value("b", 0, lock=False)
+
+    def set(self) -> None:
+        self.flag.value = 1
+
+    def is_set(self) -> bool:
+        return bool(self.flag.value)
 
 
 def error_line(e: BaseException, step: int, signum: int, who: str = "the learner", rank: int = 0,
@@ -2130,8 +2148,7 @@ class Monitor:
         `handle` writes the checkpoint once every learner answered. Once they stopped, written from their final states
         (final_states; False: a learner's is missing, nothing written)."""
         if not self.stopped:
-            with self.shared.checkpoint_requests.get_lock():
-                self.shared.checkpoint_requests.value += 1
+            self.shared.checkpoint_requests.value += 1
             return None
         return write_checkpoint(self.run, self.final_states())
 

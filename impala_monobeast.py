@@ -61,7 +61,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, fields, replace
 from multiprocessing.queues import Queue
-from multiprocessing.synchronize import Event, Semaphore
+from multiprocessing.synchronize import Semaphore
 from pathlib import Path
 from typing import Literal, NoReturn
 
@@ -381,11 +381,11 @@ class Queues:
 
     free: Queue  # buffer indices an actor may fill
     full: Queue  # indices of written rollouts, oldest first, for the learner threads
-    stop: Event  # set once: every worker returns
+    stop: StopFlag  # set once: every worker returns
 
     @staticmethod
     def create(ctx: mp.context.BaseContext, buffers: Buffers) -> Queues:
-        queues = Queues(free=ctx.Queue(), full=ctx.Queue(), stop=ctx.Event())
+        queues = Queues(free=ctx.Queue(), full=ctx.Queue(), stop=StopFlag(ctx))
         buffers.ledger.fill_(FREE_QUEUE)
         for index in range(len(buffers.ledger)):
             queues.free.put(index)
@@ -529,7 +529,7 @@ class InferenceServer:
     sems: list[Semaphore]
     max_actors: int
     device: torch.device
-    stop: Event
+    stop: StopFlag
     failures: list[str]
     batches: int = 0  # forward passes run
     envs: int = 0  # envs served, summed over them
@@ -822,6 +822,22 @@ class StopSignals:
         """Everything is written: a signal from here ends the process at once, with the run's status, no traceback."""
         for signum in STOP_SIGNALS:
             signal.signal(signum, lambda *_: os._exit(code))
+
+
+class StopFlag:
+    """The stop that main shares with the worker processes: one byte in shared memory, set and read without a lock.
+    A multiprocessing Event takes a lock shared by every process even to read it, and its set() waits until every
+    process asleep in its wait() wakes: a worker SIGKILLed while it looked, or stopped (SIGSTOP) in a wait, would
+    block main's next look or set() forever."""
+
+    def __init__(self, ctx):
+        self.flag = ctx.Value("b", 0, lock=False)
+
+    def set(self) -> None:
+        self.flag.value = 1
+
+    def is_set(self) -> bool:
+        return bool(self.flag.value)
 
 
 def error_line(e: BaseException, step: int, signum: int, who: str = "the learner", rank: int = 0,

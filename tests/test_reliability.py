@@ -834,3 +834,33 @@ def test_a_signal_during_the_start_is_one_line_and_leaves_no_run_directory(name,
     assert capsys.readouterr().err.strip().splitlines()[-1] == f"stopped by {name_of} during the start"
     assert not any((tmp_path / "runs").iterdir())
     assert signal.getsignal(signum) == before, "the handler the process had before is back"
+
+
+def look_at_the_stop_forever(stop):
+    while True:
+        stop.is_set()
+
+
+def look_set_look(stop, seen):
+    seen.extend([stop.is_set(), stop.set(), stop.is_set()])
+
+
+@pytest.mark.parametrize("name", [n for n in SCRIPTS if "class StopFlag" in (ROOT / script_of(n)).read_text()])
+def test_a_worker_killed_while_it_looks_at_the_stop_cannot_block_main(name):
+    """The stop that main shares with its worker processes: a worker SIGKILLed at any moment (the OOM killer), here
+    while it reads the stop over and over, leaves main free to read it and set it. A multiprocessing Event fails this
+    in about a third of the kills (its read takes a lock shared by every process, which a killed reader never gives
+    back: main then hangs at its next look, as impala did once under CI), so it is killed 20 times."""
+    stop_flag, ctx = importlib.import_module(name).StopFlag, torch.multiprocessing.get_context("fork")
+    for kill in range(20):
+        stop = stop_flag(ctx)
+        worker = ctx.Process(target=look_at_the_stop_forever, args=(stop,), daemon=True)
+        worker.start()
+        time.sleep(0.05)
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.join()
+        seen = []
+        main_side = threading.Thread(target=look_set_look, args=(stop, seen), daemon=True)
+        main_side.start()
+        main_side.join(timeout=30)  # only a hang takes this long
+        assert seen == [False, None, True], f"kill {kill}: main blocked on the stop after the worker died"
