@@ -1567,6 +1567,8 @@ def shut_down(run: Watch, failed: bool) -> str | None:
     if interrupted:
         print("interrupted: shutting down", file=sys.stderr, flush=True)
     shared.stop.set()
+    if shared.grad_q is not None:  # main's puts need no wait at exit (the server's exit says they arrived), and a
+        shared.grad_q.cancel_join_thread()  # worker killed holding the queue's write lock would make it endless
     if run.record is None:
         run.processes.stop(grace=0.0)
         return None

@@ -2114,6 +2114,7 @@ class Monitor:
     lines, and the learners' stop."""
 
     GRACE = 5.0  # seconds the learners get to stop after the stop request before they are killed
+    END = "end"  # main's last message on log_q, behind every learner's
 
     def __init__(self, run: Run, shared: Shared):
         self.run, self.shared, self.n = run, shared, run.args.num_learners
@@ -2123,6 +2124,15 @@ class Monitor:
         self.pending: dict[int, dict[int, dict]] = {}  # checkpoint request -> {learner: state}
         self.write_failure: str | None = None  # a checkpoint or TensorBoard write failed: the run stops
         self.stopped, self.failure = False, None  # `stop` has run, and the error line it found
+        # log_q's messages, each read whole by a thread of its own (started by the first drain, after the forks): a
+        # learner killed or stopped half way through writing a State (megabytes) leaves that read blocked for good,
+        # and main must still see the death and stop the run
+        self.inbox: queue.Queue = queue.Queue()
+        self.reader = threading.Thread(target=self.read_log_q, name="log_q reader", daemon=True)
+
+    def read_log_q(self) -> None:
+        while True:
+            self.inbox.put(self.shared.log_q.get())
 
     def handle(self, message: Record | State) -> None:
         try:
@@ -2168,11 +2178,24 @@ class Monitor:
         return states
 
     def drain(self, timeout: float) -> None:
-        """Handle every message on `log_q`, waiting up to `timeout` seconds for the first."""
+        """Handle every message read from `log_q`, waiting up to `timeout` seconds for the first."""
+        if self.reader.ident is None:  # the first drain, after the forks
+            self.reader.start()
         with contextlib.suppress(queue.Empty):
-            self.handle(self.shared.log_q.get(timeout=timeout) if timeout else self.shared.log_q.get_nowait())
+            self.handle(self.inbox.get(timeout=timeout) if timeout else self.inbox.get_nowait())
             while True:
-                self.handle(self.shared.log_q.get_nowait())
+                self.handle(self.inbox.get_nowait())
+
+    def drain_to_the_end(self) -> None:
+        """Once the learners are gone: handle every message they finished writing, up to main's own END behind them
+        (each within 5 s: a message that a killed learner left half written holds up all that follow it). Main's END
+        may wait for that learner's lock forever, so main's exit does not wait for it."""
+        self.drain(0.0)
+        self.shared.log_q.cancel_join_thread()
+        self.shared.log_q.put(self.END)
+        with contextlib.suppress(queue.Empty):
+            while (message := self.inbox.get(timeout=5.0)) != self.END:
+                self.handle(message)
 
     def stop(self, learners: Processes) -> str | None:
         """Stop the learners (once): the stop event, then `log_q` read while they finish (a learner exits only once its
@@ -2187,7 +2210,7 @@ class Monitor:
             self.failure = worker_failure(learners, self.shared.error_q) or self.write_failure
             if stuck := learners.stop(max(0.0, deadline - time.monotonic())):  # stuck, or blocked on a peer that is
                 print(f"warning: {', '.join(stuck)} did not stop within {self.GRACE:.0f} s; killed", file=sys.stderr)
-            self.drain(0.0)
+            self.drain_to_the_end()
         return self.failure
 
 

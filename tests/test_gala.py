@@ -2,6 +2,7 @@
 the message ages it predicts (`charts/policy_lag`), Proposition 2's epsilon-ball, two learners over gloo in both modes,
 end-to-end runs, --track (one offline W&B run per run), --eval-only, bad flags and shutdown."""
 
+import contextlib
 import datetime
 import json
 import math
@@ -867,3 +868,38 @@ def test_killing_the_launcher_stops_its_ranks_with_a_checkpoint(tmp_path):
         end_launch(proc, pids)
     assert "the torchrun launcher" in out and "is gone" in out, out[-3000:]
     assert torch.load(only_run_dir(tmp_path) / "checkpoint.pt", weights_only=False)["global_step"] > 0
+
+
+def writing_to_a_full_pipe(pids):
+    """One of `pids` has a thread in a write to a pipe that has no room left (its kernel wait, /proc's wchan)."""
+    waits = []
+    for pid in pids:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError):
+                waits.append(open(f"/proc/{pid}/task/{task}/wchan").read())
+    return any("pipe_write" in w for w in waits)
+
+
+def test_learners_killed_half_way_through_their_final_state_still_let_main_stop(tmp_path):
+    """A learner's State (its model and optimizer, 84 KB for this net) is larger than a pipe holds: with main paused
+    (SIGSTOP) the learners finish their budget (5 small Records each before it) and the first one's final State fills
+    log_q's pipe half way. Both learners killed there, main continued: it names the death and exits, where a read of
+    that half message would block it forever (the reader is a thread of its own, and main waits for it at most a few
+    seconds)."""
+    proc = start_run(SCRIPT, [*TINY_CARTPOLE, "--total-timesteps", "40000", "--checkpoint-interval", "0",
+                              "--eval-episodes", "0", "--log-frequency", "200"], tmp_path)  # fmt: skip
+    learners = children_of(proc.pid)
+    assert len(learners) == 2, learners
+    os.kill(proc.pid, signal.SIGSTOP)
+    try:
+        wait_for(lambda: writing_to_a_full_pipe(learners), "a learner's final State to fill the pipe", timeout=300)
+        for pid in learners:
+            os.kill(pid, signal.SIGKILL)
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+    try:
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 1, err
+    assert re.search(r"error: learner \d died \(killed by signal 9\)", err) and "Traceback" not in err, err
