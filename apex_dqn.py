@@ -1184,7 +1184,7 @@ class Run:
         return self.run_dir / "checkpoint.pt"
 
     def stop_on_signals(self, stop) -> StopSignals:
-        """From here a signal sets `stop`, the event the workers share (at once, if one came during the start)."""
+        """From here a signal sets `stop`, the stop the workers share (at once, if one came during the start)."""
         self.signals.stop = stop
         if self.signals.signum:
             stop.set()
@@ -1797,7 +1797,7 @@ def main_eval_only(args: Args) -> None:
 
 def child_main(parent_pid: int, target, args: tuple) -> None:
     """A child's first call: the kernel kills it when the main process dies, even by kill -9 (already gone: exit at
-    once). Signals are the main process's, which stops children through the stop event: ignored here, then unblocked."""
+    once). Signals are the main process's, which stops children through the run's stop: ignored here, then unblocked."""
     with contextlib.suppress(OSError, AttributeError):  # no prctl (not Linux)
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     if os.getppid() != parent_pid:
@@ -1834,7 +1834,7 @@ class Processes:
         return None
 
     def stop(self, grace: float) -> list[str]:
-        """Join every child within `grace` seconds in all (the stop event is set), SIGKILL the rest; their names."""
+        """Join every child within `grace` seconds in all (the stop is set), SIGKILL the rest; their names."""
         deadline = time.monotonic() + grace
         for p in self.procs.values():
             p.join(max(0.0, deadline - time.monotonic()))

@@ -748,7 +748,7 @@ class Run:
         return self.run_dir / "checkpoint.pt"
 
     def stop_on_signals(self, stop) -> StopSignals:
-        """From here a signal sets `stop`, the event the workers share (at once, if one came during the start)."""
+        """From here a signal sets `stop`, the stop the workers share (at once, if one came during the start)."""
         self.signals.stop = stop
         if self.signals.signum:
             stop.set()

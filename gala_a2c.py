@@ -398,7 +398,7 @@ class SharedMemoryGossip:
 class SharedMemoryEndpoint(GossipEndpoint):
     def __init__(self, shared: SharedMemoryGossip, learner: int, num_peers: int, time_varying: bool, tau: int, stop):
         super().__init__(learner, shared.n, num_peers, time_varying, tau, shared.arrived)
-        self.shared, self.stop = shared, stop  # stop: the run's stop event
+        self.shared, self.stop = shared, stop  # stop: the run's StopFlag
         self.last_read = [0] * shared.n  # version of each learner's message this learner mixed last
         self.inbox = torch.zeros(num_peers, shared.numel, device=shared.device)  # allocated once
 
@@ -1164,7 +1164,7 @@ class Run:
         return self.run_dir / "checkpoint.pt"
 
     def stop_on_signals(self, stop) -> StopSignals:
-        """From here a signal sets `stop`, the event the workers share (at once, if one came during the start)."""
+        """From here a signal sets `stop`, the stop the workers share (at once, if one came during the start)."""
         self.signals.stop = stop
         if self.signals.signum:
             stop.set()
@@ -1777,7 +1777,7 @@ def main_eval_only(args: Args) -> None:
 
 def child_main(parent_pid: int, target, args: tuple) -> None:
     """A child's first call: the kernel kills it when the main process dies, even by kill -9 (already gone: exit at
-    once). Signals are the main process's, which stops children through the stop event: ignored here, then unblocked."""
+    once). Signals are the main process's, which stops children through the run's stop: ignored here, then unblocked."""
     with contextlib.suppress(OSError, AttributeError):  # no prctl (not Linux)
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     if os.getppid() != parent_pid:
@@ -1814,7 +1814,7 @@ class Processes:
         return None
 
     def stop(self, grace: float) -> list[str]:
-        """Join every child within `grace` seconds in all (the stop event is set), SIGKILL the rest; their names."""
+        """Join every child within `grace` seconds in all (the stop is set), SIGKILL the rest; their names."""
         deadline = time.monotonic() + grace
         for p in self.procs.values():
             p.join(max(0.0, deadline - time.monotonic()))
@@ -2131,10 +2131,17 @@ class Monitor:
         self.reader = threading.Thread(target=self.read_log_q, name="log_q reader", daemon=True)
 
     def read_log_q(self) -> None:
-        while True:
-            self.inbox.put(self.shared.log_q.get())
+        try:
+            while True:
+                self.inbox.put(self.shared.log_q.get())
+        except BaseException as e:  # at exit: the queue closed under the read (EOFError); otherwise a failed read
+            self.inbox.put(e)
 
-    def handle(self, message: Record | State) -> None:
+    def handle(self, message: Record | State | BaseException) -> None:
+        if isinstance(message, BaseException):  # the reader's read failed: no message can follow
+            if not self.stopped:
+                raise Stop(f"error: the main process could not read the learners' messages: {message!r}")
+            return
         try:
             if isinstance(message, Record):
                 if self.logger.record is not None and self.write_failure is None:
@@ -2198,9 +2205,10 @@ class Monitor:
                 self.handle(message)
 
     def stop(self, learners: Processes) -> str | None:
-        """Stop the learners (once): the stop event, then `log_q` read while they finish (a learner exits only once its
-        queued messages are in the pipe), and a learner still running after GRACE seconds killed. The error line of a
-        learner that failed or of a failed write, or None."""
+        """Stop the learners (once): the stop flag, then `log_q` read while they finish (a learner exits only once its
+        queued messages are in the pipe), a learner still running after GRACE seconds killed, and what they wrote read
+        to the end (drain_to_the_end: 5 s more where a killed learner holds the queue). The error line of a learner
+        that failed or of a failed write, or None."""
         if not self.stopped:
             self.stopped = True
             self.shared.stop.set()

@@ -884,8 +884,8 @@ def test_learners_killed_half_way_through_their_final_state_still_let_main_stop(
     """A learner's State (its model and optimizer, 84 KB for this net) is larger than a pipe holds: with main paused
     (SIGSTOP) the learners finish their budget (5 small Records each before it) and the first one's final State fills
     log_q's pipe half way. Both learners killed there, main continued: it names the death and exits, where a read of
-    that half message would block it forever (the reader is a thread of its own, and main waits for it at most a few
-    seconds)."""
+    that half message would block it forever (the reader is a thread of its own, and main waits 5 s for the message
+    that cannot come)."""
     proc = start_run(SCRIPT, [*TINY_CARTPOLE, "--total-timesteps", "40000", "--checkpoint-interval", "0",
                               "--eval-episodes", "0", "--log-frequency", "200"], tmp_path)  # fmt: skip
     learners = children_of(proc.pid)
