@@ -147,6 +147,7 @@ REPLACED_BY = {
     ("pong_cpu.json", "gala_gossip"): "pong_cpu_gate_gala.json",  # older code, 2.5M steps; then the gate's 5M budget
     ("pong_cpu_impala_small.json", "impala_batched_small"): "pong_cpu_gate_impala.json",  # 2.5M steps; then 5M
     ("pong_cpu_impala2.json", "cleanba_impala_nature"): "pong_cpu_gate_cleanba_impala.json",  # older code; the gate
+    ("pong_cpu_a3c_eps1e-3.json", "a3c_hogwild"): "pong_cpu_gate_a3c.json",  # 2.5M steps; then the gate's 5M budget
 }
 
 
