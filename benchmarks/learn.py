@@ -165,11 +165,27 @@ GATE_STEPS = 5_000_000
 # to fit. a3c_hogwild_eps1e-5 is the same at GALA's released code's eps 1e-5, which the a3c-eps suite had found safe at
 # 2 workers (+7.5 at 2.5M): its seed-1 gate run kept the value loss at the constant-value level, the policy uniform,
 # to 2.06M agent steps (RESULTS, the A3C eps study), and was stopped there.
+# Ape-X DQN (apex_dqn.py) on a 2-core CPU, where the learner, not the actors, sets the pace (about 1 ms of one core
+# per sampled transition for the Nature dueling network), so the learner is rate-limited. RLlib's tuned Ape-X Pong
+# example (rllib/tuned_examples/dqn/pong-apex.yaml: about +19 within 3M agent steps on 4 GPUs) trains batches of 64
+# with Adam, syncs its target network every 20,000 agent steps and samples 16 transitions per agent step
+# (training_intensity). The gate takes its batch of 64 and its target period (1,250 updates of 64 at the ratio
+# below), a quarter of its ratio (--replay-ratio 4: 20M sampled transitions over the 5M budget, about 6 hours of one
+# core) and, for the fewer updates, the lr of CleanRL's dqn_atari.py and RL Zoo's DQN on Atari, 1e-4 (RLlib: 5e-5).
+# 4 actors of 4 envs spread Ape-X's epsilons (0.4 to 0.4^8) over four ladders instead of two. The rest is the
+# script's (Ape-X's): learning starts at 50k transitions, n-step 3, alpha 0.6, beta 0.4, clip 40, and the raw-frame
+# replay of 100k transitions (Ape-X: 2M compressed). The gate is read on the evaluator's games: the exploring actors
+# (epsilon up to 0.4) play worse than the policy they learn.
+APEX_PONG = [*DEEPMIND, "--num-actors", "4", "--num-envs-per-actor", "4", "--batch-size", "64", "--optimizer", "adam",
+             "--learning-rate", "1e-4", "--target-network-frequency", "1250", "--replay-ratio", "4",
+             "--eval-interval", "50000", "--eval-interval-episodes", "5"]  # fmt: skip
 GATED = {"gala_gossip", "impala_batched_small", "cleanba_impala_nature", "a3c_hogwild"}
 PONG_GATE = [Entry(e.label, e.script, e.env_id, GATE_STEPS, e.args) for e in ATARI_SMOKE + PONG_CPU_IMPALA
              if e.label in GATED] + [
     Entry("a3c_hogwild_eps1e-5", "a3c_large_batch.py", "ALE/Pong-v5", GATE_STEPS,
           [*DEEPMIND, "--num-workers", "2", "--rmsprop-eps", "1e-5"]),
+    Entry("apex_dqn", "apex_dqn.py", "ALE/Pong-v5", GATE_STEPS, APEX_PONG, tag="eval/episodic_return",
+          note="the evaluator's games (epsilon 0.001), 5 every 50k agent steps"),
 ]  # fmt: skip
 
 # Pong on a GPU machine (16 cores, `benchmarks/gpu_pong.sh`): PPO at the 32 envs of the GPU throughput table, whose
