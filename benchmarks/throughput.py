@@ -21,6 +21,8 @@ Modes (one per call):
   default mode on a tiny CartPole run (Pendulum for Ape-X DDPG) with 2 workers and checkpointing on (`STOP_RUNS`),
   signalled once training is under way; `--rounds` tries of each kind, alternating between scripts and kinds. With
   `--stop-atari`, each script at its defaults on Breakout instead, where a stop may wait for an update in progress.
+- `--train-pieces`: the train pieces alone, one update at a time alternating between the labels in this process
+  (`--rounds` updates each): two learners' updates compared where a drift of the machine's speed hits both alike.
 `--external NAME=COMMAND` runs a user's installed command (a peer such as CleanRL's ppo_atari.py or TorchBeast's
 monobeast.py) in the same rounds and the same way: started in a fresh directory (`{log_dir}` in COMMAND names it),
 stopped with SIGINT to its process group, its rate read from its TensorBoard events, CSV log or console lines.
@@ -35,6 +37,7 @@ stopped with SIGINT to its process group, its rate read from its TensorBoard eve
     python benchmarks/throughput.py --env-table --num-envs 1 8 16 32 64
     python benchmarks/throughput.py --stop-times --rounds 5
     python benchmarks/throughput.py --stop-times --stop-atari --stop-kinds sigint --rounds 3
+    python benchmarks/throughput.py --train-pieces --only hts_ppo cleanba_ppo --num-envs 8 --rounds 20
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ import shlex
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -115,6 +119,9 @@ class Args:
     """stop-times: the kinds of stop to try (sigint, sigterm, killed_worker)"""
     stop_timeout: float = 60.0
     """stop-times: seconds after the signal before a run counts as hung (it is then killed)"""
+    train_pieces: bool = False
+    """train-pieces mode: each label's train piece, one update at a time, alternating between the labels (--rounds
+    updates each) at its learner's threads"""
     external: list[str] = field(default_factory=list)
     """NAME=COMMAND: a user's installed command timed in the same rounds ({log_dir}: its fresh directory and cwd)"""
     extra: list[str] = field(default_factory=list)
@@ -612,8 +619,8 @@ def print_stop_table(rows: list[dict]) -> None:
 
 def validate(args: Args) -> str | None:
     """The error line for bad flags, else None (and the defaults filled in)."""
-    if sum([args.memory, args.straggler, args.env_table, args.stop_times]) > 1:
-        return "--memory, --straggler, --env-table and --stop-times are separate modes: pick one"
+    if sum([args.memory, args.straggler, args.env_table, args.stop_times, args.train_pieces]) > 1:
+        return "--memory, --straggler, --env-table, --stop-times and --train-pieces are separate modes: pick one"
     if args.stop_times and (bad := [label for label in args.only if label not in STOP_RUNS]):
         return f"--stop-times measures each script's default mode: --only takes {sorted(STOP_RUNS)}, not {bad}"
     if args.stop_times and (args.external or args.extra):
@@ -653,6 +660,24 @@ def validate(args: Args) -> str | None:
     return None
 
 
+def train_pieces(configs: list[Config], rounds: int) -> list[dict]:
+    """Each config's train piece built once, then one update of each in turn, `rounds` times: seconds per update and
+    the median agent steps/s (its `samples` over the median seconds)."""
+    import torch
+
+    fns = [measure.piece_fn("train", c.pieces, np.random.default_rng(0))[0] for c in configs]
+    seconds = [[] for _ in configs]
+    for _ in range(rounds + 1):  # the first round warms up and is left out
+        for fn, cfg, times in zip(fns, configs, seconds, strict=True):
+            torch.set_num_threads(cfg.pieces.train_threads)
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+    return [dict(label=c.label, num_envs=c.num_envs, pieces=asdict(c.pieces), seconds=times[1:],
+                 train=c.pieces.samples / float(np.median(times[1:])))
+            for c, times in zip(configs, seconds, strict=True)]  # fmt: skip
+
+
 def continuous_env(env_id: str) -> bool:
     if env_id == STRAGGLER or ale_game(env_id):
         return False
@@ -667,6 +692,7 @@ def main(args: Args) -> None:
         raise SystemExit(2)
     mode = "env" if args.env_table else "memory" if args.memory else "straggler" if args.straggler else "table"
     mode = ("stop_times_atari" if args.stop_atari else "stop_times") if args.stop_times else mode
+    mode = "train_pieces" if args.train_pieces else mode
     out = args.out or f"benchmarks/results/throughput_{mode}.json"
     meta = measure.machine_meta() | dict(mode=mode, args=asdict(args))
     if args.env_table:
@@ -693,6 +719,13 @@ def main(args: Args) -> None:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+    if args.train_pieces:
+        rows = train_pieces([c for c in configs if c.pieces.learner_obs], args.rounds)
+        measure.write_json(out, meta, rows)
+        for r in rows:
+            print(f"{r['label']}: train piece {r['train']:.0f} agent steps/s (median of {len(r['seconds'])} updates)")
+        print(f"wrote {out}")
+        return
     configs += [
         Config(e.split("=", 1)[0], ["bash", "-c", e.split("=", 1)[1]], env_id, external=True) for e in args.external
     ]

@@ -117,6 +117,33 @@ def test_a_round_takes_its_ceiling_from_the_three_pieces_and_its_efficiency_agai
     assert record["efficiency"] == pytest.approx(0.7)  # 400 / (4000 / 7)
 
 
+def test_train_pieces_alternate_the_labels_one_update_at_a_time_and_take_the_median(monkeypatch):
+    """--train-pieces: updates of hts_ppo and cleanba_ppo in turn (a first, warm-up update each left out), each at its
+    learner's threads; the rate is one update's agent steps over the median seconds. A fake clock: each label's update
+    takes its listed seconds."""
+    c, _ = configs(["hts_ppo", "cleanba_ppo"], num_envs=[8])
+    durations = {"hts_ppo": [9.0, 1.0, 4.0, 2.0], "cleanba_ppo": [9.0, 3.0, 1.0, 1.0]}
+    clock, order = [0.0], []
+
+    def piece_fn(kind, pieces, rng):
+        label = "hts_ppo" if pieces.extra_forward_obs > pieces.num_envs else "cleanba_ppo"  # its bootstrap pass only
+        steps = iter(durations[label])
+        return (lambda: order.append((label, torch.get_num_threads())) or clock.__setitem__(0, clock[0] + next(steps)),
+                pieces.samples, lambda: None)  # fmt: skip
+
+    torch = pytest.importorskip("torch")
+    threads = torch.get_num_threads()
+    monkeypatch.setattr(measure, "piece_fn", piece_fn)
+    monkeypatch.setattr(tp.time, "perf_counter", lambda: clock[0])
+    try:
+        rows = tp.train_pieces([c["hts_ppo"], c["cleanba_ppo"]], rounds=3)
+    finally:
+        torch.set_num_threads(threads)
+    assert order == [("hts_ppo", 2), ("cleanba_ppo", 2)] * 4  # 8 envs x 128 steps: both learners take both cores
+    assert [r["seconds"] for r in rows] == [[1.0, 4.0, 2.0], [3.0, 1.0, 1.0]]
+    assert [r["train"] for r in rows] == [1024 / 2.0, 1024 / 1.0]  # 8 x 128 agent steps over the median
+
+
 @pytest.mark.parametrize("label", sorted(tp.STOP_RUNS))
 def test_every_stop_times_command_parses_with_its_script(label):
     """Each --stop-times run: its script's default mode, 2 workers, an endless budget, a checkpoint at the end."""
