@@ -623,6 +623,8 @@ def validate(args: Args) -> str | None:
         return "--memory, --straggler, --env-table, --stop-times and --train-pieces are separate modes: pick one"
     if args.stop_times and (bad := [label for label in args.only if label not in STOP_RUNS]):
         return f"--stop-times measures each script's default mode: --only takes {sorted(STOP_RUNS)}, not {bad}"
+    if args.train_pieces and args.external:
+        return "--train-pieces times the scripts' own learners: no --external"
     if args.stop_times and (args.external or args.extra):
         return "--stop-times runs each script as its tests do: no --external or --extra"
     if (args.stop_atari or args.stop_kinds != list(STOP_KINDS)) and not args.stop_times:
@@ -665,14 +667,19 @@ def train_pieces(configs: list[Config], rounds: int) -> list[dict]:
     the median agent steps/s (its `samples` over the median seconds)."""
     import torch
 
-    fns = [measure.piece_fn("train", c.pieces, np.random.default_rng(0))[0] for c in configs]
-    seconds = [[] for _ in configs]
-    for _ in range(rounds + 1):  # the first round warms up and is left out
-        for fn, cfg, times in zip(fns, configs, seconds, strict=True):
-            torch.set_num_threads(cfg.pieces.train_threads)
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
+    pieces = [measure.piece_fn("train", c.pieces, np.random.default_rng(0)) for c in configs]  # (fn, items, close)
+    seconds, before = [[] for _ in configs], torch.get_num_threads()
+    try:
+        for _ in range(rounds + 1):  # the first round warms up and is left out
+            for (fn, _, _), cfg, times in zip(pieces, configs, seconds, strict=True):
+                torch.set_num_threads(cfg.pieces.train_threads)
+                start = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - start)
+    finally:
+        for _, _, close in pieces:
+            close()
+        torch.set_num_threads(before)
     return [dict(label=c.label, num_envs=c.num_envs, pieces=asdict(c.pieces), seconds=times[1:],
                  train=c.pieces.samples / float(np.median(times[1:])))
             for c, times in zip(configs, seconds, strict=True)]  # fmt: skip

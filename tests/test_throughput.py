@@ -121,6 +121,7 @@ def test_train_pieces_alternate_the_labels_one_update_at_a_time_and_take_the_med
     """--train-pieces: updates of hts_ppo and cleanba_ppo in turn (a first, warm-up update each left out), each at its
     learner's threads; the rate is one update's agent steps over the median seconds. A fake clock: each label's update
     takes its listed seconds."""
+    torch = pytest.importorskip("torch")
     c, _ = configs(["hts_ppo", "cleanba_ppo"], num_envs=[8])
     durations = {"hts_ppo": [9.0, 1.0, 4.0, 2.0], "cleanba_ppo": [9.0, 3.0, 1.0, 1.0]}
     clock, order = [0.0], []
@@ -131,14 +132,9 @@ def test_train_pieces_alternate_the_labels_one_update_at_a_time_and_take_the_med
         return (lambda: order.append((label, torch.get_num_threads())) or clock.__setitem__(0, clock[0] + next(steps)),
                 pieces.samples, lambda: None)  # fmt: skip
 
-    torch = pytest.importorskip("torch")
-    threads = torch.get_num_threads()
     monkeypatch.setattr(measure, "piece_fn", piece_fn)
     monkeypatch.setattr(tp.time, "perf_counter", lambda: clock[0])
-    try:
-        rows = tp.train_pieces([c["hts_ppo"], c["cleanba_ppo"]], rounds=3)
-    finally:
-        torch.set_num_threads(threads)
+    rows = tp.train_pieces([c["hts_ppo"], c["cleanba_ppo"]], rounds=3)  # restores torch's threads
     assert order == [("hts_ppo", 2), ("cleanba_ppo", 2)] * 4  # 8 envs x 128 steps: both learners take both cores
     assert [r["seconds"] for r in rows] == [[1.0, 4.0, 2.0], [3.0, 1.0, 1.0]]
     assert [r["train"] for r in rows] == [1024 / 2.0, 1024 / 1.0]  # 8 x 128 agent steps over the median
@@ -204,6 +200,7 @@ def test_stop_summary_with_hand_computed_values():
         (["--stop-times", "--env-table"], "separate modes"),
         (["--stop-times", "--only", "cleanba_ppo_sync"], "default mode"),
         (["--stop-times", "--extra", "a3c_hogwild=--num-steps 8"], "no --external or --extra"),
+        (["--train-pieces", "--external", "x=true"], "no --external"),
         (["--stop-times", "--stop-timeout", "0"], "--stop-timeout must be > 0"),
         (["--stop-atari"], "go with --stop-times"),
         (["--stop-times", "--stop-kinds", "sigkill"], "--stop-kinds takes"),
