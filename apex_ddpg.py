@@ -175,8 +175,9 @@ class Args:
     ou_theta: float = 0.15
     """mean reversion of the OU noise"""
     replay_ratio: float = 0.0
-    """sampled transitions per agent step, a rate limiter like Reverb's SampleToInsertRatio (under torchrun: the learner
-    side only); 0 = off, actors and learner run free as in Ape-X. CPU-only runs need it, or actors starve the learner"""
+    """sampled transitions per agent step past --learning-starts, a rate limiter like Reverb's SampleToInsertRatio
+    that holds both sides (each machine's actors under torchrun); 0 = off, actors and learner run free as in Ape-X.
+    CPU-only runs need it, or actors starve the learner"""
     eval_interval: int = 100_000
     """agent steps between noise-free evaluation rounds in training (0 = off); the run ends after the last one due"""
     eval_interval_episodes: int = 5
@@ -604,7 +605,8 @@ class Shared:
         self.steps_limit = steps_limit  # this machine's share of --total-timesteps
         # no locks where main is the only writer: a child stopped or killed holding one would block main forever
         self.global_step = ctx.Value("q", start_step, lock=False)  # agent steps the learner counted (evaluator's clock)
-        self.learn_start = ctx.Value("d", math.nan, lock=False)  # rate limiter's origin: claimed - updates * B / ratio
+        self.learn_start = ctx.Value("d", math.nan, lock=False)  # the rate limiter's origin: set by start_rate_limit
+        self.share = num_buffers / num_total  # this machine's share of the run's actors
         self.store = ParamStore(sum(p.numel() for p in build_model(args, *spaces).parameters()), ctx)
         self.buffers = [new_buffer(args.buffer_size // num_total, *spaces, ctx.Lock()) for _ in range(num_buffers)]
         self.parent_pid = os.getpid()
@@ -652,13 +654,22 @@ def claim_steps(shared: Shared, steps: int) -> bool:
         return True
 
 
+def start_rate_limit(args: Args, shared: Shared, version: int) -> None:
+    """The origin of `--replay-ratio`'s actor side on this machine, set with the first parameters it publishes (the
+    learner's `version`): its actors may claim their share of --learning-starts past the step they start from, then
+    their share of the agent steps each learner update allows, as the learner's side (can_learn) counts."""
+    if args.replay_ratio:
+        allowed = args.learning_starts - version * args.batch_size / args.replay_ratio
+        shared.learn_start.value = shared.steps_claimed.value + shared.share * allowed
+
+
 def wait_for_learner(args: Args, shared: Shared, slack: int) -> None:
-    """Rate limiter, actor side (`--replay-ratio`): sleep while this machine's agent steps since learning started run
-    more than `slack` ahead of what the learner's samples allow."""
+    """Rate limiter, actor side (`--replay-ratio`): sleep while this machine's agent steps run more than `slack` ahead
+    of what the learner's samples allow (from start_rate_limit's origin)."""
     start = shared.learn_start.value
     if not args.replay_ratio or math.isnan(start):
         return
-    per_update = args.batch_size / args.replay_ratio  # agent steps each learner update allows
+    per_update = shared.share * args.batch_size / args.replay_ratio  # this machine's agent steps per learner update
     sleep_until(
         shared, lambda: shared.steps_claimed.value - start - shared.store.version.value * per_update <= slack, 0.02
     )
@@ -779,7 +790,7 @@ class LearnerRun:
         self.stale_updates, self.replay_wait = 0, 0.0
         self.actors_done: set[int] = set()
         self.failure: str | None = None
-        self.learn_step, self.learn_version = -1, 0  # the rate limiter's origin: step and version at the 1st update
+        self.start_version = learner.version  # with start_step, the rate limiter's origin (start_rate_limit's too)
         self.stats = ReplayStats(np.zeros(1), np.ones(1), np.zeros(1, dtype=np.int64))  # until the loop reads it
         self.rng = np.random.default_rng([run.args.seed, 1])
 
@@ -789,23 +800,18 @@ class LearnerRun:
     def can_learn(self) -> bool:
         """Enough transitions in the replay, and the learner is not ahead of the actors: --replay-ratio's learner side
         (the actors' side is wait_for_learner), like Reverb's SampleToInsertRatio, samples at most --replay-ratio
-        transitions per agent step from the first update on."""
+        transitions per agent step past --learning-starts (counted from the step and version the run starts at)."""
         args = self.args
         if self.stats.sizes.sum() < max(args.learning_starts, 1):
             return False
-        sampled = (self.learner.version - self.learn_version) * args.batch_size
-        steps = self.global_step - self.learn_step
-        return not args.replay_ratio or self.learn_step < 0 or sampled < args.replay_ratio * steps
+        sampled = (self.learner.version - self.start_version) * args.batch_size
+        steps = self.global_step - self.start_step - args.learning_starts
+        return not args.replay_ratio or sampled <= args.replay_ratio * steps
 
     def learn(self) -> None:
         """One learner update (Learner.step: Algorithm 2's pass), checked for a NaN or infinite loss or gradient norm
         before its parameters reach the actors, then published and recorded."""
         args, learner = self.args, self.learner
-        if self.learn_step < 0:  # the first update: the rate limiter's origin, the actors' side in shared memory
-            self.learn_step, self.learn_version = self.global_step, learner.version
-            if args.replay_ratio:  # steps_claimed read without its lock (actors hold it)
-                claimed = self.shared.steps_claimed.get_obj().value
-                self.shared.learn_start.value = claimed - learner.version * args.batch_size / args.replay_ratio
         drain_reports(self, 0.0)
         beta = importance_exponent(args.priority_beta, args.anneal_beta, self.global_step / args.total_timesteps)
         values = learner.step(self.replay, beta, self.rng, self.stats)
@@ -847,6 +853,7 @@ def start_learner(run: Run) -> tuple[LearnerRun, str]:
         learner.load_state_dict(checkpoint)
         torch.set_rng_state(checkpoint["torch_rng"])
     shared.store.publish(learner.flat_params(), learner.version)
+    start_rate_limit(args, shared, learner.version)
     stop_if_signalled(run.signals, run.run_dir, resumed=checkpoint is not None)
     for warning in start_warnings(args, global_step):
         print(f"warning: {warning}", file=sys.stderr, flush=True)
@@ -900,7 +907,7 @@ class ActorHost(LocalReplay):
 
     def __init__(self, args: Args, rank: int, world_size: int):
         hosts, total, spaces, ctx = world_size - 1, args.total_timesteps, env_spaces(args), mp.get_context("fork")
-        self.rank, self.procs = rank, Processes(ctx)
+        self.args, self.rank, self.procs = args, rank, Processes(ctx)
         self.shared = Shared(args, ctx, spaces, num_buffers=args.num_actors, num_total=hosts * args.num_actors,
                              steps_limit=total // hosts + (total % hosts if rank == 1 else 0))  # fmt: skip
         super().__init__(self.shared.buffers, np.random.default_rng([args.seed, rank]))
@@ -910,6 +917,8 @@ class ActorHost(LocalReplay):
     def relay(self, flat: torch.Tensor | None, version: int) -> list[ActorReport | WorkerFailed]:
         """Publish rank 0's newer parameters (if any) to the actors; return their reports and any failure."""
         if flat is not None:
+            if math.isnan(self.shared.learn_start.value):  # the first parameters, before the actors can act on them
+                start_rate_limit(self.args, self.shared, version)
             self.shared.store.publish(flat, version)
         messages = []
         drain_into(self.shared.log_q, messages.append, 0.0)

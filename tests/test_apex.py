@@ -441,14 +441,15 @@ def assert_lag_of_actors_that_never_pull(logged, log_frequency=5):
 @pytest.fixture(scope="module")
 def dqn_torchrun_run(tmp_path_factory):
     """One tracked (offline W&B) DQN run on CartPole under torchrun: the learner and 2 actor ranks of one actor each,
-    an evaluator round, --save-model, a final checkpoint and 2 final evaluation games: (its CompletedProcess, its run
-    directory, its W&B directory)."""
+    held by --replay-ratio 1 (the actor ranks cannot finish the budget before the learner has learned), an evaluator
+    round, --save-model, a final checkpoint and 2 final evaluation games: (its CompletedProcess, its run directory,
+    its W&B directory)."""
     log_dir, wandb_dir = tmp_path_factory.mktemp("dqn-runs"), tmp_path_factory.mktemp("wandb")
     proc = run_script(
         "apex_dqn.py",
         ["--env-id", "CartPole-v1", *TINY_DQN, "--num-actors", "1", "--total-timesteps", "4000", "--buffer-size",
          "1000", "--eval-interval", "1000", "--eval-interval-episodes", "1", "--eval-episodes", "2", "--save-model",
-         "--checkpoint-interval", "3600", "--track"],
+         "--checkpoint-interval", "3600", "--replay-ratio", "1", "--track"],
         log_dir, timeout=200, env={**offline_wandb_env(wandb_dir), "OMP_NUM_THREADS": "1"},
         launcher=("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3"),
     )  # fmt: skip
@@ -478,6 +479,10 @@ def test_dqn_cartpole_under_torchrun_with_two_actor_ranks(dqn_torchrun_run):
     assert rounds and max(step for step, _ in rounds) >= 3000, rounds
     checkpoint = torch.load(run_dir / "checkpoint.pt", weights_only=False)
     assert checkpoint["global_step"] == total and checkpoint["meta"]["script"] == "apex_dqn.py"
+    # --replay-ratio 1 holds each rank's actors as it holds the learner: one sampled transition per agent step past
+    # --learning-starts, (4000 - 200) / 32 = 118.75 updates, less those the actors' slack (2 x 46 agent steps, and a
+    # batch of 23 each past it) leaves undone when they finish
+    assert 114 <= checkpoint["version"] <= 119, checkpoint["version"]
     final = torch.load(run_dir / "model.pt")
     for name, value in final.items():  # the final checkpoint holds the final model
         assert torch.equal(value, checkpoint["model"][name]), name
