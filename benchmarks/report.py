@@ -489,16 +489,20 @@ def with_peer(results: Path) -> list[tuple[dict, dict]]:
 
 def peers_table(results: Path) -> str:
     """Our scripts and a peer's own code (throughput.py --external) in the same rounds: each row's rate over the
-    peer's from the same JSON."""
+    peer's from the same JSON, of the medians and of each round (the peer's run of the same round)."""
     lines = []
     for r, peer in with_peer(results):
         code = PEER_NAMES.get(r["label"], r["label"]) if r is peer else script_of(r["label"])
         rates = " ".join(num(x["sps"]) for x in r["rounds"])
         versus_peer = "—" if r is peer else f"{r['sps'] / peer['sps']:.2f}x"
+        ratios = [ours["sps"] / theirs["sps"] for ours, theirs in zip(r["rounds"], peer["rounds"], strict=True)]
+        per_round = "—" if r is peer else " ".join(f"{x:.2f}x" for x in ratios)
         sources_read = ", ".join(sorted({x["rate_source"] for x in r["rounds"]}))
-        lines.append(f"`{r['label']}` | {code} | {num(r['sps'])} | {rates} | {versus_peer} | {sources_read}")
-    header = "run | code | agent steps/s (median) | per round | against the peer | rate read from"
-    return table(header, "llrrrl", lines) + sources(results, PEER_SOURCES)
+        lines.append(
+            f"`{r['label']}` | {code} | {num(r['sps'])} | {rates} | {versus_peer} | {per_round} | {sources_read}"
+        )
+    header = "run | code | agent steps/s (median) | per round | against the peer | per round | rate read from"
+    return table(header, "llrrrrl", lines) + sources(results, PEER_SOURCES)
 
 
 def first_round(key: str, fmt: Callable[[float], str] = num) -> Callable[[dict], str]:

@@ -157,7 +157,9 @@ def cleanba_pieces(flags: list[str], env_id: str, cores: int) -> Pieces:
     env = _env(flags, env_id)
     if env["network"] == "auto" and ale_game(env_id):
         env["network"] = "impala"  # the script's `auto` on frames: Cleanba's ResNet, for both algorithms
-    shared = dict(num_envs=n // a, actor_batch=n // a, env_threads=opt(flags, "--env-threads", 0) or max(1, cores // a),
+    sharers = a + ("--sync" not in flags)  # the script's default: a CPU learner beside the rollouts takes a share
+    env_threads = opt(flags, "--env-threads", 0) or max(1, cores // sharers)
+    shared = dict(num_envs=n // a, actor_batch=n // a, env_threads=env_threads,
                   env_copies=a, infer_copies=a, samples=t * n, minibatches=opt(flags, "--num-minibatches", 4),
                   train_threads=opt(flags, "--torch-threads", 0) or cores, **env)  # fmt: skip
     if ppo:

@@ -373,7 +373,12 @@ def test_peers_are_timed_against_the_peer_of_their_own_json(tmp_path):
             sps=380.0,
             rounds=[dict(sps=370.0, rate_source="tensorboard"), dict(sps=390.0, rate_source="tensorboard")],
         ),
-        driver_row("cleanrl_ppo_atari", external=True, sps=240.0, rounds=[dict(sps=240.0, rate_source="csv")]),
+        driver_row(
+            "cleanrl_ppo_atari",
+            external=True,
+            sps=240.0,
+            rounds=[dict(sps=250.0, rate_source="csv"), dict(sps=230.0, rate_source="csv")],
+        ),
     ]
     impala = [
         driver_row("impala_batched", sps=660.0, rounds=[dict(sps=660.0, rate_source="tensorboard")]),
@@ -381,12 +386,13 @@ def test_peers_are_timed_against_the_peer_of_their_own_json(tmp_path):
     ]
     for name, rows in zip(report.PEER_SOURCES, [ppo, impala], strict=True):
         write(tmp_path / name, {"meta": meta, "rows": rows})
-    # 380 / 240 = 1.583; 660 / 550 = 1.2: each against the peer of its own JSON, never the other one's
+    # 380 / 240 = 1.583; 660 / 550 = 1.2: each against the peer of its own JSON, never the other one's; and each
+    # round against the peer's run of that round: 370 / 250 = 1.48, 390 / 230 = 1.696
     assert table_rows(report.peers_table(tmp_path)) == [
-        ["`cleanba_ppo`", "cleanba_ppo_impala.py", "380", "370 390", "1.58x", "tensorboard"],
-        ["`cleanrl_ppo_atari`", "CleanRL's `ppo_atari.py`", "240", "240", "—", "csv"],
-        ["`impala_batched`", "impala_monobeast.py", "660", "660", "1.20x", "tensorboard"],
-        ["`torchbeast_monobeast`", "TorchBeast's MonoBeast", "550", "550", "—", "csv"],
+        ["`cleanba_ppo`", "cleanba_ppo_impala.py", "380", "370 390", "1.58x", "1.48x 1.70x", "tensorboard"],
+        ["`cleanrl_ppo_atari`", "CleanRL's `ppo_atari.py`", "240", "250 230", "—", "—", "csv"],
+        ["`impala_batched`", "impala_monobeast.py", "660", "660", "1.20x", "1.20x", "tensorboard"],
+        ["`torchbeast_monobeast`", "TorchBeast's MonoBeast", "550", "550", "—", "—", "csv"],
     ]
     assert report.against_peers(tmp_path) == {"cleanba_ppo": "1.58x CleanRL's `ppo_atari.py`",
                                               "impala_batched": "1.20x TorchBeast's MonoBeast"}  # fmt: skip

@@ -28,8 +28,10 @@ def configs(labels, env_id="ALE/Breakout-v5", **kw):
 def test_pieces_follow_the_scripts_flags():
     c, _ = configs(list(tp.ADAPTERS))
     ppo = c["cleanba_ppo"].pieces  # 16 envs x 128 steps, 4 epochs x 4 minibatches after a bootstrap pass
+    # 2 cores, 1 actor thread: 1 env thread beside the learner, 2 under --sync (the learner waits for the rollout)
     assert (ppo.actor_batch, ppo.env_threads, ppo.learner_obs, ppo.samples, ppo.epochs, ppo.minibatches) == (
-        16, 2, 2048, 2048, 4, 4)  # fmt: skip
+        16, 1, 2048, 2048, 4, 4)  # fmt: skip
+    assert c["cleanba_ppo_sync"].pieces.env_threads == 2
     assert (ppo.extra_forward_obs, ppo.optimizer, ppo.network, ppo.train_threads) == (16, "adam", "nature", 2)
     impala = c["cleanba_impala"].pieces  # 20 steps + the bootstrap observation, one pass
     assert (impala.learner_obs, impala.samples, impala.epochs, impala.optimizer) == (336, 320, 1, "rmsprop")
