@@ -55,6 +55,25 @@ def test_noop_starts_differ_by_seed_and_repeat_for_same_seed():
     assert not np.array_equal(a, c)
 
 
+def test_stepping_threads_change_no_frame_reward_or_end():
+    """Scripts pick --env-threads from the machine (cleanba_ppo_impala.py: fewer beside a CPU learner); a run's data,
+    and with it a reproducible run's bits, must not depend on it: 8 Breakout envs, 1 thread against 2."""
+
+    def transitions(threads):
+        envs = make_vector_env("ALE/Breakout-v5", 8, seed=3, num_threads=threads)
+        steps = [envs.reset()[0]]
+        rng = np.random.default_rng(0)
+        for _ in range(600):  # past the first lost lives and a game over of some env under random play
+            obs, reward, terminated, truncated, _ = envs.step(rng.integers(0, 4, 8))
+            steps += [obs, reward, terminated, truncated]
+        envs.close()
+        return steps
+
+    one, two = transitions(1), transitions(2)
+    assert all(np.array_equal(x, y) for x, y in zip(one, two, strict=True))
+    assert any(x.dtype == bool and x.any() for x in one)  # some env's life or game ended: the resets are compared too
+
+
 def test_seeds_past_int32_fold_into_ale_range():
     # a resumed impala run seeds its actors with seed + 1_000_003 * updates: 1.2e11 after 120k updates
     envs = make_vector_env("ALE/Breakout-v5", 2, seed=1_000_003 * 120_000, num_threads=1)
